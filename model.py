@@ -1,0 +1,585 @@
+"""
+Qwen3 (dense) and Qwen3-MoE transformer with HuggingFace parameter names.
+
+A real Qwen3-4B or Qwen3-30B-A3B checkpoint directory loads unchanged (`Transformer.from_pretrained(dir)`),
+and `save_pretrained` writes a directory that vLLM and transformers load. MoE experts are stored stacked
+(E, ...) and computed with grouped GEMM on CUDA (`torch._grouped_mm`), with a plain loop over experts as
+the readable reference used on CPU. Routing replay: pass the engine's expert ids per token and layer and
+the router uses them instead of its own top-k (the gate weights still come from the router, so it trains).
+
+This file imports nothing of ours. The tiny model used by tests and the CPU default run is built here too
+(`ensure_tiny_model`): a byte-level BPE tokenizer trained on generated text, a Qwen3-style chat template
+with Hermes `<tool_call>` tool calls, and a random-init Qwen3-MoE.
+
+    python model.py                       # builds .cache/tiny-qwen3-moe if missing and prints it
+"""
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+# -----------------------------------------------------------------------------
+# config
+
+
+@dataclass
+class ModelConfig:
+    # the fields of HF's Qwen3Config / Qwen3MoeConfig that change the function the model computes
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 36
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    # MoE (num_experts == 0 means dense Qwen3)
+    num_experts: int = 0
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list = field(default_factory=list)
+
+    @property
+    def is_moe(self):
+        return self.num_experts > 0
+
+    def is_moe_layer(self, i):
+        return self.is_moe and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def moe_layers(self):
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+    @classmethod
+    def from_hf(cls, hf):
+        """From a config.json dict of model_type qwen3 or qwen3_moe."""
+        if hf.get("model_type") not in ("qwen3", "qwen3_moe"):
+            raise ValueError(f"model_type {hf.get('model_type')!r} is not a Qwen3 or Qwen3-MoE model "
+                             "(expected 'qwen3' or 'qwen3_moe' in config.json)")
+        names = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in hf.items() if k in names and v is not None}
+        if "rope_theta" not in kw:  # transformers 5 nests it under rope_parameters
+            kw["rope_theta"] = (hf.get("rope_parameters") or {}).get("rope_theta", cls.rope_theta)
+        if hf["model_type"] == "qwen3":
+            kw["num_experts"] = 0
+        kw.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
+        return cls(**kw)
+
+    def to_hf(self):
+        hf = {k: getattr(self, k) for k in (f.name for f in fields(self))}
+        hf.update(model_type="qwen3_moe" if self.is_moe else "qwen3",
+                  architectures=["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"],
+                  hidden_act="silu", torch_dtype="bfloat16", attention_dropout=0.0,
+                  use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers,
+                  rope_scaling=None, initializer_range=0.02, output_router_logits=False,
+                  router_aux_loss_coef=0.001, use_cache=True)
+        if not self.is_moe:
+            for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                      "decoder_sparse_step", "mlp_only_layers", "output_router_logits", "router_aux_loss_coef"):
+                hf.pop(k)
+        return hf
+
+# -----------------------------------------------------------------------------
+# layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(T, head_dim, theta, device, dtype):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    t = torch.arange(T, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)  # (T, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    # x (B, nh, T, hd); the "rotate half" convention of HF Qwen3 checkpoints
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        D, b = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(D, self.n_head * self.hd, bias=b)
+        self.k_proj = nn.Linear(D, self.n_kv * self.hd, bias=b)
+        self.v_proj = nn.Linear(D, self.n_kv * self.hd, bias=b)
+        self.o_proj = nn.Linear(self.n_head * self.hd, D, bias=b)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)  # Qwen3: per-head norm of q and k before RoPE
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.hd)).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.hd)).transpose(1, 2)    # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # right-padded batches need no mask beyond causal: padding only follows real tokens
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_head)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, D, H):
+        super().__init__()
+        self.gate_proj = nn.Linear(D, H, bias=False)
+        self.up_proj = nn.Linear(D, H, bias=False)
+        self.down_proj = nn.Linear(H, D, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def experts_loop(x, counts, gate_proj, up_proj, down_proj):
+    """Reference expert compute: x (N, D) sorted by expert, counts (E,) rows per expert -> (N, D)."""
+    out = torch.empty_like(x)
+    start = 0
+    for e, n in enumerate(counts.tolist()):  # NOTE: .tolist() is a device-to-host sync
+        if n == 0:
+            continue
+        xs = x[start:start + n]
+        out[start:start + n] = (F.silu(xs @ gate_proj[e].T) * (xs @ up_proj[e].T)) @ down_proj[e].T
+        start += n
+    return out
+
+
+def experts_grouped_mm(x, counts, gate_proj, up_proj, down_proj):
+    """Same as experts_loop in three grouped GEMMs (CUDA, bf16); no host sync."""
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    # weights are (E, out, in) like nn.Linear; transposed views are the column-major (E, in, out) operands
+    h = F.silu(torch._grouped_mm(x, gate_proj.transpose(-2, -1), offs=offs)) \
+        * torch._grouped_mm(x, up_proj.transpose(-2, -1), offs=offs)  # (N, H)
+    return torch._grouped_mm(h, down_proj.transpose(-2, -1), offs=offs)  # (N, D)
+
+
+class Experts(nn.Module):
+    """E stacked SwiGLU experts. HF checkpoints name them `experts.{e}.gate_proj.weight` etc.; we stack them.
+
+    Under expert parallelism the trainer sets `ep_group` and this module holds only its E/ep local experts;
+    `forward` then dispatches tokens to their owners and combines the results (train.py builds the group).
+    """
+
+    def __init__(self, E, D, H):
+        super().__init__()
+        self.num_experts = E  # global count; the parameters hold E // ep of them under expert parallelism
+        self.gate_proj = nn.Parameter(torch.empty(E, H, D))  # (E, H, D)
+        self.up_proj = nn.Parameter(torch.empty(E, H, D))    # (E, H, D)
+        self.down_proj = nn.Parameter(torch.empty(E, D, H))  # (E, D, H)
+        self.ep_group = None
+        self.use_grouped_mm = None  # None: grouped GEMM on CUDA, loop elsewhere
+
+    def compute(self, x, counts):
+        grouped = self.use_grouped_mm if self.use_grouped_mm is not None else x.is_cuda
+        fn = experts_grouped_mm if grouped else experts_loop
+        return fn(x, counts, self.gate_proj, self.up_proj, self.down_proj)
+
+    def forward(self, x, topk_ids, topk_weights):
+        # x (N, D), topk_ids (N, K), topk_weights (N, K)
+        if self.ep_group is not None:
+            return expert_parallel_forward(self, x, topk_ids, topk_weights)
+        N, K = topk_ids.shape
+        flat_ids = topk_ids.flatten()  # (N*K,)
+        order = flat_ids.argsort(stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts)
+        y_sorted = self.compute(x[order // K], counts)  # (N*K, D)
+        y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
+        return (y.view(N, K, -1) * topk_weights.unsqueeze(-1).to(y.dtype)).sum(1)
+
+
+def expert_parallel_forward(experts, x, topk_ids, topk_weights):
+    """Set by the trainer's expert-parallel code (train.py); defined there so the parallelism stays visible."""
+    raise RuntimeError("Experts.ep_group is set but train.py has not installed expert_parallel_forward")
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+
+    def forward(self, x, replay_ids=None):
+        # x (B, T, D); replay_ids (B, T, K) expert ids chosen by the engine, or None to route ourselves
+        B, T, D = x.shape
+        x = x.reshape(B * T, D)
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (N, E)
+        if replay_ids is None:
+            topk_probs, topk_ids = torch.topk(probs, self.top_k, dim=-1)  # (N, K)
+        else:
+            topk_ids = replay_ids.reshape(B * T, -1).long()
+            topk_probs = probs.gather(1, topk_ids)  # gradients still reach the router
+        if self.norm_topk_prob:
+            topk_probs = topk_probs / topk_probs.sum(-1, keepdim=True)
+        y = self.experts(x, topk_ids, topk_probs.to(x.dtype))
+        return y.view(B, T, D), topk_ids.view(B, T, -1)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, i):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.is_moe = cfg.is_moe_layer(i)
+        self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, replay_ids=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        h = self.post_attention_layernorm(x)
+        if self.is_moe:
+            h, ids = self.mlp(h, replay_ids)
+            return x + h, ids
+        return x + self.mlp(h), None
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+# -----------------------------------------------------------------------------
+# the model
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Decoder(cfg)  # attribute names follow HF: model.layers.0.self_attn.q_proj.weight, ...
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.activation_checkpointing = False
+
+    def hidden_states(self, input_ids, routed_experts=None, return_routes=False):
+        """input_ids (B, T) -> final-normed hidden states (B, T, D).
+
+        routed_experts (B, T, L_moe, K): expert ids per token and MoE layer (routing replay), or None.
+        return_routes: also return the expert ids used, (B, T, L_moe, K), for recording and replay.
+        """
+        B, T = input_ids.shape
+        x = self.model.embed_tokens(input_ids)  # (B, T, D)
+        cos, sin = rope_cos_sin(T, self.config.head_dim, self.config.rope_theta, x.device, x.dtype)
+        routes, m = [], 0
+        for block in self.model.layers:
+            replay = None
+            if block.is_moe and routed_experts is not None:
+                replay = routed_experts[:, :, m]
+            if self.activation_checkpointing and self.training:
+                # recompute the block in backward: activations of one block instead of all of them
+                x, ids = torch.utils.checkpoint.checkpoint(block, x, cos, sin, replay, use_reentrant=False)
+            else:
+                x, ids = block(x, cos, sin, replay)
+            if block.is_moe:
+                routes.append(ids)
+                m += 1
+        x = self.model.norm(x)
+        if return_routes:
+            return x, (torch.stack(routes, dim=2) if routes else None)
+        return x
+
+    def forward(self, input_ids, routed_experts=None):
+        """input_ids (B, T) -> logits (B, T, V). The trainer uses hidden_states + chunked logprobs instead."""
+        return self.lm_head(self.hidden_states(input_ids, routed_experts))
+
+    @torch.no_grad()
+    def init_weights(self, seed=0, std=0.02):
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+    # -------------------------------------------------------------------------
+    # HF checkpoints
+
+    @classmethod
+    def from_pretrained(cls, path, dtype=torch.float32, device="cpu"):
+        cfg = load_config(path)
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.to_empty(device=device)
+        if cfg.tie_word_embeddings:  # to_empty gives each name its own storage: tie again
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.load_state_dict(hf_to_ours(read_safetensors(path), cfg), strict=True, assign=False)
+        return model.to(dtype)
+
+    def save_pretrained(self, path, max_shard_bytes=5 * 2**30, dtype=None):
+        save_checkpoint(path, ours_to_hf(self.state_dict(), self.config), self.config, max_shard_bytes, dtype)
+
+
+def load_config(path):
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise FileNotFoundError(f"{path} is not a model directory: it has no config.json")
+    with open(cfg_file) as f:
+        return ModelConfig.from_hf(json.load(f))
+
+
+def read_safetensors(path):
+    """All tensors of a checkpoint directory, single file or sharded with model.safetensors.index.json."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path} has no model.safetensors or model.safetensors.index.json")
+    sd = {}
+    for fname in files:
+        sd.update(load_file(os.path.join(path, fname)))
+    return sd
+
+
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def hf_to_ours(sd, cfg):
+    """HF names -> our state dict: per-expert `experts.{e}.P.weight` are stacked into `experts.P` (E, ...)."""
+    out, experts = {}, {}
+    for name, t in sd.items():
+        if ".mlp.experts." in name:
+            prefix, rest = name.split(".mlp.experts.")
+            if rest.startswith("gate_up_proj"):  # transformers 5's fused layout (E, 2H, D)
+                g, u = t.chunk(2, dim=1)
+                out[f"{prefix}.mlp.experts.gate_proj"], out[f"{prefix}.mlp.experts.up_proj"] = g, u
+            elif rest in EXPERT_PROJS:  # already stacked (E, ...)
+                out[name] = t
+            else:
+                e, proj, _ = rest.split(".")
+                experts.setdefault((prefix, proj), {})[int(e)] = t
+        else:
+            out[name] = t
+    for (prefix, proj), per_e in experts.items():
+        if sorted(per_e) != list(range(cfg.num_experts)):
+            raise ValueError(f"{prefix}.mlp.experts.*.{proj} has experts {sorted(per_e)[:4]}..., "
+                             f"expected 0..{cfg.num_experts - 1}")
+        out[f"{prefix}.mlp.experts.{proj}"] = torch.stack([per_e[e] for e in range(cfg.num_experts)])
+    if cfg.tie_word_embeddings:
+        out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
+    return out
+
+
+def ours_to_hf(sd, cfg):
+    """Our state dict -> HF checkpoint names (per-expert, as published checkpoints and vLLM expect)."""
+    out = {}
+    for name, t in sd.items():
+        if ".mlp.experts." in name:
+            prefix, proj = name.split(".mlp.experts.")
+            for e in range(t.shape[0]):
+                out[f"{prefix}.mlp.experts.{e}.{proj}.weight"] = t[e]
+        elif not (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            out[name] = t
+    return out
+
+
+def save_checkpoint(path, hf_sd, cfg, max_shard_bytes=5 * 2**30, dtype=None):
+    """Write config.json + model.safetensors (or shards + index) from HF-named tensors."""
+    os.makedirs(path, exist_ok=True)
+    hf_sd = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu() for k, v in hf_sd.items()}
+    hf = cfg.to_hf()
+    if dtype is not None:
+        hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    shards, cur, size = [], {}, 0
+    for k in sorted(hf_sd):
+        nbytes = hf_sd[k].numel() * hf_sd[k].element_size()
+        if cur and size + nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k], size = hf_sd[k], size + nbytes
+    shards.append(cur)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(v.numel() * v.element_size() for v in hf_sd.values())
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+# -----------------------------------------------------------------------------
+# the tiny model: built locally and deterministically (no model hub on the machines we test on)
+
+TINY_CONFIG = ModelConfig(
+    vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, rope_theta=10000.0,
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# like Qwen3, tool-call and reasoning tags are single added (non-special) tokens: decode keeps them
+ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+# Qwen3-style chat template: tools in the system turn, Hermes <tool_call> JSON in assistant turns, tool results
+# as <tool_response> inside a user turn, and (as Qwen3 does) reasoning dropped from turns before the last query.
+CHAT_TEMPLATE = r"""
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>')) %}
+        {%- set ns.last_query_index = index %}{%- break %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = message.content if message.content is string else '' %}
+    {%- if message.role == "user" or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = message.reasoning_content if message.reasoning_content is string else '' %}
+        {%- if loop.index0 > ns.last_query_index and reasoning_content %}
+            {{- '<|im_start|>assistant\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+        {%- else %}
+            {{- '<|im_start|>assistant\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}{{- '\n' }}{%- endif %}
+                {%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}
+                {{- '<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\n' }}{%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+""".strip()
+
+
+def tiny_corpus(n=4000, seed=0):
+    """Deterministic text for the tokenizer: digits, arithmetic, JSON tool calls, chat markup."""
+    import random
+    rng = random.Random(seed)
+    words = ("the of and to in is you that it he was for on are as with his they at be this have from or one "
+             "had by word but not what all were we when your can said there use an each which she do how their "
+             "if will up other about out many then them these so some her would make like him into time has look "
+             "two more write go see number no way could people my than first water been call who oil its now find "
+             "answer add sum result tool function name arguments calculator compute question user assistant system "
+             "think final please what is plus minus times equals value expression").split()
+    lines = []
+    for _ in range(n):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        op = rng.choice("+-*")
+        sentence = " ".join(rng.choice(words) for _ in range(rng.randint(3, 12)))
+        lines.append(f"{sentence.capitalize()}. What is {a} {op} {b}? The answer is {eval(f'{a}{op}{b}')}.")
+        lines.append('{"name": "calculator", "arguments": {"expression": "%d %s %d"}}' % (a, op, b))
+        lines.append(f"Final answer: {rng.randint(0, 99999)}")
+    return lines
+
+
+def build_tokenizer(path, vocab_size):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers, AddedToken
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(ADDED_TOKENS), special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(tiny_corpus(), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096,
+               "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+               "unk_token": None, "add_bos_token": False, "clean_up_tokenization_spaces": False,
+               "chat_template": CHAT_TEMPLATE}
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(tok_cfg, f, indent=2)
+    with open(os.path.join(path, "special_tokens_map.json"), "w") as f:
+        json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, f, indent=2)
+    return tok
+
+
+def ensure_tiny_model(path=".cache/tiny-qwen3-moe", cfg=TINY_CONFIG, seed=0):
+    """Build the tiny model directory once (a few seconds); later calls return at once. Returns the path."""
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return path
+    tmp = f"{path}.tmp{os.getpid()}"  # build aside, then rename: concurrent builders never see a half model
+    os.makedirs(tmp, exist_ok=True)
+    tok = build_tokenizer(tmp, cfg.vocab_size)
+    eos, pad = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    model.init_weights(seed)
+    model.save_pretrained(tmp, dtype=torch.bfloat16)  # what the engine runs; the trainer upcasts
+    with open(os.path.join(tmp, "config.json")) as f:
+        hf = json.load(f)
+    hf.update(eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [eos, pad], "pad_token_id": pad}, f, indent=2)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another process finished first
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def num_params(cfg, active=False):
+    """Parameter count from the config alone (active=True counts top-k experts only), for FLOPs and plans."""
+    D, hd = cfg.hidden_size, cfg.head_dim
+    attn = D * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + 2 * hd + 2 * D
+    total = 0
+    for i in range(cfg.num_hidden_layers):
+        if cfg.is_moe_layer(i):
+            e = cfg.num_experts_per_tok if active else cfg.num_experts
+            total += attn + D * cfg.num_experts + e * 3 * D * cfg.moe_intermediate_size
+        else:
+            total += attn + 3 * D * cfg.intermediate_size
+    emb = cfg.vocab_size * D
+    return total + emb + D + (0 if cfg.tie_word_embeddings else emb)
+
+
+if __name__ == "__main__":
+    import sys
+    p = ensure_tiny_model(sys.argv[1] if len(sys.argv) > 1 else ".cache/tiny-qwen3-moe")
+    m = Transformer.from_pretrained(p)
+    print(f"{p}: {sum(t.numel() for t in m.parameters()) / 1e6:.2f}M parameters, {m.config}")

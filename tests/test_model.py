@@ -1,0 +1,160 @@
+"""Our Qwen3 / Qwen3-MoE against transformers, checkpoints, grouped GEMM, routing replay.
+
+    .venv/bin/python -m pytest tests/test_model.py -q
+"""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import (ModelConfig, Transformer, TINY_CONFIG, experts_grouped_mm, experts_loop, hf_to_ours,
+                   ours_to_hf, read_safetensors, num_params)
+
+DENSE = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True)
+MOE = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, rope_theta=10000.0, num_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=32, mlp_only_layers=[1])
+
+
+def random_model(cfg, seed=0):
+    torch.manual_seed(seed)
+    m = Transformer(cfg)
+    m.init_weights(seed, std=0.1)
+    with torch.no_grad():  # non-trivial norms so a wrong norm placement would show
+        for n, p in m.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return m
+
+
+@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["qwen3", "qwen3_moe"])
+def test_logits_match_transformers(cfg, tmp_path):
+    from transformers import AutoModelForCausalLM
+    ours = random_model(cfg)
+    ours.save_pretrained(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(hf).__name__ == ("Qwen3MoeForCausalLM" if cfg.is_moe else "Qwen3ForCausalLM")
+    x = torch.randint(0, cfg.vocab_size, (2, 40))
+    with torch.no_grad():
+        diff = (hf(x).logits - ours(x)).abs().max().item()
+    assert diff <= 1e-4, diff
+
+
+def test_tiny_model_loads_in_transformers(tiny_model_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    assert tok.convert_tokens_to_ids("<tool_call>") != tok.unk_token_id
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
+                                  tokenize=False)
+    assert ids.endswith("<|im_start|>assistant\n")
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    ours = Transformer.from_pretrained(tiny_model_path)
+    x = torch.randint(0, TINY_CONFIG.vocab_size, (1, 16))
+    with torch.no_grad():
+        assert (hf(x).logits - ours(x)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("shard_bytes", [2**40, 50_000], ids=["single", "sharded"])
+def test_save_load_round_trip_is_bit_exact(tmp_path, shard_bytes):
+    m = random_model(MOE)
+    m.save_pretrained(tmp_path, max_shard_bytes=shard_bytes)
+    assert os.path.isfile(tmp_path / ("model.safetensors" if shard_bytes > 2**30 else "model.safetensors.index.json"))
+    names = read_safetensors(tmp_path).keys()
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in names  # per-expert HF names on disk
+    m2 = Transformer.from_pretrained(tmp_path)
+    for (n, a), (_, b) in zip(m.state_dict().items(), m2.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+def test_tied_embeddings_round_trip(tmp_path):
+    m = random_model(DENSE)
+    m.save_pretrained(tmp_path)
+    assert "lm_head.weight" not in read_safetensors(tmp_path)
+    m2 = Transformer.from_pretrained(tmp_path)
+    assert m2.lm_head.weight is m2.model.embed_tokens.weight
+    assert torch.equal(m2.lm_head.weight, m.lm_head.weight)
+
+
+def test_hf_names_conversion_is_inverse():
+    m = random_model(MOE)
+    sd = m.state_dict()
+    back = hf_to_ours(ours_to_hf(sd, MOE), MOE)
+    assert sd.keys() == back.keys() and all(torch.equal(sd[k], back[k]) for k in sd)
+
+
+def test_expert_loop_matches_per_token_reference():
+    torch.manual_seed(0)
+    E, D, H, N = 4, 16, 24, 30
+    g, u, d = torch.randn(E, H, D) * 0.2, torch.randn(E, H, D) * 0.2, torch.randn(E, D, H) * 0.2
+    ids = torch.randint(0, E, (N,)).sort().values
+    x = torch.randn(N, D)
+    out = experts_loop(x, torch.bincount(ids, minlength=E), g, u, d)
+    ref = torch.stack([(F.silu(x[i] @ g[e].T) * (x[i] @ u[e].T)) @ d[e].T for i, e in enumerate(ids.tolist())])
+    torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._grouped_mm needs CUDA")
+def test_grouped_mm_matches_loop_on_cuda():
+    torch.manual_seed(0)
+    E, D, H, N = 8, 256, 512, 1000
+    g, u, d = (torch.randn(E, H, D, device="cuda", dtype=torch.bfloat16) * 0.05,
+               torch.randn(E, H, D, device="cuda", dtype=torch.bfloat16) * 0.05,
+               torch.randn(E, D, H, device="cuda", dtype=torch.bfloat16) * 0.05)
+    counts = torch.bincount(torch.randint(0, E, (N,), device="cuda"), minlength=E)
+    counts[3] = 0  # an expert with no tokens
+    x = torch.randn(int(counts.sum()), D, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(experts_grouped_mm(x, counts, g, u, d), experts_loop(x, counts, g, u, d),
+                               atol=2e-2, rtol=2e-2)
+
+
+def test_routing_replay_reproduces_logits_and_choices():
+    m = random_model(MOE).eval()
+    x = torch.randint(0, MOE.vocab_size, (2, 24))
+    with torch.no_grad():
+        h, routes = m.hidden_states(x, return_routes=True)  # routes (B, T, L_moe, K)
+        assert routes.shape == (2, 24, len(MOE.moe_layers), MOE.num_experts_per_tok)
+        assert torch.equal(m(x, routed_experts=routes), m.lm_head(h))
+        for layer in MOE.moe_layers:  # perturb the routers: replay still uses the recorded experts
+            m.model.layers[layer].mlp.gate.weight.add_(torch.randn_like(m.model.layers[layer].mlp.gate.weight))
+        _, own = m.hidden_states(x, return_routes=True)
+        assert not torch.equal(own, routes)
+        _, replayed = m.hidden_states(x, routed_experts=routes, return_routes=True)
+        assert torch.equal(replayed, routes)
+
+
+def test_replay_gradients_reach_the_router():
+    m = random_model(MOE)
+    x = torch.randint(0, MOE.vocab_size, (1, 12))
+    with torch.no_grad():
+        _, routes = m.hidden_states(x, return_routes=True)
+    m(x, routed_experts=routes).sum().backward()
+    assert m.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+
+
+def test_activation_checkpointing_same_gradients():
+    torch.manual_seed(0)
+    x = torch.randint(0, MOE.vocab_size, (2, 16))
+    grads = []
+    for ac in (False, True):
+        m = random_model(MOE)
+        m.activation_checkpointing = ac
+        m(x).float().logsumexp(-1).mean().backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_not_a_qwen3_directory_is_one_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        Transformer.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    with pytest.raises(ValueError, match="not a Qwen3 or Qwen3-MoE model"):
+        Transformer.from_pretrained(tmp_path)
+
+
+def test_num_params_counts_the_module():
+    for cfg in (DENSE, MOE, TINY_CONFIG):
+        assert num_params(cfg) == sum(p.numel() for p in Transformer(cfg).parameters())
