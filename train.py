@@ -21,6 +21,7 @@ import sys
 # I/O
 out_dir = "out/tiny"
 model_path = ".cache/tiny-qwen3-moe"  # HF-format Qwen3 / Qwen3-MoE directory; the tiny one is built if missing
+model_config = {}          # config.json fields used when model_path has none yet (dry runs, from-scratch init)
 resume = False             # continue from the last checkpoint in out_dir
 checkpoint_every = 10      # optimizer steps between checkpoints (and at the end)
 save_trajectories = False  # write every finished attempt's segments to out_dir/trajectories.jsonl
@@ -69,6 +70,7 @@ grad_clip = 1.0
 microbatch_tokens = 4096   # tokens per forward/backward on one rank
 logprob_chunk_size = 1024  # tokens per chunk of the lm_head + log-softmax
 # parallelism and precision
+train_world_size = 1       # trainer ranks; must equal torchrun's WORLD_SIZE (the dry run plans for it)
 ep_size = 1                # expert parallel degree; FSDP shards over the remaining ranks
 param_dtype = "float32"    # compute dtype (bfloat16 on GPU); master weights and reductions stay fp32
 activation_checkpointing = False
