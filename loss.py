@@ -60,11 +60,12 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             logits = _chunk_logits(hidden[rows], weight, temperature)  # (C, V)
             lse = torch.logsumexp(logits, dim=-1)  # (C,)
             logsumexp[rows] = lse
-            logp = logits.sub_(lse[:, None])  # (C, V) in place: the chunk's log-softmax
-            logprobs[rows] = logp.gather(1, targets[rows, None]).squeeze(1)
+            logprobs[rows] = logits.gather(1, targets[rows, None]).squeeze(1) - lse
             if with_entropy:
+                logp = logits.sub_(lse[:, None])  # (C, V) in place: the chunk's log-softmax
                 entropy[rows] = -(logp.exp().mul_(logp)).sum(-1)  # H = -sum p log p, one more (C, V) buffer
-            del logits, logp  # free this chunk before the next one is allocated
+                del logp
+            del logits  # free this chunk before the next one is allocated
         ctx.save_for_backward(hidden, weight, targets, logsumexp, entropy)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         return (logprobs, entropy) if with_entropy else logprobs
@@ -75,7 +76,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # fp32 accumulator over chunks: an O(V * D) copy when the weight is bf16, never O(N * V)
-        grad_weight = torch.zeros(weight.shape, dtype=_compute_dtype(weight), device=weight.device) if need_weight else None
+        grad_weight = None
+        if need_weight:
+            grad_weight = torch.zeros(weight.shape, dtype=_compute_dtype(weight), device=weight.device)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
             h = hidden[rows]  # (C, D)
@@ -108,7 +111,8 @@ def _check_logprob_inputs(hidden, lm_head_weight, targets, temperature, chunk_si
     if hidden.dim() not in (2, 3):
         raise ValueError(f"hidden must be (N, D) or (B, T, D), got shape {tuple(hidden.shape)}")
     if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"lm_head_weight must be (V, D) with D = {hidden.shape[-1]}, got {tuple(lm_head_weight.shape)}")
+        raise ValueError(f"lm_head_weight must be (V, D) with D = {hidden.shape[-1]}, "
+                         f"got {tuple(lm_head_weight.shape)}")
     if hidden.dtype != lm_head_weight.dtype:
         raise ValueError(f"hidden ({hidden.dtype}) and lm_head_weight ({lm_head_weight.dtype}) must share a dtype")
     if tuple(targets.shape) != tuple(hidden.shape[:-1]) or targets.dtype not in (torch.int64, torch.int32):
@@ -245,8 +249,8 @@ class LossConfig:
             raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {self.eps_low}, {self.eps_high}")
         if self.dual_clip != 0 and not self.dual_clip > 1:
             raise ValueError(f"dual_clip must be 0 (off) or > 1, got {self.dual_clip}")
-        if not 0 <= self.is_low <= self.is_high:
-            raise ValueError(f"need 0 <= is_low <= is_high, got {self.is_low}, {self.is_high}")
+        if not (0 <= self.is_low <= self.is_high and self.is_high > 0):
+            raise ValueError(f"need 0 <= is_low <= is_high and is_high > 0, got {self.is_low}, {self.is_high}")
         if not (isinstance(self.max_staleness, int) and self.max_staleness >= 0):
             raise ValueError(f"max_staleness must be an int >= 0, got {self.max_staleness!r}")
 
@@ -327,8 +331,9 @@ def policy_loss(logprobs, old_logprobs, behavior_logprobs, advantages, mask, tok
                          f"must all be (B, T), got {[tuple(t.shape) for t in per_token_inputs]}")
     if advantages.dim() == 1:
         advantages = advantages[:, None]  # (B, 1) one advantage per sequence
-    if advantages.dim() != 2 or advantages.shape[0] != logprobs.shape[0] or advantages.shape[1] not in (1, logprobs.shape[1]):
-        raise ValueError(f"advantages must be (B,) or (B, T) for logprobs {tuple(logprobs.shape)}, got {tuple(advantages.shape)}")
+    B, T = logprobs.shape
+    if advantages.dim() != 2 or advantages.shape[0] != B or advantages.shape[1] not in (1, T):
+        raise ValueError(f"advantages must be (B,) or (B, T) for logprobs {(B, T)}, got {tuple(advantages.shape)}")
     if cfg.kl_coef and ref_logprobs is None:
         raise ValueError("LossConfig.kl_coef > 0 needs ref_logprobs (the reference policy's token logprobs)")
     if cfg.entropy_coef and entropy is None:

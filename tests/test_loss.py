@@ -305,8 +305,8 @@ def test_window_normalization_in_one_process():
         batches = []
         for idx in groups:
             T = max(lengths[i] for i in idx)
-            h, t, behavior_noise = torch.zeros(len(idx), T, 4), torch.zeros(len(idx), T, dtype=torch.long), torch.zeros(len(idx), T)
-            mask = torch.zeros(len(idx), T)
+            h, t = torch.zeros(len(idx), T, 4), torch.zeros(len(idx), T, dtype=torch.long)
+            behavior_noise, mask = torch.zeros(len(idx), T), torch.zeros(len(idx), T)
             for b, i in enumerate(idx):
                 n = lengths[i]
                 h[b, :n], t[b, :n], behavior_noise[b, :n], mask[b, :n] = rows[i]["h"], rows[i]["t"], rows[i]["noise"], 1
@@ -322,7 +322,8 @@ def test_window_normalization_in_one_process():
             loss, _ = policy_loss(lp * 1.01, old, beh, adv, m, versions(m), 0, cfg, window_tokens)  # r != 1
             loss.backward()
             total += loss.item()
-            naive += policy_loss(lp.detach() * 1.01, old, beh, adv, m, versions(m), 0, cfg, k.sum())[0].item() / len(groups)
+            mean_loss, _ = policy_loss(lp.detach() * 1.01, old, beh, adv, m, versions(m), 0, cfg, k.sum())
+            naive += mean_loss.item() / len(groups)
         return total, w.grad, naive
 
     loss_one, grad_one, _ = run([[0, 1, 2, 3, 4]])
