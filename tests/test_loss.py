@@ -85,6 +85,31 @@ def test_chunked_memory_does_not_grow_with_full_logits():
     assert chunked_long - chunked < chunk_bytes / 4  # 4x the tokens adds only O(T * D) bytes
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_chunked_peak_memory_on_gpu():
+    T, V, D = 8192, 151936, 256  # naive holds several 5 GB (T, V) fp32 tensors at once
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(T, D, device="cuda", generator=gen) / D ** 0.5
+    weight = torch.randn(V, D, device="cuda", generator=gen)
+    targets = torch.randint(0, V, (T,), device="cuda", generator=gen)
+
+    def run(fn):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        lp, ent = fn(h, w, targets, 1.0, 1024, True)
+        (lp.sum() + ent.sum()).backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base, (lp.detach(), ent.detach(), h.grad, w.grad)
+
+    naive_bytes, want = run(naive_token_logprobs)
+    chunked_bytes, got = run(token_logprobs)
+    assert chunked_bytes <= naive_bytes / 4
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 def test_logprob_input_errors():
     h, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)
     with pytest.raises(ValueError, match="temperature"):
