@@ -1,0 +1,440 @@
+"""
+Trainer -> engine weight transfer: pause the engines (in-flight requests kept), broadcast the new weights in
+buckets, load them in every engine worker, bump the weight version, resume.
+
+    .venv/bin/python -m pytest tests/test_weights_sync.py -q         # real vLLM engine + real gloo ranks (CPU)
+    torchrun --nproc_per_node=2 bench.py sync                        # bucketed vs raw NCCL broadcast (2 GPUs)
+
+One process group joins the trainer's sender (rank 0 of the trainer, group rank 0) and every worker of every
+engine (group ranks 1..N; tensor-parallel workers each receive the full tensors and load their own shard).
+NCCL on GPU, gloo on CPU. The trainer side needs torch alone; vLLM is only imported inside engine workers.
+
+    sender = WeightSender(bucket_bytes=1 << 30)                      # every trainer rank
+    await connect_engines(engines, sender)                           # rank 0; again after an engine restart
+    await sync_weights(engines, sender, model, policy_version)       # every trainer rank (engines=None off rank 0)
+
+How the weights travel. Every trainer rank walks the parameters in the same order. A parameter sharded by
+FSDP2 (a DTensor) is gathered to the sender only (a `gather`, not an all-gather: no rank but the sender ever
+holds a full tensor). Under expert parallelism each EP rank holds a different block of experts: the block is
+first gathered within its owner's FSDP group to the owner rank that shares rank 0's EP group, then those owners
+gather their blocks to rank 0 over the EP group. The sender casts to the engine dtype, packs tensors into
+flat byte buckets (stacked experts are split into HF's per-expert names, `model.ours_to_hf`), and broadcasts
+bucket k while it packs bucket k+1 (two buffers). Workers receive bucket k+1 while they load bucket k.
+
+Why not vLLM's weight-transfer engine API (`weight_transfer_config`, `WeightTransferEngineFactory`,
+`init_weight_transfer_engine` -> `start_weight_update` -> `update_weights` -> `finish_weight_update`)? Its
+worker half is `initialize_layerwise_reload` -> `model.load_weights` -> `finalize_layerwise_reload`, which is
+exactly what the worker's own `reload_weights(weights_iterator=..., is_checkpoint_format=True)` runs, so we
+call that with a streaming iterator over the received buckets: one rpc per sync, one code path on CPU and GPU
+(the layerwise reload re-runs vLLM's weight processing, so CPU's repacked Linears and GPU's fused/quantized
+layers all update; a bare `model.load_weights` silently misses repacked layers on CPU). Taking the factory
+route would add an engine argument every engine must be started with, a registry entry that has to exist in
+the worker process before the model loads, a trainer-side import of vLLM (our GPU trainer image has none), and
+its trainer half (`WeightSource`) materializes every parameter with `full_tensor()` on every rank and knows
+nothing of EP owners or stacked experts, which is the part that matters at scale. The version bump is the
+same call the factory's `finish_weight_update(weight_version=...)` makes (`update_weight_version`).
+"""
+import asyncio
+import math
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from model import ours_to_hf
+
+ALIGN = 256  # byte alignment of each tensor in a bucket: keeps copies and NCCL on aligned addresses
+
+# -----------------------------------------------------------------------------
+# the process group between the sender and the engine workers
+
+
+def stateless_process_group(host, port, rank, world_size, backend, timeout_s=600.0):
+    """A process group outside torch's global state, the same construction as vLLM's
+    `stateless_init_torch_distributed_process_group` in torch alone, so that the trainer needs no vLLM and both
+    ends run one function. Rank 0 hosts the rendezvous store at host:port. Collectives are called on the group
+    object (`pg.broadcast(t, root)`) with group ranks."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"weight sync backend must be 'gloo' or 'nccl', got {backend!r}")
+    from torch.distributed import PrefixStore, ProcessGroup, rendezvous
+    init_method = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    prefix_store = PrefixStore(init_method, store)  # our keys never collide with another user of the store
+    pg = ProcessGroup(prefix_store, rank, world_size)
+    if backend == "gloo":
+        from torch.distributed import ProcessGroupGloo
+        impl = ProcessGroupGloo(prefix_store, rank, world_size, timeout=timeout)
+        backend_type, device = ProcessGroup.BackendType.GLOO, torch.device("cpu")
+    else:
+        from torch.distributed import ProcessGroupNCCL
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        impl = ProcessGroupNCCL(prefix_store, rank, world_size, options)
+        backend_type, device = ProcessGroup.BackendType.NCCL, torch.device("cuda")
+    pg._set_default_backend(backend_type)
+    impl._set_sequence_number_for_group()
+    pg._register_backend(device, backend_type, impl)
+    return pg
+
+
+def free_port(host="127.0.0.1"):
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+# -----------------------------------------------------------------------------
+# the bucket plan: which tensor goes where, computed from global shapes alone (no communication)
+
+
+def plan_buckets(model, bucket_bytes, dtype=torch.bfloat16):
+    """Lay the model's weights, in HF names, into flat byte buckets of at most `bucket_bytes` (a tensor larger
+    than that gets a bucket of its own). Stacked experts are split at expert boundaries.
+
+    Returns (buckets, pieces). `buckets` is what the engines get: [{"nbytes": int, "tensors": [[hf_name,
+    dtype_name, shape, byte_offset], ...]}, ...] (plain lists: it travels as an rpc argument). `pieces` is what
+    the sender packs: per bucket, [(param_name, expert_start, expert_stop, byte_offset)], expert_* None for
+    tensors that are not stacked experts.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    dtype_name, elsize = str(dtype).removeprefix("torch."), dtype.itemsize
+    buckets, pieces = [], []
+
+    def room():  # bytes left in the last bucket after its next aligned offset
+        return bucket_bytes - align(buckets[-1]["nbytes"]) if buckets else 0
+
+    def place(nbytes):  # byte offset for nbytes, opening a new bucket when they do not fit in the last one
+        if not buckets or (nbytes > room() and buckets[-1]["nbytes"] > 0):
+            buckets.append({"nbytes": 0, "tensors": []})
+            pieces.append([])
+        offset = align(buckets[-1]["nbytes"])
+        buckets[-1]["nbytes"] = offset + nbytes
+        return offset
+
+    for name, p in model.named_parameters():
+        shape = global_shape(model, name, p)
+        hf = ours_to_hf({name: torch.empty(shape, device="meta")}, model.config)  # per-expert names; drops a tied lm_head
+        if not hf:
+            continue
+        if not is_stacked_experts(name):
+            offset = place(math.prod(shape) * elsize)
+            buckets[-1]["tensors"].append([next(iter(hf)), dtype_name, list(shape), offset])
+            pieces[-1].append((name, None, None, offset))
+            continue
+        names, expert_bytes = list(hf), math.prod(shape[1:]) * elsize
+        e = 0
+        while e < shape[0]:  # as many experts as fit in the last bucket, or else in a new one (at least one)
+            fit = max(0, room()) // expert_bytes or max(1, bucket_bytes // expert_bytes)
+            n = min(shape[0] - e, fit)
+            offset = place(n * expert_bytes)
+            for i in range(n):
+                buckets[-1]["tensors"].append([names[e + i], dtype_name, list(shape[1:]), offset + i * expert_bytes])
+            pieces[-1].append((name, e, e + n, offset))
+            e += n
+    return buckets, pieces
+
+
+def align(nbytes):
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def is_stacked_experts(name):
+    return ".mlp.experts." in name
+
+
+def global_shape(model, name, p):
+    """The full shape of a parameter: a DTensor's global shape; stacked experts count all experts, not the E/ep
+    this rank's EP shard holds."""
+    shape = list(p.shape)
+    if is_stacked_experts(name):
+        shape[0] = model.get_submodule(name.rsplit(".", 1)[0]).num_experts
+    return tuple(shape)
+
+# -----------------------------------------------------------------------------
+# gathering a parameter to one rank
+
+
+def rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def gather_to(p, dst, dtype):
+    """The full tensor of `p` (cast to dtype) on global rank dst, None on every other rank. A DTensor sharded on
+    one mesh dimension (FSDP2, or HSDP with replicas) is gathered over that dimension's group, padded to equal
+    chunks (FSDP2 shards with torch.chunk, the last shards may be short or empty). Costs one `gather`."""
+    from torch.distributed.tensor import DTensor
+    if not isinstance(p, DTensor):
+        return p.detach().to(dtype) if rank() == dst else None
+    sharded = [(i, pl.dim) for i, pl in enumerate(p.placements) if pl.is_shard()]
+    if len(sharded) > 1 or any(not (pl.is_shard() or pl.is_replicate()) for pl in p.placements):
+        raise ValueError(f"cannot gather a DTensor with placements {p.placements}: weight sync supports one "
+                         "sharded mesh dimension (FSDP2 or HSDP)")
+    local = p.to_local().detach().to(dtype)
+    if not sharded:
+        return local if rank() == dst else None
+    mesh_dim, dim = sharded[0]
+    group = p.device_mesh.get_group(mesh_dim)
+    ranks = dist.get_process_group_ranks(group)
+    if dst not in ranks:  # another replica's shard group: dst gathers from its own
+        return None
+    n, world = p.shape[dim], len(ranks)
+    chunk = -(-n // world)
+    if local.shape[dim] < chunk:
+        pad = list(local.shape)
+        pad[dim] = chunk - local.shape[dim]
+        local = torch.cat([local, local.new_zeros(pad)], dim)
+    parts = [torch.empty_like(local) for _ in range(world)] if rank() == dst else None
+    dist.gather(local.contiguous(), parts, dst=dst, group=group)
+    return torch.cat(parts, dim).narrow(dim, 0, n) if parts is not None else None
+
+# -----------------------------------------------------------------------------
+# trainer side
+
+
+class WeightSender:
+    """Sends the trainer's weights to the engines. Construct it on every trainer rank; rank 0 is the sender and
+    joins the engine group (`connect_engines`), the others only take part in the gathers of `send`."""
+
+    def __init__(self, bucket_bytes=1 << 30, dtype=torch.bfloat16, device=None):
+        self.bucket_bytes, self.dtype = bucket_bytes, dtype
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        self.group = None  # the engine process group, on the sender only
+        self._ep_senders = {}  # ep group -> global ranks that hand their expert blocks to rank 0
+
+    @property
+    def is_sender(self):
+        return rank() == 0
+
+    def connect(self, host, port, world_size, backend, timeout_s=600.0):
+        """Join the engine group as group rank 0 (blocks until every engine worker has joined)."""
+        self.close()
+        self.group = stateless_process_group(host, port, 0, world_size, backend, timeout_s)
+
+    def close(self):
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None
+
+    def plan(self, model):
+        return plan_buckets(model, self.bucket_bytes, self.dtype)
+
+    @torch.no_grad()
+    def send(self, model, plan):
+        """Gather, cast, pack and broadcast every bucket of `plan`. Every trainer rank calls it (in the same
+        parameter order); returns the bytes sent (0 off the sender)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # we may run in a helper thread, which starts on device 0
+        buckets, pieces = plan
+        if self.is_sender and self.group is None:
+            raise RuntimeError("WeightSender.send before connect: call connect_engines(engines, sender) first")
+        by_param = {}
+        for k, bucket_pieces in enumerate(pieces):
+            for name, e0, e1, offset in bucket_pieces:
+                by_param.setdefault(name, []).append((k, e0, e1, offset))
+        left = [len(ps) for ps in pieces]  # pieces still to pack, per bucket
+        if self.is_sender and buckets:
+            size = max(b["nbytes"] for b in buckets)
+            buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(min(2, len(buckets)))]
+        works, current = [], -1
+        for name, p in model.named_parameters():
+            full = self.gather(model, name, p)
+            if full is None:
+                continue
+            for k, e0, e1, offset in by_param.get(name, ()):
+                if k != current:  # first piece of bucket k: its buffer must be free (bucket k-2 sent)
+                    current = k
+                    if k >= 2:
+                        works[k - 2].wait()  # NCCL: the stream waits, not the host; gloo: the host waits
+                src = full if e0 is None else full[e0:e1]
+                buf = buffers[k % 2]
+                buf[offset:offset + src.numel() * self.dtype.itemsize].view(self.dtype).view(src.shape).copy_(src)
+                left[k] -= 1
+                if left[k] == 0:
+                    works.append(self.group.broadcast(buf[:buckets[k]["nbytes"]], 0))
+        for work in works:
+            work.wait()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        if self.is_sender and len(works) != len(buckets):
+            raise RuntimeError(f"sent {len(works)} of {len(buckets)} buckets: the model changed since plan()")
+        return sum(b["nbytes"] for b in buckets) if self.is_sender else 0
+
+    def gather(self, model, name, p):
+        """The full parameter on the sender (None elsewhere); stacked experts under EP come from their owners."""
+        experts = model.get_submodule(name.rsplit(".", 1)[0]) if is_stacked_experts(name) else None
+        if experts is None or experts.ep_group is None:
+            return gather_to(p, 0, self.dtype)
+        ep_group = experts.ep_group
+        senders = self._ep_sender_ranks(ep_group)
+        # 1. the EP shard's FSDP group gathers its block of experts to its member in rank 0's EP group
+        owner = 0
+        from torch.distributed.tensor import DTensor
+        if isinstance(p, DTensor):
+            shard_dims = [i for i, pl in enumerate(p.placements) if pl.is_shard()] or [0]
+            owners = [r for r in dist.get_process_group_ranks(p.device_mesh.get_group(shard_dims[0])) if r in senders]
+            if len(owners) != 1:
+                raise RuntimeError(f"{name}: expected one rank of its FSDP group in rank 0's EP group, got {owners}")
+            owner = owners[0]
+        block = gather_to(p, owner if isinstance(p, DTensor) else rank(), self.dtype)  # (E/ep, ...)
+        if rank() not in senders:
+            return None
+        # 2. the owners gather their blocks to rank 0; EP rank i holds experts [i*E/ep, (i+1)*E/ep)
+        parts = [torch.empty_like(block) for _ in range(dist.get_world_size(ep_group))] if self.is_sender else None
+        dist.gather(block.contiguous(), parts, dst=0, group=ep_group)
+        return torch.cat(parts) if parts is not None else None  # (E, ...)
+
+    def _ep_sender_ranks(self, ep_group):
+        if ep_group not in self._ep_senders:  # once per group: one small broadcast on the default group
+            ranks = [dist.get_process_group_ranks(ep_group) if self.is_sender else None]
+            dist.broadcast_object_list(ranks, src=0)
+            self._ep_senders[ep_group] = set(ranks[0])
+        return self._ep_senders[ep_group]
+
+# -----------------------------------------------------------------------------
+# the flow around a sync, against the engine interface (a capture.Engine, or a Ray actor handle of one)
+
+
+def _call(engine, method, *args, **kwargs):
+    """An awaitable for engine.method(...): a coroutine of a local Engine, or an ObjectRef of a Ray actor."""
+    fn = getattr(engine, method)
+    return fn.remote(*args, **kwargs) if hasattr(fn, "remote") else fn(*args, **kwargs)
+
+
+async def connect_engines(engines, sender, host="127.0.0.1", port=0, backend=None, timeout_s=600.0):
+    """Form the weight group: sender = group rank 0, then every worker of every engine. `host` must be an
+    address of the sender that the engines can reach. Call it again (all engines) after an engine restarts: a
+    group's members are fixed, so the group is re-formed. Returns the group's world size."""
+    backend = backend or ("nccl" if sender.device.type == "cuda" else "gloo")
+    port = port or free_port(host)
+    workers = [len(await _call(e, "collective_rpc", "weight_worker_rank")) for e in engines]
+    world_size = 1 + sum(workers)
+    await asyncio.gather(*(_call(e, "collective_rpc", "close_weight_group") for e in engines))
+    offsets = [1 + sum(workers[:i]) for i in range(len(engines))]
+    joins = [asyncio.ensure_future(_call(e, "collective_rpc", "init_weight_group",
+                                         args=(host, port, off, world_size, backend, timeout_s)))
+             for e, off in zip(engines, offsets)]
+    await asyncio.to_thread(sender.connect, host, port, world_size, backend, timeout_s)  # blocks until all joined
+    await asyncio.gather(*joins)
+    return world_size
+
+
+async def sync_weights(engines, sender, model, policy_version):
+    """After an optimizer step, on every trainer rank: pause the engines (in-flight requests kept), send the
+    weights, load them, set the engines' weight version to `policy_version`, resume. Off rank 0 `engines` is
+    ignored (pass None) and the rank only joins the gathers. Returns {"bytes", "pause_s", "transfer_s"}."""
+    plan = sender.plan(model)
+    if not sender.is_sender:
+        await asyncio.to_thread(sender.send, model, plan)
+        return {"bytes": 0, "pause_s": 0.0, "transfer_s": 0.0}
+    t0 = time.perf_counter()
+    await asyncio.gather(*(_call(e, "pause") for e in engines))
+    t1 = time.perf_counter()
+    # the workers block in the broadcasts of receive_weights while the sender (in a thread) feeds them
+    loads = [asyncio.ensure_future(_call(e, "collective_rpc", "receive_weights", args=(plan[0],))) for e in engines]
+    nbytes = await asyncio.to_thread(sender.send, model, plan)
+    await asyncio.gather(*loads)
+    await asyncio.gather(*(_call(e, "set_version", policy_version) for e in engines))
+    t2 = time.perf_counter()
+    await asyncio.gather(*(_call(e, "resume") for e in engines))
+    return {"bytes": nbytes, "pause_s": t2 - t0, "transfer_s": t2 - t1}
+
+# -----------------------------------------------------------------------------
+# engine side
+
+
+def tensor_view(buf, dtype_name, shape, offset):
+    dtype = getattr(torch, dtype_name)
+    return buf[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+
+class BucketReceiver:
+    """Iterates (hf_name, tensor) over the buckets broadcast by the sender, receiving bucket k+1 while the caller
+    loads bucket k. Each bucket gets a fresh buffer: vLLM's layerwise reload keeps the tensors of a layer until
+    the whole layer has arrived, and a layer may span two buckets."""
+
+    def __init__(self, group, buckets, device):
+        self.group, self.buckets, self.device = group, buckets, device
+        self.posted = []  # (buffer, work) per bucket whose broadcast has been posted
+
+    def _post(self):
+        buf = torch.empty(self.buckets[len(self.posted)]["nbytes"], dtype=torch.uint8, device=self.device)
+        self.posted.append((buf, self.group.broadcast(buf, 0)))
+
+    def __iter__(self):
+        for k, bucket in enumerate(self.buckets):
+            while len(self.posted) < min(k + 2, len(self.buckets)):
+                self._post()
+            buf, work = self.posted[k]
+            work.wait()
+            for name, dtype_name, shape, offset in bucket["tensors"]:
+                yield name, tensor_view(buf, dtype_name, shape, offset)
+            self.posted[k] = None  # drop our reference; the loader holds what it still needs
+
+    def drain(self):
+        """Receive every bucket the loader did not get to, so that the sender is never left waiting. Returns how
+        many buckets were not consumed."""
+        unconsumed = len(self.buckets) - sum(1 for x in self.posted if x is None)
+        for posted in self.posted:
+            if posted is not None:
+                posted[1].wait()
+        while len(self.posted) < len(self.buckets):
+            self._post()
+            self.posted[-1][1].wait()
+        return unconsumed
+
+
+class WeightSyncWorker:
+    """vLLM worker extension (engine arg `worker_extension_cls="weights_sync.WeightSyncWorker"`); its methods run
+    in every worker through `collective_rpc`. vLLM forbids names that the worker already has."""
+
+    def weight_worker_rank(self):
+        return self.rank  # this worker's rank inside its engine (tensor/pipeline parallel)
+
+    def init_weight_group(self, host, port, rank_offset, world_size, backend, timeout_s=600.0):
+        self.close_weight_group()
+        self.weight_group = stateless_process_group(host, port, rank_offset + self.rank, world_size, backend,
+                                                    timeout_s)
+
+    def close_weight_group(self):
+        if getattr(self, "weight_group", None) is not None:
+            self.weight_group.shutdown()
+        self.weight_group = None
+
+    def receive_weights(self, buckets):
+        """Receive the buckets and load them. `reload_weights` runs vLLM's layerwise reload (the checkpoint-format
+        loader, then each layer's weight processing, then a copy into the kernel tensors), so every layer updates
+        on CPU and GPU alike. Returns the bytes received."""
+        if getattr(self, "weight_group", None) is None:
+            raise RuntimeError("receive_weights before init_weight_group: call connect_engines first")
+        receiver = BucketReceiver(self.weight_group, buckets, self.device)
+        try:
+            self.reload_weights(weights_iterator=iter(receiver), is_checkpoint_format=True)
+        finally:
+            unconsumed = receiver.drain()
+        if unconsumed:
+            raise RuntimeError(f"the model loader stopped with {unconsumed} of {len(buckets)} weight buckets unread")
+        if self.device.type == "cpu":
+            repack_cpu_moe_experts(self.model_runner.get_model())
+        return sum(b["nbytes"] for b in buckets)
+
+    def weights_digest(self):
+        """{parameter name: float64 sum} of the engine's weights, to see that a sync changed them."""
+        model = self.model_runner.get_model()
+        return {name: p.detach().double().sum().item() for name, p in model.named_parameters()}
+
+
+def repack_cpu_moe_experts(model):
+    """Works around vLLM 0.32 on CPU: on a weight update the MoE method skips its experts' prepack
+    (`UnquantizedFusedMoEMethod._setup_kernel` runs `fused_experts.process_weights_after_loading` on the first
+    load only), so the reload leaves plain-layout expert weights in the prepacked tensors and the experts compute
+    garbage. Packing them again here makes the engine match the trainer (tests/test_weights_sync.py checks it).
+    GPU backends need no repack: their layout conversion runs on every load."""
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(layer)
