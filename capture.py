@@ -1,0 +1,870 @@
+"""
+The capture server. Agents are unchanged programs using the official OpenAI or Anthropic SDK; only their base URL
+points here. The server renders each request to token ids with the model's own tokenizer and chat template, asks a
+vLLM engine for tokens (ids in, ids + sampling logprobs out), answers in the protocol the client spoke (tool calls
+parsed by vLLM's Hermes parser), and records the trajectory token-exactly (DESIGN.md invariant 1).
+
+    python capture.py                          # serve the tiny model on CPU; prints the address
+    python capture.py --model DIR --port 8000  # any local HuggingFace model directory
+    curl -X POST http://127.0.0.1:8000/sessions               # -> {"id", "base_url", "api_key"}
+    OpenAI(base_url=base_url, api_key=api_key)  /  Anthropic(base_url=base_url, api_key=api_key)
+    curl -H "x-api-key: KEY" http://127.0.0.1:8000/sessions/ID  # the recorded segments
+    curl -H "x-api-key: KEY" -d '{"reward": 1}' http://127.0.0.1:8000/sessions/ID/finish
+
+The segment rule. A session holds the conversation its open segment renders (our last reply included) and the
+segment's token ids. A request whose messages are that conversation followed by new messages generates on the
+exact recorded ids + the template's separator after our end-of-turn token + the tokens of every new message (all
+with action mask 0), so generated tokens are never re-tokenized. Any other request (compaction, an edited or
+dropped turn, changed tools, a template that rewrites earlier turns) seals the segment and opens a new one from a
+full render. Streaming requests get their SSE events once the turn is generated (backends return whole turns).
+"""
+import asyncio
+import hashlib
+import importlib.util
+import json
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections import OrderedDict
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+# -----------------------------------------------------------------------------
+# the engine: one vLLM AsyncLLM (rollout.py wraps it as a Ray actor)
+
+WORKER_EXTENSION = "weights_sync.WeightSyncWorker"
+
+
+class Engine:
+    """One vLLM AsyncLLM: token ids in; token ids, sampling logprobs, policy versions (and routes) out."""
+
+    def __init__(self, model_path, *, max_model_len=2048, memory_fraction=0.5, tensor_parallel_size=1,
+                 enable_prefix_caching=True, speculative_config=None, seed=0, enable_return_routed_experts=False,
+                 worker_extension_cls=WORKER_EXTENSION, **engine_kwargs):
+        import torch
+        if worker_extension_cls == WORKER_EXTENSION and importlib.util.find_spec("weights_sync") is None:
+            worker_extension_cls = None  # a checkout without the weight-sync module still serves
+        self.model_path, self.max_model_len = model_path, max_model_len
+        self.engine_args = dict(
+            model=model_path, dtype="bfloat16", max_model_len=max_model_len, gpu_memory_utilization=memory_fraction,
+            tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=enable_prefix_caching,
+            speculative_config=speculative_config, seed=seed,
+            enable_return_routed_experts=enable_return_routed_experts,
+            # the behavior logprob is the sampling distribution's (after temperature), not the raw model's
+            logprobs_mode="processed_logprobs")
+        if worker_extension_cls:
+            self.engine_args["worker_extension_cls"] = worker_extension_cls
+        if not torch.cuda.is_available():
+            self.engine_args["enforce_eager"] = True
+            if torch.cpu._is_amx_tile_supported():
+                self.engine_args["worker_cls"] = "capture.AMXCPUWorker"
+        self.engine_args.update(engine_kwargs)
+        self.llm = None
+        self.policy_version = 0
+
+    async def start(self):
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+        await self.set_version(0)
+        return self
+
+    async def generate(self, prompt_token_ids, sampling, request_id, session_id=None):
+        """Sample one turn. `sampling` keys: temperature, top_p, max_tokens, stop, stop_token_ids, seed.
+        session_id is for routers that keep a session on one engine; a single engine ignores it."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        stop = sampling.get("stop") or None
+        params = SamplingParams(
+            n=1, temperature=sampling.get("temperature", 1.0), top_p=sampling.get("top_p", 1.0),
+            max_tokens=sampling.get("max_tokens"), stop=stop, stop_token_ids=sampling.get("stop_token_ids"),
+            seed=sampling.get("seed"), logprobs=0, detokenize=stop is not None)  # text only for stop strings
+        out = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id):
+            pass
+        c = out.outputs[0]
+        ids = list(c.token_ids)
+        versions = [self.policy_version] * len(ids)
+        for span in c.weight_versions or []:  # spans of output tokens sampled by each weight version
+            v = 0 if span.version == "default" else int(span.version)
+            versions[span.start:span.end] = [v] * (span.end - span.start)
+        routes = c.routed_experts  # (prompt + generated tokens, L_moe, K) when enabled
+        return dict(token_ids=ids, logprobs=[c.logprobs[i][t].logprob for i, t in enumerate(ids)],
+                    token_versions=versions, routed_experts=None if routes is None else routes.tolist(),
+                    finish_reason=c.finish_reason, num_prompt_tokens=len(out.prompt_token_ids))
+
+    async def prompt_logprobs(self, token_ids):
+        """The engine's logprob of each token given the ones before it (None for the first), at temperature 1."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params, uuid.uuid4().hex):
+            pass
+        return [None if d is None else d[t].logprob for t, d in zip(token_ids, out.prompt_logprobs)]
+
+    async def pause(self):
+        await self.llm.pause_generation(mode="keep", clear_cache=False)  # in-flight requests wait, KV kept
+
+    async def resume(self):
+        await self.llm.resume_generation()
+
+    async def set_version(self, policy_version):
+        self.policy_version = int(policy_version)
+        await self.llm.update_weight_version(str(self.policy_version))
+
+    async def collective_rpc(self, method, args=(), kwargs=None):
+        return await self.llm.collective_rpc(method, args=tuple(args), kwargs=kwargs)
+
+    async def shutdown(self):
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+
+
+def __getattr__(name):
+    # vLLM resolves worker_cls="capture.AMXCPUWorker" inside the worker process. Linux grants AMX tile state only to
+    # processes that ask (arch_prctl); vLLM's CPU kernels use AMX whenever the CPU has it without asking, and die
+    # with SIGILL unless something (oneDNN, on some paths) asked first. Built on first use: it imports vLLM's worker.
+    if name != "AMXCPUWorker":
+        raise AttributeError(f"module 'capture' has no attribute {name!r}")
+    import torch
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    class AMXCPUWorker(CPUWorker):
+        def __init__(self, *args, **kwargs):
+            torch.cpu._init_amx()
+            super().__init__(*args, **kwargs)
+    globals()[name] = AMXCPUWorker
+    return AMXCPUWorker
+
+# -----------------------------------------------------------------------------
+# request parsing: both protocols become one internal request (OpenAI-style messages, as chat templates expect)
+
+
+class RequestError(Exception):
+    """A bad request: the HTTP status and one sentence naming what is wrong."""
+
+    def __init__(self, status, message, param=None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+class ChatRequest:
+    def __init__(self, protocol, messages, tools, parse_tools, sampling, stream, include_usage, model):
+        self.protocol, self.messages, self.tools, self.parse_tools = protocol, messages, tools, parse_tools
+        self.sampling, self.stream, self.include_usage, self.model = sampling, stream, include_usage, model
+        self.key = None  # hash of the raw body: a retry has the same key
+
+
+TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
+              dict: "an object"}
+
+
+def field(body, key, types, default=None, required=False, where=""):
+    types = types if isinstance(types, tuple) else (types,)
+    value = body.get(key)
+    if value is None:
+        if required:
+            raise RequestError(400, f"`{where}{key}` is required.", where + key)
+        return default
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise RequestError(400, f"`{where}{key}` must be {' or '.join(TYPE_NAMES[t] for t in types)}, "
+                                f"got {type(value).__name__}.", where + key)
+    return value
+
+
+def text_of(content, where):
+    """A string, or a list of text parts/blocks joined; anything else (images, audio) is refused."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise RequestError(400, f"`{where}` must be a string or an array of text parts.", where)
+    for i, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise RequestError(400, f"`{where}[{i}]` must be a text part {{\"type\": \"text\", \"text\": ...}}; "
+                                    "only text content is supported.", f"{where}[{i}]")
+    return "".join(part["text"] for part in content)
+
+
+def tool_call(call_id, name, arguments):
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def sampling_of(server, temperature, top_p, max_tokens, stop, seed, max_temperature):
+    if temperature is not None and not 0 <= temperature <= max_temperature:
+        raise RequestError(400, f"`temperature` must be between 0 and {max_temperature}, got {temperature}.",
+                           "temperature")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise RequestError(400, f"`top_p` must be in (0, 1], got {top_p}.", "top_p")
+    if top_p is not None and top_p < 1 and server.importance_correction:
+        raise RequestError(400, "`top_p` < 1 is refused: importance correction is on and the trainer's logprobs "
+                                "cover the full vocabulary, not the nucleus.", "top_p")
+    if max_tokens is not None and max_tokens < 1:
+        raise RequestError(400, f"`max_tokens` must be at least 1, got {max_tokens}.", "max_tokens")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise RequestError(400, f"`seed` must be in [0, 2**63), got {seed}.", "seed")
+    stop = [stop] if isinstance(stop, str) else (stop or [])
+    if len(stop) > 16 or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(400, "stop sequences must be at most 16 non-empty strings.", "stop")
+    return dict(temperature=1.0 if temperature is None else float(temperature),
+                top_p=1.0 if top_p is None else float(top_p), max_tokens=max_tokens, stop=stop, seed=seed)
+
+
+OPENAI_FIELDS = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens",
+                 "max_completion_tokens", "stop", "seed", "stream", "stream_options", "n", "logprobs", "top_logprobs",
+                 "frequency_penalty", "presence_penalty", "parallel_tool_calls", "user", "metadata", "store",
+                 "service_tier"}  # the last four do not change generation
+OPENAI_MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
+CONSTRAINED = "needs constrained decoding, which would make the recorded logprobs differ from the policy's; use \"auto\""
+
+
+def parse_openai(body, server):
+    if not isinstance(body, dict):
+        raise RequestError(400, "The request body must be a JSON object.")
+    unknown = sorted(set(body) - OPENAI_FIELDS)
+    if unknown:
+        raise RequestError(400, f"Unsupported field `{unknown[0]}`: this server cannot honour it.", unknown[0])
+    model = field(body, "model", str, "")
+    if field(body, "n", int, 1) != 1:
+        raise RequestError(400, "`n` must be 1: each request records one turn of one trajectory.", "n")
+    if field(body, "logprobs", bool, False) or field(body, "top_logprobs", int, 0):
+        raise RequestError(400, "logprobs are not returned to clients (the trajectory records them).", "logprobs")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if field(body, key, (int, float), 0) != 0:
+            raise RequestError(400, f"`{key}` is not supported: the trainer could not reproduce the penalized "
+                                    "distribution.", key)
+    if field(body, "parallel_tool_calls", bool, True) is False:
+        raise RequestError(400, "`parallel_tool_calls: false` cannot be honoured: the model may emit several calls.",
+                           "parallel_tool_calls")
+    messages = []
+    for i, m in enumerate(field(body, "messages", list, required=True)):
+        w = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(400, f"`{w}` must be an object.", w)
+        extra = [k for k, v in m.items() if k not in OPENAI_MESSAGE_FIELDS and v not in (None, [], {}, "")]
+        if extra:
+            raise RequestError(400, f"`{w}.{extra[0]}` is not supported.", f"{w}.{extra[0]}")
+        role, content = m.get("role"), text_of(m.get("content"), f"{w}.content")
+        if role in ("system", "developer", "user"):
+            messages.append({"role": "user" if role == "user" else "system", "content": content})
+        elif role == "assistant":
+            msg = {"role": "assistant", "content": content}
+            calls = field(m, "tool_calls", list, [], where=w + ".")
+            for j, c in enumerate(calls):
+                wc = f"{w}.tool_calls[{j}]."
+                fn = field(c if isinstance(c, dict) else {}, "function", dict, required=True, where=wc)
+                calls[j] = tool_call(field(c, "id", str, "", where=wc), field(fn, "name", str, required=True, where=wc),
+                                     field(fn, "arguments", str, "{}", where=wc))
+            if calls:
+                msg["tool_calls"] = calls
+            if field(m, "reasoning_content", str, where=w + "."):
+                msg["reasoning_content"] = m["reasoning_content"]
+            messages.append(msg)
+        elif role == "tool":
+            messages.append({"role": "tool", "content": content,
+                             "tool_call_id": field(m, "tool_call_id", str, required=True, where=w + ".")})
+        else:
+            raise RequestError(400, f"`{w}.role` must be one of system, developer, user, assistant, tool; got {role!r}.",
+                               f"{w}.role")
+    if not messages:
+        raise RequestError(400, "`messages` must not be empty.", "messages")
+    tools = []
+    for i, t in enumerate(field(body, "tools", list, [])):
+        fn = field(t if isinstance(t, dict) else {}, "function", dict, required=True, where=f"tools[{i}].")
+        spec = {"name": field(fn, "name", str, required=True, where=f"tools[{i}].function.")}
+        if field(fn, "description", str, where=f"tools[{i}].function."):
+            spec["description"] = fn["description"]
+        spec["parameters"] = field(fn, "parameters", dict, {"type": "object", "properties": {}},
+                                   where=f"tools[{i}].function.")
+        tools.append({"type": "function", "function": spec})
+    choice = field(body, "tool_choice", (str, dict), "auto")
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+        if name not in {t["function"]["name"] for t in tools}:
+            raise RequestError(400, f"`tool_choice` names the function {name!r}, which is not among `tools`.",
+                               "tool_choice")
+        raise RequestError(400, f"`tool_choice` forcing a function {CONSTRAINED}.", "tool_choice")
+    if choice == "required":
+        raise RequestError(400, f"`tool_choice: \"required\"` {CONSTRAINED}.", "tool_choice")
+    if choice not in ("auto", "none"):
+        raise RequestError(400, f"`tool_choice` must be \"auto\", \"none\", \"required\" or a function, got {choice!r}.",
+                           "tool_choice")
+    max_tokens = field(body, "max_completion_tokens", int, field(body, "max_tokens", int))
+    sampling = sampling_of(server, field(body, "temperature", (int, float)), field(body, "top_p", (int, float)),
+                           max_tokens, field(body, "stop", (str, list)), field(body, "seed", int), 2.0)
+    options = field(body, "stream_options", dict, {})
+    return ChatRequest("openai", messages, tools, choice == "auto", sampling, field(body, "stream", bool, False),
+                       bool(options.get("include_usage")), model)
+
+
+ANTHROPIC_FIELDS = {"model", "messages", "max_tokens", "system", "tools", "tool_choice", "temperature", "top_p", "top_k",
+                    "stop_sequences", "stream", "metadata", "thinking", "service_tier"}
+
+
+def parse_anthropic(body, server):
+    if not isinstance(body, dict):
+        raise RequestError(400, "The request body must be a JSON object.")
+    unknown = sorted(set(body) - ANTHROPIC_FIELDS)
+    if unknown:
+        raise RequestError(400, f"Unsupported field `{unknown[0]}`: this server cannot honour it.", unknown[0])
+    if field(body, "top_k", int) is not None:
+        raise RequestError(400, "`top_k` is not supported: the trainer's logprobs cover the full vocabulary.", "top_k")
+    thinking = field(body, "thinking", dict)
+    if thinking and thinking.get("type") != "disabled":
+        raise RequestError(400, "extended `thinking` is not supported by this server.", "thinking")
+    system = body.get("system")
+    messages = [] if system is None else [{"role": "system", "content": text_of(system, "system")}]
+    for i, m in enumerate(field(body, "messages", list, required=True)):
+        w = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(400, f"`{w}` must be an object.", w)
+        role, content = m.get("role"), m.get("content")
+        if role not in ("user", "assistant"):
+            raise RequestError(400, f"`{w}.role` must be \"user\" or \"assistant\", got {role!r}.", f"{w}.role")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(blocks, list):
+            raise RequestError(400, f"`{w}.content` must be a string or an array of content blocks.", f"{w}.content")
+        text, calls = [], []
+        for j, b in enumerate(blocks):
+            wb = f"{w}.content[{j}]."
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "text":
+                text.append(field(b, "text", str, required=True, where=wb))
+            elif kind == "tool_use" and role == "assistant":
+                calls.append(tool_call(field(b, "id", str, required=True, where=wb),
+                                       field(b, "name", str, required=True, where=wb),
+                                       json.dumps(field(b, "input", dict, {}, where=wb), ensure_ascii=False)))
+            elif kind == "tool_result" and role == "user":
+                if text:  # text before a tool result stays in its own user turn, in order
+                    messages.append({"role": "user", "content": "".join(text)})
+                    text = []
+                messages.append({"role": "tool", "tool_call_id": field(b, "tool_use_id", str, required=True, where=wb),
+                                 "content": text_of(b.get("content"), wb + "content")})
+            else:
+                allowed = "text and tool_use" if role == "assistant" else "text and tool_result"
+                raise RequestError(400, f"`{wb}type` {kind!r} is not supported in {role} messages ({allowed} are).",
+                                   wb + "type")
+        if role == "assistant":
+            messages.append({"role": "assistant", "content": "".join(text), **({"tool_calls": calls} if calls else {})})
+        elif text or not blocks:
+            messages.append({"role": "user", "content": "".join(text)})
+    if len(messages) == (system is not None):
+        raise RequestError(400, "`messages` must not be empty.", "messages")
+    tools = []
+    for i, t in enumerate(field(body, "tools", list, [])):
+        t = t if isinstance(t, dict) else {}
+        if t.get("type") not in (None, "custom"):
+            raise RequestError(400, f"`tools[{i}].type` {t.get('type')!r} is not supported (client tools only).",
+                               f"tools[{i}].type")
+        spec = {"name": field(t, "name", str, required=True, where=f"tools[{i}].")}
+        if field(t, "description", str, where=f"tools[{i}]."):
+            spec["description"] = t["description"]
+        spec["parameters"] = field(t, "input_schema", dict, required=True, where=f"tools[{i}].")
+        tools.append({"type": "function", "function": spec})
+    choice = field(body, "tool_choice", dict, {"type": "auto"})
+    kind = choice.get("type")
+    if kind == "tool" and choice.get("name") not in {t["function"]["name"] for t in tools}:
+        raise RequestError(400, f"`tool_choice` names the tool {choice.get('name')!r}, which is not among `tools`.",
+                           "tool_choice")
+    if kind in ("any", "tool"):
+        raise RequestError(400, f"`tool_choice` of type {kind!r} {CONSTRAINED}.", "tool_choice")
+    if kind not in ("auto", "none"):
+        raise RequestError(400, f"`tool_choice.type` must be auto, any, tool or none, got {kind!r}.", "tool_choice")
+    if choice.get("disable_parallel_tool_use"):
+        raise RequestError(400, "`disable_parallel_tool_use` cannot be honoured: the model may emit several calls.",
+                           "tool_choice")
+    sampling = sampling_of(server, field(body, "temperature", (int, float)), field(body, "top_p", (int, float)),
+                           field(body, "max_tokens", int, required=True), field(body, "stop_sequences", list),
+                           None, 1.0)
+    return ChatRequest("anthropic", messages, tools, kind == "auto", sampling, field(body, "stream", bool, False),
+                       True, field(body, "model", str, ""))
+
+# -----------------------------------------------------------------------------
+# sessions and segments: the recorded trajectory
+
+
+class Segment:
+    def __init__(self, attempt_id, index):
+        self.attempt_id, self.index = attempt_id, index
+        self.token_ids, self.action_mask, self.behavior_logprobs, self.token_versions = [], [], [], []
+        self.routed_experts = None
+
+    def append(self, token_ids, generated=None):
+        """Context tokens (mask 0), or, given the engine's output dict, generated tokens (mask 1)."""
+        n = len(token_ids)
+        self.token_ids += token_ids
+        self.action_mask += [1 if generated else 0] * n
+        self.behavior_logprobs += generated["logprobs"] if generated else [0.0] * n
+        self.token_versions += generated["token_versions"] if generated else [-1] * n
+
+    def to_dict(self, reward, finished):
+        routes = self.routed_experts
+        if routes is not None and len(routes) < len(self.token_ids):  # the last token was never run through the
+            routes = routes + [routes[-1]] * (len(self.token_ids) - len(routes))  # model; its route steers nothing
+        return dict(attempt_id=self.attempt_id, segment_index=self.index, token_ids=list(self.token_ids),
+                    action_mask=list(self.action_mask), behavior_logprobs=list(self.behavior_logprobs),
+                    token_versions=list(self.token_versions), routed_experts=routes, reward=reward, finished=finished)
+
+
+class Session:
+    """One agent attempt: its own base URL and key, its segments, and the conversation the open segment renders."""
+
+    def __init__(self, url, attempt_id=None, metadata=None):
+        self.id = uuid.uuid4().hex[:16]
+        self.api_key = "sk-capture-" + secrets.token_urlsafe(24)
+        self.base_url = f"{url}/s/{self.id}/v1"
+        self.attempt_id, self.metadata = attempt_id or self.id, metadata or {}
+        self.segments, self.finished, self.reward = [], False, None
+        self.conversation, self.tools, self.last_generated = None, None, []  # what the open segment renders
+        self.answers = OrderedDict()  # request key -> result, for client retries
+        self.turns = 0
+        self.lock = asyncio.Lock()  # serialises this session's requests
+        self.record_lock = threading.Lock()  # finish_session may run on another thread
+
+    def segment_dicts(self):
+        with self.record_lock:
+            return [s.to_dict(self.reward, self.finished) for s in self.segments]
+
+
+def same_message(a, b):
+    """Equal as the model sees them: tool-call ids ignored, tool-call arguments compared as JSON."""
+    def canonical(m):
+        calls = []
+        for c in m.get("tool_calls") or []:
+            try:
+                args = json.loads(c["function"]["arguments"])
+            except ValueError:
+                args = c["function"]["arguments"]
+            calls.append((c["function"]["name"], args))
+        return (m["role"], m.get("content") or "", calls, m.get("tool_call_id"), m.get("reasoning_content") or "")
+    return canonical(a) == canonical(b)
+
+
+def end_token_ids(tokenizer):
+    ids = {tokenizer.eos_token_id}
+    try:  # the engine also stops at generation_config's eos ids (Qwen: <|im_end|> and <|endoftext|>)
+        from transformers import GenerationConfig
+        eos = GenerationConfig.from_pretrained(tokenizer.name_or_path).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos])
+    except (OSError, ValueError):
+        pass
+    return sorted(i for i in ids if i is not None)
+
+# -----------------------------------------------------------------------------
+# the server
+
+
+class CaptureServer:
+    """HTTP front of one backend (an Engine, or rollout's router): sessions, rendering, the segmenter."""
+
+    def __init__(self, backend, tokenizer, *, max_model_len=2048, importance_correction=False, host="127.0.0.1",
+                 port=0, model_name=None, max_body_bytes=16 << 20, max_cached_answers=16):
+        from transformers import AutoTokenizer
+        from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+        self.backend = backend
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.tool_parser = Hermes2ProToolParser(self.tokenizer)  # extract_tool_calls is stateless
+        self.end_ids = end_token_ids(self.tokenizer)
+        self.max_model_len, self.importance_correction = max_model_len, importance_correction
+        self.model_name = model_name or os.path.basename(os.path.normpath(self.tokenizer.name_or_path)) or "model"
+        self.max_body_bytes, self.max_cached_answers = max_body_bytes, max_cached_answers
+        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind((host, port))  # bound now so that url (and sessions' base URLs) exist before serving
+        self.url = f"http://{host}:{self.socket.getsockname()[1]}"
+        self.sessions = {}
+        self.uvicorn = self.loop = self.thread = None
+        routes = [Route("/sessions", self.http_new_session, methods=["POST"]),
+                  Route("/sessions/{sid}", self.http_get_session, methods=["GET"]),
+                  Route("/sessions/{sid}/finish", self.http_finish_session, methods=["POST"]),
+                  Route("/s/{sid}/v1/models", self.http_models, methods=["GET"]),
+                  Route("/s/{sid}/v1/chat/completions", self.http_chat, methods=["POST"]),
+                  Route("/s/{sid}/v1/messages", self.http_chat, methods=["POST"]),
+                  Route("/s/{sid}/v1/v1/messages", self.http_chat, methods=["POST"])]  # Anthropic SDK, same base_url
+        self.app = Starlette(routes=routes, exception_handlers={HTTPException: self.http_error})
+
+    # --- the Python API of the rollout side
+
+    def new_session(self, attempt_id=None, metadata=None):
+        session = Session(self.url, attempt_id, metadata)
+        self.sessions[session.id] = session
+        return session
+
+    def finish_session(self, session_id, reward):
+        """End an attempt: later requests get 401; every segment gets the reward. Returns the segment dicts."""
+        session = self.sessions[session_id]
+        with session.record_lock:
+            session.finished, session.reward = True, None if reward is None else float(reward)
+        return session.segment_dicts()
+
+    def drop_session(self, session_id):
+        self.sessions.pop(session_id, None)
+
+    # --- rendering and the segmenter
+
+    def render(self, messages, tools, add_generation_prompt):
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja raise_exception(...) and friends: the template refused this conversation
+            raise RequestError(400, f"The chat template rejected the conversation: {e}.", "messages")
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def extension(self, session, messages, tools):
+        """If `messages` extend the open segment's conversation: (tokens to append, new conversation); else None."""
+        conv = session.conversation
+        if conv is None or tools != session.tools or len(messages) < len(conv):
+            return None
+        if not all(same_message(a, b) for a, b in zip(conv, messages)):
+            return None
+        conversation = conv + messages[len(conv):]  # our own record of the prefix: the client's echo may differ
+        rendered = self.render(conv, tools, False)  # in formatting only (JSON whitespace, tool-call ids)
+        full = self.render(conversation, tools, True)
+        ends = [i for i, t in enumerate(rendered) if t in self.end_ids]
+        if full[:len(rendered)] != rendered or not ends:
+            return None  # the template renders the earlier turns differently now: a rewrite
+        # after our reply: the template's end-of-turn token (unless the engine already stopped on it) and separator
+        closing = rendered[ends[-1] + (session.last_generated[-1:] == [rendered[ends[-1]]]):]
+        return closing + full[len(rendered):], conversation
+
+    async def respond(self, session, request):
+        """Generate and record one turn (or return the answer already given to this exact request)."""
+        async with session.lock:
+            if session.finished:
+                raise RequestError(401, f"Session {session.id} has finished; its attempt is over.")
+            if request.key is not None and request.key in session.answers:
+                return session.answers[request.key]
+            ext = self.extension(session, request.messages, request.tools)
+            if ext is not None:
+                appended, conversation = ext
+                prompt = session.segments[-1].token_ids + appended
+            else:
+                appended = prompt = self.render(request.messages, request.tools, True)
+                conversation = request.messages
+            if len(prompt) >= self.max_model_len:
+                raise RequestError(400, f"The prompt is {len(prompt)} tokens; the model's context is "
+                                        f"{self.max_model_len} tokens.", "messages")
+            room = self.max_model_len - len(prompt)
+            sampling = dict(request.sampling, stop_token_ids=self.end_ids,
+                            max_tokens=min(request.sampling["max_tokens"] or room, room))
+            session.turns += 1
+            try:
+                out = await self.backend.generate(prompt, sampling, f"{session.id}-{session.turns}",
+                                                  session_id=session.id)
+            except ValueError as e:  # vLLM's input validation
+                raise RequestError(400, f"The engine refused the request: {e}")
+            result = self.answer(out, request, len(prompt))
+            with session.record_lock:  # recorded only now: a failed generation leaves the trajectory as it was
+                if session.finished:
+                    raise RequestError(401, f"Session {session.id} finished while this request was generating.")
+                if ext is None:
+                    session.segments.append(Segment(session.attempt_id, len(session.segments)))
+                segment = session.segments[-1]
+                segment.append(appended)
+                segment.append(out["token_ids"], out)
+                if out.get("routed_experts") is not None:  # the engine's routes cover prompt + generated tokens
+                    segment.routed_experts = out["routed_experts"]
+                session.conversation = conversation + [result["message"]]
+                session.tools, session.last_generated = request.tools, out["token_ids"]
+            if request.key is not None:
+                session.answers[request.key] = result
+                if len(session.answers) > self.max_cached_answers:
+                    session.answers.popitem(last=False)
+            return result
+
+    def answer(self, out, request, num_prompt_tokens):
+        """The engine's tokens as an assistant message: decoded, cut at a stop string, tool calls parsed."""
+        ids = out["token_ids"]
+        ids = ids[:-1] if ids and ids[-1] in self.end_ids else ids
+        parse = request.parse_tools and bool(request.tools)
+        text = self.tokenizer.decode(ids, skip_special_tokens=not parse)  # tool tags may be special tokens
+        hits = [(text.find(s), s) for s in request.sampling["stop"] if s in text]
+        stop_sequence = min(hits)[1] if hits else None
+        if stop_sequence is not None:
+            text = text[:min(hits)[0]]
+        calls = []
+        if parse:
+            info = self.tool_parser.extract_tool_calls(text, None)
+            if info.tools_called:
+                prefix = "call_" if request.protocol == "openai" else "toolu_"
+                text = info.content or ""
+                calls = [tool_call(prefix + uuid.uuid4().hex[:24], c.function.name, c.function.arguments)
+                         for c in info.tool_calls]
+        message = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+        finish = "tool_calls" if calls else "length" if out["finish_reason"] == "length" and not hits else "stop"
+        return dict(id=uuid.uuid4().hex[:24], created=int(time.time()), message=message, finish_reason=finish,
+                    stop_sequence=stop_sequence, prompt_tokens=num_prompt_tokens, completion_tokens=len(out["token_ids"]),
+                    model=request.model or self.model_name)
+
+    # --- HTTP
+
+    def authorize(self, request):
+        session = self.sessions.get(request.path_params["sid"])
+        key = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
+        if session is None or not secrets.compare_digest(key.strip().encode(), session.api_key.encode()):
+            raise RequestError(401, "Unknown session or wrong API key: use the base_url and api_key issued for "
+                                    "this attempt.")
+        return session
+
+    async def read_json(self, request):
+        if int(request.headers.get("content-length") or 0) > self.max_body_bytes:
+            raise RequestError(413, f"The request body is larger than {self.max_body_bytes} bytes.")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise RequestError(413, f"The request body is larger than {self.max_body_bytes} bytes.")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        try:
+            return raw, json.loads(raw) if raw else None
+        except (ValueError, RecursionError) as e:
+            raise RequestError(400, f"The request body is not valid JSON: {str(e)[:200]}.")
+
+    async def http_chat(self, request):
+        protocol = "anthropic" if request.url.path.endswith("/messages") else "openai"
+        try:
+            session = self.authorize(request)
+            if session.finished:
+                raise RequestError(401, f"Session {session.id} has finished; its attempt is over.")
+            raw, body = await self.read_json(request)
+            chat = (parse_anthropic if protocol == "anthropic" else parse_openai)(body, self)
+            chat.key = hashlib.sha256(request.url.path.encode() + b"\0" + raw).hexdigest()
+            result = await self.respond(session, chat)
+        except RequestError as e:
+            return error_response(protocol, e.status, e.message, e.param)
+        except Exception as e:  # the engine failed: this request only
+            print(f"capture: request on session {request.path_params['sid']} failed: {e!r}", file=sys.stderr)
+            return error_response(protocol, 500, f"The engine failed on this request: {type(e).__name__}: {e}")
+        if chat.stream:
+            events = anthropic_events(result) if protocol == "anthropic" else openai_events(result, chat.include_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        return JSONResponse(anthropic_message(result) if protocol == "anthropic" else openai_completion(result))
+
+    async def http_models(self, request):
+        try:
+            self.authorize(request)
+        except RequestError as e:
+            return error_response("openai", e.status, e.message)
+        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                                         "owned_by": "capture"}]})
+
+    async def http_new_session(self, request):
+        try:
+            _, body = await self.read_json(request)
+            body = body if body is not None else {}
+            if not isinstance(body, dict):
+                raise RequestError(400, "The request body must be a JSON object.")
+            session = self.new_session(field(body, "attempt_id", str), field(body, "metadata", dict))
+        except RequestError as e:
+            return error_response("openai", e.status, e.message, e.param)
+        return JSONResponse({"id": session.id, "base_url": session.base_url, "api_key": session.api_key,
+                             "attempt_id": session.attempt_id})
+
+    async def http_get_session(self, request):
+        try:
+            session = self.authorize(request)
+        except RequestError as e:
+            return error_response("openai", e.status, e.message)
+        return JSONResponse([trajectory_record(s, self.tokenizer) for s in session.segment_dicts()])
+
+    async def http_finish_session(self, request):
+        try:
+            session = self.authorize(request)
+            _, body = await self.read_json(request)
+            reward = field(body if isinstance(body, dict) else {}, "reward", (int, float))
+        except RequestError as e:
+            return error_response("openai", e.status, e.message, e.param)
+        async with session.lock:  # let an in-flight turn land first
+            segments = self.finish_session(session.id, reward)
+        return JSONResponse([trajectory_record(s, self.tokenizer) for s in segments])
+
+    async def http_error(self, request, exc):
+        protocol = "anthropic" if "/messages" in request.url.path else "openai"
+        return error_response(protocol, exc.status_code, f"{request.method} {request.url.path}: {exc.detail}.")
+
+    async def start(self):
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=5)
+        self.uvicorn = uvicorn.Server(config)
+        self.serving = asyncio.ensure_future(self.uvicorn.serve(sockets=[self.socket]))
+        while not self.uvicorn.started:
+            if self.serving.done():
+                self.serving.result()  # raises why it could not start
+            await asyncio.sleep(0.005)
+        return self.url
+
+    async def stop(self):
+        if self.uvicorn is not None:
+            self.uvicorn.should_exit = True
+            await self.serving
+            self.uvicorn = None
+        self.socket.close()
+
+    def start_in_thread(self):
+        """Serve from a daemon thread with its own event loop (`self.loop`); returns the base URL."""
+        started = threading.Event()
+
+        def run():
+            self.loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.start())
+            started.set()
+            self.loop.run_forever()
+        self.thread = threading.Thread(target=run, name="capture-server", daemon=True)
+        self.thread.start()
+        started.wait()
+        return self.url
+
+    def run_in_loop(self, coro):
+        """Run a coroutine on the server's loop from another thread (e.g. an Engine's start or shutdown)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop_thread(self):
+        self.run_in_loop(self.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+# -----------------------------------------------------------------------------
+# wire formats of the answers
+
+
+def error_response(protocol, status, message, param=None):
+    if protocol == "anthropic":
+        kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}.get(
+            status, "api_error" if status >= 500 else "invalid_request_error")
+        return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(
+        status, "server_error" if status >= 500 else "invalid_request_error")
+    code = {401: "invalid_api_key", 413: "request_too_large"}.get(status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status)
+
+
+def openai_completion(result):
+    m = result["message"]
+    message = {"role": "assistant", "content": m["content"] if m["content"] or "tool_calls" not in m else None}
+    if "tool_calls" in m:
+        message["tool_calls"] = m["tool_calls"]
+    usage = result["prompt_tokens"], result["completion_tokens"]
+    return {"id": "chatcmpl-" + result["id"], "object": "chat.completion", "created": result["created"],
+            "model": result["model"], "choices": [{"index": 0, "message": message, "logprobs": None,
+                                                   "finish_reason": result["finish_reason"]}],
+            "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1], "total_tokens": sum(usage)}}
+
+
+async def openai_events(result, include_usage):
+    base = {"id": "chatcmpl-" + result["id"], "object": "chat.completion.chunk", "created": result["created"],
+            "model": result["model"]}
+    m = result["message"]
+    deltas = [{"role": "assistant", "content": ""}] + ([{"content": m["content"]}] if m["content"] else [])
+    deltas += [{"tool_calls": [dict(c, index=i)]} for i, c in enumerate(m.get("tool_calls", []))]
+    for delta in deltas:
+        yield f"data: {json.dumps({**base, 'choices': [{'index': 0, 'delta': delta, 'finish_reason': None}]})}\n\n"
+    yield f"data: {json.dumps({**base, 'choices': [{'index': 0, 'delta': {}, 'finish_reason': result['finish_reason']}]})}\n\n"
+    if include_usage:
+        yield f"data: {json.dumps({**base, 'choices': [], 'usage': openai_completion(result)['usage']})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def anthropic_message(result):
+    m = result["message"]
+    content = [{"type": "text", "text": m["content"]}] if m["content"] else []
+    content += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                 "input": json.loads(c["function"]["arguments"])} for c in m.get("tool_calls", [])]
+    stop_reason = {"tool_calls": "tool_use", "length": "max_tokens"}.get(
+        result["finish_reason"], "stop_sequence" if result["stop_sequence"] else "end_turn")
+    return {"id": "msg_" + result["id"], "type": "message", "role": "assistant", "model": result["model"],
+            "content": content, "stop_reason": stop_reason, "stop_sequence": result["stop_sequence"],
+            "usage": {"input_tokens": result["prompt_tokens"], "output_tokens": result["completion_tokens"]}}
+
+
+async def anthropic_events(result):
+    message = anthropic_message(result)
+    start = dict(message, content=[], stop_reason=None, stop_sequence=None,
+                 usage={"input_tokens": result["prompt_tokens"], "output_tokens": 0})
+    events = [("message_start", {"message": start})]
+    for i, block in enumerate(message["content"]):
+        if block["type"] == "text":
+            events += [("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}}),
+                       ("content_block_delta", {"index": i, "delta": {"type": "text_delta", "text": block["text"]}})]
+        else:
+            events += [("content_block_start", {"index": i, "content_block": dict(block, input={})}),
+                       ("content_block_delta", {"index": i, "delta": {"type": "input_json_delta",
+                                                                      "partial_json": json.dumps(block["input"])}})]
+        events.append(("content_block_stop", {"index": i}))
+    events += [("message_delta", {"delta": {"stop_reason": message["stop_reason"],
+                                            "stop_sequence": message["stop_sequence"]},
+                                  "usage": {"output_tokens": result["completion_tokens"]}}),
+               ("message_stop", {})]
+    for name, data in events:
+        yield f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n"
+
+# -----------------------------------------------------------------------------
+# inspection
+
+
+def trajectory_record(segment, tokenizer):
+    """A segment dict plus decoded text for humans: the whole segment, and each run of generated tokens."""
+    runs, start = [], None
+    for i, m in enumerate(segment["action_mask"] + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append(tokenizer.decode(segment["token_ids"][start:i], skip_special_tokens=False))
+            start = None
+    return dict(segment, text=tokenizer.decode(segment["token_ids"], skip_special_tokens=False), generated=runs)
+
+
+def write_trajectories(path, segments, tokenizer):
+    """Append one JSON line per segment (token ids, mask, logprobs, versions, reward, decoded text)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        for segment in segments:
+            f.write(json.dumps(trajectory_record(segment, tokenizer)) + "\n")
+
+# -----------------------------------------------------------------------------
+# standalone: one engine and the server on loopback, for trying an agent by hand
+
+
+def main(argv=None):
+    import argparse
+    parser = argparse.ArgumentParser(description="Serve a model through the capture server (loopback only).")
+    parser.add_argument("--model", help="HuggingFace model directory (default: the tiny model, built on first use)")
+    parser.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    args = parser.parse_args(argv)
+    model = args.model
+    if model is None:
+        from model import ensure_tiny_model
+        model = ensure_tiny_model(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "tiny-qwen3-moe"))
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        sys.exit(f"--model {model}: no config.json there; pass a local HuggingFace model directory.")
+
+    async def serve():
+        engine = await Engine(model, max_model_len=args.max_model_len).start()
+        server = CaptureServer(engine, model, max_model_len=args.max_model_len, port=args.port)
+        await server.start()
+        print(f"capture server for {model} at {server.url}\n  new session: curl -X POST {server.url}/sessions",
+              flush=True)
+        try:
+            await asyncio.Event().wait()  # until Ctrl-C
+        finally:
+            await server.stop()
+            await engine.shutdown()
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
