@@ -78,15 +78,17 @@ class Engine:
         return self
 
     async def generate(self, prompt_token_ids, sampling, request_id, session_id=None):
-        """Sample one turn. `sampling` keys: temperature, top_p, max_tokens, stop, stop_token_ids, seed.
-        session_id is for routers that keep a session on one engine; a single engine ignores it."""
+        """Sample one turn. `sampling` keys: temperature, top_p, max_tokens, stop, stop_token_ids, seed (and
+        ignore_eos, for benchmarks). session_id is for routers that keep a session on one engine; one engine
+        ignores it."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         stop = sampling.get("stop") or None
         params = SamplingParams(
             n=1, temperature=sampling.get("temperature", 1.0), top_p=sampling.get("top_p", 1.0),
             max_tokens=sampling.get("max_tokens"), stop=stop, stop_token_ids=sampling.get("stop_token_ids"),
-            seed=sampling.get("seed"), logprobs=0, detokenize=stop is not None)  # text only for stop strings
+            seed=sampling.get("seed"), ignore_eos=sampling.get("ignore_eos", False), logprobs=0,
+            detokenize=stop is not None)  # text only for stop strings
         out = None
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id):
             pass
