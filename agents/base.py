@@ -1,9 +1,9 @@
 """
 The two shapes an agent can take, and the context every attempt gets.
 
-A ChatAgent is ordinary async Python that talks to the model through an official SDK pointed at `ctx.base_url`
-(OpenAI) or `ctx.anthropic_base_url` (Anthropic) with `ctx.api_key`; the framework records the exact tokens behind
-every reply. It returns the attempt's reward:
+A ChatAgent is ordinary async Python that talks to the model through an official SDK (OpenAI or Anthropic) pointed
+at `ctx.base_url` with `ctx.api_key`; the framework records the exact tokens behind every reply. It returns the
+attempt's reward:
 
     class MyAgent(ChatAgent):
         async def run(self, ctx):
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 class Context:
     """What one attempt knows. `sampling` holds temperature, top_p and max_tokens (per model turn): pass it on as
     `**ctx.sampling` to keep the engine's sampling what the trainer assumes."""
-    base_url: str                # OpenAI SDK base URL of the capture server, ends in /v1
+    base_url: str                # this attempt's base URL on the capture server, for the OpenAI and Anthropic SDKs
     api_key: str                 # identifies this attempt to the capture server; pass it to the SDK client
     model: str                   # model name to send (the server serves one policy)
     prompt: str | None = None    # the task's prompt text, when the data source gives one
@@ -30,7 +30,6 @@ class Context:
     tools: list | None = None    # OpenAI-format tool specs from the data source, if any
     label: object = None         # whatever the data source pairs with the prompt (answer, test cases, ...)
     sampling: dict = field(default_factory=dict)  # temperature, top_p, max_tokens
-    anthropic_base_url: str = ""  # Anthropic SDK base URL of the same server
     attempt_id: str = ""
     group_id: int = -1
     info: dict = field(default_factory=dict)  # the agent may leave numbers here; they are averaged into metrics

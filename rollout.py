@@ -1,0 +1,390 @@
+"""
+Rollout: vLLM engines as Ray actors, a router in front of them, the capture server in front of the router, and the
+streaming pool of agent attempts that turns finished groups into batches of experiences in the Ray object store.
+
+    .venv/bin/python -m pytest tests/test_rollout.py -q     # pool logic, router, failures, timeouts, restarts
+    .venv/bin/python bench.py async                         # streaming pool vs synchronous generate-then-train
+
+    agent code --SDK--> capture server --router--> engine actors (AsyncLLM)
+    pool: groups_in_flight prompt groups at once; a finished group waits in `ready`; next_batch() takes
+          groups_per_batch of them (never waiting for attempts of other groups) and frees their slots.
+
+An attempt's segments are put in the object store by this process (the one that recorded them, on the rollout
+node); a batch is a list of light records (ref + attempt_id, group_id, reward, token counts, versions) that the
+driver splits across trainer ranks by tokens; each rank `ray.get`s its own refs.
+"""
+import asyncio
+import itertools
+import os
+import threading
+import time
+import traceback
+import uuid
+from collections import OrderedDict
+
+import numpy as np
+import ray
+from ray.exceptions import RayActorError
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+import capture
+from agents import Context
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+# -----------------------------------------------------------------------------
+# engines: Ray actors of capture.Engine, each on its own placement-group bundle
+
+
+class EngineActor(capture.Engine):
+    """capture.Engine as a Ray actor: start() answers None (an Engine cannot be pickled back to the caller), and
+    started() tells a restarted actor (a fresh, unstarted Engine) from a live one."""
+
+    async def start(self):
+        await super().start()
+
+    async def started(self):
+        return self.llm is not None
+
+
+def reserve_trainer_gpus(gpus_per_node):
+    """Reserve the GPUs that torchrun's trainer ranks use, {ray node id: n}, so that no engine lands on them (the
+    ranks are not Ray workers, so Ray does not know they hold GPUs). Returns the placement group (keep it alive)."""
+    if not gpus_per_node:
+        return None
+    node_ids = list(gpus_per_node)
+    pg = placement_group([{"GPU": gpus_per_node[n]} for n in node_ids], strategy="PACK",
+                         bundle_label_selector=[{"ray.io/node-id": n} for n in node_ids])
+    ray.get(pg.ready(), timeout=120)
+    return pg
+
+
+def start_engines(model_path, num_engines=1, tensor_parallel_size=1, *, max_restarts=3, ready_timeout_s=600,
+                  **engine_kwargs):
+    """Start `num_engines` capture.Engine actors (one vLLM AsyncLLM each) and wait until they serve, at weight
+    version 0. On GPU each engine gets tensor_parallel_size GPUs of one node; on CPU one logical CPU. Ray restarts a
+    killed engine up to max_restarts times (the Router starts it again). Returns (engines, placement group)."""
+    on_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    bundle = {"CPU": 1, "GPU": tensor_parallel_size} if on_gpu else {"CPU": 1}
+    pg = placement_group([bundle] * num_engines, strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=ready_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"the cluster cannot place {num_engines} engine(s) of {bundle} next to the trainer: "
+                           f"free resources {ray.available_resources()}; lower num_engines or tensor_parallel_size")
+    # the engine's worker processes import weights_sync (its worker extension): give them this directory
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    env.update({k: v for k, v in os.environ.items() if k.startswith("VLLM_") or k == "TOKENIZERS_PARALLELISM"})
+    actor = ray.remote(EngineActor)
+    engines = [actor.options(num_cpus=1, num_gpus=bundle.get("GPU", 0), max_restarts=max_restarts,
+                             max_task_retries=0, max_concurrency=100_000, runtime_env={"env_vars": env},
+                             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
+               .remote(model_path, tensor_parallel_size=tensor_parallel_size, seed=i, **engine_kwargs)
+               for i in range(num_engines)]
+    ray.get([e.start.remote() for e in engines], timeout=ready_timeout_s)
+    ray.get([e.set_version.remote(0) for e in engines])
+    return engines, pg
+
+
+class Router:
+    """The capture server's backend over engine actors: a session (one attempt) stays on one engine while that
+    engine lives, so its growing prompt hits the prefix cache; a new session goes to the engine with the fewest
+    requests in flight. A request on an engine that dies fails (its attempt fails); the engine is started again
+    when Ray has restarted the actor, at weight version 0 (the base weights: its tokens count as stale until the
+    next weight sync reaches it). With no engine up, requests wait for one instead of failing at once."""
+
+    def __init__(self, engines, max_sessions=100_000):
+        self.engines = list(engines)
+        self.up = [True] * len(self.engines)
+        self.in_weight_group = [True] * len(self.engines)  # False after a restart until the driver reconnects it
+        self.in_flight = [0] * len(self.engines)
+        self.sessions = OrderedDict()  # session id -> engine index, least recently used first
+        self.max_sessions = max_sessions
+        self.restarts = self.failed_requests = 0
+        self.busy_s = [0.0] * len(self.engines)  # time with >= 1 request in flight, per engine
+        self._busy_since = [None] * len(self.engines)
+        self._created = time.monotonic()
+        self._reviving = set()
+        self._lock = threading.Lock()  # the driver thread reads what the capture server's loop writes
+
+    def pick(self, session_id=None):
+        with self._lock:
+            i = self.sessions.get(session_id) if session_id is not None else None
+            if i is None or not self.up[i]:
+                up = [j for j in range(len(self.engines)) if self.up[j]]
+                if not up:
+                    return None
+                i = min(up, key=lambda j: self.in_flight[j])
+            if session_id is not None:
+                self.sessions[session_id] = i
+                self.sessions.move_to_end(session_id)
+                while len(self.sessions) > self.max_sessions:
+                    self.sessions.popitem(last=False)
+            return i
+
+    async def generate(self, prompt_token_ids, sampling, request_id, session_id=None, wait_for_engine_s=600.0):
+        deadline = time.monotonic() + wait_for_engine_s
+        while (i := self.pick(session_id)) is None:  # every engine is restarting
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no rollout engine came back within {wait_for_engine_s:.0f}s")
+            await asyncio.sleep(0.5)
+        self._started(i)
+        try:
+            return await self.engines[i].generate.remote(prompt_token_ids, sampling, request_id)
+        except RayActorError:
+            with self._lock:
+                self.failed_requests += 1
+            self.revive(i)
+            raise
+        finally:
+            self._finished(i)
+
+    def _started(self, i):
+        with self._lock:
+            if self.in_flight[i] == 0:
+                self._busy_since[i] = time.monotonic()
+            self.in_flight[i] += 1
+
+    def _finished(self, i):
+        with self._lock:
+            self.in_flight[i] -= 1
+            if self.in_flight[i] == 0 and self._busy_since[i] is not None:
+                self.busy_s[i] += time.monotonic() - self._busy_since[i]
+                self._busy_since[i] = None
+
+    def forget(self, session_id):
+        with self._lock:
+            self.sessions.pop(session_id, None)
+
+    def revive(self, i):
+        """Start engine i again once Ray has restarted its actor (a task on the running loop)."""
+        with self._lock:
+            if i in self._reviving:
+                return
+            self._reviving.add(i)
+            self.up[i], self.in_weight_group[i] = False, False
+        asyncio.get_running_loop().create_task(self._revive(i))
+
+    async def _revive(self, i):
+        try:
+            for _ in range(600):
+                try:
+                    # Ray queues this until the actor is back; a restarted actor is a fresh Engine, not started.
+                    # start() loads the base weights at version 0 (an actor that only lost contact keeps its own)
+                    if not await self.engines[i].started.remote():
+                        await self.engines[i].start.remote()
+                    with self._lock:
+                        self.up[i] = True
+                        self.restarts += 1
+                    return
+                except RayActorError as e:
+                    if isinstance(e, ray.exceptions.ActorDiedError) and "restart" not in str(e).lower():
+                        print(f"rollout engine {i} is gone for good (max_restarts spent): {e}")
+                        return
+                    await asyncio.sleep(1.0)
+        finally:
+            with self._lock:
+                self._reviving.discard(i)
+
+    def live_engines(self):
+        """Engines up now, and whether that set differs from the one in the weight group (reconnect first)."""
+        with self._lock:
+            live = [e for e, up in zip(self.engines, self.up) if up]
+            changed = any(up != joined for up, joined in zip(self.up, self.in_weight_group))
+            return live, changed
+
+    def mark_connected(self, live):
+        with self._lock:
+            self.in_weight_group = [e in live for e in self.engines]
+
+    def idle_fraction(self):
+        """Fraction of wall time since creation (or the last reset) that engines had no request in flight."""
+        with self._lock:
+            now = time.monotonic()
+            busy = [b + (now - s if s is not None else 0.0) for b, s in zip(self.busy_s, self._busy_since)]
+            return 1.0 - sum(busy) / (len(busy) * max(now - self._created, 1e-9))
+
+    def reset_idle_clock(self):
+        with self._lock:
+            now = time.monotonic()
+            self._created, self.busy_s = now, [0.0] * len(self.engines)
+            self._busy_since = [now if n else None for n in self.in_flight]
+
+# -----------------------------------------------------------------------------
+# experiences: one per segment, in this process's (the rollout node's) object store
+
+
+def put_experience(segment, reward, group_id, failed=False, error=None):
+    """ray.put a recorded segment's per-token arrays; return the light record that travels on the queue."""
+    mask = np.asarray(segment["action_mask"], dtype=np.int8)  # (T,)
+    versions = np.asarray(segment["token_versions"], dtype=np.int32)  # (T,)
+    arrays = dict(token_ids=np.asarray(segment["token_ids"], dtype=np.int32),
+                  action_mask=mask,
+                  behavior_logprobs=np.asarray(segment["behavior_logprobs"], dtype=np.float32),
+                  token_versions=versions,
+                  routed_experts=(None if segment.get("routed_experts") is None
+                                  else np.asarray(segment["routed_experts"], dtype=np.int16)))  # (T, L_moe, K)
+    generated = versions[mask == 1]
+    return dict(ref=ray.put(arrays), attempt_id=segment["attempt_id"], segment_index=segment["segment_index"],
+                group_id=group_id, reward=float(reward), num_tokens=len(mask), action_tokens=int(mask.sum()),
+                min_version=int(generated.min()) if generated.size else -1,
+                max_version=int(generated.max()) if generated.size else -1, failed=failed, error=error)
+
+
+def balance_by_tokens(records, world):
+    """Split records over `world` ranks, greedily by token count (largest first onto the lightest rank)."""
+    shards, loads = [[] for _ in range(world)], [0] * world
+    for r in sorted(records, key=lambda r: -r["num_tokens"]):
+        i = loads.index(min(loads))
+        shards[i].append(r)
+        loads[i] += r["num_tokens"]
+    return shards
+
+# -----------------------------------------------------------------------------
+# the streaming pool
+
+
+class RolloutPool:
+    """Keeps `groups_in_flight` prompt groups going (a group: `group_size` attempts of one prompt). A group is in
+    flight from its start until the trainer takes it in a batch, so groups_in_flight bounds how far the rollouts
+    run ahead of the trainer (the staleness budget). `next_batch()` returns as soon as `groups_per_batch` groups
+    are complete, in completion order: a slow attempt delays only its own group.
+
+    An attempt that raises or runs past attempt_timeout_s is failed, with its error; failed_group_rule "drop"
+    drops its group (a fresh group takes the slot), "complete" keeps the group with reward 0 for the failed
+    attempt (and its partial segments). `run_agent(ctx) -> Result` is the loaded agent; `prompts` an iterator of
+    dicts (prompt / messages, label, tools); `server` the running capture server."""
+
+    def __init__(self, run_agent, prompts, server, *, group_size, groups_per_batch, groups_in_flight, sampling,
+                 attempt_timeout_s=60.0, failed_group_rule="drop", model_name="policy", trajectory_writer=None):
+        if failed_group_rule not in ("drop", "complete"):
+            raise ValueError(f"failed_group_rule must be 'drop' or 'complete', got {failed_group_rule!r}")
+        if groups_in_flight < groups_per_batch:
+            raise ValueError(f"groups_in_flight ({groups_in_flight}) must be >= groups_per_batch ({groups_per_batch}), "
+                             "or no batch could ever fill")
+        self.run_agent, self.prompts, self.server = run_agent, iter(prompts), server
+        self.group_size, self.groups_per_batch, self.groups_in_flight = group_size, groups_per_batch, groups_in_flight
+        self.sampling, self.attempt_timeout_s, self.failed_group_rule = dict(sampling), attempt_timeout_s, failed_group_rule
+        self.model_name, self.trajectory_writer = model_name, trajectory_writer
+        self.ready = []  # complete groups waiting for the trainer: lists of attempt dicts
+        self.open_groups = 0  # started and not yet taken by the trainer
+        self.group_ids = itertools.count()
+        self.counters = dict(attempts=0, failed_attempts=0, timed_out_attempts=0, dropped_groups=0,
+                             generated_tokens=0, reward_sum=0.0)
+        self.errors = []  # the last few failures, for the log
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-pool", daemon=True)
+        self._changed = None  # asyncio.Event on the pool loop: a group finished or a batch was taken
+        self._main_task = None
+        self._crash = None
+
+    # the pool runs on its own event loop in a background thread: agent code (which may block) never stalls the
+    # capture server's loop, and the driver thread blocks only in next_batch()
+    def start(self):
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result()
+        return self
+
+    async def _start(self):
+        self._changed = asyncio.Event()
+        self._main_task = asyncio.get_running_loop().create_task(self._main())
+
+    def stop(self):
+        if not self._thread.is_alive():
+            return
+        async def cancel_all():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result(timeout=30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+
+    def next_batch(self, timeout=None):
+        """Block until groups_per_batch complete groups exist; return them as a flat list of segment records (each
+        attempt's segments share its attempt_id, group_id and reward)."""
+        future = asyncio.run_coroutine_threadsafe(self._take_batch(), self._loop)
+        return future.result(timeout)
+
+    def stats(self, reset=True):
+        """Counters since the last reset: attempts, failures, timeouts, dropped groups, generated tokens, reward."""
+        async def read():
+            out = dict(self.counters, open_groups=self.open_groups, ready_groups=len(self.ready))
+            if reset:
+                self.counters = {k: 0 if isinstance(v, int) else 0.0 for k, v in self.counters.items()}
+            return out
+        return asyncio.run_coroutine_threadsafe(read(), self._loop).result()
+
+    async def _take_batch(self):
+        while len(self.ready) < self.groups_per_batch:
+            if self._crash is not None:
+                raise RuntimeError("the rollout pool stopped") from self._crash
+            self._changed.clear()
+            await self._changed.wait()
+        groups, self.ready = self.ready[:self.groups_per_batch], self.ready[self.groups_per_batch:]
+        self.open_groups -= len(groups)
+        self._changed.set()  # slots are free: start new groups
+        return [seg for group in groups for attempt in group for seg in attempt["segments"]]
+
+    async def _main(self):
+        try:
+            while True:
+                while self.open_groups < self.groups_in_flight:
+                    self.open_groups += 1
+                    asyncio.get_running_loop().create_task(self._run_group(next(self.group_ids), next(self.prompts)))
+                self._changed.clear()
+                await self._changed.wait()
+        except StopIteration:
+            pass  # the data source is exhausted: finish the groups in flight
+        except BaseException as e:
+            self._crash = e
+            self._changed.set()
+            raise
+
+    async def _run_group(self, group_id, item):
+        attempts = await asyncio.gather(*(self._run_attempt(group_id, item) for _ in range(self.group_size)))
+        if any(a["failed"] for a in attempts) and self.failed_group_rule == "drop":
+            self.counters["dropped_groups"] += 1
+            self.open_groups -= 1
+        else:
+            self.ready.append(attempts)
+        self._changed.set()
+
+    async def _run_attempt(self, group_id, item):
+        session = self.server.new_session(uuid.uuid4().hex)
+        prompt = item.get("prompt")
+        messages = item.get("messages") or ([{"role": "user", "content": prompt}] if prompt is not None else [])
+        ctx = Context(base_url=session.base_url, api_key=session.api_key, model=self.model_name, prompt=prompt,
+                      messages=[dict(m) for m in messages], tools=item.get("tools"), label=item.get("label"),
+                      sampling=dict(self.sampling), attempt_id=session.attempt_id, group_id=group_id)
+        reward, failed, error = 0.0, False, None
+        try:
+            result = await asyncio.wait_for(self.run_agent(ctx), self.attempt_timeout_s)
+            reward = result.reward
+        except asyncio.TimeoutError:
+            failed, error = True, f"attempt timed out after {self.attempt_timeout_s}s"
+            self.counters["timed_out_attempts"] += 1
+        except Exception as e:  # the agent's own error, or an engine's: recorded, the run goes on
+            failed, error = True, f"{type(e).__name__}: {e}"
+            traceback.clear_frames(e.__traceback__)
+        # sealed: a request of this attempt still generating is refused when it lands
+        segments = [dict(s, group_id=group_id, failed=failed, error=error)
+                    for s in self.server.finish_session(session.id, reward)]
+        self.server.drop_session(session.id)
+        if hasattr(self.server.backend, "forget"):
+            self.server.backend.forget(session.id)
+        self.counters["attempts"] += 1
+        self.counters["failed_attempts"] += failed
+        self.counters["reward_sum"] += reward
+        if failed:
+            self.errors = (self.errors + [error])[-20:]
+        if self.trajectory_writer is not None and segments:
+            self.trajectory_writer(segments)
+        records = [put_experience(seg, reward, group_id, failed, error) for seg in segments]
+        if not records:  # an attempt that never reached the model still counts in its group's statistics
+            records = [dict(ref=None, attempt_id=session.attempt_id, segment_index=-1, group_id=group_id, reward=reward,
+                            num_tokens=0, action_tokens=0, min_version=-1, max_version=-1, failed=failed, error=error)]
+        self.counters["generated_tokens"] += sum(r["action_tokens"] for r in records)
+        return dict(attempt_id=session.attempt_id, reward=reward, failed=failed, error=error, segments=records)
