@@ -178,7 +178,8 @@ def field(body, key, types, default=None, required=False, where=""):
             raise RequestError(400, f"`{where}{key}` is required.", where + key)
         return default
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-        raise RequestError(400, f"`{where}{key}` must be {' or '.join(TYPE_NAMES[t] for t in types)}, "
+        names = ["a number"] if types == (int, float) else [TYPE_NAMES[t] for t in types]
+        raise RequestError(400, f"`{where}{key}` must be {' or '.join(names)}, "
                                 f"got {type(value).__name__}.", where + key)
     return value
 
