@@ -110,6 +110,150 @@ def bench_logprobs(*args):
                 ratio=round(chunked / naive, 4))
 
 
+# -----------------------------------------------------------------------------
+# sync: the trainer's bucketed weight broadcast (weights_sync) vs one raw broadcast of the same bytes
+
+
+def bench_sync(*args):
+    """Rank 0 holds a Qwen3-30B-A3B-shaped model with a few layers (fp32 master weights, several GB in bf16) and
+    sends it with weights_sync.WeightSender (cast to bf16, pack per-expert HF tensors into buckets, broadcast with
+    double buffering) to rank 1, which receives like an engine worker (weights_sync.BucketReceiver) and copies
+    every tensor into its own per-parameter tensor, as load_weights does. Baseline, same run, same process group:
+    one broadcast of a flat buffer of the same bytes. Prints GB/s of both and ours / raw (target >= 0.85).
+
+        torchrun --nproc_per_node=2 bench.py sync                # 2 GPUs, NCCL
+        python bench.py sync                                     # spawns the 2 ranks itself (CPU: gloo, tiny)
+        python bench.py sync --layers=2 --bucket_mb=256 --iters=5 --tiny=0
+    """
+    import os
+    import torch
+    import torch.multiprocessing as mp
+    from weights_sync import free_port
+    cuda = torch.cuda.is_available()
+    opt = _int_options(args, layers=4, bucket_mb=512 if cuda else 1, iters=5 if cuda else 3, tiny=int(not cuda))
+    if "RANK" in os.environ:  # under torchrun
+        if int(os.environ["WORLD_SIZE"]) != 2:
+            sys.exit(f"bench.py sync needs exactly 2 ranks (sender and receiver), got WORLD_SIZE={os.environ['WORLD_SIZE']}")
+        result = _sync_rank(int(os.environ["RANK"]), opt, None)
+        if int(os.environ["RANK"]) != 0:
+            sys.exit(0)  # rank 0 prints the result
+        return result
+    if cuda and torch.cuda.device_count() < 2:
+        sys.exit("bench.py sync needs 2 GPUs (or none, for the CPU smoke run)")
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    procs = [ctx.Process(target=_sync_spawned, args=(rank, env, opt, results)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode != 0 for p in procs):
+        sys.exit(f"bench.py sync: a rank failed (exit codes {[p.exitcode for p in procs]})")
+    return results.get()
+
+
+def _sync_spawned(rank, env, opt, results):
+    import os
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    _sync_rank(rank, opt, results)
+
+
+def _sync_rank(rank, opt, results):
+    import os
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from model import TINY_CONFIG, ModelConfig, Transformer, ours_to_hf
+    from weights_sync import BucketReceiver, WeightSender, free_port, stateless_process_group
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")  # only to hand the plan and the port to rank 1
+    cfg = TINY_CONFIG if opt["tiny"] else ModelConfig(  # Qwen3-30B-A3B, fewer layers
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=opt["layers"],
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768)
+    sender = WeightSender(bucket_bytes=opt["bucket_mb"] << 20, dtype=torch.bfloat16, device=device)
+    if rank == 0:
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        model.to_empty(device=device)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.02)
+        plan = sender.plan(model)
+        shared = [plan[0], free_port(os.environ["MASTER_ADDR"])]
+    else:
+        shared = [None, None]
+    dist.broadcast_object_list(shared, src=0)
+    buckets, port = shared
+    total = sum(b["nbytes"] for b in buckets)
+    backend = "nccl" if cuda else "gloo"
+    if rank == 0:
+        sender.connect(os.environ["MASTER_ADDR"], port, 2, backend)
+        group = sender.group
+    else:
+        group = stateless_process_group(os.environ["MASTER_ADDR"], port, 1, 2, backend)
+        dest = {name: torch.empty(shape, dtype=getattr(torch, dt), device=device)  # the engine's parameters
+                for b in buckets for name, dt, shape, _ in b["tensors"]}
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    token = torch.zeros(1, device=device)
+
+    def barrier():
+        group.allreduce([token]).wait()
+        if cuda:
+            torch.cuda.synchronize()
+
+    def ours():
+        if rank == 0:
+            sender.send(model, plan)
+        else:
+            for name, t in BucketReceiver(group, buckets, device):
+                dest[name].copy_(t)
+
+    def raw():
+        group.broadcast(flat, 0).wait()
+
+    def timed(fn):
+        barrier()
+        t0 = time.perf_counter()
+        fn()
+        barrier()  # the receiver has every byte in place
+        return time.perf_counter() - t0
+
+    timed(raw), timed(ours)  # warm-up: NCCL communicators, allocator
+    raw_s, ours_s = [], []
+    for _ in range(opt["iters"]):
+        raw_s.append(timed(raw))
+        ours_s.append(timed(ours))
+    # correctness: what rank 1 holds equals the bf16 cast of rank 0's weights, tensor by tensor
+    if rank == 0:
+        want = {k: v.to(torch.bfloat16) for k, v in ours_to_hf(dict(model.named_parameters()), cfg).items()}
+        sums = [want[name].double().sum().item() for b in buckets for name, *_ in b["tensors"]]
+    else:
+        sums = [dest[name].double().sum().item() for b in buckets for name, *_ in b["tensors"]]
+    gathered = [None, None]
+    dist.all_gather_object(gathered, sums)
+    group.shutdown()
+    dist.destroy_process_group()
+    raw_t, ours_t = statistics.median(raw_s), statistics.median(ours_s)
+    result = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", backend=backend,
+                  layers=cfg.num_hidden_layers, gb=round(total / 1e9, 3), buckets=len(buckets),
+                  bucket_mb=opt["bucket_mb"], iters=opt["iters"], raw_gbps=round(total / raw_t / 1e9, 2),
+                  ours_gbps=round(total / ours_t / 1e9, 2), raw_s=round(raw_t, 4), ours_s=round(ours_t, 4),
+                  match=gathered[0] == gathered[1], ratio=round(raw_t / ours_t, 3))
+    if rank == 0:
+        print(f"{result['gb']} GB in {len(buckets)} buckets: ours {result['ours_gbps']} GB/s, "
+              f"raw broadcast {result['raw_gbps']} GB/s, ratio {result['ratio']}, receiver matches: {result['match']}")
+        if results is not None:
+            results.put(result)
+    return result
+
+
 def main():
     names = sorted(k[len("bench_"):] for k in globals() if k.startswith("bench_"))
     if len(sys.argv) < 2 or sys.argv[1] not in names:

@@ -52,17 +52,18 @@ ALIGN = 256  # byte alignment of each tensor in a bucket: keeps copies and NCCL 
 
 
 def stateless_process_group(host, port, rank, world_size, backend, timeout_s=600.0):
-    """A process group outside torch's global state, the same construction as vLLM's
+    """A process group outside torch's global state, the construction of vLLM's
     `stateless_init_torch_distributed_process_group` in torch alone, so that the trainer needs no vLLM and both
-    ends run one function. Rank 0 hosts the rendezvous store at host:port. Collectives are called on the group
-    object (`pg.broadcast(t, root)`) with group ranks."""
+    ends run one function. Rank 0 hosts the rendezvous store at host:port; every rank blocks here until all
+    world_size have joined. Collectives are called on the group object (`pg.broadcast(t, root)`), group ranks."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"weight sync backend must be 'gloo' or 'nccl', got {backend!r}")
-    from torch.distributed import PrefixStore, ProcessGroup, rendezvous
+    from torch.distributed import PrefixStore, ProcessGroup, TCPStore
     init_method = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # a TCPStore of our own, not torch.distributed.rendezvous: under torchrun that one only ever connects to the
+    # launcher's store (TORCHELASTIC_USE_AGENT_STORE) and never serves ours
+    store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
     prefix_store = PrefixStore(init_method, store)  # our keys never collide with another user of the store
     pg = ProcessGroup(prefix_store, rank, world_size)
     if backend == "gloo":
