@@ -130,34 +130,45 @@ async def run_python(code, *, time_limit_s=5.0, memory_mb=256, max_output_chars=
            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     head, tail, total = bytearray(), bytearray(), 0
     half = max_output_chars // 2
+    too_much_output = asyncio.Event()
 
     async def read_output(stream):
         nonlocal head, tail, total
         while chunk := await stream.read(1 << 16):
             total += len(chunk)
+            if total > output_limit:  # a print loop: it is being killed; drain the pipe, keep nothing more
+                too_much_output.set()
+                continue
             if len(head) < half:
                 head += chunk[:half - len(head)]
             tail = (tail + chunk)[-half:]
-            if total > output_limit:  # a print loop: stop it rather than spend this process's CPU reading
-                return
 
     proc = await asyncio.create_subprocess_exec(
         *prefix, python, "-I", "-c", PRELUDE, *args, cwd=workdir, env=env, stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    timed_out = False
+    async def exit_code_of(proc):
+        # polled: asyncio's proc.wait() (Python 3.11) also waits for the pipe to close, which a child of the
+        # program may hold open long after the program itself has exited
+        while proc.returncode is None:
+            await asyncio.sleep(0.02)
+        return proc.returncode
+
+    reader = asyncio.ensure_future(read_output(proc.stdout))
+    exited, limited = asyncio.ensure_future(exit_code_of(proc)), asyncio.ensure_future(too_much_output.wait())
     try:
-        async with asyncio.timeout(time_limit_s):
-            await read_output(proc.stdout)  # EOF, or too much output
-            if total <= output_limit:  # EOF: the process closed its output; it may still be running
-                await proc.wait()
-    except asyncio.TimeoutError:
-        timed_out = True
-    finally:
+        done, _ = await asyncio.wait([exited, limited], timeout=time_limit_s, return_when=asyncio.FIRST_COMPLETED)
+        timed_out = not done
+    finally:  # also when the attempt is cancelled
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # the whole session: children and grandchildren too
         except ProcessLookupError:
             pass
-        exit_code = await proc.wait()
+        limited.cancel()
+        exit_code = await exited
+        try:  # the rest of the output: every writer is dead now (unless one left the process group)
+            await asyncio.wait_for(reader, 5)
+        except TimeoutError:
+            pass
         shutil.rmtree(workdir, ignore_errors=True)
     truncated = total > 2 * half
     if truncated:  # head and tail each hold `half` bytes: keep the start and the end (where tracebacks are)
@@ -165,8 +176,8 @@ async def run_python(code, *, time_limit_s=5.0, memory_mb=256, max_output_chars=
                 + tail.decode(errors="replace"))
     else:  # head, then what the tail holds beyond it
         text = (head + tail[len(tail) - (total - len(head)):]).decode(errors="replace")
-    too_much_output = total > output_limit
-    return SandboxResult(output=text, exit_code=None if timed_out or too_much_output else exit_code,
-                         timed_out=timed_out, output_limited=too_much_output, truncated=truncated,
+    output_limited = total > output_limit and not timed_out
+    return SandboxResult(output=text, exit_code=None if timed_out or output_limited else exit_code,
+                         timed_out=timed_out, output_limited=output_limited, truncated=truncated,
                          network_isolation=isolation,
                          limits=dict(time_limit_s=time_limit_s, memory_mb=memory_mb, max_output_mb=max_output_mb))
