@@ -2,7 +2,10 @@
 
 An agent module exports `agent`: a ChatAgent instance or subclass, an Env subclass (a fresh one per attempt), or a
 plain `async def agent(ctx)`. It may also export `prompts()`, an iterator of dicts with `prompt` (or `messages`),
-`label` and optional `tools`: the data source when the config names no prompt file.
+`label` and optional `tools`: the data source when the config names no prompt file. And it may export a plain
+`setup(cfg)`: called once per run (setup_agent) before the first attempt, in the process that runs the attempts, to
+start what the agent needs beside the policy (a judge's or a teacher's engine, see agents/frozen.py); it may return
+a clean-up function, called when the run ends.
 """
 import importlib.util
 import inspect
@@ -25,7 +28,25 @@ def load_agent(path):
     spec.loader.exec_module(module)
     if not hasattr(module, "agent"):
         raise AttributeError(f"agent module {path!r} exports no `agent` (a ChatAgent, an Env subclass or an async function)")
-    return as_run_function(module.agent, path), getattr(module, "prompts", None)
+    run = as_run_function(module.agent, path)
+    run.setup = getattr(module, "setup", None)  # for setup_agent: the same module object the agent lives in
+    return run, getattr(module, "prompts", None)
+
+
+def setup_agent(run, cfg):
+    """Call the agent module's `setup(cfg)`, if it has one, with the resolved config. Returns the clean-up to call
+    when the run ends (a no-op when there is none)."""
+    setup = getattr(run, "setup", None)
+    if setup is None:
+        return lambda: None
+    if inspect.iscoroutinefunction(setup):
+        raise TypeError("an agent module's `setup(cfg)` must be a plain function: what it starts has to outlive any "
+                        "one event loop, so serve it from its own thread (agents/frozen.py does)")
+    cleanup = setup(cfg)
+    if cleanup is not None and not callable(cleanup):
+        raise TypeError(f"an agent module's `setup(cfg)` must return None or a clean-up function, got "
+                        f"{type(cleanup).__name__}")
+    return cleanup or (lambda: None)
 
 
 def as_run_function(agent, where="agent"):
