@@ -1,5 +1,6 @@
-# torchrun.sh --config configs/moe_700b.py      (64 nodes x 8 GPUs train, 16 nodes x 8 GPUs roll out)
-# A Qwen3-MoE-architecture model of ~697B parameters (61 layers, 256 experts, top-8, ~31B active).
+# NNODES=64 NODE_RANK=$i ROLLOUT_NODES=16 MASTER_ADDR=node0 ./torchrun.sh --config configs/moe_700b.py   (torchrun.sh has the Slurm file)
+# A Qwen3-MoE-architecture model of ~698B parameters (61 layers, 256 experts, top-8, ~32B active): 64 nodes x 8 GPUs
+# train (EP 256 x FSDP 2), 16 nodes x 8 GPUs roll out (8 engines x TP 16: bf16 weights need two 8-GPU nodes each).
 # Check the plan first, on any machine: python train.py --config configs/moe_700b.py --dry_run=True
 out_dir = "out/moe_700b"
 model_path = "checkpoints/moe-700b"
@@ -17,7 +18,7 @@ group_size = 8
 groups_per_batch = 64
 groups_in_flight = 80
 max_tokens = 32768
-microbatch_tokens = 32768
+microbatch_tokens = 34816   # one full-length sequence (engine_max_model_len)
 param_dtype = "bfloat16"
 activation_checkpointing = True
 cpu_offload_optimizer = False

@@ -1,6 +1,7 @@
-# torchrun --nproc_per_node=8 train.py --config configs/qwen3_30b_a3b.py
+# ROLLOUT_NODES=1 ./torchrun.sh --config configs/qwen3_30b_a3b.py   (node 0; on node 1: ROLLOUT_NODE=1 MASTER_ADDR=node0 ./torchrun.sh)
 # Qwen3-30B-A3B, the model of the published benchmark: 8 GPUs train (ep=8), 8 GPUs roll out (8 engines x TP 1),
 # 32 prompts x 4 samples per step, 8192-token responses. model_path: a local HF download.
+# Plan it first: python train.py --config configs/qwen3_30b_a3b.py --dry_run=True
 out_dir = "out/qwen3_30b_a3b"
 model_path = "checkpoints/Qwen3-30B-A3B"
 model_config = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
@@ -20,6 +21,9 @@ max_tokens = 8192
 microbatch_tokens = 16384
 param_dtype = "bfloat16"
 activation_checkpointing = True
+# MTP speculative decoding ({"method": "mtp", "num_speculative_tokens": 1}) needs a model with MTP layers (Qwen3-Next,
+# DeepSeek-V3); vLLM refuses it for Qwen3-MoE, and the run stops with one sentence naming this key.
+speculative_config = {}
 learning_rate = 1e-6
 min_lr = 1e-7
 warmup_steps = 10
