@@ -163,26 +163,25 @@ class Router:
             if i in self._reviving:
                 return
             self._reviving.add(i)
-            self.up[i], self.in_weight_group[i] = False, False
+            self.up[i] = False  # the weight group still holds its dead workers: live_engines() says so
         asyncio.get_running_loop().create_task(self._revive(i))
 
-    async def _revive(self, i):
+    async def _revive(self, i, give_up_after_s=900.0):
+        deadline = time.monotonic() + give_up_after_s
         try:
-            for _ in range(600):
+            while time.monotonic() < deadline:
                 try:
                     # Ray queues this until the actor is back; a restarted actor is a fresh Engine, not started.
                     # start() loads the base weights at version 0 (an actor that only lost contact keeps its own)
                     if not await self.engines[i].started.remote():
                         await self.engines[i].start.remote()
                     with self._lock:
-                        self.up[i] = True
+                        self.up[i], self.in_weight_group[i] = True, False  # a fresh process: not in the group
                         self.restarts += 1
                     return
-                except RayActorError as e:
-                    if isinstance(e, ray.exceptions.ActorDiedError) and "restart" not in str(e).lower():
-                        print(f"rollout engine {i} is gone for good (max_restarts spent): {e}")
-                        return
+                except RayActorError:  # not restarted yet, or died again
                     await asyncio.sleep(1.0)
+            print(f"rollout engine {i} did not come back within {give_up_after_s:.0f}s (max_restarts spent?)")
         finally:
             with self._lock:
                 self._reviving.discard(i)
@@ -353,7 +352,7 @@ class RolloutPool:
         self._changed.set()
 
     async def _run_attempt(self, group_id, item):
-        session = self.server.new_session(uuid.uuid4().hex)
+        session = self.server.new_session()  # its id is the attempt id
         prompt = item.get("prompt")
         messages = item.get("messages") or ([{"role": "user", "content": prompt}] if prompt is not None else [])
         ctx = Context(base_url=session.base_url, api_key=session.api_key, model=self.model_name, prompt=prompt,

@@ -15,3 +15,25 @@ def tiny_model_path():
     """The tiny Qwen3-MoE directory, built once (deterministically) the first time any test needs it."""
     from model import ensure_tiny_model
     return ensure_tiny_model(os.path.join(ROOT, ".cache", "tiny-qwen3-moe"))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster (2 logical CPUs, a small object store), shared by every test that needs Ray."""
+    import ray
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 << 20)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def rollout_engine(ray_cluster, tiny_model_path):
+    """One vLLM engine actor on the tiny model (rollout.start_engines), shared by the rollout and loop tests.
+    Ray restarts it when a test kills it."""
+    import rollout
+    engines, _ = rollout.start_engines(tiny_model_path, num_engines=1, max_model_len=1024, memory_fraction=0.3,
+                                       max_restarts=4)
+    return engines[0]
