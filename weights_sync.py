@@ -35,6 +35,7 @@ nothing of EP owners or stacked experts, which is the part that matters at scale
 same call the factory's `finish_weight_update(weight_version=...)` makes (`update_weight_version`).
 """
 import asyncio
+import contextlib
 import math
 import socket
 import time
@@ -327,7 +328,12 @@ async def connect_engines(engines, sender, host="127.0.0.1", port=0, backend=Non
 async def sync_weights(engines, sender, model, policy_version):
     """After an optimizer step, on every trainer rank: pause the engines (in-flight requests kept), send the
     weights, load them, set the engines' weight version to `policy_version`, resume. Off rank 0 `engines` is
-    ignored (pass None) and the rank only joins the gathers. Returns {"bytes", "pause_s", "transfer_s"}."""
+    ignored (pass None) and the rank only joins the gathers. Returns {"bytes", "pause_s", "transfer_s"}.
+
+    If a load or the transfer fails, the weight group is closed (workers still waiting in a broadcast get an
+    error instead of waiting for the timeout), the engines resume on the weights they hold (layers that had not
+    arrived keep their old values; the version is not bumped), and the error is raised, an engine's own first
+    (e.g. Ray's RayActorError for a dead engine). Call connect_engines again before the next sync."""
     plan = sender.plan(model)
     if not sender.is_sender:
         await asyncio.to_thread(sender.send, model, plan)
@@ -335,14 +341,21 @@ async def sync_weights(engines, sender, model, policy_version):
     t0 = time.perf_counter()
     await asyncio.gather(*(_call(e, "pause") for e in engines))
     t1 = time.perf_counter()
-    # the workers block in the broadcasts of receive_weights while the sender (in a thread) feeds them
-    loads = [asyncio.ensure_future(_call(e, "collective_rpc", "receive_weights", args=(plan[0],))) for e in engines]
-    nbytes = await asyncio.to_thread(sender.send, model, plan)
-    await asyncio.gather(*loads)
-    await asyncio.gather(*(_call(e, "set_version", policy_version) for e in engines))
-    t2 = time.perf_counter()
-    await asyncio.gather(*(_call(e, "resume") for e in engines))
-    return {"bytes": nbytes, "pause_s": t2 - t0, "transfer_s": t2 - t1}
+    try:
+        # the workers block in the broadcasts of receive_weights while the sender (in a thread) feeds them
+        loads = [asyncio.ensure_future(_call(e, "collective_rpc", "receive_weights", args=(plan[0],)))
+                 for e in engines]
+        send = asyncio.ensure_future(asyncio.to_thread(sender.send, model, plan))
+        done, _ = await asyncio.wait([*loads, send], return_when=asyncio.FIRST_EXCEPTION)
+        failed = [f for f in [*loads, send] if f in done and f.exception() is not None]
+        if failed:
+            sender.close()
+            await asyncio.wait([*loads, send], timeout=60)  # let the others fail fast on the closed group
+            raise failed[0].exception()
+        await asyncio.gather(*(_call(e, "set_version", policy_version) for e in engines))
+    finally:
+        await asyncio.gather(*(_call(e, "resume") for e in engines), return_exceptions=True)
+    return {"bytes": send.result(), "pause_s": time.perf_counter() - t0, "transfer_s": time.perf_counter() - t1}
 
 # -----------------------------------------------------------------------------
 # engine side
@@ -415,8 +428,17 @@ class WeightSyncWorker:
         receiver = BucketReceiver(self.weight_group, buckets, self.device)
         try:
             self.reload_weights(weights_iterator=iter(receiver), is_checkpoint_format=True)
-        finally:
-            unconsumed = receiver.drain()
+        except BaseException:
+            # an interrupted layerwise reload leaves the layers that had not arrived on the meta device: put
+            # their old tensors back so the engine can still serve, then free the sender if the group still works
+            from vllm.config import set_current_vllm_config
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+            with set_current_vllm_config(self.vllm_config):
+                finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
+            with contextlib.suppress(Exception):
+                receiver.drain()
+            raise
+        unconsumed = receiver.drain()
         if unconsumed:
             raise RuntimeError(f"the model loader stopped with {unconsumed} of {len(buckets)} weight buckets unread")
         if self.device.type == "cpu":
