@@ -9,7 +9,7 @@ One process group joins the trainer's sender (rank 0 of the trainer, group rank 
 engine (group ranks 1..N; tensor-parallel workers each receive the full tensors and load their own shard).
 NCCL on GPU, gloo on CPU. The trainer side needs torch alone; vLLM is only imported inside engine workers.
 
-    sender = WeightSender(bucket_bytes=1 << 30)                      # every trainer rank
+    sender = WeightSender(bucket_bytes=512 << 20)                    # every trainer rank
     await connect_engines(engines, sender)                           # rank 0; again after an engine restart
     await sync_weights(engines, sender, model, policy_version)       # every trainer rank (engines=None off rank 0)
 
@@ -119,8 +119,8 @@ def plan_buckets(model, bucket_bytes, dtype=torch.bfloat16):
 
     for name, p in model.named_parameters():
         shape = global_shape(model, name, p)
-        hf = ours_to_hf({name: torch.empty(shape, device="meta")}, model.config)  # per-expert names; drops a tied lm_head
-        if not hf:
+        hf = ours_to_hf({name: torch.empty(shape, device="meta")}, model.config)  # per-expert names
+        if not hf:  # a tied lm_head: the engine ties it to embed_tokens itself
             continue
         if not is_stacked_experts(name):
             offset = place(math.prod(shape) * elsize)
@@ -164,34 +164,45 @@ def rank():
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def gather_to(p, dst, dtype):
-    """The full tensor of `p` (cast to dtype) on global rank dst, None on every other rank. A DTensor sharded on
-    one mesh dimension (FSDP2, or HSDP with replicas) is gathered over that dimension's group, padded to equal
-    chunks (FSDP2 shards with torch.chunk, the last shards may be short or empty). Costs one `gather`."""
+def gather_to(p, dst, dtype, device):
+    """The full tensor of `p` (cast to dtype, on device) on global rank dst, None on every other rank. A DTensor
+    sharded on one mesh dimension (FSDP2, or HSDP with replicas) is gathered over that dimension's group, padded
+    to equal chunks (FSDP2 shards with torch.chunk: the last shards may be short or empty). Costs one `gather`;
+    only dst allocates the full tensor."""
     from torch.distributed.tensor import DTensor
     if not isinstance(p, DTensor):
-        return p.detach().to(dtype) if rank() == dst else None
+        return p.detach().to(device=device, dtype=dtype) if rank() == dst else None
     sharded = [(i, pl.dim) for i, pl in enumerate(p.placements) if pl.is_shard()]
     if len(sharded) > 1 or any(not (pl.is_shard() or pl.is_replicate()) for pl in p.placements):
         raise ValueError(f"cannot gather a DTensor with placements {p.placements}: weight sync supports one "
                          "sharded mesh dimension (FSDP2 or HSDP)")
-    local = p.to_local().detach().to(dtype)
     if not sharded:
-        return local if rank() == dst else None
+        return p.to_local().detach().to(device=device, dtype=dtype) if rank() == dst else None
     mesh_dim, dim = sharded[0]
     group = p.device_mesh.get_group(mesh_dim)
     ranks = dist.get_process_group_ranks(group)
     if dst not in ranks:  # another replica's shard group: dst gathers from its own
         return None
+    local = p.to_local().detach().to(device=device, dtype=dtype)  # a copy: the sharded params may be offloaded
     n, world = p.shape[dim], len(ranks)
     chunk = -(-n // world)
     if local.shape[dim] < chunk:
         pad = list(local.shape)
         pad[dim] = chunk - local.shape[dim]
         local = torch.cat([local, local.new_zeros(pad)], dim)
-    parts = [torch.empty_like(local) for _ in range(world)] if rank() == dst else None
+    if rank() != dst:
+        dist.gather(local.contiguous(), None, dst=dst, group=group)
+        return None
+    shape = list(local.shape)
+    shape[dim] = chunk * world
+    full = local.new_empty(shape)
+    parts = list(full.chunk(world, dim))  # dim 0: contiguous views, the gather writes in place
+    if dim != 0:
+        parts = [torch.empty_like(local) for _ in range(world)]
     dist.gather(local.contiguous(), parts, dst=dst, group=group)
-    return torch.cat(parts, dim).narrow(dim, 0, n) if parts is not None else None
+    if dim != 0:
+        full = torch.cat(parts, dim)
+    return full.narrow(dim, 0, n)
 
 # -----------------------------------------------------------------------------
 # trainer side
@@ -201,7 +212,7 @@ class WeightSender:
     """Sends the trainer's weights to the engines. Construct it on every trainer rank; rank 0 is the sender and
     joins the engine group (`connect_engines`), the others only take part in the gathers of `send`."""
 
-    def __init__(self, bucket_bytes=1 << 30, dtype=torch.bfloat16, device=None):
+    def __init__(self, bucket_bytes=512 << 20, dtype=torch.bfloat16, device=None):
         self.bucket_bytes, self.dtype = bucket_bytes, dtype
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
@@ -270,7 +281,7 @@ class WeightSender:
         """The full parameter on the sender (None elsewhere); stacked experts under EP come from their owners."""
         experts = model.get_submodule(name.rsplit(".", 1)[0]) if is_stacked_experts(name) else None
         if experts is None or experts.ep_group is None:
-            return gather_to(p, 0, self.dtype)
+            return gather_to(p, 0, self.dtype, self.device)
         ep_group = experts.ep_group
         senders = self._ep_sender_ranks(ep_group)
         # 1. the EP shard's FSDP group gathers its block of experts to its member in rank 0's EP group
@@ -282,13 +293,17 @@ class WeightSender:
             if len(owners) != 1:
                 raise RuntimeError(f"{name}: expected one rank of its FSDP group in rank 0's EP group, got {owners}")
             owner = owners[0]
-        block = gather_to(p, owner if isinstance(p, DTensor) else rank(), self.dtype)  # (E/ep, ...)
+        block = gather_to(p, owner if isinstance(p, DTensor) else rank(), self.dtype, self.device)  # (E/ep, ...)
         if rank() not in senders:
             return None
-        # 2. the owners gather their blocks to rank 0; EP rank i holds experts [i*E/ep, (i+1)*E/ep)
-        parts = [torch.empty_like(block) for _ in range(dist.get_world_size(ep_group))] if self.is_sender else None
-        dist.gather(block.contiguous(), parts, dst=0, group=ep_group)
-        return torch.cat(parts) if parts is not None else None  # (E, ...)
+        # 2. the owners gather their blocks to rank 0 over the EP group. train.py gives EP rank i the experts
+        # [i*E/ep, (i+1)*E/ep) (Experts.first_expert), so the blocks arrive in expert order
+        if not self.is_sender:
+            dist.gather(block.contiguous(), None, dst=0, group=ep_group)
+            return None
+        full = block.new_empty((experts.num_experts, *block.shape[1:]))  # (E, ...)
+        dist.gather(block.contiguous(), list(full.chunk(dist.get_world_size(ep_group))), dst=0, group=ep_group)
+        return full
 
     def _ep_sender_ranks(self, ep_group):
         if ep_group not in self._ep_senders:  # once per group: one small broadcast on the default group
@@ -320,8 +335,11 @@ async def connect_engines(engines, sender, host="127.0.0.1", port=0, backend=Non
     joins = [asyncio.ensure_future(_call(e, "collective_rpc", "init_weight_group",
                                          args=(host, port, off, world_size, backend, timeout_s)))
              for e, off in zip(engines, offsets)]
-    await asyncio.to_thread(sender.connect, host, port, world_size, backend, timeout_s)  # blocks until all joined
-    await asyncio.gather(*joins)
+    connect = asyncio.ensure_future(asyncio.to_thread(sender.connect, host, port, world_size, backend, timeout_s))
+    done, _ = await asyncio.wait([*joins, connect], return_when=asyncio.FIRST_EXCEPTION)  # all have joined
+    for f in [*joins, connect]:
+        if f in done and f.exception() is not None:
+            raise f.exception()  # an engine that cannot join fails here; the sender's wait then times out
     return world_size
 
 

@@ -200,7 +200,7 @@ def test_failed_load_resumes_engines_and_reconnect_recovers(loop, engine, sender
     assert diff.abs().max() <= MAX_DIFF and diff.abs().mean() <= MEAN_DIFF
 
 # -----------------------------------------------------------------------------
-# a sharded trainer sends: FSDP2 over gloo ranks, with and without expert parallelism (train.py's own model code)
+# a sharded trainer sends: FSDP2 over gloo ranks, with and without expert parallelism (train.py's model code)
 
 
 def perturb_(t):
@@ -237,7 +237,9 @@ def _receiver(ports, path, out_file):
     group.shutdown()
 
 
-@pytest.mark.parametrize("world,ep", [(2, 1), (4, 2)], ids=["fsdp2", "fsdp4-ep2"])
+# 3 ranks: most shards are uneven (2048 / 3, 128 / 3), the padded gather; 4 ranks with ep=2: experts come from two
+# EP owners, each gathering its block from its own FSDP pair first
+@pytest.mark.parametrize("world,ep", [(3, 1), (4, 2)], ids=["fsdp3-uneven", "fsdp4-ep2"])
 def test_sharded_trainer_sends_the_unsharded_weights(world, ep, tiny_model_path, tmp_path):
     ctx = mp.get_context("spawn")
     ports = (free_port(), free_port())
