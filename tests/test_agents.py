@@ -371,3 +371,18 @@ def test_load_prompts_parquet(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"prompt": "a", "label": "1"}, {"prompt": None, "label": "2"}]), path)
     with pytest.raises(ValueError, match=r"train.parquet:2: the row has neither"):
         list(load_prompts(path))
+
+
+def test_readme_agent_runs(stack, tmp_path):
+    """The "Writing an agent" example of README.md, as printed there, plays an attempt."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    section = readme[readme.index("## Writing an agent"):]
+    code = section[section.index("```python\n") + len("```python\n"):section.index("\n```\n")]
+    assert len(code.splitlines()) <= 20
+    path = tmp_path / "adder.py"
+    path.write_text(code)
+    run, prompts = load_agent(str(path))
+    result, segments, calls = play(stack, run, next(prompts()))
+    assert result.reward in (0.0, 1.0) and len(segments) == 1 and len(calls) == 1
+    assert run.setup is None
