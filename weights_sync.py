@@ -398,13 +398,18 @@ class BucketReceiver:
         self.posted.append((buf, self.group.broadcast(buf, 0)))
 
     def __iter__(self):
+        for tensors in self.iter_buckets():
+            yield from tensors
+
+    def iter_buckets(self):
+        """The same, one list of (hf_name, tensor) per bucket (for a caller that copies a bucket at once)."""
         for k, bucket in enumerate(self.buckets):
             while len(self.posted) < min(k + 2, len(self.buckets)):
                 self._post()
             buf, work = self.posted[k]
-            work.wait()
-            for name, dtype_name, shape, offset in bucket["tensors"]:
-                yield name, tensor_view(buf, dtype_name, shape, offset)
+            work.wait()  # NCCL: the stream waits, not the host
+            yield [(name, tensor_view(buf, dtype_name, shape, offset))
+                   for name, dtype_name, shape, offset in bucket["tensors"]]
             self.posted[k] = None  # drop our reference; the loader holds what it still needs
 
     def drain(self):
