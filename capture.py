@@ -19,6 +19,7 @@ dropped turn, changed tools, a template that rewrites earlier turns) seals the s
 full render. Streaming requests get their SSE events once the turn is generated (backends return whole turns).
 """
 import asyncio
+import gc
 import hashlib
 import importlib.util
 import json
@@ -64,6 +65,9 @@ class Engine:
             self.engine_args["worker_extension_cls"] = worker_extension_cls
         if not torch.cuda.is_available():
             self.engine_args["enforce_eager"] = True
+            # vLLM's CPU runner rewinds a seeded request's generator when it discards the sample of a partial
+            # prefill, which CPU generators cannot do: the engine dies. Whole-prompt prefills never discard.
+            self.engine_args["enable_chunked_prefill"] = False
             if torch.cpu._is_amx_tile_supported():
                 self.engine_args["worker_cls"] = "capture.AMXCPUWorker"
         self.engine_args.update(engine_kwargs)
@@ -476,10 +480,15 @@ class CaptureServer:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.tool_parser = Hermes2ProToolParser(self.tokenizer)  # extract_tool_calls is stateless
         self.end_ids = end_token_ids(self.tokenizer)
+        self.end_texts = [self.tokenizer.decode([i]) for i in self.end_ids]
+        self.added_texts = tuple(self.tokenizer.get_added_vocab())
         self.max_model_len, self.importance_correction = max_model_len, importance_correction
         self.model_name = model_name or os.path.basename(os.path.normpath(self.tokenizer.name_or_path)) or "model"
         self.max_body_bytes, self.max_cached_answers = max_body_bytes, max_cached_answers
-        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY only on sockets that say so (else Nagle + delayed ACK
+        # hold each response ~40 ms)
+        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                                    socket.IPPROTO_TCP)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.socket.bind((host, port))  # bound now so that url (and sessions' base URLs) exist before serving
         self.url = f"http://{host}:{self.socket.getsockname()[1]}"
@@ -513,13 +522,18 @@ class CaptureServer:
 
     # --- rendering and the segmenter
 
-    def render(self, messages, tools, add_generation_prompt):
+    def render_text(self, messages, tools, add_generation_prompt):
         try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+            return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja raise_exception(...) and friends: the template refused this conversation
             raise RequestError(400, f"The chat template rejected the conversation: {e}.", "messages")
+
+    def tokenize(self, text):
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def render(self, messages, tools, add_generation_prompt):
+        return self.tokenize(self.render_text(messages, tools, add_generation_prompt))
 
     def extension(self, session, messages, tools):
         """If `messages` extend the open segment's conversation: (tokens to append, new conversation); else None."""
@@ -529,14 +543,18 @@ class CaptureServer:
         if not all(same_message(a, b) for a, b in zip(conv, messages)):
             return None
         conversation = conv + messages[len(conv):]  # our own record of the prefix: the client's echo may differ
-        rendered = self.render(conv, tools, False)  # in formatting only (JSON whitespace, tool-call ids)
-        full = self.render(conversation, tools, True)
-        ends = [i for i, t in enumerate(rendered) if t in self.end_ids]
-        if full[:len(rendered)] != rendered or not ends:
-            return None  # the template renders the earlier turns differently now: a rewrite
-        # after our reply: the template's end-of-turn token (unless the engine already stopped on it) and separator
-        closing = rendered[ends[-1] + (session.last_generated[-1:] == [rendered[ends[-1]]]):]
-        return closing + full[len(rendered):], conversation
+        before = self.render_text(conv, tools, False)  # in formatting only (JSON whitespace, tool-call ids)
+        after = self.render_text(conversation, tools, True)
+        new_text, end = after[len(before):], max(before.rfind(t) for t in self.end_texts)
+        # The template must render the old conversation as a prefix of the new one (else it rewrote an earlier
+        # turn), and the new text must start at an added token, which tokenizers split on before anything else: so
+        # its tokens alone are the full render's. Costs two renders but tokenizes only the new text.
+        if not after.startswith(before) or end < 0 or not new_text.startswith(self.added_texts):
+            return None
+        closing = self.tokenize(before[end:])  # after our reply: the end-of-turn token and the separator
+        if session.last_generated[-1:] == closing[:1]:
+            closing = closing[1:]  # the engine stopped on that very token
+        return closing + self.tokenize(new_text), conversation
 
     async def respond(self, session, request):
         """Generate and record one turn (or return the answer already given to this exact request)."""
@@ -695,6 +713,10 @@ class CaptureServer:
         return error_response(protocol, exc.status_code, f"{request.method} {request.url.path}: {exc.detail}.")
 
     async def start(self):
+        # as vLLM's API server does: the millions of objects that imports left behind (torch, transformers, vLLM)
+        # move out of the cyclic GC's reach, so a full collection during a request stops costing tens of ms
+        gc.collect()
+        gc.freeze()
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5)
         self.uvicorn = uvicorn.Server(config)

@@ -353,3 +353,17 @@ def test_engine_versions_pause_resume_and_prompt_logprobs(stack):
     # processed logprobs at temperature 1 are the model's own: the engine scores its sample the same way
     assert lps[0] is None
     assert max(abs(a - b) for a, b in zip(lps[len(prompt):], out["logprobs"])) < 1e-2  # bf16: prefill vs decode kernels
+
+
+def test_seeded_requests_with_long_prompts_keep_the_engine_alive(stack):
+    # on CPU, a seeded request whose prompt vLLM prefilled in chunks killed the engine (a CPU generator cannot be
+    # rewound); Engine turns chunked prefill off on CPU. Eight 700-token prompts at once overflow one step's budget.
+    server, _, engine = stack
+
+    async def burst():
+        return await asyncio.gather(*[engine.generate(list(range(3, 703)), dict(max_tokens=4, seed=i), f"seeded-{i}")
+                                      for i in range(8)])
+    outs = server.run_in_loop(burst())
+    assert [len(o["token_ids"]) for o in outs] == [4] * 8
+    again = server.run_in_loop(engine.generate(list(range(3, 703)), dict(max_tokens=4, seed=3), "seeded-again"))
+    assert again["token_ids"] == outs[3]["token_ids"]  # a seed makes the sample reproducible
