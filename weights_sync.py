@@ -369,7 +369,8 @@ async def sync_weights(engines, sender, model, policy_version):
         if failed:
             sender.close()
             await asyncio.wait([*loads, send], timeout=60)  # let the others fail fast on the closed group
-            raise failed[0].exception()
+            errors = [f.exception() for f in [*loads, send] if f.done() and f.exception() is not None]
+            raise errors[0]  # an engine's error (the cause) before the sender's broken-pipe
         await asyncio.gather(*(_call(e, "set_version", policy_version) for e in engines))
     finally:
         await asyncio.gather(*(_call(e, "resume") for e in engines), return_exceptions=True)
