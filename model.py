@@ -181,8 +181,9 @@ def experts_grouped_mm(x, counts, gate_proj, up_proj, down_proj):
 class Experts(nn.Module):
     """E stacked SwiGLU experts. HF checkpoints name them `experts.{e}.gate_proj.weight` etc.; we stack them.
 
-    Under expert parallelism the trainer sets `ep_group` and this module holds only its E/ep local experts;
-    `forward` then dispatches tokens to their owners and combines the results (train.py builds the group).
+    Under expert parallelism train.py sets `ep_group`, `ep_dispatch`, `ep_combine` and `first_expert`: the
+    parameters then hold only this rank's experts [first_expert, first_expert + E/ep), and `forward` sends each
+    token row to the rank owning its expert and takes the results back (two all-to-alls, written in train.py).
     """
 
     def __init__(self, E, D, H):
@@ -191,30 +192,36 @@ class Experts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(E, H, D))  # (E, H, D)
         self.up_proj = nn.Parameter(torch.empty(E, H, D))    # (E, H, D)
         self.down_proj = nn.Parameter(torch.empty(E, D, H))  # (E, D, H)
-        self.ep_group = None
-        self.use_grouped_mm = None  # None: grouped GEMM on CUDA, loop elsewhere
+        self.ep_group = None     # the expert-parallel process group, or None
+        self.first_expert = 0    # global index of local expert 0
+        self.ep_dispatch = None  # (x_sorted, counts, group) -> (x_local, local_counts, plan)
+        self.ep_combine = None   # (y_local, plan, group) -> y_sorted
+        self.use_grouped_mm = None  # None: grouped GEMM for bf16 on CUDA, loop elsewhere
 
     def compute(self, x, counts):
-        grouped = self.use_grouped_mm if self.use_grouped_mm is not None else x.is_cuda
+        if x.shape[0] == 0:  # no rows for this rank's experts (expert parallelism): keep the weights in the graph so
+            # they still get a (zero) gradient and FSDP's gradient reduce-scatter runs on every rank
+            return x + 0 * (self.gate_proj.sum() + self.up_proj.sum() + self.down_proj.sum())
+        grouped = self.use_grouped_mm if self.use_grouped_mm is not None else (x.is_cuda and x.dtype == torch.bfloat16)
         fn = experts_grouped_mm if grouped else experts_loop
         return fn(x, counts, self.gate_proj, self.up_proj, self.down_proj)
 
     def forward(self, x, topk_ids, topk_weights):
         # x (N, D), topk_ids (N, K), topk_weights (N, K)
-        if self.ep_group is not None:
-            return expert_parallel_forward(self, x, topk_ids, topk_weights)
         N, K = topk_ids.shape
         flat_ids = topk_ids.flatten()  # (N*K,)
         order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts)
-        y_sorted = self.compute(x[order // K], counts)  # (N*K, D)
+        # scatter_add, not bincount: bincount on CUDA reads the max id back to the host (a sync)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat_ids, torch.ones_like(flat_ids))  # (E,)
+        x_sorted = x[order // K]  # (N*K, D) rows grouped by expert
+        if self.ep_group is None:
+            y_sorted = self.compute(x_sorted, counts)
+        else:
+            x_local, local_counts, plan = self.ep_dispatch(x_sorted, counts, self.ep_group)
+            y_sorted = self.ep_combine(self.compute(x_local, local_counts), plan, self.ep_group)
         y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
         return (y.view(N, K, -1) * topk_weights.unsqueeze(-1).to(y.dtype)).sum(1)
-
-
-def expert_parallel_forward(experts, x, topk_ids, topk_weights):
-    """Set by the trainer's expert-parallel code (train.py); defined there so the parallelism stays visible."""
-    raise RuntimeError("Experts.ep_group is set but train.py has not installed expert_parallel_forward")
 
 
 class MoE(nn.Module):

@@ -12,9 +12,31 @@ overrides are type-checked against the default. Unknown keys and wrong types sto
 """
 
 import ast
+import datetime
+import asyncio
 import json
+import math
 import os
 import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.distributed.nn.functional as dist_nn
+import torch.nn as nn
+from safetensors import safe_open
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
+                                    register_fsdp_forward_method)
+from torch.distributed.tensor import DTensor, Shard
+
+import loss
+from model import EXPERT_PROJS, Transformer, load_config, ours_to_hf
+from model import save_checkpoint as write_hf_checkpoint
 
 # -----------------------------------------------------------------------------
 # default config values: the tiny CPU run. configs/*.py and --key=value override them.
@@ -75,6 +97,7 @@ ep_size = 1                # expert parallel degree; FSDP shards over the remain
 param_dtype = "float32"    # compute dtype (bfloat16 on GPU); master weights and reductions stay fp32
 activation_checkpointing = False
 cpu_offload_optimizer = False
+gpu_memory_gib = 140.0      # per-GPU memory the dry run plans against (H200: 141 GB as sold, 140.4 GiB)
 # -----------------------------------------------------------------------------
 
 CONFIG_KEYS = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, dict))
@@ -128,16 +151,1089 @@ def configure(argv, defaults=None):
     return cfg
 
 
+# -----------------------------------------------------------------------------
+# parallelism: process group, device meshes, expert partition, fully_shard, expert-parallel dispatch/combine
+#
+# Ranks are laid out as rank = expert_fsdp_index * ep_size + ep_index, so an expert-parallel group is ep_size
+# consecutive ranks (one node's NVLink domain when ep_size <= GPUs per node). Dense weights (attention, norms,
+# router, embeddings) are FSDP-sharded over all ranks; each EP rank keeps E / ep_size experts, FSDP-sharded over
+# the world / ep_size ranks that hold the same experts. Every element of every weight lives on exactly one rank.
+
+
+def init_distributed(timeout_s=600):
+    """Join torchrun's process group (or make a 1-rank one). Returns (rank, world, device): NCCL on CUDA, gloo on CPU.
+    A collective that waits longer than timeout_s (a rank died or diverged) raises instead of hanging."""
+    if "RANK" not in os.environ:  # plain `python train.py`: a group of one, so the same code path runs everywhere
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    return rank, world, device
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_meshes(world, ep_size, device_type):
+    """All device meshes of the trainer: `fsdp` (all ranks, dense weights), `experts` (ep x expert_fsdp, 2-D),
+    and its two 1-D slices `ep` (dispatch/combine) and `expert_fsdp` (FSDP of the local experts)."""
+    if ep_size < 1 or world % ep_size:
+        raise ConfigError(f"ep_size={ep_size} must divide the number of trainer ranks ({world})")
+    fsdp = init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",))
+    # mesh[ep_index, expert_fsdp_index] = expert_fsdp_index * ep_size + ep_index; the ep dimension comes first so
+    # that a (Shard(0), Shard(0)) DTensor over it is the global expert tensor in expert order (checkpoints, export)
+    layout = torch.arange(world).view(world // ep_size, ep_size).T
+    experts = DeviceMesh(device_type, layout, mesh_dim_names=("ep", "expert_fsdp"))
+    return {"fsdp": fsdp, "experts": experts, "ep": experts["ep"], "expert_fsdp": experts["expert_fsdp"]}
+
+
+def partition_experts(model, meshes):
+    """Keep only this rank's E / ep experts in every MoE layer (the model is still on the meta device)."""
+    ep_mesh = meshes["ep"]
+    ep, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    for block in model.model.layers:
+        if not block.is_moe:
+            continue
+        experts = block.mlp.experts
+        E = experts.num_experts
+        if E % ep:
+            raise ConfigError(f"ep_size={ep} must divide the number of experts ({E})")
+        E_local = E // ep
+        for name in EXPERT_PROJS:
+            full = getattr(experts, name)
+            setattr(experts, name, nn.Parameter(torch.empty(E_local, *full.shape[1:], device=full.device)))
+        if ep > 1:
+            experts.ep_group, experts.first_expert = ep_mesh.get_group(), ep_rank * E_local
+            experts.ep_dispatch, experts.ep_combine = ep_dispatch, ep_combine
+
+
+def shard_model(model, meshes, cfg):
+    """Every fully_shard call: experts on their own mesh first, then each block, then the root (embeddings,
+    final norm, lm_head). Mixed precision: compute in param_dtype, gradients reduced in fp32."""
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg["param_dtype"]), reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy() if cfg["cpu_offload_optimizer"] else OffloadPolicy()
+    kw = dict(mp_policy=mp, offload_policy=offload)
+    for block in model.model.layers:
+        if block.is_moe:  # its own FSDP unit on its own mesh: the block's unit must not gather the experts
+            fully_shard(block.mlp.experts, mesh=meshes["expert_fsdp"], **kw)
+        fully_shard(block, mesh=meshes["fsdp"], **kw)
+    fully_shard(model, mesh=meshes["fsdp"], **kw)
+    register_fsdp_forward_method(model, "hidden_states")  # the trainer calls hidden_states, not forward
+    # Gradients are SUMMED over ranks, never averaged: each rank's loss is already divided by the window's global
+    # token count (loss.py's window normalization), so the sum over ranks is the gradient of the window loss.
+    # force-sum also keeps the reduction a plain SUM, which gloo needs (it has neither AVG nor PREMUL_SUM).
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            if not hasattr(module, "set_force_sum_reduction_for_comms"):
+                raise RuntimeError(f"torch {torch.__version__} has no FSDPModule.set_force_sum_reduction_for_comms; "
+                                   "the trainer needs torch >= 2.9")
+            module.set_force_sum_reduction_for_comms(True)
+    model.meshes = meshes
+    return model
+
+
+# the autograd all-to-all; torch 2.13 suggests the traced functional collectives instead, but this one is the
+# same eager call on torch 2.11 and 2.13
+warnings.filterwarnings("ignore", message="torch.distributed.nn.functional.all_to_all_single is deprecated")
+
+
+def all_to_all(x, out_splits, in_splits, group):
+    """Autograd all-to-all of rows: backward sends the gradients back along the same routes."""
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    return dist_nn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+
+
+def ep_dispatch(x_sorted, counts, group):
+    """Send each row to the rank owning its expert.
+
+    x_sorted (N*K, D): token rows grouped by global expert; counts (E,): rows per global expert.
+    Returns x_local (R, D) rows for this rank's experts grouped by local expert, local_counts (E_local,), and the
+    plan `ep_combine` needs to send results back.
+    """
+    ep = group.size()
+    E_local = counts.numel() // ep
+    # 1. counts first: recv_counts[src * E_local + e] = rows rank src sends to my local expert e
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)
+    # NOTE: device-to-host sync (one per MoE layer): all_to_all_single takes its split sizes as Python ints
+    send_splits, recv_splits = torch.stack([counts.view(ep, E_local).sum(1),
+                                            recv_counts.view(ep, E_local).sum(1)]).tolist()
+    # 2. the rows: what arrives is ordered by (source rank, local expert)
+    x_recv = all_to_all(x_sorted, recv_splits, send_splits, group)  # (R, D)
+    R = x_recv.shape[0]
+    local_expert = torch.arange(E_local, device=counts.device).repeat(ep).repeat_interleave(recv_counts, output_size=R)
+    order = local_expert.argsort(stable=True)  # (source, expert) order -> (expert, source) order
+    local_counts = recv_counts.view(ep, E_local).sum(0)  # (E_local,)
+    return x_recv[order], local_counts, (order, send_splits, recv_splits)
+
+
+def ep_combine(y_local, plan, group):
+    """Send expert outputs back to the ranks their tokens came from, in the order ep_dispatch received them."""
+    order, send_splits, recv_splits = plan
+    y_recv = torch.empty_like(y_local).index_copy_(0, order, y_local)  # back to (source, expert) order
+    return all_to_all(y_recv, send_splits, recv_splits, group)  # (N*K, D) in x_sorted's order
+
+
+def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_std=0.02):
+    """The sharded trainer model: built on the meta device, experts partitioned, fully_shard, then each rank
+    materializes and fills only its own shards (from `weights_path`, an HF directory, or random init)."""
+    mcfg = model_config if model_config is not None else load_config(weights_path)
+    with torch.device("meta"):
+        model = Transformer(mcfg)
+    partition_experts(model, meshes)
+    shard_model(model, meshes, cfg)
+    model.to_empty(device=device if not cfg["cpu_offload_optimizer"] else "cpu")
+    if mcfg.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
+        raise RuntimeError("tied embeddings came untied while materializing the sharded model")
+    model.activation_checkpointing = cfg["activation_checkpointing"]
+    if weights_path is not None:
+        load_hf_weights(model, weights_path)
+    else:
+        init_local_shards(model, init_std, seed=cfg["seed"] + dist.get_rank())
+    return model
+
+
+@torch.no_grad()
+def init_local_shards(model, std, seed):
+    """Random init of each rank's shards (benchmarks, from-scratch runs); norms start at 1."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        local = local_tensor(p)
+        if name.endswith("norm.weight"):
+            local.fill_(1.0)
+        else:
+            local.copy_(torch.randn(local.shape, generator=g) * std)
+
+
+def local_tensor(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def load_hf_weights(model, path):
+    """Fill each rank's shards from an HF safetensors directory; files are memory-mapped and each rank copies
+    only its rows (for experts, only its own experts), so no rank ever holds the whole model."""
+    files = hf_weight_files(path)
+    handles = {}
+    def read(name):
+        if name not in files:
+            raise KeyError(f"{path} has no tensor {name!r}")
+        f = files[name]
+        if f not in handles:
+            handles[f] = safe_open(os.path.join(path, f), framework="pt")
+        return handles[f].get_tensor(name)
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:
+            prefix, proj = name.split(".mlp.experts.")
+            experts = model.get_submodule(prefix + ".mlp.experts")
+            E_local = p.shape[0]  # the DTensor's shape: this rank's experts before FSDP cut them
+            full = torch.stack([read(f"{prefix}.mlp.experts.{experts.first_expert + e}.{proj}.weight")
+                                for e in range(E_local)])
+        elif name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue  # the same parameter as embed_tokens
+        else:
+            full = read(name)
+        copy_shard(p, full)
+
+
+def hf_weight_files(path):
+    """HF tensor name -> file name, for a single-file or sharded (index.json) safetensors directory."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return json.load(f)["weight_map"]
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(single):
+        raise FileNotFoundError(f"{path} has no model.safetensors or model.safetensors.index.json")
+    with safe_open(single, framework="pt") as f:
+        return {k: "model.safetensors" for k in f.keys()}
+
+
+def copy_shard(p, full):
+    """Copy this rank's FSDP shard of `full` into parameter p (dim-0 chunks, as FSDP and torch.chunk cut them)."""
+    if tuple(full.shape) != tuple(p.shape):
+        raise ValueError(f"checkpoint tensor of shape {tuple(full.shape)} does not fit parameter of shape {tuple(p.shape)}")
+    local = local_tensor(p)
+    if isinstance(p, DTensor):
+        mesh = p.device_mesh
+        chunks = full.chunk(mesh.size(), dim=0)
+        r = mesh.get_local_rank()
+        full = chunks[r] if r < len(chunks) else full[:0]
+    local.copy_(full.to(local.dtype))
+
+
+# -----------------------------------------------------------------------------
+# train step: optimizer, learning-rate schedule, microbatches, window-normalized loss, clipping, the step
+
+
+def build_optimizer(model, cfg):
+    """AdamW over the sharded parameters (fp32 master weights: FSDP keeps the sharded params in fp32). Experts and
+    dense weights live on different meshes, so they are separate param groups (foreach kernels stay per mesh).
+    With cpu_offload_optimizer the shards, their gradients and the Adam state stay in host memory (FSDP's
+    CPUOffloadPolicy) and the step runs on the CPU."""
+    experts = [p for n, p in model.named_parameters() if ".mlp.experts." in n]
+    dense = [p for n, p in model.named_parameters() if ".mlp.experts." not in n]
+    groups = [{"params": dense}] + ([{"params": experts}] if experts else [])
+    return torch.optim.AdamW(groups, lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
+                             weight_decay=cfg["weight_decay"])
+
+
+def learning_rate_at(step, cfg):
+    """Linear warm-up to learning_rate over warmup_steps, then cosine decay to min_lr at max_steps."""
+    lr, min_lr, warmup, total = cfg["learning_rate"], cfg["min_lr"], cfg["warmup_steps"], cfg["max_steps"]
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def loss_config(cfg):
+    return loss.LossConfig(loss=cfg["loss_type"], eps_low=cfg["eps_low"], eps_high=cfg["eps_high"],
+                           dual_clip=cfg["dual_clip"], is_level=cfg["is_level"], is_mode=cfg["is_mode"],
+                           is_low=cfg["is_low"], is_high=cfg["is_high"], max_staleness=cfg["max_staleness"],
+                           kl_coef=cfg["kl_coef"], entropy_coef=cfg["entropy_coef"])
+
+
+MICROBATCH_KEYS = ("input_ids", "targets", "action_mask", "behavior_logprobs", "token_versions", "advantages")
+
+
+def collate(segments, advantages, pad_id=0):
+    """Recorded segments (dicts with token_ids, action_mask, behavior_logprobs, token_versions, routed_experts) and
+    one advantage each -> one right-padded microbatch. Position t predicts token t + 1, so every per-token field is
+    the segment's shifted by one; routed_experts stay with the input tokens that were routed."""
+    T = max(len(s["token_ids"]) for s in segments) - 1
+    B = len(segments)
+    mb = dict(input_ids=torch.full((B, T), pad_id, dtype=torch.long), targets=torch.full((B, T), pad_id, dtype=torch.long),
+              action_mask=torch.zeros(B, T), behavior_logprobs=torch.zeros(B, T),
+              token_versions=torch.full((B, T), -1, dtype=torch.long),
+              advantages=torch.as_tensor(advantages, dtype=torch.float32).reshape(B))
+    with_routes = all(s.get("routed_experts") is not None for s in segments)
+    if with_routes:
+        L, K = len(segments[0]["routed_experts"][0]), len(segments[0]["routed_experts"][0][0])
+        mb["routed_experts"] = torch.zeros(B, T, L, K, dtype=torch.long)
+    for i, s in enumerate(segments):
+        n = len(s["token_ids"]) - 1
+        ids = torch.as_tensor(s["token_ids"], dtype=torch.long)
+        mb["input_ids"][i, :n], mb["targets"][i, :n] = ids[:-1], ids[1:]
+        mb["action_mask"][i, :n] = torch.as_tensor(s["action_mask"][1:], dtype=torch.float32)
+        mb["behavior_logprobs"][i, :n] = torch.as_tensor(s["behavior_logprobs"][1:], dtype=torch.float32)
+        mb["token_versions"][i, :n] = torch.as_tensor(s["token_versions"][1:], dtype=torch.long)
+        if with_routes:
+            mb["routed_experts"][i, :n] = torch.as_tensor(s["routed_experts"][:n], dtype=torch.long)
+    if not with_routes:
+        mb["routed_experts"] = None
+    return mb
+
+
+def empty_microbatch(like):
+    """A 1-token microbatch with nothing to learn from: ranks with fewer microbatches run these so that every rank
+    takes part in the same number of FSDP and expert-parallel collectives."""
+    return {k: (torch.zeros_like(v[:1, :1] if v.dim() > 1 else v[:1]) if torch.is_tensor(v) else v)
+            for k, v in like.items()}
+
+
+def microbatch_logprobs(model, mb, cfg, with_entropy=False):
+    """The trainer's logprob of each target (B, T), with routing replay when mb carries routed_experts."""
+    hidden = model.hidden_states(mb["input_ids"], routed_experts=mb.get("routed_experts"))  # (B, T, D)
+    lm_head = model.lm_head.weight  # unsharded: the root FSDP unit keeps its params gathered after forward
+    return loss.token_logprobs(hidden, lm_head, mb["targets"], cfg["temperature"], cfg["logprob_chunk_size"],
+                               with_entropy=with_entropy)
+
+
+@torch.no_grad()
+def clip_grad_norm(model, max_norm, device):
+    """Total gradient norm over every shard of every parameter, then scale to max_norm (0 = never scale).
+    Dense weights are sharded over all ranks and experts over ep x expert_fsdp ranks, so each gradient element
+    lives on exactly one rank: the sum of squares of the local shards, summed over all ranks, is the global one.
+    One all-reduce; the result stays on the device (no host sync here)."""
+    local = [local_tensor(p.grad) for p in model.parameters() if p.grad is not None]
+    # .to(device): with cpu_offload_optimizer the gradients are in host memory, the all-reduce on the GPU
+    sq = torch.stack(torch._foreach_norm(local)).float().pow(2).sum().to(device) if local else torch.zeros((), device=device)
+    dist.all_reduce(sq)
+    norm = sq.sqrt()
+    if max_norm > 0 and local:
+        torch._foreach_mul_(local, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(local[0].device))
+    return norm
+
+
+def train_step(model, optimizer, microbatches, cfg, policy_version, step=None):
+    """One optimizer step over this rank's microbatches of the window. Returns metrics (floats, same on all ranks).
+
+    microbatches: dicts of right-padded tensors (B, T): input_ids, targets (input_ids shifted by one), action_mask,
+    behavior_logprobs, token_versions, advantages (B,) or (B, T), optional ref_logprobs, and routed_experts
+    (B, T, L_moe, K) or None (see `collate`). The loss is normalized by the window's kept-token count, all-reduced
+    before the first backward, and gradients are summed over ranks (shard_model), so the step is the same however
+    the window is split into microbatches and ranks.
+    """
+    t0 = time.perf_counter()
+    step = policy_version if step is None else step
+    device = compute_device()
+    lcfg = loss_config(cfg)
+    if not microbatches:
+        raise ValueError("train_step needs at least one microbatch on every rank")
+    # every rank runs the same number of forward/backward passes (FSDP and all-to-all are collectives)
+    n = torch.tensor(len(microbatches), device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)  # NOTE: a host sync (.item() below), once per step
+    microbatches = list(microbatches) + [empty_microbatch(microbatches[0])] * (int(n.item()) - len(microbatches))
+    microbatches = [{k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in mb.items()}
+                    for mb in microbatches]
+
+    model.train()
+    old_logprobs = [None] * len(microbatches)
+    if lcfg.is_mode == "mask" and lcfg.is_level != "none":  # rejection needs the trainer's logprobs first
+        with torch.no_grad():
+            old_logprobs = [microbatch_logprobs(model, mb, cfg)[0] for mb in microbatches]
+    kept = [loss.kept_token_mask(old, mb["behavior_logprobs"], mb["action_mask"], mb["token_versions"],
+                                 policy_version, lcfg) for old, mb in zip(old_logprobs, microbatches)]
+    window_tokens = loss.count_window_tokens(kept)  # one all-reduce, before the first backward
+
+    metrics = []
+    for old, mb in zip(old_logprobs, microbatches):
+        logprobs, entropy = microbatch_logprobs(model, mb, cfg, with_entropy=lcfg.entropy_coef > 0)
+        mb_loss, mb_metrics = loss.policy_loss(logprobs, old, mb["behavior_logprobs"], mb["advantages"],
+                                               mb["action_mask"], mb["token_versions"], policy_version, lcfg,
+                                               window_tokens, dp_world_size=1,  # gradients are summed over ranks
+                                               ref_logprobs=mb.get("ref_logprobs"), entropy=entropy)
+        mb_loss.backward()
+        metrics.append(mb_metrics)
+
+    grad_norm = clip_grad_norm(model, cfg["grad_clip"], device)
+    lr = learning_rate_at(step, cfg)
+    grad_norm = grad_norm.item()  # NOTE: host sync, once per step: the skip decision is made on the host
+    skipped = not math.isfinite(grad_norm)
+    if skipped:
+        print0(f"step {step}: non-finite gradient norm ({grad_norm}); skipping the optimizer step")
+    else:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    out = loss.reduce_metrics(metrics)
+    tokens = torch.tensor(sum(mb["input_ids"].numel() for mb in microbatches), device=device)
+    dist.all_reduce(tokens)
+    out.update(grad_norm=grad_norm, lr=lr, skipped=skipped, window_tokens=int(window_tokens.item()),
+               tokens=int(tokens.item()), step_time=time.perf_counter() - t0)
+    return out
+
+
+def compute_device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def print0(*args):
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: sharded (torch.distributed.checkpoint; resumes on any number of ranks) and the HF export
+
+
+def global_experts(t, meshes):
+    """This rank's piece of an expert tensor as a DTensor of the global (E, ...) tensor on the 2-D experts mesh.
+    Shares storage with t, so loading into it loads into t."""
+    shape = (t.shape[0] * meshes["ep"].size(), *t.shape[1:])
+    return DTensor.from_local(local_tensor(t), meshes["experts"], [Shard(0), Shard(0)], run_check=False,
+                              shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+
+
+def with_global_experts(state, meshes):
+    """Copy of a flat or nested FQN-keyed state dict whose expert tensors are global DTensors (see above)."""
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out[k] = with_global_experts(v, meshes)
+        elif ".mlp.experts." in k and isinstance(v, DTensor) and v.dim() > 0:
+            out[k] = global_experts(v, meshes)
+        else:
+            out[k] = v
+    return out
+
+
+def save_checkpoint(out_dir, model, optimizer, step, cfg, extra=None):
+    """Write out_dir/checkpoints/step_NNNNNN (every rank writes its shards) and point `latest` at it."""
+    path = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.save(with_global_experts(state, model.meshes), checkpoint_id=path)
+    if dist.get_rank() == 0:
+        torch.save({"step": step, "config": cfg, "extra": extra or {}}, os.path.join(path, "trainer_state.pt"))
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+        latest = os.path.join(out_dir, "checkpoints", "latest")
+        with open(latest + ".tmp", "w") as f:
+            f.write(os.path.basename(path))
+        os.replace(latest + ".tmp", latest)  # atomic: a crash never leaves `latest` naming a half-written step
+    dist.barrier()
+    return path
+
+
+def latest_checkpoint(out_dir):
+    """Path of the newest complete checkpoint in out_dir, or None."""
+    latest = os.path.join(out_dir, "checkpoints", "latest")
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        return os.path.join(out_dir, "checkpoints", f.read().strip())
+
+
+def load_checkpoint(path, model, optimizer):
+    """Load a checkpoint written by save_checkpoint, on any world size / ep_size. Returns (step, extra)."""
+    if path is None or not os.path.isfile(os.path.join(path, "trainer_state.pt")):
+        raise FileNotFoundError(f"no checkpoint at {path!r}: expected a directory written by save_checkpoint "
+                                "(out_dir/checkpoints/step_NNNNNN)")
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(with_global_experts(state, model.meshes), checkpoint_id=path)  # fills `state`'s tensors in place
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    trainer_state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    return trainer_state["step"], trainer_state["extra"]
+
+
+@torch.no_grad()
+def full_parameters(model):
+    """Yield (name, full tensor) for every parameter, gathered from all shards and, for experts, from all EP ranks.
+    Collective: every rank must iterate to the end. Costs one or two all-gathers per parameter."""
+    for name, p in model.named_parameters():  # a tied lm_head is not repeated
+        yield name, gather_full(name, p, model.meshes)
+
+
+def gather_full(name, t, meshes):
+    """The whole tensor (a parameter, its gradient or its Adam state) from the shards on all ranks."""
+    if not isinstance(t, DTensor):
+        return t.detach()
+    full = t.full_tensor()  # over its FSDP mesh; experts: (E / ep, ...) this EP rank's experts
+    if ".mlp.experts." in name and meshes["ep"].size() > 1:
+        full = DTensor.from_local(full, meshes["ep"], [Shard(0)], run_check=False).full_tensor()  # (E, ...)
+    return full
+
+
+def export_hf(model, path, dtype=torch.bfloat16, source_dir=None):
+    """Write a consolidated HF safetensors directory (rank 0 writes) that vLLM and transformers load. Tokenizer and
+    generation files are copied from source_dir, the HF directory the run started from."""
+    rank0 = dist.get_rank() == 0
+    state = {}
+    for name, t in full_parameters(model):
+        if rank0:
+            state[name] = t.to(dtype).cpu()
+    if rank0:
+        write_hf_checkpoint(path, ours_to_hf(state, model.config), model.config, dtype=dtype)
+        if source_dir is not None:
+            copy_hf_extras(source_dir, path)
+    dist.barrier()
+    return path
+
+
+def copy_hf_extras(source_dir, path):
+    """Tokenizer, chat template and generation config from source_dir; token ids from its config.json."""
+    import shutil
+    for fname in os.listdir(source_dir):
+        if fname.endswith((".safetensors", ".index.json", ".bin")) or fname == "config.json":
+            continue
+        if os.path.isfile(os.path.join(source_dir, fname)):
+            shutil.copy(os.path.join(source_dir, fname), os.path.join(path, fname))
+    src_cfg = os.path.join(source_dir, "config.json")
+    if os.path.isfile(src_cfg):
+        with open(src_cfg) as f:
+            src = json.load(f)
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+        hf.update({k: src[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in src})
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(hf, f, indent=2)
+
+
+# -----------------------------------------------------------------------------
+# the driver: Ray, engines, capture server and rollout pool on rank 0; every rank trains on its share of each batch
+
+
+def connect_ray(cfg, rank, world):
+    """Rank 0 joins the cluster named by RAY_ADDRESS (torchrun.sh sets it on clusters) or starts a local one; the
+    other ranks join rank 0's. On a CPU machine the local cluster gets one logical CPU per engine plus one."""
+    import ray
+    address = [None]
+    if rank == 0:
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(address="auto", include_dashboard=False)
+        else:
+            gpus = torch.cuda.device_count()
+            ray.init(num_cpus=max(os.cpu_count() or 1, cfg["num_engines"] + 1) if gpus else cfg["num_engines"] + 1,
+                     num_gpus=gpus, include_dashboard=False,
+                     object_store_memory=None if gpus else 1 << 30)  # experiences of the tiny run are a few MB
+        address = [ray.get_runtime_context().gcs_address]
+    if world > 1:
+        dist.broadcast_object_list(address, src=0)
+        if rank != 0:
+            ray.init(address=address[0])
+    return ray
+
+
+def trainer_gpus(ray, world):
+    """{ray node id: GPUs used by trainer ranks there}, gathered from every rank (a collective); {} on CPU."""
+    if not torch.cuda.is_available():
+        return {}
+    nodes = [None] * world
+    dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
+    return {n: nodes.count(n) for n in set(nodes)}
+
+
+def start_rollout(cfg, engines=None, trainer_gpus=None):
+    """Rank 0: the engines (unless given; placed away from the trainer's GPUs), the router, the capture server in a
+    background thread, and the rollout pool for the agent module and its prompts (train() starts it)."""
+    import capture
+    import rollout
+    from agents import load_agent, read_prompts, setup_agent
+    placement = []
+    if engines is None:
+        placement.append(rollout.reserve_trainer_gpus(trainer_gpus))  # torchrun's GPUs, unknown to Ray
+        engines, engine_pg = rollout.start_engines(
+            cfg["model_path"], cfg["num_engines"], cfg["tensor_parallel_size"],
+            max_model_len=cfg["engine_max_model_len"], memory_fraction=cfg["engine_memory_fraction"],
+            enable_prefix_caching=cfg["enable_prefix_caching"], speculative_config=cfg["speculative_config"] or None)
+        placement.append(engine_pg)
+    router = rollout.Router(engines)
+    router.mark_connected([])  # the first weight sync forms the weight group
+    server = capture.CaptureServer(router, cfg["model_path"], max_model_len=cfg["engine_max_model_len"],
+                                   importance_correction=cfg["is_level"] != "none")
+    server.start_in_thread()
+    run_agent, agent_prompts = load_agent(cfg["agent"])
+    cleanup = setup_agent(run_agent, cfg)  # what the agent needs beside the policy (a judge's engine, ...)
+    if cfg["prompts"]:
+        prompts = read_prompts(cfg["prompts"], seed=cfg["seed"])
+    elif agent_prompts is not None:
+        prompts = agent_prompts()
+    else:
+        raise ConfigError(f"no prompts: set `prompts` to a JSONL file, or export prompts() from {cfg['agent']}")
+    writer = None
+    if cfg["save_trajectories"]:
+        path = os.path.join(cfg["out_dir"], "trajectories.jsonl")
+        writer = lambda segments: capture.write_trajectories(path, segments, server.tokenizer)  # noqa: E731
+    pool = rollout.RolloutPool(
+        run_agent, prompts, server, group_size=cfg["group_size"], groups_per_batch=cfg["groups_per_batch"],
+        groups_in_flight=cfg["groups_in_flight"], attempt_timeout_s=cfg["attempt_timeout_s"],
+        failed_group_rule=cfg["failed_group_rule"], model_name=server.model_name, trajectory_writer=writer,
+        sampling=dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_tokens=cfg["max_tokens"]))
+    return dict(engines=engines, router=router, server=server, pool=pool, placement=placement, cleanup=cleanup)
+
+
+def stop_rollout(run):
+    """Stop the pool, the capture server and what the agent's setup started (the engines stay: Ray ends them with
+    the driver)."""
+    run["pool"].stop()
+    run["server"].stop_thread()
+    run["cleanup"]()
+
+
+def share_batch(records, cfg, rank, world):
+    """Rank 0: advantages per attempt (counted once across its segments), then the segments split over ranks by
+    tokens. Every rank: its own segments fetched from the object store, with their advantages."""
+    import ray
+    import rollout
+    shards = None
+    if rank == 0:
+        advantages = loss.segment_advantages([r["attempt_id"] for r in records], [r["group_id"] for r in records],
+                                             [r["reward"] for r in records], cfg["advantage_estimator"])
+        with_tokens = [dict(r, advantage=float(a)) for r, a in zip(records, advantages) if r["ref"] is not None]
+        # ray's pickler, not plain pickle: an object ref must carry its owner to be fetched by another process
+        shards = ray.cloudpickle.dumps(rollout.balance_by_tokens(with_tokens, world))
+    if world > 1:
+        box = [shards]
+        dist.broadcast_object_list(box, src=0)
+        shards = box[0]
+    mine = ray.cloudpickle.loads(shards)[rank]
+    segments = ray.get([r["ref"] for r in mine])  # the only copy of token data that reaches this rank
+    # the object store hands out read-only views; torch wants arrays it may write (a copy of a few KB each)
+    segments = [{k: v.copy() if hasattr(v, "copy") else v for k, v in s.items()} for s in segments]
+    return segments, [r["advantage"] for r in mine]
+
+
+def pack_microbatches(segments, advantages, microbatch_tokens):
+    """Segments sorted by length into microbatches of at most microbatch_tokens padded tokens (one longer segment
+    gets its own). A rank with no segment trains on one empty row, so that it joins the collectives."""
+    if not segments:
+        segments, advantages = [dict(token_ids=[0, 0], action_mask=[0, 0], behavior_logprobs=[0.0, 0.0],
+                                     token_versions=[-1, -1], routed_experts=None)], [0.0]
+    order = sorted(range(len(segments)), key=lambda i: len(segments[i]["token_ids"]))
+    groups, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * len(segments[i]["token_ids"]) > microbatch_tokens:
+            groups.append(current)
+            current = []
+        current.append(i)
+    groups.append(current)
+    return [collate([segments[i] for i in g], [advantages[i] for i in g]) for g in groups]
+
+
+def push_weights(run, loop, sender, model, policy_version, rank, world):
+    """Weight sync to the engines that are up; an engine restarted since the last sync first rejoins the weight
+    group. Every rank takes part (rank 0 sends, the others join the gathers). Returns seconds, or None (skipped)."""
+    import ray
+    import weights_sync
+    live = None
+    if rank == 0:
+        live, changed = run["router"].live_engines()
+        if live and changed:
+            host = "127.0.0.1" if len(ray.nodes()) == 1 else ray.util.get_node_ip_address()  # engines reach it
+            loop.run_until_complete(weights_sync.connect_engines(live, sender, host=host, timeout_s=300))
+            run["router"].mark_connected(live)
+    go = [bool(live)] if rank == 0 else [None]
+    if world > 1:
+        dist.broadcast_object_list(go, src=0)
+    if not go[0]:  # every engine is restarting: they get these weights at the next step's sync
+        return None
+    t0 = time.perf_counter()
+    try:
+        loop.run_until_complete(weights_sync.sync_weights(live, sender, model, policy_version))
+    except ray.exceptions.RayActorError as e:  # an engine died during the sync: it rejoins after its restart
+        print0(f"weight sync at version {policy_version} lost an engine ({type(e).__name__}); the run goes on")
+        run["router"].mark_connected([])
+    return time.perf_counter() - t0
+
+
+def log_step(out_dir, row):
+    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def plot_rewards(out_dir):
+    """out_dir/reward.png from metrics.jsonl (all steps, including those before a resume)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in rows], [r["reward_mean"] for r in rows], marker=".")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "reward.png"), dpi=100)
+    plt.close(fig)
+
+
+def train(cfg, model, optimizer, run, step, rank, world):
+    """The loop, from `step` to max_steps: batch -> advantages -> each rank's refs -> train step -> weight sync ->
+    log -> checkpoint. Rank 0 drives (run: start_rollout's dict); the others follow through collectives."""
+    import weights_sync
+    from tqdm import tqdm
+    out_dir = cfg["out_dir"]
+    loop = asyncio.new_event_loop()  # runs the weight-sync coroutines of this thread
+    sender = weights_sync.WeightSender()
+    policy_version = step  # one optimizer step = one policy version; the engines start at version 0
+    # the engines get the trainer's weights first: a resumed run's, or whatever they were started or left with
+    push_weights(run, loop, sender, model, policy_version, rank, world)
+    if rank == 0:
+        run["pool"].start()  # after that sync, so that no attempt samples from the base weights
+    bar = tqdm(total=cfg["max_steps"], initial=step, disable=rank != 0, dynamic_ncols=True)
+    for step in range(step, cfg["max_steps"]):
+        t0 = time.perf_counter()
+        records = run["pool"].next_batch() if rank == 0 else None
+        t_batch = time.perf_counter()
+        segments, advantages = share_batch(records, cfg, rank, world)
+        m = train_step(model, optimizer, pack_microbatches(segments, advantages, cfg["microbatch_tokens"]), cfg,
+                       policy_version, step)
+        policy_version += 1
+        sync_s = push_weights(run, loop, sender, model, policy_version, rank, world)
+        if rank == 0:
+            pool = run["pool"].stats()
+            rewards = {r["attempt_id"]: r["reward"] for r in records}  # an attempt counts once
+            generated = [r for r in records if r["action_tokens"]]
+            step_time = time.perf_counter() - t0
+            row = dict(step=step + 1, reward_mean=sum(rewards.values()) / max(len(rewards), 1),
+                       policy_version=policy_version, mismatch_kl=m["mismatch_kl"],
+                       stale_dropped=round(m["stale_frac"] * m["action_tokens"]),
+                       failed_attempts=pool["failed_attempts"], timed_out_attempts=pool["timed_out_attempts"],
+                       dropped_groups=pool["dropped_groups"], engine_restarts=run["router"].restarts,
+                       tokens_per_s=pool["generated_tokens"] / step_time, step_time_s=step_time,
+                       batch_wait_s=t_batch - t0, sync_s=sync_s,
+                       # versions between the policy that sampled a segment's oldest token and the one training on it
+                       staleness=sum(policy_version - 1 - r["min_version"] for r in generated) / max(len(generated), 1),
+                       loss=m["loss"], grad_norm=m["grad_norm"], lr=m["lr"], kept_tokens=m["kept_tokens"],
+                       clip_frac=m["clip_frac"], attempts=len(rewards), segments=len(records))
+            log_step(out_dir, row)
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", step_s=f"{step_time:.1f}",
+                            stale=f"{row['staleness']:.2f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+        bar.update(1)
+        if (step + 1) % cfg["checkpoint_every"] == 0 or step + 1 == cfg["max_steps"]:
+            save_checkpoint(out_dir, model, optimizer, step + 1, cfg, extra={"policy_version": policy_version})
+    bar.close()
+    sender.close()
+    loop.close()
+    if rank == 0:
+        plot_rewards(out_dir)
+
+
+TINY_MODEL_PATH = ".cache/tiny-qwen3-moe"  # the default model_path: built here on first use
+
+
+def build_trainer(cfg, world, device):
+    """The sharded model and its optimizer, from the last checkpoint in out_dir when cfg["resume"]. Returns
+    (model, optimizer, step)."""
+    model = build_model(cfg, build_meshes(world, cfg["ep_size"], device.type), device, weights_path=cfg["model_path"])
+    optimizer = build_optimizer(model, cfg)
+    if not cfg["resume"]:
+        return model, optimizer, 0
+    path = latest_checkpoint(cfg["out_dir"])
+    if path is None:
+        raise ConfigError(f"--resume=True, but {cfg['out_dir']} holds no checkpoint: run once without --resume first")
+    step, _ = load_checkpoint(path, model, optimizer)
+    print0(f"resumed from {path} at step {step}")
+    return model, optimizer, step
+
+
+# -----------------------------------------------------------------------------
+# config checks and the dry run: the real sharding code against a fake process group, on the meta device
+#
+# `python train.py --config configs/moe_700b.py --dry_run=True` builds the model on the meta device, runs
+# partition_experts and shard_model (the code a real run uses) against torch's fake process group of
+# train_world_size ranks, and reads each parameter's local shard shape on rank 0. FSDP cuts dim 0 like torch.chunk,
+# so rank 0 holds the largest shard of every parameter: its figures are the per-GPU maximum. No memory is allocated.
+
+GiB = 2**30
+
+
+def launched_world_size():
+    """WORLD_SIZE when torchrun started this process, else None (plain `python train.py` is a world of one)."""
+    return int(os.environ["WORLD_SIZE"]) if "TORCHELASTIC_RUN_ID" in os.environ else None
+
+
+def planned_model_config(cfg):
+    """The model a run trains: model_path's config.json; else model_config (a model not downloaded yet); else, for
+    the tiny default path, the tiny model's config (it is built on first use)."""
+    from model import TINY_CONFIG, ModelConfig
+    if os.path.isfile(os.path.join(cfg["model_path"], "config.json")):
+        return load_config(cfg["model_path"])
+    if cfg["model_config"]:
+        try:
+            return ModelConfig.from_hf(cfg["model_config"])
+        except (TypeError, ValueError, KeyError) as e:
+            raise ConfigError(f"model_config is not a usable Qwen3 config.json: {e}") from None
+    if os.path.normpath(cfg["model_path"]) == os.path.normpath(TINY_MODEL_PATH):
+        return TINY_CONFIG
+    raise ConfigError(f"model_path {cfg['model_path']!r} has no config.json and model_config is empty: download the "
+                      "model there or give its config.json fields as model_config")
+
+
+def check_config(cfg, mcfg, world_size=None):
+    """Consistency checks shared by the dry run and a real run (the driver calls this before any work, with
+    world_size=launched_world_size()). Raises ConfigError with one sentence naming what is wrong."""
+    W, ep = cfg["train_world_size"], cfg["ep_size"]
+    if W < 1 or ep < 1:
+        raise ConfigError(f"train_world_size ({W}) and ep_size ({ep}) must be at least 1")
+    if world_size is not None and world_size != W:
+        raise ConfigError(f"torchrun started {world_size} ranks (WORLD_SIZE) but train_world_size is {W}: launch "
+                          f"{W} ranks or pass --train_world_size={world_size}")
+    if W % ep:
+        raise ConfigError(f"train_world_size ({W}) is not divisible by ep_size ({ep}): expert-parallel groups "
+                          "need whole sets of ep_size ranks")
+    if ep > 1 and not mcfg.is_moe:
+        raise ConfigError(f"ep_size={ep} needs a MoE model, but the model is dense (num_experts=0): use ep_size=1")
+    if mcfg.is_moe and mcfg.num_experts % ep:
+        raise ConfigError(f"ep_size ({ep}) does not divide the number of experts ({mcfg.num_experts})")
+    if cfg["num_engines"] < 1 or cfg["tensor_parallel_size"] < 1:
+        raise ConfigError(f"num_engines ({cfg['num_engines']}) and tensor_parallel_size "
+                          f"({cfg['tensor_parallel_size']}) must be at least 1")
+    if cfg["max_tokens"] >= cfg["engine_max_model_len"]:
+        raise ConfigError(f"max_tokens ({cfg['max_tokens']}) leaves no room for the prompt within "
+                          f"engine_max_model_len ({cfg['engine_max_model_len']})")
+    if cfg["engine_max_model_len"] > mcfg.max_position_embeddings:
+        raise ConfigError(f"engine_max_model_len ({cfg['engine_max_model_len']}) is above the model's "
+                          f"max_position_embeddings ({mcfg.max_position_embeddings})")
+    if cfg["groups_in_flight"] < cfg["groups_per_batch"]:
+        raise ConfigError(f"groups_in_flight ({cfg['groups_in_flight']}) is below groups_per_batch "
+                          f"({cfg['groups_per_batch']}): a batch could never fill")
+
+
+def engine_options(cfg):
+    """capture.Engine keyword arguments from the config (num_engines says how many engines start)."""
+    return dict(max_model_len=cfg["engine_max_model_len"], memory_fraction=cfg["engine_memory_fraction"],
+                tensor_parallel_size=cfg["tensor_parallel_size"], enable_prefix_caching=cfg["enable_prefix_caching"],
+                speculative_config=cfg["speculative_config"] or None)
+
+
+ENGINE_OPTION_KEYS = {"max_model_len": "engine_max_model_len", "memory_fraction": "engine_memory_fraction",
+                      "tensor_parallel_size": "tensor_parallel_size",
+                      "enable_prefix_caching": "enable_prefix_caching", "speculative_config": "speculative_config"}
+
+
+def check_engine_options(cfg, model_dir, **engine_kwargs):
+    """Ask vLLM whether it accepts the engine options, with the validation AsyncLLM runs first when an engine starts
+    (no weights loaded, no GPU needed, well under a second). Raises ConfigError naming the config key it refuses."""
+    import capture
+    from vllm import AsyncEngineArgs
+
+    def refusal(options):
+        try:
+            AsyncEngineArgs(**capture.Engine(model_dir, **options, **engine_kwargs).engine_args).create_engine_config()
+        except Exception as e:  # pydantic's ValidationError, ValueError, NotImplementedError, ...
+            errors = getattr(e, "errors", None)
+            msg = errors()[0]["msg"] if callable(errors) else str(e)
+            return msg.removeprefix("Value error, ").strip().splitlines()[0][:400]
+        return None
+
+    options = engine_options(cfg)
+    if refusal(options) is None:
+        return
+    base = refusal({})
+    if base is not None:
+        raise ConfigError(f"vLLM cannot start an engine on {model_dir!r} even with default options: {base}")
+    tried = {}
+    for name, value in options.items():  # add the options one at a time: the first one refused is named
+        tried[name] = value
+        msg = refusal(tried)
+        if msg is not None:
+            key = ENGINE_OPTION_KEYS[name]
+            raise ConfigError(f"vLLM refuses engine option {key}={cfg[key]!r}: {msg}")
+
+
+def activation_bytes(mcfg, tokens, checkpointing, dtype_bytes=2, expert_parallel=False, routing_replay=True):
+    """Estimated bytes autograd saves for backward in one microbatch of `tokens` tokens (flash attention, balanced
+    routing), counted from what each op of model.py saves. Per token and layer: each RMSNorm an fp32 copy of its
+    input, the normed input and its output (4 + 2b) * D, q_norm and k_norm (4 + b) per element of their heads;
+    attention q, k, v, its output and an fp32 logsumexp per head; a MoE layer the router's fp32 probabilities (E),
+    its K input rows, the K expert hidden tensors of width H four times (gate, up, silu(gate), their product), the K
+    output rows twice (index_copy_ keeps its source; under EP the combine keeps one more copy) and index/weight
+    tensors of width K; a dense MLP its four hidden tensors. With activation checkpointing each block keeps only its
+    input (plus routing-replay ids) and one block at a time is recomputed in backward."""
+    b, D, hd, K = dtype_bytes, mcfg.hidden_size, mcfg.head_dim, mcfg.num_experts_per_tok
+    nh, nkv = mcfg.num_attention_heads, mcfg.num_key_value_heads
+    norm = (4 + 2 * b) * D + 4
+    attn = 2 * norm + (4 + b) * (nh + nkv) * hd + 4 * (nh + nkv) + b * 2 * (nh + nkv) * hd + 4 * nh
+    rows = 4 if expert_parallel else 3  # copies of the (K, D) rows per token
+    moe = attn + 4 * mcfg.num_experts + rows * b * K * D + 4 * b * K * mcfg.moe_intermediate_size + (3 * 8 + 4 + b) * K + 4
+    dense = attn + 4 * b * mcfg.intermediate_size
+    n_moe = len(mcfg.moe_layers)
+    layers = [moe] * n_moe + [dense] * (mcfg.num_hidden_layers - n_moe)
+    once = norm + 8 + 2 * b * hd  # the final norm, the token ids, RoPE's cos and sin
+    if not checkpointing:
+        return tokens * (sum(layers) + once)
+    replay = 8 * K * n_moe if (routing_replay and n_moe) else 0  # (B, T, L_moe, K) int64 expert ids
+    return tokens * (b * D * mcfg.num_hidden_layers + replay + max(layers) + once)
+
+
+def fsdp_unit_params(model):
+    """{unit name: [its parameters]}: the fully_shard units and the parameters each one all-gathers."""
+    units = {name: [] for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+    for pname, p in model.named_parameters():
+        owner = max((u for u in units if u == "" or pname.startswith(u + ".")), key=len)
+        units[owner].append(p)
+    return units
+
+
+def plan_memory(cfg, mcfg, model):
+    """Per-GPU bytes of rank 0 from the sharded meta model, and the rollout side from the config. Returns a dict."""
+    from model import num_params
+    W, ep = cfg["train_world_size"], cfg["ep_size"]
+    b = getattr(torch, cfg["param_dtype"]).itemsize  # compute dtype: what FSDP all-gathers and activations are in
+    p_dense = p_expert = 0
+    padded_experts = None
+    for name, p in model.named_parameters():
+        local = local_tensor(p)  # rank 0's shard (meta): FSDP pads every rank to this size
+        if ".mlp.experts." in name:
+            p_expert += local.numel()
+            if p.shape[0] < p.device_mesh.size():
+                padded_experts = (p.shape[0], p.device_mesh.size())
+        else:
+            p_dense += local.numel()
+    params = p_dense + p_expert
+    units = fsdp_unit_params(model)
+    unit_numel = {u: sum(p.numel() for p in ps) for u, ps in units.items()}  # unsharded (on its own mesh)
+    blocks = [f"model.layers.{i}" for i in range(mcfg.num_hidden_layers)]
+    block_numel = max(sum(n for u, n in unit_numel.items() if u == blk or u.startswith(blk + ".")) for blk in blocks)
+    tokens = max(cfg["microbatch_tokens"], cfg["engine_max_model_len"])
+    plan = dict(
+        world=W, ep=ep, params_total=num_params(mcfg), params_active=num_params(mcfg, active=True),
+        params_dense_local=p_dense, params_expert_local=p_expert, padded_experts=padded_experts,
+        # fp32 master weights (FSDP keeps the sharded parameters fp32), fp32 gradients, AdamW m and v in fp32
+        params_bytes=4 * params, grads_bytes=4 * params, optimizer_bytes=8 * params,
+        # the root unit (embeddings, final norm, lm_head) stays gathered from forward to the end of backward, with
+        # its gradient; blocks: the one computing plus the next one prefetched, and the computing one's gradient
+        # unsharded in the compute dtype and in fp32 for the reduce-scatter
+        gather_bytes=2 * b * unit_numel[""] + 2 * b * block_numel + (b + 4) * block_numel,
+        root_numel=unit_numel[""], block_numel=block_numel, tokens=tokens,
+        act_bytes_ckpt=activation_bytes(mcfg, tokens, True, b, ep > 1),
+        act_bytes_full=activation_bytes(mcfg, tokens, False, b, ep > 1),
+        # chunked logprobs: fp32 logits of one chunk, their softmax and its gradient (loss.token_logprobs)
+        logits_bytes=3 * 4 * min(cfg["logprob_chunk_size"], tokens) * mcfg.vocab_size,
+        gpu_bytes=cfg["gpu_memory_gib"] * GiB)
+    on_gpu_state = 0 if cfg["cpu_offload_optimizer"] else plan["params_bytes"] + plan["grads_bytes"] + plan["optimizer_bytes"]
+    transient = plan["gather_bytes"] + plan["logits_bytes"]
+    act = plan["act_bytes_ckpt"] if cfg["activation_checkpointing"] else plan["act_bytes_full"]
+    plan["total_bytes"] = on_gpu_state + transient + act
+    plan["total_bytes_other_ckpt"] = on_gpu_state + transient + (
+        plan["act_bytes_full"] if cfg["activation_checkpointing"] else plan["act_bytes_ckpt"])
+    # rollout: bf16 weights split over tensor_parallel_size GPUs; KV heads split too (replicated past nkv)
+    tp = cfg["tensor_parallel_size"]
+    plan["sync_bytes"] = 2 * plan["params_total"]  # bf16 HF state dict sent to the engines every step
+    plan["engine_weight_bytes"] = plan["sync_bytes"] / tp
+    kv_heads = max(1, math.ceil(mcfg.num_key_value_heads / tp))
+    plan["kv_bytes_per_token"] = 2 * mcfg.num_hidden_layers * kv_heads * mcfg.head_dim * 2
+    plan["engine_budget_bytes"] = cfg["engine_memory_fraction"] * plan["gpu_bytes"]
+    plan["kv_tokens"] = int((plan["engine_budget_bytes"] - plan["engine_weight_bytes"]) // plan["kv_bytes_per_token"])
+    plan["rollout_gpus"] = cfg["num_engines"] * tp
+    return plan
+
+
+def dry_run_report(cfg):
+    """Plan the run on paper: print per-GPU memory, GPU counts and the weight-sync volume; exit with one sentence
+    if it cannot fit or is inconsistent. Runs in seconds on a CPU for any world size."""
+    try:
+        plan = plan_run(cfg)
+    except ConfigError as e:
+        sys.exit(f"dry run: {e}")
+    print_plan(cfg, plan)
+    return plan
+
+
+def plan_run(cfg):
+    """Checks, the sharded meta model against a fake process group of train_world_size ranks, the memory plan, and
+    vLLM's verdict on the engine options. Raises ConfigError when the run cannot work."""
+    import tempfile
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    mcfg = planned_model_config(cfg)
+    check_config(cfg, mcfg, world_size=launched_world_size())
+    if dist.is_initialized():
+        raise RuntimeError("the dry run needs a process without a process group (it makes a fake one)")
+    W = cfg["train_world_size"]
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=W)
+    try:
+        meshes = build_meshes(W, cfg["ep_size"], "cpu")
+        with torch.device("meta"):
+            model = Transformer(mcfg)
+        partition_experts(model, meshes)
+        shard_model(model, meshes, cfg)
+        plan = plan_memory(cfg, mcfg, model)
+    finally:
+        dist.destroy_process_group()
+    gib = lambda n: f"{n / GiB:.1f} GiB"
+    if plan["total_bytes"] > plan["gpu_bytes"]:
+        raise ConfigError(f"training needs about {gib(plan['total_bytes'])} per GPU, more than the "
+                          f"{cfg['gpu_memory_gib']:g} GiB of one GPU: raise train_world_size, lower microbatch_tokens, "
+                          "turn on activation_checkpointing or cpu_offload_optimizer")
+    one_sequence = plan["kv_bytes_per_token"] * cfg["engine_max_model_len"]
+    if plan["engine_weight_bytes"] + one_sequence > plan["engine_budget_bytes"]:
+        raise ConfigError(f"a rollout engine cannot hold the model: {gib(plan['engine_weight_bytes'])} of bf16 weights "
+                          f"per GPU plus the KV cache of one {cfg['engine_max_model_len']}-token sequence exceed "
+                          f"engine_memory_fraction x GPU = {gib(plan['engine_budget_bytes'])}: raise "
+                          "tensor_parallel_size or engine_memory_fraction")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its config notes would bury the plan
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        plan["engine_check"] = "not checked: vLLM is not installed here"
+        return plan
+    if os.path.isfile(os.path.join(cfg["model_path"], "config.json")):
+        check_engine_options(cfg, cfg["model_path"])
+    else:  # the model is not here: vLLM validates against its config.json alone
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(mcfg.to_hf(), f)
+            check_engine_options(cfg, tmp, skip_tokenizer_init=True)
+    plan["engine_check"] = "accepted by vLLM's engine-config validation"
+    return plan
+
+
+def print_plan(cfg, plan):
+    gib = lambda n: f"{n / GiB:8.2f} GiB"
+    M = lambda n: f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.1f}M"
+    W, ep = plan["world"], plan["ep"]
+    ckpt = cfg["activation_checkpointing"]
+    where = "host memory (cpu_offload_optimizer)" if cfg["cpu_offload_optimizer"] else "GPU"
+    lines = [
+        f"dry run: {M(plan['params_total'])} parameters ({M(plan['params_active'])} active), "
+        f"{W} trainer ranks, ep_size {ep} (fake process group; rank 0 shown: FSDP gives it the largest shard)",
+        f"per-GPU memory, training ({cfg['param_dtype']} compute; fp32 master weights, gradients and AdamW state):",
+        f"  parameters        {gib(plan['params_bytes'])}  fp32, {M(plan['params_dense_local'])} dense + "
+        f"{M(plan['params_expert_local'])} expert parameters on this rank  [{where}]",
+        f"  gradients         {gib(plan['grads_bytes'])}  fp32, sharded like the parameters  [{where}]",
+        f"  optimizer         {gib(plan['optimizer_bytes'])}  AdamW m and v, fp32  [{where}]",
+        f"  all-gather        {gib(plan['gather_bytes'])}  unsharded: root unit ({M(plan['root_numel'])}, gathered "
+        f"forward to end of backward, with its gradient) + 2 x largest block ({M(plan['block_numel'])} incl. "
+        "its experts) + that block's gradient for the reduce-scatter",
+        f"  activations       {gib(plan['act_bytes_ckpt'])}  with activation checkpointing, "
+        f"{plan['tokens']:,} tokens per microbatch (max of microbatch_tokens, engine_max_model_len)",
+        f"  activations       {gib(plan['act_bytes_full'])}  without activation checkpointing",
+        f"  logprob chunk     {gib(plan['logits_bytes'])}  fp32 logits, softmax, gradient of one "
+        f"{cfg['logprob_chunk_size']}-token chunk",
+        f"  total             {gib(plan['total_bytes'])}  of {cfg['gpu_memory_gib']:g} GiB "
+        f"({100 * plan['total_bytes'] / plan['gpu_bytes']:.0f}%), activation checkpointing {'on' if ckpt else 'off'}; "
+        f"{'off' if ckpt else 'on'}: {gib(plan['total_bytes_other_ckpt']).strip()}",
+    ]
+    if plan["padded_experts"]:
+        rows, ranks = plan["padded_experts"]
+        lines.append(f"  note: {rows} expert(s) per EP rank are FSDP-sharded on dim 0 over {ranks} ranks, so every "
+                     "rank holds a whole padded expert: expert memory is not divided by the expert FSDP size")
+    tp = cfg["tensor_parallel_size"]
+    lines += [
+        f"GPUs: {W} training + {plan['rollout_gpus']} rollout ({cfg['num_engines']} engines x tensor_parallel_size "
+        f"{tp}) = {W + plan['rollout_gpus']}",
+        f"rollout engine, per GPU: {gib(plan['engine_weight_bytes']).strip()} bf16 weights of "
+        f"{gib(plan['engine_budget_bytes']).strip()} (engine_memory_fraction {cfg['engine_memory_fraction']:g}); KV cache "
+        f"for {plan['kv_tokens']:,} tokens = {plan['kv_tokens'] // cfg['engine_max_model_len']:,} full "
+        f"{cfg['engine_max_model_len']}-token sequences per engine",
+        f"engine options: {plan['engine_check']}",
+        f"weight sync per step: {plan['sync_bytes'] / 1e9:.2f} GB (bf16 HF state dict), received by each engine",
+    ]
+    print("\n".join(lines), flush=True)
+
+
 def main(argv):
     try:
         cfg = configure(argv)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
-    print(json.dumps(cfg, indent=1))
-    from model import ensure_tiny_model, TINY_CONFIG  # noqa: F401
-    if cfg["model_path"] == ".cache/tiny-qwen3-moe":
-        ensure_tiny_model(cfg["model_path"])
-    sys.exit("the training loop is not built yet: the tiny model is ready at " + cfg["model_path"])
+    if cfg["dry_run"]:
+        return dry_run_report(cfg)
+    try:
+        check_config(cfg, planned_model_config(cfg), world_size=launched_world_size())
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")
+    rank, world, device = init_distributed()
+    if rank == 0:
+        print(json.dumps(cfg, indent=1))
+        os.makedirs(cfg["out_dir"], exist_ok=True)
+        if cfg["model_path"] == TINY_MODEL_PATH:
+            from model import ensure_tiny_model
+            ensure_tiny_model(cfg["model_path"])
+        if not cfg["resume"] and os.path.exists(os.path.join(cfg["out_dir"], "metrics.jsonl")):
+            os.remove(os.path.join(cfg["out_dir"], "metrics.jsonl"))  # a fresh run starts a fresh log
+    dist.barrier()
+    torch.manual_seed(cfg["seed"])
+    try:
+        model, optimizer, step = build_trainer(cfg, world, device)
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")
+
+    # the rollout side, on rank 0: engines, router, capture server, pool
+    import logging
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engines' start-up and per-sync notes, unless asked
+    # a model in training writes malformed tool calls all the time; vLLM's parser logs a traceback for each
+    logging.getLogger("vllm.tool_parsers.hermes_tool_parser").setLevel(logging.CRITICAL)
+    ray = connect_ray(cfg, rank, world)
+    gpus = trainer_gpus(ray, world)
+    run = start_rollout(cfg, trainer_gpus=gpus) if rank == 0 else None
+
+    train(cfg, model, optimizer, run, step, rank, world)
+
+    if rank == 0:
+        stop_rollout(run)
+        print(f"done: {cfg['out_dir']}/metrics.jsonl, {cfg['out_dir']}/reward.png, "
+              f"checkpoint {latest_checkpoint(cfg['out_dir'])}")
+    ray.shutdown()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
