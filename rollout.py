@@ -268,6 +268,7 @@ class RolloutPool:
         self.model_name, self.trajectory_writer = model_name, trajectory_writer
         self.ready = []  # complete groups waiting for the trainer: lists of attempt dicts
         self.open_groups = 0  # started and not yet taken by the trainer
+        self.held = False  # next_batch(hold=True) until resume(): no new groups
         self.group_ids = itertools.count()
         self.counters = dict(attempts=0, failed_attempts=0, timed_out_attempts=0, dropped_groups=0,
                              generated_tokens=0, reward_sum=0.0)
@@ -301,11 +302,18 @@ class RolloutPool:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
 
-    def next_batch(self, timeout=None):
+    def next_batch(self, timeout=None, hold=False):
         """Block until groups_per_batch complete groups exist; return them as a flat list of segment records (each
-        attempt's segments share its attempt_id, group_id and reward)."""
-        future = asyncio.run_coroutine_threadsafe(self._take_batch(), self._loop)
+        attempt's segments share its attempt_id, group_id and reward). hold=True starts no new group until
+        resume(): a synchronous generate-then-train loop (the baseline of `bench.py async`)."""
+        future = asyncio.run_coroutine_threadsafe(self._take_batch(hold), self._loop)
         return future.result(timeout)
+
+    def resume(self):
+        async def go():
+            self.held = False
+            self._changed.set()
+        asyncio.run_coroutine_threadsafe(go(), self._loop).result()
 
     def stats(self, reset=True):
         """Counters since the last reset: attempts, failures, timeouts, dropped groups, generated tokens, reward."""
@@ -316,7 +324,7 @@ class RolloutPool:
             return out
         return asyncio.run_coroutine_threadsafe(read(), self._loop).result()
 
-    async def _take_batch(self):
+    async def _take_batch(self, hold=False):
         while len(self.ready) < self.groups_per_batch:
             if self._crash is not None:
                 raise RuntimeError("the rollout pool stopped") from self._crash
@@ -324,13 +332,14 @@ class RolloutPool:
             await self._changed.wait()
         groups, self.ready = self.ready[:self.groups_per_batch], self.ready[self.groups_per_batch:]
         self.open_groups -= len(groups)
+        self.held = hold
         self._changed.set()  # slots are free: start new groups
         return [seg for group in groups for attempt in group for seg in attempt["segments"]]
 
     async def _main(self):
         try:
             while True:
-                while self.open_groups < self.groups_in_flight:
+                while self.open_groups < self.groups_in_flight and not self.held:
                     self.open_groups += 1
                     asyncio.get_running_loop().create_task(self._run_group(next(self.group_ids), next(self.prompts)))
                 self._changed.clear()

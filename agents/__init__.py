@@ -87,32 +87,17 @@ def as_result(value):
 
 
 def read_prompts(path, seed=0):
-    """Endless prompts from a JSONL (or, with pyarrow, Parquet) file of objects with `prompt` or `messages`, and
-    optional `label` and `tools`: every row once per epoch, in a new seeded order each epoch."""
-    import json
+    """Endless prompts from a data file (agents/data.py: JSONL, or Parquet with pyarrow; every row is checked now,
+    so a bad row stops the run before it starts): every row once per epoch, in a new seeded order each epoch."""
     import random
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"prompt file {path!r} does not exist")
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-        rows = [(i + 1, row) for i, row in enumerate(pq.read_table(path).to_pylist())]
-    else:
-        rows = []
-        with open(path) as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append((n, json.loads(line)))
-                except ValueError as e:
-                    raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
-    for n, row in rows:
-        if not isinstance(row, dict) or not (isinstance(row.get("prompt"), str) or isinstance(row.get("messages"), list)):
-            raise ValueError(f"{path}:{n}: a row must be an object with a `prompt` string or a `messages` list")
-    if not rows:
-        raise ValueError(f"prompt file {path!r} holds no rows")
-    rng = random.Random(seed)
-    while True:
-        order = [row for _, row in rows]
-        rng.shuffle(order)
-        yield from order
+
+    from agents.data import load_prompts
+    rows = list(load_prompts(path))
+
+    def epochs():
+        rng = random.Random(seed)
+        while True:
+            order = list(rows)
+            rng.shuffle(order)
+            yield from order
+    return epochs()

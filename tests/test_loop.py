@@ -1,0 +1,168 @@
+"""
+The whole loop on the tiny default: the calculator agent through the OpenAI SDK -> capture server -> router -> a
+real vLLM engine actor -> experiences in the Ray object store -> the FSDP2 trainer (gloo, one rank) -> weight sync.
+Then resuming from the checkpoint, an off-policy run that drops stale tokens, and a run that survives a failing
+agent, a hanging tool and a killed engine. The engine is shared with test_rollout.py (tests/conftest.py).
+
+    .venv/bin/python -m pytest tests/test_loop.py -q
+"""
+import json
+import os
+import threading
+import time
+
+import pytest
+import ray
+
+import train
+
+METRIC_KEYS = {"step", "reward_mean", "policy_version", "mismatch_kl", "stale_dropped", "failed_attempts",
+               "tokens_per_s", "step_time_s"}
+
+
+class RecordingEngine:
+    """An engine actor handle that also keeps what each generate() call sent and got back, per session (the
+    capture server's request id is "<session id>-<turn>"). Every other method goes to the actor as is."""
+
+    def __init__(self, actor):
+        self.actor, self.calls = actor, {}
+
+    def __getattr__(self, name):
+        return getattr(self.actor, name)
+
+    @property
+    def generate(self):
+        recorder = self
+
+        class Method:
+            @staticmethod
+            async def remote(prompt_token_ids, sampling, request_id):
+                out = await recorder.actor.generate.remote(prompt_token_ids, sampling, request_id)
+                session = request_id.rsplit("-", 1)[0]
+                recorder.calls.setdefault(session, []).append((list(prompt_token_ids), list(out["token_ids"])))
+                return out
+        return Method
+
+
+@pytest.fixture(scope="module")
+def device():
+    return train.init_distributed()[2]  # a gloo group of one rank, for the whole module
+
+
+def loop_config(out_dir, model_path, **overrides):
+    cfg = train.configure([])
+    cfg.update(model_path=model_path, out_dir=str(out_dir), max_steps=2, group_size=2, groups_per_batch=2,
+               groups_in_flight=3, engine_max_model_len=1024, checkpoint_every=100, warmup_steps=0)
+    cfg.update(overrides)
+    return cfg
+
+
+def run_loop(cfg, device, engines):
+    """main() without its Ray and engine start-up: the trainer, the rollout side on the given engines, the loop."""
+    model, optimizer, step = train.build_trainer(cfg, 1, device)
+    run = train.start_rollout(cfg, engines=engines)
+    try:
+        train.train(cfg, model, optimizer, run, step, 0, 1)
+    finally:
+        train.stop_rollout(run)
+    with open(os.path.join(cfg["out_dir"], "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f], run
+
+
+def engine_version(engine):
+    return ray.get(engine.__ray_call__.remote(lambda e: e.policy_version))
+
+
+def digest(engine):
+    return ray.get(engine.collective_rpc.remote("weights_digest"))[0]
+
+
+def test_tiny_default_end_to_end_then_resume(tmp_path, tiny_model_path, rollout_engine, device):
+    recorder = RecordingEngine(rollout_engine)
+    before = digest(rollout_engine)
+    cfg = loop_config(tmp_path, tiny_model_path, save_trajectories=True)
+    rows, run = run_loop(cfg, device, [recorder])
+
+    # the log, the curve, the checkpoint
+    assert [r["step"] for r in rows] == [1, 2] and [r["policy_version"] for r in rows] == [1, 2]
+    assert all(METRIC_KEYS <= set(r) for r in rows)
+    assert all(0.0 <= r["reward_mean"] <= 1.0 and r["tokens_per_s"] > 0 and r["kept_tokens"] > 0 for r in rows)
+    assert rows[0]["mismatch_kl"] < 1e-3  # the first batch: engine and trainer hold the same weights
+    assert os.path.getsize(tmp_path / "reward.png") > 0
+    assert train.latest_checkpoint(str(tmp_path)).endswith("step_000002")
+
+    # the engine now runs the trained weights, at the policy version of the last step
+    after = digest(rollout_engine)
+    assert after.keys() == before.keys() and any(after[k] != before[k] for k in before)
+    assert engine_version(rollout_engine) == 2
+
+    # token identity: every generated token in the saved trajectories is exactly what the engine returned, and
+    # every prompt the engine saw is the recorded prefix of its segment
+    with open(tmp_path / "trajectories.jsonl") as f:
+        segments = [json.loads(line) for line in f]
+    assert len(segments) >= 2 * cfg["group_size"] * cfg["groups_per_batch"]
+    for seg in segments:
+        calls = recorder.calls[seg["attempt_id"]]
+        assert len(calls) == 2 and seg["segment_index"] == 0  # the calculator: two model turns, one segment
+        generated = set()
+        for prompt, out in calls:
+            n = len(prompt)
+            assert seg["token_ids"][:n] == prompt and seg["token_ids"][n:n + len(out)] == out
+            generated.update(range(n, n + len(out)))
+        assert {i for i, m in enumerate(seg["action_mask"]) if m} == generated
+        assert len(seg["generated"]) == 2  # the two turns, decoded
+
+    # resume: a fresh trainer loads step 2 and goes on to step 4, off-policy (4 groups in flight for batches of
+    # 2) with max_staleness 0, so that tokens sampled one version back are dropped from the loss
+    cfg = dict(cfg, resume=True, max_steps=4, groups_in_flight=4, max_staleness=0, save_trajectories=False)
+    rows, _ = run_loop(cfg, device, [rollout_engine])
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["policy_version"] == 4
+    assert engine_version(rollout_engine) == 4
+    assert sum(r["stale_dropped"] for r in rows[2:]) > 0
+    assert train.latest_checkpoint(str(tmp_path)).endswith("step_000004")
+
+
+FLAKY_AGENT = '''
+import asyncio
+from openai import AsyncOpenAI
+
+async def agent(ctx):
+    client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+    reply = await client.chat.completions.create(model=ctx.model, messages=ctx.messages, **ctx.sampling)
+    if ctx.label == "raise":
+        raise RuntimeError("the tool crashed")
+    if ctx.label == "hang":
+        await asyncio.sleep(3600)  # a tool that never answers
+    return float(reply.choices[0].finish_reason == "stop")
+
+def prompts():
+    i = 0
+    while True:
+        i += 1
+        yield {"prompt": f"Say {i}.", "label": {1: "raise", 2: "hang"}.get(i % 4, "ok")}
+'''
+
+
+def test_failing_agent_hanging_tool_and_killed_engine_leave_the_run_going(tmp_path, tiny_model_path, rollout_engine,
+                                                                          device):
+    agent = tmp_path / "flaky.py"
+    agent.write_text(FLAKY_AGENT)
+    cfg = loop_config(tmp_path, tiny_model_path, agent=str(agent), max_steps=4, attempt_timeout_s=3.0,
+                      max_tokens=8)
+    metrics = tmp_path / "metrics.jsonl"
+
+    def kill_after_first_step():
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+            time.sleep(0.1)
+        ray.kill(rollout_engine, no_restart=False)  # Ray restarts it; the router starts its engine again
+    killer = threading.Thread(target=kill_after_first_step, daemon=True)
+    killer.start()
+    rows, run = run_loop(cfg, device, [rollout_engine])
+    killer.join(timeout=1)
+
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert sum(r["failed_attempts"] for r in rows) > sum(r["timed_out_attempts"] for r in rows) > 0
+    assert sum(r["dropped_groups"] for r in rows) > 0
+    assert rows[-1]["engine_restarts"] == 1 and run["router"].failed_requests >= 0
+    assert ray.get(rollout_engine.started.remote())
+    assert engine_version(rollout_engine) == 4  # the restarted engine rejoined the weight group and got step 4
