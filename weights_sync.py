@@ -279,14 +279,16 @@ class WeightSender:
 
     def gather(self, model, name, p):
         """The full parameter on the sender (None elsewhere); stacked experts under EP come from their owners."""
+        from torch.distributed.tensor import DTensor
         experts = model.get_submodule(name.rsplit(".", 1)[0]) if is_stacked_experts(name) else None
         if experts is None or experts.ep_group is None:
-            return gather_to(p, 0, self.dtype, self.device)
+            # an unsharded tensor is not cast here: the copy into the bucket casts, reading fp32 once (on GPU this
+            # memory traffic competes with NCCL's)
+            return gather_to(p, 0, self.dtype if isinstance(p, DTensor) else None, self.device)
         ep_group = experts.ep_group
         senders = self._ep_sender_ranks(ep_group)
         # 1. the EP shard's FSDP group gathers its block of experts to its member in rank 0's EP group
         owner = 0
-        from torch.distributed.tensor import DTensor
         if isinstance(p, DTensor):
             shard_dims = [i for i, pl in enumerate(p.placements) if pl.is_shard()] or [0]
             owners = [r for r in dist.get_process_group_ranks(p.device_mesh.get_group(shard_dims[0])) if r in senders]
