@@ -1,0 +1,220 @@
+"""The dry-run planner, the config checks a real run shares with it, and engine options refused by vLLM.
+
+    .venv/bin/python -m pytest tests/test_dry_run.py -q        # CPU, about a minute
+
+Every shipped config is planned with the real sharding code (train.build_meshes / partition_experts /
+shard_model) against a fake process group of its world size; the printed memory of qwen3_30b_a3b is checked
+against a hand computation from the config's numbers, and the activation estimate against what autograd saves.
+"""
+import asyncio
+import dataclasses
+import functools
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train
+from train import ConfigError, configure
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = ["tiny", "qwen3_4b", "qwen3_30b_a3b", "moe_700b"]
+GiB = 2**30
+
+
+# set by init_distributed when another test of the session made a process group here: a child must not inherit them
+RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def child_env(**extra):
+    return {**{k: v for k, v in os.environ.items() if k not in RENDEZVOUS}, **extra}
+
+
+def run_train(*args, env=None):
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=child_env(**(env or {})))
+
+
+@functools.lru_cache(maxsize=None)
+def dry_run_output(name):
+    r = run_train("--config", f"configs/{name}.py", "--dry_run=True")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def gib(out, row):
+    """The GiB figure of a row of the printed per-GPU table, e.g. `  parameters   14.22 GiB  ...`."""
+    return float(re.search(rf"^  {row}\s+([\d.]+) GiB", out, re.M).group(1)) * GiB
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_dry_run_of_every_config(name):
+    out = dry_run_output(name)
+    for row in ("parameters", "gradients", "optimizer", "all-gather", "activations", "total"):
+        assert re.search(rf"^  {row}\s+[\d.]+ GiB", out, re.M), f"{row} missing from:\n{out}"
+    cfg = configure(["--config", os.path.join(ROOT, "configs", f"{name}.py")])
+    gpus = cfg["train_world_size"] + cfg["num_engines"] * cfg["tensor_parallel_size"]
+    assert f"= {gpus}\n" in out
+    assert "engine options: accepted by vLLM" in out
+    assert gib(out, "total") <= cfg["gpu_memory_gib"] * GiB
+    if name == "moe_700b":
+        billions = float(re.search(r"dry run: ([\d.]+)B parameters", out).group(1))
+        assert 650 < billions < 750
+
+
+def test_qwen3_30b_a3b_memory_matches_hand_computation():
+    out = dry_run_output("qwen3_30b_a3b")
+    cfg = configure(["--config", os.path.join(ROOT, "configs", "qwen3_30b_a3b.py")])
+    m = cfg["model_config"]
+    D, L, V, hd = m["hidden_size"], m["num_hidden_layers"], m["vocab_size"], m["head_dim"]
+    nh, nkv, E, H = m["num_attention_heads"], m["num_key_value_heads"], m["num_experts"], m["moe_intermediate_size"]
+    W, ep = cfg["train_world_size"], cfg["ep_size"]
+    # non-expert weights per layer: q, k, v, o projections, q/k norms, two RMSNorms, the router; sharded over all ranks
+    layer = D * nh * hd + 2 * D * nkv * hd + nh * hd * D + 2 * hd + 2 * D + D * E
+    dense = L * layer + 2 * V * D + D  # embeddings, lm_head (untied), final norm
+    # experts: E / ep per EP rank, each 3 matrices of D x H, FSDP-sharded over the W / ep ranks holding the same ones
+    expert = (E // ep) * 3 * D * H * L / (W // ep)
+    per_rank = dense / W + expert
+    assert dense / W == pytest.approx(float(re.search(r"([\d.,]+)M dense", out).group(1).replace(",", "")) * 1e6, rel=0.01)
+    assert expert == pytest.approx(float(re.search(r"([\d.,]+)B expert", out).group(1)) * 1e9, rel=0.01)
+    assert gib(out, "parameters") == pytest.approx(4 * per_rank, rel=0.05)  # fp32 master weights
+    assert gib(out, "gradients") == pytest.approx(4 * per_rank, rel=0.05)   # fp32 sharded gradients
+    assert gib(out, "optimizer") == pytest.approx(8 * per_rank, rel=0.05)   # AdamW m and v, fp32
+    # all-gather in bf16: the root unit (embeddings + lm_head) held with its gradient, two blocks (one prefetched)
+    # of attention + router + the 16 local experts, and one block's gradient in bf16 and fp32
+    block = layer + (E // ep) * 3 * D * H
+    assert gib(out, "all-gather") == pytest.approx(4 * (2 * V * D) + 4 * block + 6 * block, rel=0.05)
+
+
+def test_cpu_offload_takes_the_sharded_state_off_the_gpu():
+    on_gpu = dry_run_output("qwen3_30b_a3b")
+    r = run_train("--config", "configs/qwen3_30b_a3b.py", "--dry_run=True", "--cpu_offload_optimizer=True")
+    assert r.returncode == 0, r.stderr[-3000:]
+    state = sum(gib(on_gpu, row) for row in ("parameters", "gradients", "optimizer"))
+    assert "[host memory (cpu_offload_optimizer)]" in r.stdout
+    assert gib(r.stdout, "total") == pytest.approx(gib(on_gpu, "total") - state, abs=0.02 * GiB)
+
+
+def test_activation_estimate_matches_what_autograd_saves():
+    """Sum the bytes of every tensor autograd saves in a bf16 forward (parameters excluded) of a small MoE, a dense
+    model and a wider MoE; the planner's formula must agree within 5%."""
+    from model import ModelConfig, Transformer
+    for kw in [dict(num_experts=8, num_experts_per_tok=2), dict(num_experts=0),
+               dict(num_experts=16, num_experts_per_tok=4, intermediate_size=768)]:
+        mcfg = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=kw.pop("intermediate_size", 512),
+                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+                           moe_intermediate_size=128, **kw)
+        torch.manual_seed(0)
+        model = Transformer(mcfg)
+        model.init_weights()
+        model = model.to(torch.bfloat16).train()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved = {}
+
+        def pack(t):
+            s = t.untyped_storage()
+            if s.data_ptr() not in params:
+                saved[s.data_ptr()] = s.nbytes()
+            return t
+        B, T = 2, 512
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.hidden_states(torch.randint(0, 512, (B, T)))
+        estimate = train.activation_bytes(mcfg, B * T, checkpointing=False, dtype_bytes=2)
+        assert sum(saved.values()) == pytest.approx(estimate, rel=0.05), kw
+        assert train.activation_bytes(mcfg, B * T, checkpointing=True, dtype_bytes=2) < estimate
+
+
+@pytest.mark.parametrize("args,env,msg", [
+    (["--config", "configs/moe_700b.py", "--ep_size=512"], {}, r"ep_size \(512\) does not divide the number of experts \(256\)"),
+    (["--config", "configs/moe_700b.py", "--activation_checkpointing=False"], {},
+     "training needs about .* GiB per GPU, more than the 140 GiB of one GPU"),
+    (["--config", "configs/moe_700b.py", "--tensor_parallel_size=4"], {},
+     "a rollout engine cannot hold the model: .* GiB of bf16 weights per GPU"),
+    (["--speculative_config={'method': 'mtp', 'num_speculative_tokens': 1}"], {},
+     r"vLLM refuses engine option speculative_config=\{'method': 'mtp', 'num_speculative_tokens': 1\}"),
+])
+def test_impossible_or_inconsistent_config_fails_with_one_sentence(args, env, msg):
+    r = run_train(*args, "--dry_run=True", env=env)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert re.match(rf"dry run: .*{msg}", last), r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert "per-GPU memory" not in r.stdout
+
+
+def tiny_cfg(**overrides):
+    cfg = configure([])
+    cfg.update(overrides)
+    return cfg
+
+
+@pytest.mark.parametrize("overrides,msg", [
+    (dict(ep_size=2, train_world_size=2, num_experts=0), "ep_size=2 needs a MoE model, but the model is dense"),
+    (dict(ep_size=3, train_world_size=3), r"ep_size \(3\) does not divide the number of experts \(8\)"),
+    (dict(groups_in_flight=2, groups_per_batch=4), r"groups_in_flight \(2\) is below groups_per_batch \(4\)"),
+    (dict(max_tokens=2048, engine_max_model_len=2048), r"max_tokens \(2048\) leaves no room for the prompt"),
+    (dict(engine_max_model_len=8192), r"engine_max_model_len \(8192\) is above the model's max_position_embeddings"),
+    (dict(num_engines=0), r"num_engines \(0\) and tensor_parallel_size \(1\) must be at least 1"),
+])
+def test_check_config(overrides, msg):
+    from model import TINY_CONFIG
+    mcfg = dataclasses.replace(TINY_CONFIG, num_experts=overrides.pop("num_experts", TINY_CONFIG.num_experts))
+    with pytest.raises(ConfigError, match=msg):
+        train.check_config(tiny_cfg(**overrides), mcfg)
+    train.check_config(tiny_cfg(), TINY_CONFIG)  # the defaults are consistent
+    with pytest.raises(ConfigError, match=r"torchrun started 2 ranks"):
+        train.check_config(tiny_cfg(), TINY_CONFIG, world_size=2)
+
+
+def test_engine_receives_the_config_options(tiny_model_path):
+    import capture
+    cfg = tiny_cfg(engine_max_model_len=1024, engine_memory_fraction=0.3, tensor_parallel_size=2,
+                   enable_prefix_caching=False, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    args = capture.Engine(tiny_model_path, **train.engine_options(cfg)).engine_args
+    assert (args["max_model_len"], args["gpu_memory_utilization"], args["tensor_parallel_size"]) == (1024, 0.3, 2)
+    assert args["enable_prefix_caching"] is False
+    assert args["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2}
+    assert capture.Engine(tiny_model_path, **train.engine_options(tiny_cfg())).engine_args["speculative_config"] is None
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 1}), "speculative_config"),  # no MTP layers
+    (dict(speculative_config={"method": "no-such-method"}), "speculative_config"),
+    (dict(engine_max_model_len=99999), "engine_max_model_len"),  # above the model's 4096 positions
+    (dict(tensor_parallel_size=3), "tensor_parallel_size"),      # 4 attention heads
+    (dict(engine_memory_fraction=1.5), "engine_memory_fraction"),
+])
+def test_vllm_refusal_names_the_option(tiny_model_path, overrides, key):
+    with pytest.raises(ConfigError, match=rf"^vLLM refuses engine option {key}=.+: .+"):
+        train.check_engine_options(tiny_cfg(**overrides), tiny_model_path)
+    train.check_engine_options(tiny_cfg(enable_prefix_caching=False, tensor_parallel_size=2,
+                                        speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                            "prompt_lookup_max": 3}), tiny_model_path)
+
+
+def test_real_engine_start_refuses_the_same_option(tiny_model_path):
+    """check_engine_options asks the validation a real start runs: a real capture.Engine start with the refused
+    option fails at once (before any worker process starts) with the same message."""
+    import capture
+    bad = {"method": "mtp", "num_speculative_tokens": 1}
+    with pytest.raises(ConfigError) as checked:
+        train.check_engine_options(tiny_cfg(speculative_config=bad), tiny_model_path)
+    engine = capture.Engine(tiny_model_path, **train.engine_options(tiny_cfg(speculative_config=bad)))
+    with pytest.raises(Exception) as started:
+        asyncio.run(engine.start())
+    assert engine.llm is None
+    assert str(started.value).splitlines()[0] in str(checked.value)
+
+
+def test_torchrun_sh_launches_and_the_world_size_check_sees_torchrun():
+    env = {"NPROC_PER_NODE": "1", "MASTER_PORT": str(train.free_port())}
+    r = subprocess.run(["./torchrun.sh", "--dry_run=True"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=child_env(**env))
+    assert r.returncode == 0 and "per-GPU memory" in r.stdout, r.stderr[-3000:]
+    r = subprocess.run(["./torchrun.sh", "--dry_run=True", "--train_world_size=2"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=child_env(**env))
+    assert r.returncode != 0
+    assert "dry run: torchrun started 1 ranks (WORLD_SIZE) but train_world_size is 2" in r.stderr

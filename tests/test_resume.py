@@ -1,0 +1,179 @@
+"""A run killed with SIGKILL in the middle of a step resumes from its last checkpoint.
+
+    .venv/bin/python -m pytest tests/test_resume.py -q     # CPU: a real engine, Ray and the tiny run, a few minutes
+
+The tiny default run (`python train.py`, a real vLLM engine actor, the calculator agent) checkpoints at step 2 and
+is SIGKILLed as soon as that checkpoint is complete, while step 3's rollouts are in flight. Then:
+- the trainer a resumed run builds (train.build_trainer, as main() does) holds exactly the checkpoint's parameters
+  and AdamW state (read straight from the checkpoint files), at step 2, with the policy version and data position
+  saved beside them;
+- the killed run leaves no process behind (its in-flight rollouts die with its Ray cluster);
+- `python train.py --resume=True` goes on with steps 3 and 4 at policy versions 3 and 4, its prompts continue the
+  prompt stream where the checkpoint left it, and its weights move on from the checkpoint's.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_args(out_dir, model_path, prompts):
+    return [f"--out_dir={out_dir}", f"--model_path={model_path}", f"--prompts={prompts}", "--max_steps=4",
+            "--checkpoint_every=2", "--group_size=2", "--groups_per_batch=2", "--groups_in_flight=3",
+            "--engine_max_model_len=1024", "--engine_memory_fraction=0.3", "--warmup_steps=0", "--save_trajectories=True"]
+
+
+# set by init_distributed in this process (other tests share it): a child must make its own process group
+RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def start(args, log_path):
+    log = open(log_path, "w")
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
+    env["PYTHONUNBUFFERED"] = "1"
+    return subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env=env, start_new_session=True)
+
+
+def exited(proc, tree):
+    """Keep `tree` up to date with proc's descendants (Ray, the engine actor, vLLM's engine process) while it runs,
+    so that they can be waited for, or ended, after it is gone. True once proc has exited."""
+    try:
+        tree[:] = psutil.Process(proc.pid).children(recursive=True) or tree
+    except psutil.NoSuchProcess:
+        pass
+    return proc.poll() is not None
+
+
+def end_tree(proc, tree):
+    """SIGKILL what is left of a run this test started: the process and the descendants recorded for it."""
+    for p in [proc] + tree:
+        try:
+            p.kill()
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            pass
+
+
+def log_tail(path):
+    with open(path) as f:
+        return f.read()[-4000:]
+
+
+def wait_for(predicate, proc, log_path, timeout_s):
+    """Poll predicate() until true; fail with the run's log if `proc` (when given) exits first or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"the run exited ({proc.returncode}) early:\n{log_tail(log_path)}")
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout_s}s:\n{log_tail(log_path)}")
+
+
+def read_checkpoint(path, tmp_path):
+    """The checkpoint's tensors as saved (experts global), via torch's DCP -> torch.save converter."""
+    flat = tmp_path / "checkpoint.pt"
+    dcp_to_torch_save(path, flat)
+    return torch.load(flat, weights_only=False)
+
+
+def questions(path, first_line=0):
+    """The user question of each segment written to trajectories.jsonl from line `first_line` on."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f][first_line:]
+    return [row["text"].split("What is ", 1)[1].split("?", 1)[0] for row in rows]
+
+
+def test_sigkill_mid_step_then_resume(tmp_path, tiny_model_path):
+    from agents import read_prompts
+    prompts = tmp_path / "prompts.jsonl"
+    with open(prompts, "w") as f:  # every question distinct, so that a question tells its place in the stream
+        for a in range(20):
+            for b in range(20):
+                f.write(json.dumps({"prompt": f"What is {a} + {b}? Use the calculator.", "label": f"{a} + {b}"}) + "\n")
+    out = tmp_path / "run"
+    args = run_args(out, tiny_model_path, prompts)
+    latest = out / "checkpoints" / "latest"
+
+    # 1. run, and SIGKILL the driver the moment the step-2 checkpoint is complete (step 3 is being rolled out)
+    proc = start(args, tmp_path / "run1.log")
+    tree = []
+    try:
+        def checkpointed():
+            exited(proc, tree)
+            return latest.is_file() and latest.read_text().strip() == "step_000002"
+        wait_for(checkpointed, proc, tmp_path / "run1.log", timeout_s=900)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert tree, "the run started no Ray or engine processes"
+        # in-flight rollouts are discarded with the run: its Ray cluster and engine go away on their own
+        gone, alive = psutil.wait_procs(tree, timeout=90)
+        assert not alive, f"processes of the killed run still alive: {[p.info for p in alive]}"
+    finally:
+        end_tree(proc, tree)
+    with open(out / "metrics.jsonl") as f:
+        rows_before = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows_before][:2] == [1, 2]
+    lines_before = sum(1 for _ in open(out / "trajectories.jsonl"))
+
+    # 2. what a resumed trainer holds equals the checkpoint files: parameters, AdamW state, step, version, data position
+    ckpt = train.latest_checkpoint(str(out))
+    assert ckpt.endswith("step_000002")
+    saved = read_checkpoint(ckpt, tmp_path)
+    cfg = train.configure(args + ["--resume=True"])
+    device = train.init_distributed()[2]  # a gloo group of one rank (shared with other tests in this process)
+    model, optimizer, step = train.build_trainer(cfg, 1, device)
+    assert step == 2
+    state = get_model_state_dict(model)
+    assert set(state) == set(saved["model"])
+    for name, value in state.items():
+        assert torch.equal(train.gather_full(name, value, model.meshes), saved["model"][name]), name
+    optim = get_optimizer_state_dict(model, optimizer)["state"]
+    assert set(optim) == set(saved["optimizer"]["state"])
+    for name, moments in optim.items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            mine, theirs = train.gather_full(name, moments[key], model.meshes), saved["optimizer"]["state"][name][key]
+            assert torch.equal(mine, theirs), (name, key)
+    extra = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)["extra"]
+    assert extra["policy_version"] == 2
+    assert "data_position" in extra, ("the checkpoint must record how many prompts the run has drawn from its "
+                                      "prompt stream (extra['data_position']) so that a resumed run continues it")
+    position = extra["data_position"]
+    assert position >= 2 * cfg["groups_per_batch"]  # at least the groups of steps 1 and 2
+
+    # 3. resume: steps 3 and 4 at versions 3 and 4, prompts continue the stream, the weights move on
+    proc = start(args + ["--resume=True"], tmp_path / "run2.log")
+    tree = []
+    try:
+        wait_for(lambda: exited(proc, tree), None, tmp_path / "run2.log", timeout_s=900)
+        assert proc.returncode == 0, log_tail(tmp_path / "run2.log")
+        psutil.wait_procs(tree, timeout=60)
+    finally:
+        end_tree(proc, tree)
+    assert f"resumed from {ckpt} at step 2" in open(tmp_path / "run2.log").read()
+    with open(out / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [(r["step"], r["policy_version"]) for r in rows[-2:]] == [(3, 3), (4, 4)]
+    assert train.latest_checkpoint(str(out)).endswith("step_000004")
+
+    stream = [row["prompt"].split("What is ", 1)[1].split("?", 1)[0]
+              for row, _ in zip(read_prompts(str(prompts), seed=cfg["seed"]), range(400))]
+    resumed = questions(out / "trajectories.jsonl", first_line=lines_before)
+    assert resumed
+    assert min(stream.index(q) for q in resumed) >= position, "the resumed run went back in the prompt stream"
+
+    after = read_checkpoint(train.latest_checkpoint(str(out)), tmp_path)["model"]
+    assert any(not torch.equal(after[k], saved["model"][k]) for k in saved["model"])
