@@ -222,7 +222,7 @@ def shard_model(model, meshes, cfg):
     """Every fully_shard call: experts on their own mesh first, then each block, then the root (embeddings,
     final norm, lm_head). Mixed precision: compute in param_dtype, gradients reduced in fp32."""
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg["param_dtype"]), reduce_dtype=torch.float32)
-    offload = CPUOffloadPolicy() if cfg["cpu_offload_optimizer"] else OffloadPolicy()
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg["cpu_offload_optimizer"] else OffloadPolicy()
     kw = dict(mp_policy=mp, offload_policy=offload)
     for block in model.model.layers:
         if block.is_moe:  # its own FSDP unit on its own mesh: the block's unit must not gather the experts
@@ -549,13 +549,15 @@ def global_experts(t, meshes):
                               shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
 
 
-def with_global_experts(state, meshes):
-    """Copy of a flat or nested FQN-keyed state dict whose expert tensors are global DTensors (see above)."""
+def with_global_experts(state, meshes, experts=False):
+    """Copy of a nested FQN-keyed state dict (model, or optimizer: state.FQN.exp_avg) whose expert tensors are
+    global DTensors (see above)."""
     out = {}
     for k, v in state.items():
+        is_experts = experts or ".mlp.experts." in str(k)
         if isinstance(v, dict):
-            out[k] = with_global_experts(v, meshes)
-        elif ".mlp.experts." in k and isinstance(v, DTensor) and v.dim() > 0:
+            out[k] = with_global_experts(v, meshes, is_experts)
+        elif is_experts and isinstance(v, DTensor) and v.dim() > 0:
             out[k] = global_experts(v, meshes)
         else:
             out[k] = v

@@ -202,3 +202,124 @@ def test_matches_single_process(tmp_path, world, ep, extra):
             torch.testing.assert_close(got["grads"][step][name], g, **GRAD_TOL, msg=lambda s: f"step {step} {name}: {s}")
     for name, p in ref[-1]["params"].items():
         torch.testing.assert_close(got["params"][name], p, **PARAM_TOL, msg=lambda s: f"{name}: {s}")
+
+
+def test_checkpoint_from_4_ranks_resumes_on_2_and_exports_to_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+    weights = make_weights(str(tmp_path / "weights"))
+    wins = windows()
+    ckpt, export = str(tmp_path / "run"), str(tmp_path / "hf")
+    cfg4 = trainer_config(ep_size=2)
+    spawn(4, "run_steps", cfg4, weights, wins, str(tmp_path / "out4.pt"), 0, 2, ckpt, None, export)
+    got4 = torch.load(tmp_path / "out4.pt", weights_only=False)
+    # 2 ranks, no expert parallelism: every expert tensor is re-cut from (ep=2 x fsdp=2) to (fsdp=2)
+    cfg2 = trainer_config(ep_size=1)
+    spawn(2, "run_steps", cfg2, weights, wins, str(tmp_path / "out2.pt"), 0, STEPS, None,
+          train.latest_checkpoint(ckpt))
+    got2 = torch.load(tmp_path / "out2.pt", weights_only=False)
+    assert got2["resumed"]["step"] == 2 and got2["resumed"]["extra"] == {"note": "hello"}
+    for name, p in got4["params"].items():
+        assert torch.equal(got2["resumed"]["params"][name], p), name
+    ref = reference_run(weights, wins, cfg2)  # the third step needs the Adam state of the first two
+    assert got2["metrics"][0]["grad_norm"] == pytest.approx(ref[2]["grad_norm"], rel=1e-4)
+    for name, p in ref[2]["params"].items():
+        torch.testing.assert_close(got2["params"][name], p, **PARAM_TOL, msg=lambda s: f"{name}: {s}")
+    with open(os.path.join(ckpt, "checkpoints", "step_000002", "config.json")) as f:
+        assert json.load(f)["ep_size"] == 2  # the resolved config travels with the checkpoint
+    hf = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    x = torch.arange(2 * 10).view(2, 10) % CFG.vocab_size
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, got4["logits"], rtol=1e-5, atol=1e-5)
+    assert os.path.isfile(os.path.join(export, "config.json"))
+
+
+def nonfinite(rank, world, cfg, weights, out):
+    model, _ = build(cfg, weights, world)
+    opt = train.build_optimizer(model, cfg)
+    before = dict(train.full_parameters(model))
+    window = make_window(0, 2, seed=7)
+    poisoned = [dict(mb) for mb in my_share(window, rank, world)]
+    if rank == 1:  # one bad number on one rank poisons the whole step
+        poisoned[0]["advantages"] = poisoned[0]["advantages"].clone().fill_(float("nan"))
+    bad = train.train_step(model, opt, poisoned, cfg, policy_version=0)
+    after_bad = dict(train.full_parameters(model))
+    good = train.train_step(model, opt, my_share(window, rank, world), cfg, policy_version=0)
+    after_good = dict(train.full_parameters(model))
+    if rank == 0:
+        torch.save(dict(bad=bad, good=good, before=before, after_bad=after_bad, after_good=after_good,
+                        adam_state=len(opt.state)), out)
+
+
+def test_non_finite_gradient_skips_the_step(tmp_path, capfd):
+    weights = make_weights(str(tmp_path / "weights"))
+    spawn(2, "nonfinite", trainer_config(ep_size=2, cpu_offload_optimizer=True), weights, str(tmp_path / "out.pt"))
+    got = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert got["bad"]["skipped"] and not got["good"]["skipped"]
+    assert "non-finite gradient norm" in capfd.readouterr().out
+    assert all(torch.equal(got["before"][n], got["after_bad"][n]) for n in got["before"])
+    assert not all(torch.equal(got["before"][n], got["after_good"][n]) for n in got["before"])
+    assert got["adam_state"] > 0
+
+
+def replay(rank, world, cfg, weights, x, routes, out):
+    model, _ = build(cfg, weights, world)
+    experts = model.model.layers[0].mlp.experts
+    seen, dispatch = [], experts.ep_dispatch
+    def recording_dispatch(x_sorted, counts, group):
+        seen.append(counts.clone())  # rows per global expert this rank sends out
+        return dispatch(x_sorted, counts, group)
+    experts.ep_dispatch = recording_dispatch
+    mine, my_routes = x[rank::world], routes[rank::world]
+    with torch.no_grad():
+        hidden, used = model.hidden_states(mine, routed_experts=my_routes, return_routes=True)
+        own_hidden, own_routes = model.hidden_states(mine, return_routes=True)
+    torch.save(dict(hidden=hidden, used=used, own_hidden=own_hidden, own_routes=own_routes, counts=seen[0]),
+               f"{out}.{rank}")
+
+
+def test_routing_replay_under_expert_parallelism(tmp_path):
+    weights = make_weights(str(tmp_path / "weights"))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, CFG.vocab_size, (4, 12), generator=g)
+    L, E, K = len(CFG.moe_layers), CFG.num_experts, CFG.num_experts_per_tok
+    routes = torch.rand(4, 12, L, E, generator=g).argsort(-1)[..., :K]  # (B, T, L_moe, K)
+    spawn(2, "replay", trainer_config(ep_size=2), weights, x, routes, str(tmp_path / "out"))
+    ref = Transformer.from_pretrained(weights).eval()
+    with torch.no_grad():
+        ref_hidden = ref.hidden_states(x, routed_experts=routes)
+    for rank in range(2):
+        got = torch.load(f"{tmp_path}/out.{rank}", weights_only=False)
+        assert torch.equal(got["used"], routes[rank::2])
+        assert not torch.equal(got["own_routes"], routes[rank::2])
+        # what dispatch sent is exactly the replayed choices of the first MoE layer
+        assert torch.equal(got["counts"], torch.bincount(routes[rank::2, :, 0].flatten(), minlength=E))
+        torch.testing.assert_close(got["hidden"], ref_hidden[rank::2], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(got["own_hidden"], ref_hidden[rank::2], atol=1e-3)
+
+
+def test_learning_rate_schedule():
+    cfg = trainer_config(learning_rate=1.0, min_lr=0.1, warmup_steps=2, max_steps=12)
+    lrs = [train.learning_rate_at(s, cfg) for s in range(14)]
+    assert lrs[:3] == [0.5, 1.0, 1.0]
+    assert lrs[7] == pytest.approx(0.55)  # halfway through the cosine
+    assert lrs[12] == lrs[13] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+
+
+def test_collate_shifts_and_pads():
+    segs = [dict(token_ids=[5, 6, 7, 8], action_mask=[0, 0, 1, 1], behavior_logprobs=[0, 0, -0.5, -0.25],
+                 token_versions=[-1, -1, 3, 4], routed_experts=[[[1, 2]], [[3, 4]], [[5, 6]], [[7, 0]]]),
+            dict(token_ids=[9, 10], action_mask=[0, 1], behavior_logprobs=[0, -1.0], token_versions=[-1, 4],
+                 routed_experts=[[[0, 1]], [[2, 3]]])]
+    mb = train.collate(segs, [1.0, -1.0], pad_id=0)
+    assert mb["input_ids"].tolist() == [[5, 6, 7], [9, 0, 0]]
+    assert mb["targets"].tolist() == [[6, 7, 8], [10, 0, 0]]
+    assert mb["action_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+    assert mb["behavior_logprobs"].tolist() == [[0, -0.5, -0.25], [-1.0, 0, 0]]
+    assert mb["token_versions"].tolist() == [[-1, 3, 4], [4, -1, -1]]
+    assert mb["routed_experts"].shape == (2, 3, 1, 2) and mb["routed_experts"][1, 0].tolist() == [[0, 1]]
+
+
+def test_ep_size_must_divide_world():
+    with pytest.raises(train.ConfigError, match="ep_size=3 must divide the number of trainer ranks \\(4\\)"):
+        train.build_meshes(4, 3, "cpu")
