@@ -74,12 +74,11 @@ class Engine:
         self.llm = None
         self.policy_version = 0
 
-    async def start(self):
+    async def start(self):  # answers None: under Ray the result travels back, and an Engine cannot be pickled
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
         await self.set_version(0)
-        return self
 
     async def generate(self, prompt_token_ids, sampling, request_id, session_id=None):
         """Sample one turn. `sampling` keys: temperature, top_p, max_tokens, stop, stop_token_ids, seed (and
@@ -867,6 +866,7 @@ def main(argv=None):
     parser.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (else half the RAM); GPU ignores it
     model = args.model
     if model is None:
         from model import ensure_tiny_model
@@ -875,7 +875,8 @@ def main(argv=None):
         sys.exit(f"--model {model}: no config.json there; pass a local HuggingFace model directory.")
 
     async def serve():
-        engine = await Engine(model, max_model_len=args.max_model_len).start()
+        engine = Engine(model, max_model_len=args.max_model_len)
+        await engine.start()
         server = CaptureServer(engine, model, max_model_len=args.max_model_len, port=args.port)
         await server.start()
         print(f"capture server for {model} at {server.url}\n  new session: curl -X POST {server.url}/sessions",
