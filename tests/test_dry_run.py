@@ -65,6 +65,15 @@ def test_dry_run_of_every_config(name):
         assert 650 < billions < 750
 
 
+def test_readme_table_holds_the_dry_run_figures():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        rows = {line.split("|")[1].strip(" `"): line for line in f if line.startswith("| `")}
+    for name in CONFIGS:
+        out = dry_run_output(name)
+        for row in ("parameters", "total"):
+            assert f"{gib(out, row) / GiB:.2f} GiB" in rows[name], (name, row)
+
+
 def test_qwen3_30b_a3b_memory_matches_hand_computation():
     out = dry_run_output("qwen3_30b_a3b")
     cfg = configure(["--config", os.path.join(ROOT, "configs", "qwen3_30b_a3b.py")])
