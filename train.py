@@ -3,9 +3,9 @@ Agentic RL trainer: config, FSDP2 + expert parallel training, and the short Ray 
 
     python train.py                                            # tiny MoE on a laptop CPU (configs/tiny.py)
     python train.py --config configs/tiny.py --max_steps=5     # any config, with --key=value overrides
-    torchrun --nproc_per_node=2 train.py --ep_size=2           # 2 ranks (gloo on CPU, NCCL on GPU)
+    torchrun --nproc_per_node=2 train.py --train_world_size=2 --ep_size=2   # 2 ranks (gloo on CPU, NCCL on GPU)
     torchrun --nproc_per_node=8 train.py --config configs/qwen3_30b_a3b.py
-    torchrun ... train.py --config configs/moe_700b.py --dry_run=True   # plan memory without GPUs
+    python train.py --config configs/moe_700b.py --dry_run=True    # plan memory and GPUs: CPU, seconds
 
 Defaults are the globals below; `--config FILE` executes a file of plain assignments over them; `--key=value`
 overrides are type-checked against the default. Unknown keys and wrong types stop the run before any work.
