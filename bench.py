@@ -364,6 +364,187 @@ def bench_async(*args):
     return dict(options=opt, synchronous=baseline, streaming=ours, ratio=round(ratio, 3))
 
 
+# -----------------------------------------------------------------------------
+# train: our FSDP2 + expert-parallel trainer vs transformers' Qwen3MoeForCausalLM under FSDP2, same GPUs, same run
+
+
+def bench_train(*args):
+    """Training throughput on a Qwen3-30B-A3B-shaped MoE with few layers (hidden 2048, 32 heads, 4 kv heads,
+    head_dim 128, 128 experts top-8, expert hidden 768, vocab 151936), bf16 compute, fp32 master weights, AdamW,
+    `batch` sequences of `seq` tokens per GPU per step. Ours: train.py's model, fully_shard, expert parallel over
+    `ep` GPUs (default: all), grouped-GEMM experts, the real train_step (chunked logprobs, PPO loss, clipping,
+    AdamW). Baseline, same run and GPUs: transformers' Qwen3MoeForCausalLM (its default experts implementation)
+    with each decoder layer and the root under fully_shard (same mixed precision), full logits + log_softmax, the
+    same optimizer. Prints tokens/s, MFU, peak memory of both and ratio = ours / transformers tokens/s.
+
+        torchrun --nproc_per_node=1 bench.py train               # 1 GPU
+        torchrun --nproc_per_node=2 bench.py train               # 2 GPUs, ep=2
+        torchrun --nproc_per_node=2 bench.py train --layers=8 --batch=2 --compile=1
+        python bench.py train --smoke                            # CPU, tiny shape: exercises both code paths
+
+    Options: --layers=4 --seq=4096 --batch=4 --steps=6 --warmup=3 --ep=0 (0 = all ranks) --compile=0 (1: compile
+    attention and norms of both models) --ac=0 (activation checkpointing, both) --baseline=1 --smoke=0.
+    MFU = 6 * N * tokens/s / (989e12 * GPUs), N = active matmul weights per token (attention projections, router,
+    the top-8 experts, dense MLPs, lm_head; not the embedding lookup); attention scores are not in `mfu`, and
+    `mfu_with_attention` adds 6 * L * T * heads * head_dim per token (causal QK^T and AV, forward + backward).
+    """
+    import os
+    import time
+    args = ["--smoke=1" if a == "--smoke" else a for a in args]
+    opt = _int_options(args, layers=4, seq=4096, batch=4, steps=6, warmup=3, ep=0, compile=0, ac=0, baseline=1,
+                       smoke=0)
+    if opt["smoke"]:
+        opt.update(seq=64, batch=2, steps=2, warmup=1)
+    import torch
+    import torch.distributed as dist
+    import train
+    from model import ModelConfig, num_params
+    if "RANK" not in os.environ and torch.cuda.device_count() > 1:
+        print("bench.py train: running on 1 GPU; use torchrun --nproc_per_node=N for N GPUs", flush=True)
+    rank, world, device = train.init_distributed()
+    cuda = device.type == "cuda"
+    if not cuda and not opt["smoke"]:
+        sys.exit("bench.py train needs CUDA GPUs (run it under torchrun); on CPU use --smoke")
+    ep = opt["ep"] or world
+    mcfg = ModelConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=opt["layers"],
+                       num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                       num_experts_per_tok=8, moe_intermediate_size=768, max_position_embeddings=40960)
+    if opt["smoke"]:
+        mcfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                           num_experts_per_tok=2, moe_intermediate_size=32, max_position_embeddings=512)
+    cfg = train.configure([f"--ep_size={ep}", f"--param_dtype={'bfloat16' if cuda else 'float32'}",
+                           f"--activation_checkpointing={bool(opt['ac'])}", "--logprob_chunk_size=2048",
+                           "--learning_rate=1e-5", "--min_lr=1e-6", "--warmup_steps=1", "--max_steps=1000"])
+    B, T = opt["batch"], opt["seq"]
+    g = torch.Generator(device=device).manual_seed(1000 + rank)  # each rank its own data, as in training
+    ids = torch.randint(0, mcfg.vocab_size, (B, T + 1), device=device, generator=g)
+    microbatch = dict(input_ids=ids[:, :-1], targets=ids[:, 1:], action_mask=torch.ones(B, T, device=device),
+                      behavior_logprobs=torch.full((B, T), -12.0, device=device),
+                      token_versions=torch.zeros(B, T, dtype=torch.long, device=device),
+                      advantages=torch.randn(B, device=device, generator=g), routed_experts=None)
+    n_active = num_params(mcfg, active=True) - mcfg.vocab_size * mcfg.hidden_size  # minus the embedding lookup
+    attn_per_token = 6 * mcfg.num_hidden_layers * T * mcfg.num_attention_heads * mcfg.head_dim
+
+    def measure(name, step_fn):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        for i in range(opt["warmup"]):
+            step_fn(i)
+        if cuda:
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for i in range(opt["steps"]):
+            step_fn(opt["warmup"] + i)
+        if cuda:
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        seconds = (time.perf_counter() - t0) / opt["steps"]
+        peak = torch.tensor(torch.cuda.max_memory_allocated(device) if cuda else 0, device=device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        tokens_per_s = world * B * T / seconds
+        out = dict(tokens_per_s=round(tokens_per_s), step_s=round(seconds, 4), peak_gb=round(peak.item() / 1e9, 2),
+                   mfu=round(6 * n_active * tokens_per_s / (989e12 * world), 4),
+                   mfu_with_attention=round((6 * n_active + attn_per_token) * tokens_per_s / (989e12 * world), 4))
+        train.print0(f"{name}: {out}")
+        return out
+
+    def free_memory():
+        import gc
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+    # ours
+    meshes = train.build_meshes(world, ep, device.type)
+    model = train.build_model(cfg, meshes, device, model_config=mcfg)
+    if opt["compile"]:
+        _compile_attention_and_norms(model)
+    optimizer = train.build_optimizer(model, cfg)
+    last = {}
+
+    def ours_step(i):
+        last.update(train.train_step(model, optimizer, [microbatch], cfg, policy_version=0, step=i))
+    result = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", gpus=world if cuda else 0, ep=ep,
+                  layers=mcfg.num_hidden_layers, seq=T, batch_per_gpu=B, tokens_per_step=world * B * T,
+                  active_params=n_active, compile=bool(opt["compile"]), activation_checkpointing=bool(opt["ac"]))
+    result["ours"] = measure("ours", ours_step)
+    result["ours"]["loss"], result["ours"]["skipped_steps"] = last["loss"], int(last["skipped"])
+    model = optimizer = None  # the closure's references too: the baseline gets the whole GPU
+    free_memory()
+
+    # transformers' Qwen3MoeForCausalLM under FSDP2
+    result["ratio"] = None
+    if opt["baseline"]:
+        try:
+            hf, hf_optimizer, info = _hf_fsdp_model(mcfg, cfg, device, bool(opt["compile"]), bool(opt["ac"]))
+            result["transformers"] = info
+
+            def hf_step(i):
+                logits = hf(input_ids=microbatch["input_ids"], use_cache=False).logits  # (B, T, V)
+                logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, microbatch["targets"][..., None])
+                loss = -(microbatch["advantages"][:, None] * logprobs.squeeze(-1)).mean()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(hf.parameters(), cfg["grad_clip"])
+                for group in hf_optimizer.param_groups:
+                    group["lr"] = train.learning_rate_at(i, cfg)
+                hf_optimizer.step()
+                hf_optimizer.zero_grad(set_to_none=True)
+            result["transformers"].update(measure("transformers", hf_step))
+            result["ratio"] = round(result["ours"]["tokens_per_s"] / result["transformers"]["tokens_per_s"], 3)
+        except Exception as e:  # report ours even when the baseline cannot run here
+            result["transformers_error"] = f"{type(e).__name__}: {e}"
+            train.print0(f"transformers baseline failed: {result['transformers_error']}")
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank != 0:
+        sys.exit(0)  # rank 0 prints the result
+    return result
+
+
+def _compile_attention_and_norms(model):
+    """torch.compile the attention and RMSNorm modules (elementwise fusion); experts and all-to-alls stay eager."""
+    for module in model.modules():
+        if type(module).__name__.endswith(("Attention", "RMSNorm")):
+            module.compile()
+
+
+def _hf_fsdp_model(mcfg, cfg, device, compile_modules, checkpointing):
+    """transformers' Qwen3MoeForCausalLM built on the meta device, each decoder layer and the root under
+    fully_shard with our mixed precision, shards initialized like ours, AdamW like ours."""
+    import torch
+    import transformers
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    import train
+    hf_cfg = Qwen3MoeConfig(**{k: v for k, v in mcfg.to_hf().items()
+                               if k not in ("model_type", "architectures", "torch_dtype")})
+    hf_cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        hf = Qwen3MoeForCausalLM(hf_cfg)
+    if checkpointing:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg["param_dtype"]), reduce_dtype=torch.float32)
+    for layer in hf.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(hf, mp_policy=mp)
+    hf.to_empty(device=device)
+    train.init_local_shards(hf, 0.02, seed=cfg["seed"] + torch.distributed.get_rank())
+    # to_empty left the rotary inv_freq buffers uninitialized: build the rotary embedding again
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_cfg).to(device)
+    if compile_modules:
+        _compile_attention_and_norms(hf)
+    hf.train()
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(hf.parameters(), lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
+                                  weight_decay=cfg["weight_decay"], fused=fused)
+    info = dict(version=transformers.__version__, attn_implementation=hf.config._attn_implementation,
+                experts_implementation=getattr(hf.config, "_experts_implementation", None),
+                params=sum(p.numel() for p in hf.parameters()))
+    return hf, optimizer, info
+
+
 def main():
     names = sorted(k[len("bench_"):] for k in globals() if k.startswith("bench_"))
     if len(sys.argv) < 2 or sys.argv[1] not in names:

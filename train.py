@@ -307,14 +307,14 @@ def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_
 
 @torch.no_grad()
 def init_local_shards(model, std, seed):
-    """Random init of each rank's shards (benchmarks, from-scratch runs); norms start at 1."""
-    g = torch.Generator().manual_seed(seed)
+    """Random init of each rank's shards (benchmarks, from-scratch runs), on their device; norms start at 1."""
+    torch.manual_seed(seed)
     for name, p in model.named_parameters():
         local = local_tensor(p)
         if name.endswith("norm.weight"):
             local.fill_(1.0)
         else:
-            local.copy_(torch.randn(local.shape, generator=g) * std)
+            local.normal_(0.0, std)
 
 
 def local_tensor(t):
@@ -386,8 +386,9 @@ def build_optimizer(model, cfg):
     experts = [p for n, p in model.named_parameters() if ".mlp.experts." in n]
     dense = [p for n, p in model.named_parameters() if ".mlp.experts." not in n]
     groups = [{"params": dense}] + ([{"params": experts}] if experts else [])
+    fused = torch.cuda.is_available() and not cfg["cpu_offload_optimizer"]  # one kernel per group on the GPU
     return torch.optim.AdamW(groups, lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
-                             weight_decay=cfg["weight_decay"])
+                             weight_decay=cfg["weight_decay"], fused=fused)
 
 
 def learning_rate_at(step, cfg):
