@@ -174,7 +174,8 @@ def init_distributed(timeout_s=600):
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if backend == "nccl" else None)  # NCCL: bind this rank's GPU now
     return rank, world, device
 
 

@@ -323,3 +323,14 @@ def test_collate_shifts_and_pads():
 def test_ep_size_must_divide_world():
     with pytest.raises(train.ConfigError, match="ep_size=3 must divide the number of trainer ranks \\(4\\)"):
         train.build_meshes(4, 3, "cpu")
+
+
+def test_bench_train_smoke_runs_both_trainers():
+    """The GPU benchmark's code paths (ours and transformers under FSDP2) at a tiny shape on CPU."""
+    out = subprocess.run([sys.executable, "bench.py", "train", "--smoke"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["ratio"] > 0 and "transformers_error" not in result
+    assert result["ours"]["skipped_steps"] == 0 and result["ours"]["tokens_per_s"] > 0
+    assert result["transformers"]["tokens_per_s"] > 0
