@@ -408,9 +408,6 @@ def loss_config(cfg):
                            kl_coef=cfg["kl_coef"], entropy_coef=cfg["entropy_coef"])
 
 
-MICROBATCH_KEYS = ("input_ids", "targets", "action_mask", "behavior_logprobs", "token_versions", "advantages")
-
-
 def collate(segments, advantages, pad_id=0):
     """Recorded segments (dicts with token_ids, action_mask, behavior_logprobs, token_versions, routed_experts) and
     one advantage each -> one right-padded microbatch. Position t predicts token t + 1, so every per-token field is
@@ -617,6 +614,8 @@ def gather_full(name, t, meshes):
     """The whole tensor (a parameter, its gradient or its Adam state) from the shards on all ranks."""
     if not isinstance(t, DTensor):
         return t.detach()
+    if t.device.type != t.device_mesh.device_type:  # cpu_offload_optimizer: host shards, GPU collectives
+        t = t.to(t.device_mesh.device_type)
     full = t.full_tensor()  # over its FSDP mesh; experts: (E / ep, ...) this EP rank's experts
     if ".mlp.experts." in name and meshes["ep"].size() > 1:
         full = DTensor.from_local(full, meshes["ep"], [Shard(0)], run_check=False).full_tensor()  # (E, ...)
