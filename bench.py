@@ -365,6 +365,157 @@ def bench_async(*args):
 
 
 # -----------------------------------------------------------------------------
+# capture: agents through the capture server (loopback HTTP) vs the same agents calling the engine directly
+
+
+def bench_capture(*args):
+    """N agents run the same multi-turn workload on one tiny-model engine, in one process and one event loop,
+    three ways: calling Engine.generate directly with token ids they extend themselves (the baseline); through the
+    capture server with the async OpenAI SDK, as agents do; and through the capture server with a bare HTTP client
+    (httpx, JSON bodies), which leaves out the SDK's own client-side work. Same prompts and seeds, so the engine
+    does the same work; prefix caching is off so that repeating a prompt costs the same; modes alternate. Clients
+    are made and connected before timing (agent set-up, the same whatever the server). Prints generated tokens/s
+    of each and ratio = capture (SDK) / direct (target >= 0.95). Added latency per request = the agent's wait minus
+    the engine's time on that same request (timed around the backend call), so engine noise cancels; p50 and p99
+    under the full load and with one agent alone (target <= 5 ms at p50).
+
+        python bench.py capture                      # CPU, tiny model, ~1.5 minutes
+        python bench.py capture --agents=32 --turns=4 --tokens=64 --rounds=3
+    """
+    import asyncio
+    import os
+    import statistics
+    import time
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import httpx
+    import openai
+
+    import capture
+    from model import ensure_tiny_model
+    opt = _int_options(args, agents=16, turns=6, tokens=48, rounds=3)
+    path = ensure_tiny_model(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "tiny-qwen3-moe"))
+
+    class TimedEngine:  # the server's backend: the engine, with the time of each call kept per session
+        def __init__(self, engine):
+            self.engine, self.seconds = engine, {}
+
+        async def generate(self, prompt, sampling, request_id, session_id=None):
+            start = time.perf_counter()
+            out = await self.engine.generate(prompt, sampling, request_id, session_id=session_id)
+            self.seconds.setdefault(session_id, []).append(time.perf_counter() - start)
+            return out
+
+    async def run():
+        engine = capture.Engine(path, max_model_len=2048, enable_prefix_caching=False, worker_extension_cls=None)
+        await engine.start()
+        backend = TimedEngine(engine)
+        server = capture.CaptureServer(backend, path, max_model_len=2048)
+        await server.start()
+        tok = server.tokenizer
+        im_end = tok.convert_tokens_to_ids("<|im_end|>")
+        http = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1000))
+
+        def user_text(agent, turn):
+            return f"Agent {agent}, step {turn}: what is {agent} plus {turn}?"
+
+        async def direct(agent, session, waits):
+            ids, generated = server.render([{"role": "user", "content": user_text(agent, 0)}], [], True), 0
+            for turn in range(opt["turns"]):
+                start = time.perf_counter()
+                out = await engine.generate(ids, dict(max_tokens=opt["tokens"], seed=agent * 100 + turn,
+                                                      stop_token_ids=server.end_ids), f"{session.id}-{turn}")
+                waits.append(time.perf_counter() - start)
+                generated += len(out["token_ids"])
+                ids = ids + out["token_ids"] + ([] if out["token_ids"][-1:] == [im_end] else [im_end])
+                ids += tok("\n<|im_start|>user\n" + user_text(agent, turn + 1) + "<|im_end|>\n<|im_start|>assistant\n",
+                           add_special_tokens=False)["input_ids"]
+            return generated
+
+        async def sdk(agent, session, waits):
+            messages, generated = [{"role": "user", "content": user_text(agent, 0)}], 0
+            for turn in range(opt["turns"]):
+                start = time.perf_counter()
+                r = await session.client.chat.completions.create(model="tiny", messages=messages, seed=agent * 100 + turn,
+                                                                 max_tokens=opt["tokens"])
+                waits.append(time.perf_counter() - start)
+                generated += r.usage.completion_tokens
+                messages += [r.choices[0].message, {"role": "user", "content": user_text(agent, turn + 1)}]
+            return generated
+
+        async def bare_http(agent, session, waits):
+            url, headers = session.base_url + "/chat/completions", {"authorization": f"Bearer {session.api_key}"}
+            messages, generated = [{"role": "user", "content": user_text(agent, 0)}], 0
+            for turn in range(opt["turns"]):
+                start = time.perf_counter()
+                r = (await http.post(url, headers=headers, json=dict(
+                    model="tiny", messages=messages, max_tokens=opt["tokens"], seed=agent * 100 + turn))).json()
+                waits.append(time.perf_counter() - start)
+                generated += r["usage"]["completion_tokens"]
+                messages += [r["choices"][0]["message"], {"role": "user", "content": user_text(agent, turn + 1)}]
+            return generated
+
+        async def phase(agent_fn, agents):
+            """Run the agents at once; returns (generated tokens, seconds, per-request added latencies)."""
+            sessions = [server.new_session() for _ in agents]  # set-up, untimed: session, client, connection
+            for s in sessions:
+                s.client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+            if agent_fn is sdk:
+                await asyncio.gather(*[s.client.models.list() for s in sessions])
+            waits = [[] for _ in agents]
+            start = time.perf_counter()
+            tokens = sum(await asyncio.gather(*[agent_fn(a, s, w) for a, s, w in zip(agents, sessions, waits)]))
+            seconds = time.perf_counter() - start
+            added = []
+            for s, w in zip(sessions, waits):
+                if agent_fn is not direct:
+                    added += [a - b for a, b in zip(w, backend.seconds.pop(s.id))]
+                await s.client.close()
+                server.finish_session(s.id, 0.0)
+                server.drop_session(s.id)
+            return tokens, seconds, added
+
+        modes = {"direct": direct, "sdk": sdk, "http": bare_http}
+        for fn in modes.values():  # warm-up: first requests pay for lazy imports and allocations
+            await phase(fn, range(4))
+        totals = {name: [0, 0.0, [], []] for name in modes}
+        for r in range(opt["rounds"]):
+            for name in list(modes)[r % 3:] + list(modes)[:r % 3]:
+                tokens, seconds, added = await phase(modes[name], range(opt["agents"]))
+                totals[name][0] += tokens
+                totals[name][1] += seconds
+                totals[name][2] += added
+                totals[name][3] += (await phase(modes[name], [1000 + r]))[2]  # one agent alone
+        await http.aclose()
+        await server.stop()
+        await engine.shutdown()
+        return totals
+
+    totals = asyncio.run(run())
+    tput = {name: t[0] / t[1] for name, t in totals.items()}
+    out = dict(agents=opt["agents"], turns=opt["turns"], tokens=opt["tokens"], rounds=opt["rounds"],
+               direct_tokens_per_s=round(tput["direct"], 1))
+
+    def percentiles(seconds):
+        ms = sorted(x * 1000 for x in seconds)
+        return round(statistics.median(ms), 3), round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 3)
+    for name in ("sdk", "http"):
+        out[f"{name}_tokens_per_s"] = round(tput[name], 1)
+        out[f"{name}_ratio"] = round(tput[name] / tput["direct"], 4)
+        out[f"{name}_added_ms_p50"], out[f"{name}_added_ms_p99"] = percentiles(totals[name][2])
+        out[f"{name}_alone_added_ms_p50"], out[f"{name}_alone_added_ms_p99"] = percentiles(totals[name][3])
+    out["ratio"] = out["sdk_ratio"]
+    print(f"{opt['agents']} agents x {opt['turns']} turns x {opt['tokens']} tokens, {opt['rounds']} rounds: direct "
+          f"{tput['direct']:.0f} tok/s; capture via the OpenAI SDK {tput['sdk']:.0f} tok/s (x{out['sdk_ratio']:.3f}), "
+          f"via bare HTTP {tput['http']:.0f} tok/s (x{out['http_ratio']:.3f})")
+    for name, label in (("sdk", "OpenAI SDK"), ("http", "bare HTTP")):
+        print(f"added latency per request, {label}: p50 {out[f'{name}_added_ms_p50']:.2f} ms, p99 "
+              f"{out[f'{name}_added_ms_p99']:.2f} ms under load; p50 {out[f'{name}_alone_added_ms_p50']:.2f} ms, "
+              f"p99 {out[f'{name}_alone_added_ms_p99']:.2f} ms alone")
+    return out
+
+
+# -----------------------------------------------------------------------------
 # train: our FSDP2 + expert-parallel trainer vs transformers' Qwen3MoeForCausalLM under FSDP2, same GPUs, same run
 
 

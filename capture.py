@@ -81,9 +81,9 @@ class Engine:
         await self.set_version(0)
 
     async def generate(self, prompt_token_ids, sampling, request_id, session_id=None):
-        """Sample one turn. `sampling` keys: temperature, top_p, max_tokens, stop, stop_token_ids, seed (and
-        ignore_eos, for benchmarks). session_id is for routers that keep a session on one engine; one engine
-        ignores it."""
+        """Sample one turn. `sampling` keys: temperature, top_p, max_tokens, stop, stop_token_ids, seed,
+        routed_experts_start (routes are returned for the tokens from there on: the caller has the earlier ones),
+        ignore_eos (benchmarks). session_id is for routers that keep a session on one engine; one engine ignores it."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         stop = sampling.get("stop") or None
@@ -91,6 +91,7 @@ class Engine:
             n=1, temperature=sampling.get("temperature", 1.0), top_p=sampling.get("top_p", 1.0),
             max_tokens=sampling.get("max_tokens"), stop=stop, stop_token_ids=sampling.get("stop_token_ids"),
             seed=sampling.get("seed"), ignore_eos=sampling.get("ignore_eos", False), logprobs=0,
+            routed_experts_prompt_start=sampling.get("routed_experts_start", 0),
             detokenize=stop is not None)  # text only for stop strings
         out = None
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id):
@@ -101,7 +102,7 @@ class Engine:
         for span in c.weight_versions or []:  # spans of output tokens sampled by each weight version
             v = 0 if span.version == "default" else int(span.version)
             versions[span.start:span.end] = [v] * (span.end - span.start)
-        routes = c.routed_experts  # (prompt + generated tokens, L_moe, K) when enabled
+        routes = c.routed_experts  # (T - routed_experts_start, L_moe, K) when enabled
         return dict(token_ids=ids, logprobs=[c.logprobs[i][t].logprob for i, t in enumerate(ids)],
                     token_versions=versions, routed_experts=None if routes is None else routes.tolist(),
                     finish_reason=c.finish_reason, num_prompt_tokens=len(out.prompt_token_ids))
@@ -572,8 +573,9 @@ class CaptureServer:
             if len(prompt) >= self.max_model_len:
                 raise RequestError(400, f"The prompt is {len(prompt)} tokens; the model's context is "
                                         f"{self.max_model_len} tokens.", "messages")
-            room = self.max_model_len - len(prompt)
-            sampling = dict(request.sampling, stop_token_ids=self.end_ids,
+            room = self.max_model_len - len(prompt)  # a longer max_tokens is cut to it (finish_reason "length")
+            routes = (session.segments[-1].routed_experts or []) if ext is not None else []
+            sampling = dict(request.sampling, stop_token_ids=self.end_ids, routed_experts_start=len(routes),
                             max_tokens=min(request.sampling["max_tokens"] or room, room))
             session.turns += 1
             try:
@@ -590,8 +592,8 @@ class CaptureServer:
                 segment = session.segments[-1]
                 segment.append(appended)
                 segment.append(out["token_ids"], out)
-                if out.get("routed_experts") is not None:  # the engine's routes cover prompt + generated tokens
-                    segment.routed_experts = out["routed_experts"]
+                if out.get("routed_experts") is not None:  # routes of the tokens the engine computed this turn
+                    segment.routed_experts = routes + out["routed_experts"]
                 session.conversation = conversation + [result["message"]]
                 session.tools, session.last_generated = request.tools, out["token_ids"]
             if request.key is not None:

@@ -30,13 +30,18 @@ def sentence(rng):
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6))).capitalize() + "."
 
 
+def route(position):
+    """A made-up route, (L_moe=2, K=2) expert ids, that names the position it belongs to."""
+    return [[position % 8, (position + 1) % 8], [(position + 2) % 8, (position + 3) % 8]]
+
+
 class FakeBackend:
     """A deterministic engine: the reply depends only on (prompt, seed). Kinds of replies: text, tool calls (with
     or without text before them), ASCII token soup, text ended by <|endoftext|>; cut by max_tokens or a stop
     string as vLLM would (tokens up to the one completing the stop string)."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.calls, self.forced = tokenizer, [], None
+        self.tokenizer, self.calls, self.forced, self.routes = tokenizer, [], None, False
         self.im_end, self.endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
         special = set(tokenizer.all_special_ids) | set(tokenizer.convert_tokens_to_ids(
             ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]))
@@ -71,7 +76,9 @@ class FakeBackend:
             ids, finish = ids[:sampling["max_tokens"]], "length"
         version = rng.randint(0, 3)
         cut = rng.randint(0, len(ids))
-        out = dict(token_ids=ids, logprobs=[-rng.random() for _ in ids], routed_experts=None,
+        # routes as the engine returns them: from routed_experts_start to the last token it ran (not the final one)
+        routes = [route(p) for p in range(sampling["routed_experts_start"], len(prompt) + len(ids) - 1)]
+        out = dict(token_ids=ids, logprobs=[-rng.random() for _ in ids], routed_experts=routes if self.routes else None,
                    token_versions=[version] * cut + [version + 1] * (len(ids) - cut), finish_reason=finish,
                    num_prompt_tokens=len(prompt))
         self.calls.append(dict(session_id=session_id, prompt=list(prompt), sampling=sampling, out=out))
@@ -285,6 +292,24 @@ def test_random_edit_sequences_match_the_reference(server):
     counts = [asyncio.run(run_sequence(server, seed)) for seed in range(150)]
     assert sum(counts) > len(counts)  # rewrites happened: some attempts have several segments
     assert max(counts) >= 3
+
+
+def test_routed_experts_line_up_with_tokens(server):
+    # the engine returns routes only for tokens it has not reported before; the segment holds one per token
+    server.backend.routes = True
+    try:
+        session = server.new_session()
+        messages = [{"role": "user", "content": "route me"}]
+        for turn in range(4):
+            body = {"messages": messages, "max_tokens": 20, "seed": turn}
+            result = asyncio.run(server.respond(session, capture.parse_openai(body, server)))
+            messages = messages + [client_reply(result, "openai"), {"role": "user", "content": f"next {turn}"}]
+    finally:
+        server.backend.routes = False
+    (segment,) = session.segment_dicts()
+    n = len(segment["token_ids"])
+    assert segment["routed_experts"][:n - 1] == [route(p) for p in range(n - 1)]
+    assert len(segment["routed_experts"]) == n  # the final token (never run through the model) is padded
 
 
 # --- answers
