@@ -364,3 +364,18 @@ def test_stop_string_and_length_keep_every_generated_token(server):
     result, _ = asyncio.run(answer(server, {"messages": body["messages"]}, forced=("cut short", [], "length")))
     assert result["finish_reason"] == "length"
     assert capture.anthropic_message(result)["stop_reason"] == "max_tokens"
+
+
+def test_top_p_is_refused_only_under_importance_correction(tiny_model_path):
+    strict = capture.CaptureServer(None, tiny_model_path, importance_correction=True)
+    body = {"messages": [{"role": "user", "content": "x"}], "top_p": 0.9}
+    with pytest.raises(capture.RequestError, match="importance correction") as e:
+        capture.parse_openai(body, strict)
+    assert e.value.status == 400
+    with pytest.raises(capture.RequestError, match="importance correction"):
+        capture.parse_anthropic(dict(body, max_tokens=5), strict)
+    assert capture.parse_openai(dict(body, top_p=1.0), strict).sampling["top_p"] == 1.0
+    lenient = capture.CaptureServer(None, tiny_model_path)
+    assert capture.parse_openai(body, lenient).sampling["top_p"] == 0.9
+    asyncio.run(strict.stop())
+    asyncio.run(lenient.stop())
