@@ -11,6 +11,12 @@ parsed by vLLM's Hermes parser), and records the trajectory token-exactly (DESIG
     curl -H "x-api-key: KEY" http://127.0.0.1:8000/sessions/ID  # the recorded segments
     curl -H "x-api-key: KEY" -d '{"reward": 1}' http://127.0.0.1:8000/sessions/ID/finish
 
+From Python (the rollout side): `server = CaptureServer(backend, model_dir, max_model_len=...)`, then
+`server.start_in_thread()` (or `await server.start()` in your loop); per attempt `session = server.new_session(
+attempt_id)` hands the agent `session.base_url` and `session.api_key`, and `server.finish_session(session.id, reward)`
+returns its segments (dicts: attempt_id, segment_index, token_ids, action_mask, behavior_logprobs, token_versions,
+routed_experts, reward, finished); `write_trajectories(path, segments, tokenizer)` appends them as JSONL.
+
 The segment rule. A session holds the conversation its open segment renders (our last reply included) and the
 segment's token ids. A request whose messages are that conversation followed by new messages generates on the
 exact recorded ids + the template's separator after our end-of-turn token + the tokens of every new message (all
