@@ -664,9 +664,9 @@ def copy_hf_extras(source_dir, path):
 def connect_ray(cfg, rank, world):
     """Rank 0 joins the cluster named by RAY_ADDRESS (torchrun.sh sets it on clusters) or starts a local one; the
     other ranks join rank 0's. On a CPU machine the local cluster gets one logical CPU per engine plus one."""
-    import ray
     address = [None]
     if rank == 0:
+        import ray
         if os.environ.get("RAY_ADDRESS"):
             ray.init(address="auto", include_dashboard=False)
         else:
@@ -674,11 +674,16 @@ def connect_ray(cfg, rank, world):
             ray.init(num_cpus=max(os.cpu_count() or 1, cfg["num_engines"] + 1) if gpus else cfg["num_engines"] + 1,
                      num_gpus=gpus, include_dashboard=False,
                      object_store_memory=None if gpus else 1 << 30)  # experiences of the tiny run are a few MB
-        address = [ray.get_runtime_context().gcs_address]
+        # a local cluster wants a token (in ~/.ray/auth_token) and ray.init switched on token mode in this
+        # process's environment only: the other ranks need that switch before they import ray
+        address = [(ray.get_runtime_context().gcs_address,
+                    {k: v for k, v in os.environ.items() if k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")})]
     if world > 1:
         dist.broadcast_object_list(address, src=0)
-        if rank != 0:
-            ray.init(address=address[0])
+    if rank != 0:
+        os.environ.update(address[0][1])  # before the first `import ray`: Ray reads its auth mode at import
+        import ray
+        ray.init(address=address[0][0])
     return ray
 
 
@@ -860,7 +865,7 @@ def train(cfg, model, optimizer, run, step, rank, world):
                        stale_dropped=round(m["stale_frac"] * m["action_tokens"]),
                        failed_attempts=pool["failed_attempts"], timed_out_attempts=pool["timed_out_attempts"],
                        dropped_groups=pool["dropped_groups"], engine_restarts=run["router"].restarts,
-                       tokens_per_s=pool["generated_tokens"] / step_time, step_time_s=step_time,
+                       tokens_per_s=sum(r["action_tokens"] for r in records) / step_time, step_time_s=step_time,
                        batch_wait_s=t_batch - t0, sync_s=sync_s,
                        # versions between the policy that sampled a segment's oldest token and the one training on it
                        staleness=sum(policy_version - 1 - r["min_version"] for r in generated) / max(len(generated), 1),
@@ -1241,3 +1246,8 @@ def main(argv):
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    # NOTE: vLLM imports triton, whose bindings print hundreds of "nanobind: leaked ..." lines while the interpreter
+    # tears down; everything is written, closed and shut down by now, so leave without the teardown
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
