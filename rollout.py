@@ -60,6 +60,21 @@ def reserve_trainer_gpus(gpus_per_node):
     return pg
 
 
+def check_engine_gpus(engines, gpus_per_node):
+    """Fail if an engine got a GPU that a trainer rank uses: trainer rank i of a node drives GPU i there (LOCAL_RANK,
+    CUDA_VISIBLE_DEVICES unset), which Ray cannot see; reserve_trainer_gpus makes this unlikely, this makes it loud."""
+    if not gpus_per_node:
+        return
+    placed = ray.get([e.__ray_call__.remote(lambda _: (ray.get_runtime_context().get_node_id(), ray.get_gpu_ids()))
+                      for e in engines])
+    for i, (node, gpu_ids) in enumerate(placed):
+        clash = {int(g) for g in gpu_ids} & set(range(gpus_per_node.get(node, 0)))
+        if clash:
+            raise RuntimeError(f"rollout engine {i} was given GPU(s) {sorted(clash)} of node {node}, which trainer "
+                               "ranks use: start the trainer on the lowest GPUs of its nodes, or keep engines on "
+                               "nodes of their own (torchrun.sh ROLLOUT_NODE=1)")
+
+
 def start_engines(model_path, num_engines=1, tensor_parallel_size=1, *, max_restarts=3, ready_timeout_s=600,
                   **engine_kwargs):
     """Start `num_engines` capture.Engine actors (one vLLM AsyncLLM each) and wait until they serve, at weight

@@ -710,6 +710,7 @@ def start_rollout(cfg, engines=None, trainer_gpus=None):
             max_model_len=cfg["engine_max_model_len"], memory_fraction=cfg["engine_memory_fraction"],
             enable_prefix_caching=cfg["enable_prefix_caching"], speculative_config=cfg["speculative_config"] or None)
         placement.append(engine_pg)
+        rollout.check_engine_gpus(engines, trainer_gpus)
     router = rollout.Router(engines)
     router.mark_connected([])  # the first weight sync forms the weight group
     server = capture.CaptureServer(router, cfg["model_path"], max_model_len=cfg["engine_max_model_len"],
