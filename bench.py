@@ -380,7 +380,7 @@ def bench_capture(*args):
     under the full load and with one agent alone (target <= 5 ms at p50).
 
         python bench.py capture                      # CPU, tiny model, ~1.5 minutes
-        python bench.py capture --agents=32 --turns=4 --tokens=64 --rounds=3
+        python bench.py capture --agents=32 --turns=6 --tokens=64 --rounds=3
     """
     import asyncio
     import os
@@ -393,7 +393,7 @@ def bench_capture(*args):
 
     import capture
     from model import ensure_tiny_model
-    opt = _int_options(args, agents=16, turns=6, tokens=48, rounds=3)
+    opt = _int_options(args, agents=16, turns=4, tokens=48, rounds=6)
     path = ensure_tiny_model(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "tiny-qwen3-moe"))
 
     class TimedEngine:  # the server's backend: the engine, with the time of each call kept per session
@@ -543,7 +543,7 @@ def bench_train(*args):
     import time
     args = ["--smoke=1" if a == "--smoke" else a for a in args]
     opt = _int_options(args, layers=4, seq=4096, batch=4, steps=6, warmup=3, ep=0, compile=0, ac=0, baseline=1,
-                       smoke=0)
+                       smoke=0, profile=0)
     if opt["smoke"]:
         opt.update(seq=64, batch=2, steps=2, warmup=1)
     import torch
@@ -599,6 +599,14 @@ def bench_train(*args):
                    mfu=round(6 * n_active * tokens_per_s / (989e12 * world), 4),
                    mfu_with_attention=round((6 * n_active + attn_per_token) * tokens_per_s / (989e12 * world), 4))
         train.print0(f"{name}: {out}")
+        if opt["profile"]:  # one more step under the profiler: where the time goes, per kernel
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] +
+                                        ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])) as prof:
+                step_fn(opt["warmup"] + opt["steps"])
+                if cuda:
+                    torch.cuda.synchronize(device)
+            train.print0(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
+                                                   row_limit=opt["profile"]))
         return out
 
     def free_memory():
