@@ -29,6 +29,7 @@ import gc
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import secrets
 import socket
@@ -485,6 +486,8 @@ class CaptureServer:
         self.backend = backend
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.tool_parser = Hermes2ProToolParser(self.tokenizer)  # extract_tool_calls is stateless
+        # a malformed tool call is the policy's output, not our error (its text goes back as content): no traceback
+        logging.getLogger("vllm.tool_parsers.hermes_tool_parser").setLevel(logging.CRITICAL)
         self.end_ids = end_token_ids(self.tokenizer)
         self.end_texts = [self.tokenizer.decode([i]) for i in self.end_ids]
         self.added_texts = tuple(self.tokenizer.get_added_vocab())
