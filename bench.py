@@ -289,8 +289,9 @@ def bench_async(*args):
     import weights_sync
     from agents import as_run_function
     from model import ensure_tiny_model
-    opt = _int_options(args, steps=6, group_size=4, groups_per_batch=4, groups_in_flight=8, max_tokens=16,
-                       tool_median_ms=200, tool_sigma_pct=150, seed=0)
+    # tools like code execution or search answer in about a second, with a long tail: median 0.5 s, p99 ~16 s
+    opt = _int_options(args, steps=8, group_size=4, groups_per_batch=4, groups_in_flight=8, max_tokens=16,
+                       tool_median_ms=500, tool_sigma_pct=150, seed=0)
     path = ensure_tiny_model(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "tiny-qwen3-moe"))
     # a tiny learning rate: both phases do the same work (train step, weight sync) on a policy that stays put
     cfg = train.configure([f"--model_path={path}", "--learning_rate=1e-7", "--min_lr=1e-7", "--max_staleness=8",
