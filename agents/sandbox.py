@@ -40,11 +40,21 @@ if audit:
         if event in BLOCKED:
             raise PermissionError(f"{event}: network access and new processes are disabled in this sandbox")
     sys.addaudithook(no_network)
+import traceback
 del resource, memory_bytes, cpu_s, file_bytes, audit
 sys.argv = ["main.py"]
 with open("main.py") as f:
     source = f.read()
-exec(compile(source, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+try:
+    exec(compile(source, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+except SystemExit:
+    raise
+except BaseException as e:  # the traceback of the model's own lines: library frames cost context and say little
+    sys.stdout.flush()
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == "main.py"]
+    print("Traceback (most recent call last):\n" + "".join(traceback.format_list(frames))
+          + "".join(traceback.format_exception_only(e)), end="", file=sys.stderr)
+    sys.exit(1)
 """
 
 

