@@ -46,7 +46,8 @@ def parquet_rows(path):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow), or convert it to JSONL") from None
+        raise ImportError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow); or convert the file to "
+                          "JSONL") from None
     for i, row in enumerate(pq.read_table(path).to_pylist(), 1):
         # Parquet has no missing-key notion: a column absent from a row reads as None
         yield i, {k: v for k, v in row.items() if v is not None}

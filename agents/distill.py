@@ -3,7 +3,8 @@ On-policy distillation: the student (the policy) writes; a frozen teacher scores
 and each token's reward is log p_teacher(x_t) - log p_student(x_t) (loss.distill_token_rewards; its expectation over
 the student's samples is minus the reverse KL, so the student moves toward what the teacher would have written).
 
-    python train.py --agent=agents/distill.py --advantage_estimator=distill
+    python train.py --agent=agents/distill.py --advantage_estimator=distill   # dense: an advantage per token
+    python train.py --agent=agents/distill.py                                 # GRPO on the mean log-ratio
 
 After its turns, the agent reads back its own recorded segments from the capture server (GET /sessions/ID with the
 attempt's key: the exact token ids, masks and sampling logprobs) and has the teacher (a FrozenModel, started by

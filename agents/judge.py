@@ -30,7 +30,7 @@ Answer: {answer}
 Reply with "Score: N", where N goes from 0 (wrong) to 10 (correct and complete)."""
 
 QUESTIONS = [("What is the capital of France?", "Paris"), ("How many legs does a spider have?", "8"),
-             ("Who wrote Hamlet?", "William Shakespeare"), ("What is the largest planet of the solar system?", "Jupiter"),
+             ("Who wrote Hamlet?", "William Shakespeare"), ("What is the largest planet?", "Jupiter"),
              ("What gas do plants take in to make sugar?", "carbon dioxide"), ("How many days are in a week?", "7"),
              ("At what temperature in Celsius does water boil at sea level?", "100"),
              ("What colour do you get by mixing blue and yellow?", "green")]

@@ -133,7 +133,8 @@ async def run_python(code, *, time_limit_s=5.0, memory_mb=256, max_output_chars=
     with open(os.path.join(workdir, "main.py"), "w") as f:
         f.write(code)
     cpu_s = int(time_limit_s) + 1  # the wall-clock limit normally fires first; this one also stops busy children
-    args = [str(int(memory_mb * 2**20)), str(cpu_s), str(int(max_file_mb * 2**20)), str(int(isolation == "audit-hook"))]
+    audit = int(isolation == "audit-hook")
+    args = [str(int(memory_mb * 2**20)), str(cpu_s), str(int(max_file_mb * 2**20)), str(audit)]
     output_limit = int(max_output_mb * 2**20)
     # -I: ignore PYTHON* variables and the user's site-packages; the environment holds nothing of the trainer's
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",

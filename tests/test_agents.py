@@ -12,6 +12,7 @@ test needs one the engine forces the text of that turn (scored by the same engin
 sees the policy's own numbers); every other turn is sampled.
 """
 import asyncio
+import gc
 import json
 import math
 import os
@@ -94,7 +95,13 @@ def play(stack, run, item, forced=(), sampling=SAMPLING, group_id=0, unit_reward
     ctx = Context(base_url=session.base_url, api_key=session.api_key, model="policy", prompt=prompt,
                   messages=[dict(m) for m in messages], tools=item.get("tools"), label=item.get("label"),
                   sampling=dict(sampling), attempt_id=session.attempt_id, group_id=group_id)
-    result = asyncio.run(run(ctx))
+
+    async def attempt():
+        result = await run(ctx)
+        gc.collect()  # the SDK clients' __del__ schedules their aclose on this loop: let it run before it closes
+        await asyncio.sleep(0.01)
+        return result
+    result = asyncio.run(attempt())
     segments = server.finish_session(session.id, result.reward)
     server.drop_session(session.id)
     calls = backend.of(session.id)
@@ -336,7 +343,8 @@ def test_setup_agent_hook(tmp_path):
     run, _ = load_agent(str(plain))
     assert setup_agent(run, {})() is None
     hooked = tmp_path / "hooked.py"
-    hooked.write_text("state = []\ndef setup(cfg):\n    state.append(cfg['x'])\n    return lambda: state.append('closed')\n"
+    hooked.write_text("state = []\n"
+                      "def setup(cfg):\n    state.append(cfg['x'])\n    return lambda: state.append('closed')\n"
                       "async def agent(ctx):\n    return float(len(state))\n")
     run, _ = load_agent(str(hooked))
     cleanup = setup_agent(run, {"x": 1})
