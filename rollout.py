@@ -293,6 +293,7 @@ class RolloutPool:
         self._changed = None  # asyncio.Event on the pool loop: a group finished or a batch was taken
         self._main_task = None
         self._crash = None
+        self._exhausted = False
 
     # the pool runs on its own event loop in a background thread: agent code (which may block) never stalls the
     # capture server's loop, and the driver thread blocks only in next_batch()
@@ -343,6 +344,10 @@ class RolloutPool:
         while len(self.ready) < self.groups_per_batch:
             if self._crash is not None:
                 raise RuntimeError("the rollout pool stopped") from self._crash
+            if self._exhausted and self.open_groups == len(self.ready):  # nothing running, nothing to come
+                raise EOFError(f"the prompt source ran out with {len(self.ready)} complete group(s) left, fewer than "
+                               f"groups_per_batch={self.groups_per_batch}: let prompts() yield forever, or use a "
+                               "prompts file (read in epochs)")
             self._changed.clear()
             await self._changed.wait()
         groups, self.ready = self.ready[:self.groups_per_batch], self.ready[self.groups_per_batch:]
@@ -355,12 +360,14 @@ class RolloutPool:
         try:
             while True:
                 while self.open_groups < self.groups_in_flight and not self.held:
+                    item = next(self.prompts)
                     self.open_groups += 1
-                    asyncio.get_running_loop().create_task(self._run_group(next(self.group_ids), next(self.prompts)))
+                    asyncio.get_running_loop().create_task(self._run_group(next(self.group_ids), item))
                 self._changed.clear()
                 await self._changed.wait()
-        except StopIteration:
-            pass  # the data source is exhausted: finish the groups in flight
+        except StopIteration:  # the data source is exhausted: the groups in flight still finish
+            self._exhausted = True
+            self._changed.set()
         except BaseException as e:
             self._crash = e
             self._changed.set()

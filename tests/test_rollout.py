@@ -256,3 +256,16 @@ def test_balance_by_tokens_assigns_every_record_once_and_evenly():
     loads = [sum(r["num_tokens"] for r in s) for s in shards]
     assert max(loads) - min(loads) <= max(r["num_tokens"] for r in records)
     assert rollout.balance_by_tokens(records[:1], 2)[1] == []
+
+
+def test_a_finite_prompt_source_ends_in_an_error_not_a_hang(server):
+    async def no_model(ctx):
+        return 0.0
+    pool = rollout.RolloutPool(as_result(no_model), iter([{"prompt": "a"}, {"prompt": "b"}, {"prompt": "c"}]), server,
+                               group_size=2, groups_per_batch=2, groups_in_flight=2, sampling={}).start()
+    try:
+        assert len(groups_of(pool.next_batch(timeout=60))) == 2
+        with pytest.raises(EOFError, match="prompt source ran out with 1 complete group"):
+            pool.next_batch(timeout=60)
+    finally:
+        pool.stop()
