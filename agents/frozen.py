@@ -10,8 +10,11 @@ server, served from a background thread so that agent code on any event loop can
 
 Weight sync reaches only the rollout engines, so this one keeps the weights it loaded. A recipe starts it in its
 `setup(cfg)` (called once per run in the process that runs the attempts; see agents/__init__.py) and returns
-`close` as the clean-up. On GPU the engine takes memory_fraction of the GPU the process sees: give a large judge a
-GPU of its own (CUDA_VISIBLE_DEVICES of the rollout process) rather than sharing one with a trainer rank.
+`close` as the clean-up. Where the engine runs (`placement`):
+    "local"  a capture.Engine in this process (vLLM's engine core in a child process): the CPU default
+    "ray"    an engine actor on a placement-group bundle of its own (rollout.start_engines): with GPUs, this keeps
+             the frozen model off the GPUs of the trainer ranks (the driver has reserved those) and of the engines
+    "auto"   "ray" when Ray is up and the cluster has GPUs, else "local"
 """
 import asyncio
 import contextlib
@@ -22,23 +25,39 @@ import capture
 
 
 class FrozenModel:
-    def __init__(self, model_path, *, max_model_len=2048, memory_fraction=0.2, name="frozen", **engine_kwargs):
+    def __init__(self, model_path, *, max_model_len=2048, memory_fraction=0.2, tensor_parallel_size=1,
+                 placement="auto", name="frozen"):
+        if placement not in ("auto", "local", "ray"):
+            raise ValueError(f"placement must be 'auto', 'local' or 'ray', got {placement!r}")
         self.model_path, self.max_model_len, self.name = model_path, max_model_len, name
-        self.engine = capture.Engine(model_path, max_model_len=max_model_len, memory_fraction=memory_fraction,
-                                     worker_extension_cls=None, **engine_kwargs)
-        self.server = None
+        self.memory_fraction, self.tensor_parallel_size, self.placement = memory_fraction, tensor_parallel_size, placement
+        self.server = self.engine = self.actor = self.placement_group = None
 
     def start(self):
-        """Start the engine and the server on their own thread; blocks until both serve. Returns self."""
-        self.server = capture.CaptureServer(self.engine, self.model_path, max_model_len=self.max_model_len,
+        """Start the engine and the server; blocks until both serve. Returns self."""
+        import ray
+        if self.placement == "auto":
+            on_gpu = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+            self.placement = "ray" if on_gpu else "local"
+        if self.placement == "ray":
+            import rollout
+            engines, self.placement_group = rollout.start_engines(
+                self.model_path, 1, self.tensor_parallel_size, max_restarts=0, max_model_len=self.max_model_len,
+                memory_fraction=self.memory_fraction)
+            self.actor, backend = engines[0], rollout.Router(engines)
+        else:
+            self.engine = backend = capture.Engine(
+                self.model_path, max_model_len=self.max_model_len, memory_fraction=self.memory_fraction,
+                tensor_parallel_size=self.tensor_parallel_size, worker_extension_cls=None)
+        self.server = capture.CaptureServer(backend, self.model_path, max_model_len=self.max_model_len,
                                             model_name=self.name)
         self.server.start_in_thread()
-        try:
-            self.server.run_in_loop(self.engine.start())
-        except BaseException:
-            self.server.stop_thread()
-            self.server = None
-            raise
+        if self.engine is not None:
+            try:
+                self.server.run_in_loop(self.engine.start())  # the engine's output loop is the server's
+            except BaseException:
+                self.close()
+                raise
         return self
 
     def _check_started(self):
@@ -61,12 +80,21 @@ class FrozenModel:
     async def prompt_logprobs(self, token_ids):
         """This model's logprob (temperature 1) of each token given the ones before it; None for the first."""
         self._check_started()
-        # the engine lives on the server's loop; hop there and await the answer from this loop
+        if self.actor is not None:
+            return await self.actor.prompt_logprobs.remote(list(token_ids))  # a Ray call: awaitable on any loop
+        # the local engine answers on the server's loop; hop there and await the answer from this loop
         future = asyncio.run_coroutine_threadsafe(self.engine.prompt_logprobs(list(token_ids)), self.server.loop)
         return await asyncio.wrap_future(future)
 
     def close(self):
         if self.server is not None:
-            self.server.run_in_loop(self.engine.shutdown())
+            if self.engine is not None:
+                self.server.run_in_loop(self.engine.shutdown())
             self.server.stop_thread()
             self.server = None
+        if self.actor is not None:
+            import ray
+            from ray.util.placement_group import remove_placement_group
+            ray.kill(self.actor)  # its engine core and workers go with it
+            remove_placement_group(self.placement_group)
+            self.actor = self.placement_group = None
