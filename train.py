@@ -705,10 +705,11 @@ def start_rollout(cfg, engines=None, trainer_gpus=None):
     placement = []
     if engines is None:
         placement.append(rollout.reserve_trainer_gpus(trainer_gpus))  # torchrun's GPUs, unknown to Ray
-        engines, engine_pg = rollout.start_engines(
-            cfg["model_path"], cfg["num_engines"], cfg["tensor_parallel_size"],
-            max_model_len=cfg["engine_max_model_len"], memory_fraction=cfg["engine_memory_fraction"],
-            enable_prefix_caching=cfg["enable_prefix_caching"], speculative_config=cfg["speculative_config"] or None)
+        options = engine_options(cfg)
+        # routing replay (invariant 3): the engine returns each token's experts for the trainer's router to reuse;
+        # vLLM returns them on GPU only (Model Runner V2), so a CPU run trains on the trainer's own routing
+        options["enable_return_routed_experts"] = torch.cuda.is_available() and planned_model_config(cfg).is_moe
+        engines, engine_pg = rollout.start_engines(cfg["model_path"], cfg["num_engines"], **options)
         placement.append(engine_pg)
         rollout.check_engine_gpus(engines, trainer_gpus)
     router = rollout.Router(engines)
@@ -846,6 +847,7 @@ def train(cfg, model, optimizer, run, step, rank, world):
     push_weights(run, loop, sender, model, policy_version, rank, world)
     if rank == 0:
         run["pool"].start()  # after that sync, so that no attempt samples from the base weights
+        run["router"].reset_idle_clock()
     bar = tqdm(total=cfg["max_steps"], initial=step, disable=rank != 0, dynamic_ncols=True)
     for step in range(step, cfg["max_steps"]):
         t0 = time.perf_counter()
@@ -867,12 +869,13 @@ def train(cfg, model, optimizer, run, step, rank, world):
                        failed_attempts=pool["failed_attempts"], timed_out_attempts=pool["timed_out_attempts"],
                        dropped_groups=pool["dropped_groups"], engine_restarts=run["router"].restarts,
                        tokens_per_s=sum(r["action_tokens"] for r in records) / step_time, step_time_s=step_time,
-                       batch_wait_s=t_batch - t0, sync_s=sync_s,
+                       batch_wait_s=t_batch - t0, sync_s=sync_s, engine_idle=run["router"].idle_fraction(),
                        # versions between the policy that sampled a segment's oldest token and the one training on it
                        staleness=sum(policy_version - 1 - r["min_version"] for r in generated) / max(len(generated), 1),
                        loss=m["loss"], grad_norm=m["grad_norm"], lr=m["lr"], kept_tokens=m["kept_tokens"],
                        clip_frac=m["clip_frac"], attempts=len(rewards), segments=len(records))
             log_step(out_dir, row)
+            run["router"].reset_idle_clock()
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", step_s=f"{step_time:.1f}",
                             stale=f"{row['staleness']:.2f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
         bar.update(1)

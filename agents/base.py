@@ -43,7 +43,9 @@ class Result:
 
 
 class ChatAgent:
-    """Subclass and implement `run`. One instance serves every attempt, so keep per-attempt state in locals."""
+    """Subclass and implement `run`. One instance serves every attempt, so keep per-attempt state in locals.
+    Attempts share one event loop: await I/O, and run blocking tool code with `await asyncio.to_thread(...)` (a
+    blocking call stalls every attempt; attempt_timeout_s fails an attempt that runs too long)."""
 
     async def run(self, ctx: Context):
         """Play one attempt through an SDK client on ctx.base_url / ctx.api_key; return a float reward or a Result."""
