@@ -44,20 +44,77 @@ def _compute_dtype(weight):
     return torch.promote_types(weight.dtype, torch.float32)
 
 
+def _fused_chunk_stats(logits, targets, temperature, with_entropy):
+    """The forward of one chunk without in-place ops, for torch.compile on CUDA: one kernel reads the (C, V)
+    logits in the weight dtype and writes (C,) results (eager would write three fp32 (C, V) buffers)."""
+    logits = logits.to(_compute_dtype(logits)) / temperature  # (C, V)
+    lse = torch.logsumexp(logits, dim=-1)  # (C,)
+    logprobs = logits.gather(1, targets[:, None]).squeeze(1) - lse
+    entropy = None
+    if with_entropy:
+        logp = logits - lse[:, None]
+        entropy = -(logp.exp() * logp).sum(-1)
+    return lse, logprobs, entropy
+
+
+def _fused_chunk_grad_logits(logits, targets, lse, g_lp, entropy, g_entropy, temperature):
+    """d loss / d logits of one chunk in the weight dtype, without in-place ops, for torch.compile on CUDA: one
+    kernel reads the recomputed (C, V) logits and writes the (C, V) gradient (eager: six fp32 passes)."""
+    logp = logits.to(_compute_dtype(logits)) / temperature - lse[:, None]  # (C, V)
+    coef = g_lp[:, None]  # d logp_target / d logits = onehot(target) - p;  d H / d logits = -p * (log p + H)
+    if entropy is not None:
+        coef = coef + g_entropy[:, None] * (logp + entropy[:, None])
+    onehot = torch.arange(logits.shape[1], device=logits.device) == targets[:, None]  # (C, V), fused away
+    grad = (torch.where(onehot, g_lp[:, None], 0.0) - logp.exp() * coef) / temperature
+    return grad.to(logits.dtype)
+
+
+FUSED_DEVICES = ("cuda",)  # device types that take the fused path (tests add "cpu" to run it eagerly)
+_compiled = {}
+
+
+def _fused(fn, device):
+    """fn compiled once per process on CUDA (a shape change recompiles once with dynamic shapes); eager elsewhere."""
+    if device.type != "cuda":
+        return fn
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn)
+    return _compiled[fn]
+
+
+def _use_fused(hidden):
+    return hidden.device.type in FUSED_DEVICES
+
+
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     """Logprob of each target (and the entropy) chunk by chunk; backward recomputes each chunk's logits.
-    Memory: two (C, V) fp32 buffers at a time (plus one in the weight dtype in backward), never (N, V)."""
+    Memory: two (C, V) fp32 buffers at a time (plus one in the weight dtype in backward), never (N, V).
+    On CUDA each chunk's elementwise work is one compiled kernel (only (C, V) buffers in the weight dtype)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy):
-        # hidden (N, D), weight (V, D), targets (N,)
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, keep_logits=False):
+        # hidden (N, D), weight (V, D), targets (N,); keep_logits: save each chunk's (C, V) logits in the weight
+        # dtype for backward instead of recomputing them (N * V * itemsize bytes for one lm_head GEMM less)
         N, dtype = hidden.shape[0], _compute_dtype(weight)
         logprobs = torch.empty(N, dtype=dtype, device=hidden.device)
         logsumexp = torch.empty(N, dtype=dtype, device=hidden.device)
         entropy = torch.empty(N, dtype=dtype, device=hidden.device) if with_entropy else None
+        fused = _use_fused(hidden)
+        kept = []  # (C, V) logits per chunk, with keep_logits
         for start in range(0, N, chunk_size):
             rows = slice(start, start + chunk_size)
-            logits = _chunk_logits(hidden[rows], weight, temperature)  # (C, V)
+            if fused or keep_logits:
+                raw = hidden[rows] @ weight.T  # (C, V) in the weight dtype, as the engine's lm_head rounds it
+                if keep_logits:
+                    kept.append(raw)
+            if fused:
+                lse, lp, ent = _fused(_fused_chunk_stats, hidden.device)(raw, targets[rows], temperature, with_entropy)
+                logsumexp[rows], logprobs[rows] = lse, lp
+                if with_entropy:
+                    entropy[rows] = ent
+                continue
+            logits = _chunk_logits(hidden[rows], weight, temperature) if not keep_logits else \
+                raw.to(_compute_dtype(weight), copy=True).div_(temperature)  # (C, V); raw stays as it was
             lse = torch.logsumexp(logits, dim=-1)  # (C,)
             logsumexp[rows] = lse
             logprobs[rows] = logits.gather(1, targets[rows, None]).squeeze(1) - lse
@@ -68,6 +125,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             del logits  # free this chunk before the next one is allocated
         ctx.save_for_backward(hidden, weight, targets, logsumexp, entropy)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
+        ctx.kept = kept
         return (logprobs, entropy) if with_entropy else logprobs
 
     @staticmethod
@@ -79,32 +137,48 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         grad_weight = None
         if need_weight:
             grad_weight = torch.zeros(weight.shape, dtype=_compute_dtype(weight), device=weight.device)
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
+        fused = _use_fused(hidden)
+        kept, ctx.kept = ctx.kept, None
+        for i, start in enumerate(range(0, hidden.shape[0], ctx.chunk_size)):
             rows = slice(start, start + ctx.chunk_size)
             h = hidden[rows]  # (C, D)
-            g_lp = grad_logprobs[rows, None]  # (C, 1)
-            logp = _chunk_logits(h, weight, ctx.temperature).sub_(logsumexp[rows, None])  # (C, V) recomputed
-            p = logp.exp()  # (C, V)
-            # d logp_target / d logits = onehot(target) - p;  d H / d logits = -p * (log p + H)
-            if ctx.with_entropy:  # logp becomes the coefficient g_lp + g_H * (log p + H), in place
-                p.mul_(logp.add_(entropy[rows, None]).mul_(grad_entropy[rows, None]).add_(g_lp))
+            raw = None
+            if kept:  # the forward's logits (bit-identical to recomputing them); dropped as they are used
+                raw, kept[i] = kept[i], None
+            if fused:
+                grad_logits = _fused(_fused_chunk_grad_logits, hidden.device)(
+                    raw if raw is not None else h @ weight.T, targets[rows], logsumexp[rows], grad_logprobs[rows],
+                    entropy[rows] if ctx.with_entropy else None,
+                    grad_entropy[rows] if ctx.with_entropy else None, ctx.temperature)  # (C, V) weight dtype
             else:
-                p.mul_(g_lp)
-            grad_logits = p.neg_()  # (C, V) the same buffer as p
-            grad_logits.scatter_add_(1, targets[rows, None], g_lp)
-            if ctx.temperature != 1.0:
-                grad_logits.div_(ctx.temperature)
-            grad_logits = grad_logits.to(weight.dtype)  # (C, V) a copy only when the weight is not fp32
+                g_lp = grad_logprobs[rows, None]  # (C, 1)
+                logp = _chunk_logits(h, weight, ctx.temperature) if raw is None else \
+                    raw.to(_compute_dtype(weight)).div_(ctx.temperature)
+                logp.sub_(logsumexp[rows, None])  # (C, V) recomputed or kept
+                p = logp.exp()  # (C, V)
+                # d logp_target / d logits = onehot(target) - p;  d H / d logits = -p * (log p + H)
+                if ctx.with_entropy:  # logp becomes the coefficient g_lp + g_H * (log p + H), in place
+                    p.mul_(logp.add_(entropy[rows, None]).mul_(grad_entropy[rows, None]).add_(g_lp))
+                else:
+                    p.mul_(g_lp)
+                grad_logits = p.neg_()  # (C, V) the same buffer as p
+                grad_logits.scatter_add_(1, targets[rows, None], g_lp)
+                if ctx.temperature != 1.0:
+                    grad_logits.div_(ctx.temperature)
+                grad_logits = grad_logits.to(weight.dtype)  # (C, V) a copy only when the weight is not fp32
+                del logp, p
             if need_hidden:
-                grad_hidden[rows] = grad_logits @ weight
+                torch.mm(grad_logits, weight, out=grad_hidden[rows])  # (C, D) written in place
             if need_weight and weight.dtype == grad_weight.dtype:
                 grad_weight.addmm_(grad_logits.T, h)  # (V, D) in place
+            elif need_weight and weight.is_cuda:  # bf16 GEMM accumulating into the fp32 (V, D) buffer
+                torch.addmm(grad_weight, grad_logits.T, h, out_dtype=grad_weight.dtype, out=grad_weight)
             elif need_weight:
                 grad_weight.add_((grad_logits.T @ h).to(grad_weight.dtype))  # (V, D)
-            del logp, p, grad_logits  # free this chunk before the next one is allocated
+            del grad_logits, raw  # free this chunk before the next one is allocated
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def _check_logprob_inputs(hidden, lm_head_weight, targets, temperature, chunk_size):
@@ -124,16 +198,20 @@ def _check_logprob_inputs(hidden, lm_head_weight, targets, temperature, chunk_si
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
 
 
-def token_logprobs(hidden, lm_head_weight, targets, temperature=1.0, chunk_size=1024, with_entropy=False):
+def token_logprobs(hidden, lm_head_weight, targets, temperature=1.0, chunk_size=1024, with_entropy=False,
+                   keep_logits=False):
     """log softmax(hidden @ W.T / temperature)[target] per token, and the entropy of that distribution if asked.
     hidden (N, D) or (B, T, D) final-normed states, lm_head_weight (V, D), targets the same leading shape.
     Returns (logprobs, entropy or None), fp32, shaped like targets. Full (N, V) logits never exist: each chunk of
-    chunk_size tokens is computed, reduced and dropped, and backward recomputes it. Temperature matches the
-    engine's processed logprobs (top-p/top-k truncation is not reproduced; train with top_p=1)."""
+    chunk_size tokens is computed, reduced and dropped, and backward recomputes it. keep_logits=True keeps the
+    logits in the weight dtype instead (N * V * 2 bytes in bf16, one lm_head GEMM less; same numbers).
+    Temperature matches the engine's processed logprobs (top-p/top-k truncation is not reproduced; train with
+    top_p=1)."""
     _check_logprob_inputs(hidden, lm_head_weight, targets, temperature, chunk_size)
     lead = targets.shape
     out = _ChunkedTokenLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), lm_head_weight,
-                                      targets.reshape(-1).long(), float(temperature), chunk_size, with_entropy)
+                                      targets.reshape(-1).long(), float(temperature), chunk_size, with_entropy,
+                                      keep_logits)
     logprobs, entropy = out if with_entropy else (out, None)
     return logprobs.view(lead), (entropy.view(lead) if with_entropy else None)
 

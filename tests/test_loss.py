@@ -16,9 +16,17 @@ from loss import (LossConfig, compute_advantages, count_window_tokens, distill_t
 # token logprobs
 
 
+@pytest.fixture(params=["inplace", "fused"])
+def logprob_path(request, monkeypatch):
+    """Both chunk paths on CPU: the eager in-place one, and the fused one that CUDA compiles (run here eagerly)."""
+    import loss
+    monkeypatch.setattr(loss, "FUSED_DEVICES", ("cuda", "cpu") if request.param == "fused" else ("cuda",))
+    return request.param
+
+
 @pytest.mark.parametrize("chunk_size", [1, 5, 64, 1000])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_logprobs_equal_naive_values_and_grads(chunk_size, temperature):
+def test_chunked_logprobs_equal_naive_values_and_grads(chunk_size, temperature, logprob_path):
     torch.manual_seed(0)
     B, T, D, V = 3, 17, 16, 97
     hidden = torch.randn(B, T, D)
@@ -46,16 +54,32 @@ def test_chunked_logprobs_equal_naive_values_and_grads(chunk_size, temperature):
 
 
 @pytest.mark.parametrize("with_entropy", [False, True])
-def test_chunked_backward_passes_gradcheck(with_entropy):
+def test_kept_logits_give_the_same_values_and_grads(with_entropy, logprob_path):
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(2, 9, 8).bfloat16(), (torch.randn(50, 8) / 3).bfloat16()
+    targets, up = torch.randint(0, 50, (2, 9)), torch.randn(2, 9)
+    results = []
+    for keep in (False, True):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        lp, ent = token_logprobs(h, w, targets, 0.7, chunk_size=4, with_entropy=with_entropy, keep_logits=keep)
+        ((lp * up).sum() + (ent.sum() if with_entropy else 0)).backward()
+        results.append((lp, h.grad, w.grad))
+    for got, want in zip(*results):  # kept logits are bit-identical to recomputed ones
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_chunked_backward_passes_gradcheck(with_entropy, logprob_path):
     torch.manual_seed(0)
     hidden = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(11, 5, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 11, (7,))
-    assert torch.autograd.gradcheck(lambda h, w: _ChunkedTokenLogprobs.apply(h, w, targets, 0.7, 3, with_entropy),
-                                    (hidden, weight))
+    for keep in (False, True):
+        assert torch.autograd.gradcheck(
+            lambda h, w: _ChunkedTokenLogprobs.apply(h, w, targets, 0.7, 3, with_entropy, keep), (hidden, weight))
 
 
-def test_chunked_bf16_matches_naive_bf16():
+def test_chunked_bf16_matches_naive_bf16(logprob_path):
     torch.manual_seed(0)
     hidden = torch.randn(40, 32).bfloat16().requires_grad_()
     weight = (torch.randn(300, 32) / 4).bfloat16().requires_grad_()
