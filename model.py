@@ -14,6 +14,7 @@ with Hermes `<tool_call>` tool calls, and a random-init Qwen3-MoE.
     python model.py                       # builds .cache/tiny-qwen3-moe if missing and prints it
 """
 
+import functools
 import json
 import math
 import os
@@ -94,6 +95,33 @@ class ModelConfig:
 # -----------------------------------------------------------------------------
 # layers
 
+COMPILE_ON_CUDA = True  # fuse the elementwise chains below with torch.compile when they run on CUDA
+
+
+def cuda_compiled(fn):
+    """fn through torch.compile when its first argument is a CUDA tensor: a chain of elementwise ops becomes one
+    kernel forward and one backward instead of one fp32 pass per op. Eager elsewhere (CPU runs need no compiler).
+    A new shape recompiles once with dynamic shapes, after which microbatch shapes do not recompile."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def run(x, *args):
+        nonlocal compiled
+        if not (x.is_cuda and COMPILE_ON_CUDA):
+            return fn(x, *args)
+        if compiled is None:
+            compiled = torch.compile(fn)
+        return compiled(x, *args)
+    return run
+
+
+@cuda_compiled
+def rms_norm(x, weight, eps):
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
@@ -102,10 +130,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(T, head_dim, theta, device, dtype):
@@ -122,6 +147,12 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+@cuda_compiled
+def norm_rope(x, weight, eps, cos, sin):
+    """Qwen3's per-head RMSNorm of q or k, then RoPE: x (B, T, nh, hd) -> (B, nh, T, hd)."""
+    return apply_rope(rms_norm.__wrapped__(x, weight, eps).transpose(1, 2), cos, sin)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -136,10 +167,11 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.hd)).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.hd)).transpose(1, 2)    # (B, nkv, T, hd)
+        q = self.q_proj(x).view(B, T, self.n_head, self.hd)  # (B, T, nh, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.hd)    # (B, T, nkv, hd)
+        q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)  # (B, nh, T, hd)
+        k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin)  # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # right-padded batches need no mask beyond causal: padding only follows real tokens
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_head)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.hd))
@@ -169,12 +201,23 @@ def experts_loop(x, counts, gate_proj, up_proj, down_proj):
     return out
 
 
+@cuda_compiled
+def silu_mul(gate, up):
+    return F.silu(gate) * up
+
+
+@cuda_compiled
+def weighted_sum_topk(y, topk_weights):
+    """y (N, K, D) expert outputs per token, topk_weights (N, K) -> (N, D)."""
+    return (y * topk_weights.unsqueeze(-1).to(y.dtype)).sum(1)
+
+
 def experts_grouped_mm(x, counts, gate_proj, up_proj, down_proj):
     """Same as experts_loop in three grouped GEMMs (CUDA, bf16); no host sync."""
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     # weights are (E, out, in) like nn.Linear; transposed views are the column-major (E, in, out) operands
-    h = F.silu(torch._grouped_mm(x, gate_proj.transpose(-2, -1), offs=offs)) \
-        * torch._grouped_mm(x, up_proj.transpose(-2, -1), offs=offs)  # (N, H)
+    h = silu_mul(torch._grouped_mm(x, gate_proj.transpose(-2, -1), offs=offs),
+                 torch._grouped_mm(x, up_proj.transpose(-2, -1), offs=offs))  # (N, H)
     return torch._grouped_mm(h, down_proj.transpose(-2, -1), offs=offs)  # (N, D)
 
 
@@ -221,7 +264,7 @@ class Experts(nn.Module):
             x_local, local_counts, plan = self.ep_dispatch(x_sorted, counts, self.ep_group)
             y_sorted = self.ep_combine(self.compute(x_local, local_counts), plan, self.ep_group)
         y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
-        return (y.view(N, K, -1) * topk_weights.unsqueeze(-1).to(y.dtype)).sum(1)
+        return weighted_sum_topk(y.view(N, K, -1), topk_weights)
 
 
 class MoE(nn.Module):
