@@ -91,6 +91,7 @@ beta2 = 0.95
 grad_clip = 1.0
 microbatch_tokens = 4096   # tokens per forward/backward on one rank
 logprob_chunk_size = 1024  # tokens per chunk of the lm_head + log-softmax
+logprob_keep_logits = False  # keep the bf16 logits for backward (tokens * vocab * 2 bytes) instead of recomputing
 # parallelism and precision
 train_world_size = 1       # trainer ranks; must equal torchrun's WORLD_SIZE (the dry run plans for it)
 ep_size = 1                # expert parallel degree; FSDP shards over the remaining ranks
@@ -447,8 +448,9 @@ def microbatch_logprobs(model, mb, cfg, with_entropy=False):
     """The trainer's logprob of each target (B, T), with routing replay when mb carries routed_experts."""
     hidden = model.hidden_states(mb["input_ids"], routed_experts=mb.get("routed_experts"))  # (B, T, D)
     lm_head = model.lm_head.weight  # unsharded: the root FSDP unit keeps its params gathered after forward
+    keep = cfg["logprob_keep_logits"] and torch.is_grad_enabled()  # nothing to keep them for under no_grad
     return loss.token_logprobs(hidden, lm_head, mb["targets"], cfg["temperature"], cfg["logprob_chunk_size"],
-                               with_entropy=with_entropy)
+                               with_entropy=with_entropy, keep_logits=keep)
 
 
 @torch.no_grad()
