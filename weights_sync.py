@@ -75,6 +75,9 @@ def stateless_process_group(host, port, rank, world_size, backend, timeout_s=600
         from torch.distributed import ProcessGroupNCCL
         options = ProcessGroupNCCL.Options()
         options._timeout = timeout
+        # NCCL's kernels on a high-priority stream: the bucket packing and loading copies running beside them
+        # would otherwise take the SMs that the broadcast waits for
+        options.is_high_priority_stream = True
         impl = ProcessGroupNCCL(prefix_store, rank, world_size, options)
         backend_type, device = ProcessGroup.BackendType.NCCL, torch.device("cuda")
     pg._set_default_backend(backend_type)
