@@ -221,6 +221,42 @@ def experts_grouped_mm(x, counts, gate_proj, up_proj, down_proj):
     return torch._grouped_mm(h, down_proj.transpose(-2, -1), offs=offs)  # (N, D)
 
 
+class PermuteRows(torch.autograd.Function):
+    """x[index] for a permutation `index` of the rows, with `inverse` its inverse permutation: both directions are
+    row gathers (index_select), where autograd's own backward of x[index] scatters with atomics."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse, = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+class RepeatSortRows(torch.autograd.Function):
+    """x (N, D) -> x[order // K] (N*K, D): each token's row once per chosen expert, in expert order. Backward
+    gathers the K gradient rows of each token with the inverse of `order` and sums them (fp32 accumulation, no
+    atomics)."""
+
+    @staticmethod
+    def forward(ctx, x, order, inverse, K):
+        ctx.save_for_backward(inverse)
+        ctx.K = K
+        return x.index_select(0, order // K)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse, = ctx.saved_tensors
+        return grad.index_select(0, inverse).view(-1, ctx.K, grad.shape[-1]).sum(1), None, None, None
+
+
+def inverse_permutation(order):
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
 class Experts(nn.Module):
     """E stacked SwiGLU experts. HF checkpoints name them `experts.{e}.gate_proj.weight` etc.; we stack them.
 
@@ -257,13 +293,14 @@ class Experts(nn.Module):
         # scatter_add, not bincount: bincount on CUDA reads the max id back to the host (a sync)
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
             0, flat_ids, torch.ones_like(flat_ids))  # (E,)
-        x_sorted = x[order // K]  # (N*K, D) rows grouped by expert
+        inverse = inverse_permutation(order)  # (N*K,) where each (token, k) row went
+        x_sorted = RepeatSortRows.apply(x, order, inverse, K)  # (N*K, D) rows grouped by expert
         if self.ep_group is None:
             y_sorted = self.compute(x_sorted, counts)
         else:
             x_local, local_counts, plan = self.ep_dispatch(x_sorted, counts, self.ep_group)
             y_sorted = self.ep_combine(self.compute(x_local, local_counts), plan, self.ep_group)
-        y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
+        y = PermuteRows.apply(y_sorted, inverse, order)  # (N*K, D) back in (token, k) order
         return weighted_sum_topk(y.view(N, K, -1), topk_weights)
 
 

@@ -35,7 +35,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
 from torch.distributed.tensor import DTensor, Shard
 
 import loss
-from model import EXPERT_PROJS, Transformer, load_config, ours_to_hf
+from model import EXPERT_PROJS, PermuteRows, Transformer, inverse_permutation, load_config, ours_to_hf
 from model import save_checkpoint as write_hf_checkpoint
 
 # -----------------------------------------------------------------------------
@@ -277,14 +277,15 @@ def ep_dispatch(x_sorted, counts, group):
     R = x_recv.shape[0]
     local_expert = torch.arange(E_local, device=counts.device).repeat(ep).repeat_interleave(recv_counts, output_size=R)
     order = local_expert.argsort(stable=True)  # (source, expert) order -> (expert, source) order
+    inverse = inverse_permutation(order)
     local_counts = recv_counts.view(ep, E_local).sum(0)  # (E_local,)
-    return x_recv[order], local_counts, (order, send_splits, recv_splits)
+    return PermuteRows.apply(x_recv, order, inverse), local_counts, (order, inverse, send_splits, recv_splits)
 
 
 def ep_combine(y_local, plan, group):
     """Send expert outputs back to the ranks their tokens came from, in the order ep_dispatch received them."""
-    order, send_splits, recv_splits = plan
-    y_recv = torch.empty_like(y_local).index_copy_(0, order, y_local)  # back to (source, expert) order
+    order, inverse, send_splits, recv_splits = plan
+    y_recv = PermuteRows.apply(y_local, inverse, order)  # back to (source, expert) order
     return all_to_all(y_recv, send_splits, recv_splits, group)  # (N*K, D) in x_sorted's order
 
 
