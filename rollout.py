@@ -271,20 +271,23 @@ class RolloutPool:
     dicts (prompt / messages, label, tools); `server` the running capture server."""
 
     def __init__(self, run_agent, prompts, server, *, group_size, groups_per_batch, groups_in_flight, sampling,
-                 attempt_timeout_s=60.0, failed_group_rule="drop", model_name="policy", trajectory_writer=None):
+                 attempt_timeout_s=60.0, failed_group_rule="drop", model_name="policy", trajectory_writer=None,
+                 first_prompt=0):
         if failed_group_rule not in ("drop", "complete"):
             raise ValueError(f"failed_group_rule must be 'drop' or 'complete', got {failed_group_rule!r}")
         if groups_in_flight < groups_per_batch:
             raise ValueError(f"groups_in_flight ({groups_in_flight}) must be >= groups_per_batch ({groups_per_batch}), "
                              "or no batch could ever fill")
-        self.run_agent, self.prompts, self.server = run_agent, iter(prompts), server
+        # a resumed run skips the prompts its earlier life drew (those in flight at the stop are not retried)
+        self.run_agent, self.server = run_agent, server
+        self.prompts = itertools.islice(iter(prompts), first_prompt, None)
         self.group_size, self.groups_per_batch, self.groups_in_flight = group_size, groups_per_batch, groups_in_flight
         self.sampling, self.attempt_timeout_s, self.failed_group_rule = dict(sampling), attempt_timeout_s, failed_group_rule
         self.model_name, self.trajectory_writer = model_name, trajectory_writer
         self.ready = []  # complete groups waiting for the trainer: lists of attempt dicts
         self.open_groups = 0  # started and not yet taken by the trainer
         self.held = False  # next_batch(hold=True) until resume(): no new groups
-        self.group_ids = itertools.count()
+        self.prompts_drawn = first_prompt  # the data position a checkpoint records; also the next group id
         self.counters = dict(attempts=0, failed_attempts=0, timed_out_attempts=0, dropped_groups=0,
                              generated_tokens=0, reward_sum=0.0)
         self.errors = []  # the last few failures, for the log
@@ -362,7 +365,8 @@ class RolloutPool:
                 while self.open_groups < self.groups_in_flight and not self.held:
                     item = next(self.prompts)
                     self.open_groups += 1
-                    asyncio.get_running_loop().create_task(self._run_group(next(self.group_ids), item))
+                    asyncio.get_running_loop().create_task(self._run_group(self.prompts_drawn, item))
+                    self.prompts_drawn += 1
                 self._changed.clear()
                 await self._changed.wait()
         except StopIteration:  # the data source is exhausted: the groups in flight still finish

@@ -699,7 +699,7 @@ def trainer_gpus(ray, world):
     return {n: nodes.count(n) for n in set(nodes)}
 
 
-def start_rollout(cfg, engines=None, trainer_gpus=None):
+def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
     """Rank 0: the engines (unless given; placed away from the trainer's GPUs), the router, the capture server in a
     background thread, and the rollout pool for the agent module and its prompts (train() starts it)."""
     import capture
@@ -736,6 +736,7 @@ def start_rollout(cfg, engines=None, trainer_gpus=None):
         run_agent, prompts, server, group_size=cfg["group_size"], groups_per_batch=cfg["groups_per_batch"],
         groups_in_flight=cfg["groups_in_flight"], attempt_timeout_s=cfg["attempt_timeout_s"],
         failed_group_rule=cfg["failed_group_rule"], model_name=server.model_name, trajectory_writer=writer,
+        first_prompt=data_position,
         sampling=dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_tokens=cfg["max_tokens"]))
     return dict(engines=engines, router=router, server=server, pool=pool, placement=placement, cleanup=cleanup)
 
@@ -883,7 +884,9 @@ def train(cfg, model, optimizer, run, step, rank, world):
                             stale=f"{row['staleness']:.2f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
         bar.update(1)
         if (step + 1) % cfg["checkpoint_every"] == 0 or step + 1 == cfg["max_steps"]:
-            save_checkpoint(out_dir, model, optimizer, step + 1, cfg, extra={"policy_version": policy_version})
+            position = run["pool"].prompts_drawn if rank == 0 else 0  # prompts drawn so far (rank 0 draws them)
+            save_checkpoint(out_dir, model, optimizer, step + 1, cfg,
+                            extra={"policy_version": policy_version, "data_position": position})
     bar.close()
     sender.close()
     loop.close()
@@ -1239,7 +1242,11 @@ def main(argv):
     logging.getLogger("vllm.tool_parsers.hermes_tool_parser").setLevel(logging.CRITICAL)
     ray = connect_ray(cfg, rank, world)
     gpus = trainer_gpus(ray, world)
-    run = start_rollout(cfg, trainer_gpus=gpus) if rank == 0 else None
+    position = 0  # prompts a resumed run's earlier life drew: the pool continues the stream after them
+    if cfg["resume"] and rank == 0:
+        state = torch.load(os.path.join(latest_checkpoint(cfg["out_dir"]), "trainer_state.pt"), weights_only=False)
+        position = state["extra"].get("data_position", 0)
+    run = start_rollout(cfg, trainer_gpus=gpus, data_position=position) if rank == 0 else None
 
     train(cfg, model, optimizer, run, step, rank, world)
 
