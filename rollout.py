@@ -238,7 +238,9 @@ def put_experience(segment, reward, group_id, failed=False, error=None):
                   behavior_logprobs=np.asarray(segment["behavior_logprobs"], dtype=np.float32),
                   token_versions=versions,
                   routed_experts=(None if segment.get("routed_experts") is None
-                                  else np.asarray(segment["routed_experts"], dtype=np.int16)))  # (T, L_moe, K)
+                                  else np.asarray(segment["routed_experts"], dtype=np.int16)),  # (T, L_moe, K)
+                  teacher_logprobs=(None if segment.get("teacher_logprobs") is None
+                                    else np.asarray(segment["teacher_logprobs"], dtype=np.float32)))  # (T,)
     generated = versions[mask == 1]
     return dict(ref=ray.put(arrays), attempt_id=segment["attempt_id"], segment_index=segment["segment_index"],
                 group_id=group_id, reward=float(reward), num_tokens=len(mask), action_tokens=int(mask.sum()),
@@ -393,10 +395,11 @@ class RolloutPool:
         ctx = Context(base_url=session.base_url, api_key=session.api_key, model=self.model_name, prompt=prompt,
                       messages=[dict(m) for m in messages], tools=item.get("tools"), label=item.get("label"),
                       sampling=dict(self.sampling), attempt_id=session.attempt_id, group_id=group_id)
-        reward, failed, error = 0.0, False, None
+        reward, failed, error, teacher = 0.0, False, None, None
         try:
             result = await asyncio.wait_for(self.run_agent(ctx), self.attempt_timeout_s)
             reward = result.reward
+            teacher = result.info.get("teacher_logprobs")  # on-policy distillation: one list per segment
         except asyncio.TimeoutError:
             failed, error = True, f"attempt timed out after {self.attempt_timeout_s}s"
             self.counters["timed_out_attempts"] += 1
@@ -406,6 +409,11 @@ class RolloutPool:
         # sealed: a request of this attempt still generating is refused when it lands
         segments = [dict(s, group_id=group_id, failed=failed, error=error)
                     for s in self.server.finish_session(session.id, reward)]
+        if teacher is not None:
+            if len(teacher) != len(segments):
+                failed, error = True, f"the agent gave teacher_logprobs for {len(teacher)} of {len(segments)} segments"
+            for s in segments:
+                s["teacher_logprobs"] = None if failed else teacher[s["segment_index"]]
         self.server.drop_session(session.id)
         if hasattr(self.server.backend, "forget"):
             self.server.backend.forget(session.id)

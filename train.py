@@ -412,14 +412,22 @@ def loss_config(cfg):
 
 def collate(segments, advantages, pad_id=0):
     """Recorded segments (dicts with token_ids, action_mask, behavior_logprobs, token_versions, routed_experts) and
-    one advantage each -> one right-padded microbatch. Position t predicts token t + 1, so every per-token field is
-    the segment's shifted by one; routed_experts stay with the input tokens that were routed."""
+    one advantage each (a float, or a (T,) tensor of per-token advantages) -> one right-padded microbatch. Position t
+    predicts token t + 1, so every per-token field is the segment's shifted by one; routed_experts stay with the
+    input tokens that were routed."""
     T = max(len(s["token_ids"]) for s in segments) - 1
     B = len(segments)
+    per_token = any(torch.is_tensor(a) for a in advantages)
+    if per_token:
+        dense = torch.zeros(B, T)
+        for i, a in enumerate(advantages):
+            a = torch.as_tensor(a, dtype=torch.float32).reshape(-1)
+            dense[i, :len(a) - 1] = a[1:] if len(a) > 1 else 0.0
+        advantages = dense
     mb = dict(input_ids=torch.full((B, T), pad_id, dtype=torch.long), targets=torch.full((B, T), pad_id, dtype=torch.long),
               action_mask=torch.zeros(B, T), behavior_logprobs=torch.zeros(B, T),
               token_versions=torch.full((B, T), -1, dtype=torch.long),
-              advantages=torch.as_tensor(advantages, dtype=torch.float32).reshape(B))
+              advantages=advantages if per_token else torch.as_tensor(advantages, dtype=torch.float32).reshape(B))
     with_routes = all(s.get("routed_experts") is not None for s in segments)
     if with_routes:
         L, K = len(segments[0]["routed_experts"][0]), len(segments[0]["routed_experts"][0][0])
@@ -755,9 +763,13 @@ def share_batch(records, cfg, rank, world):
     import ray
     import rollout
     shards = None
+    distill = cfg["advantage_estimator"] == "distill"
     if rank == 0:
-        advantages = loss.segment_advantages([r["attempt_id"] for r in records], [r["group_id"] for r in records],
-                                             [r["reward"] for r in records], cfg["advantage_estimator"])
+        if distill:  # dense per-token advantages, computed below from each segment's teacher logprobs
+            advantages = [0.0] * len(records)
+        else:
+            advantages = loss.segment_advantages([r["attempt_id"] for r in records], [r["group_id"] for r in records],
+                                                 [r["reward"] for r in records], cfg["advantage_estimator"])
         with_tokens = [dict(r, advantage=float(a)) for r, a in zip(records, advantages) if r["ref"] is not None]
         # ray's pickler, not plain pickle: an object ref must carry its owner to be fetched by another process
         shards = ray.cloudpickle.dumps(rollout.balance_by_tokens(with_tokens, world))
@@ -769,7 +781,16 @@ def share_batch(records, cfg, rank, world):
     segments = ray.get([r["ref"] for r in mine])  # the only copy of token data that reaches this rank
     # the object store hands out read-only views; torch wants arrays it may write (a copy of a few KB each)
     segments = [{k: v.copy() if hasattr(v, "copy") else v for k, v in s.items()} for s in segments]
-    return segments, [r["advantage"] for r in mine]
+    if not distill:
+        return segments, [r["advantage"] for r in mine]
+    advantages = []  # on-policy distillation: reverse KL to the teacher on every generated token, (T,) per segment
+    for s in segments:
+        if s.get("teacher_logprobs") is None:
+            raise ConfigError("advantage_estimator='distill' needs the agent to return Result.info['teacher_logprobs'] "
+                              f"per segment (see agents/distill.py); {cfg['agent']} did not")
+        advantages.append(loss.distill_token_rewards(torch.from_numpy(s["behavior_logprobs"]),
+                                                     torch.from_numpy(s["teacher_logprobs"])))
+    return segments, advantages
 
 
 def pack_microbatches(segments, advantages, microbatch_tokens):

@@ -359,3 +359,17 @@ def test_grouped_gemm_experts_match_the_loop_under_expert_parallelism_in_bf16(tm
     torch.testing.assert_close(grouped["logprobs"], loop["logprobs"], rtol=0, atol=2e-2)  # bf16 compute
     for name, g in loop["grads"].items():
         torch.testing.assert_close(grouped["grads"][name], g, rtol=5e-2, atol=5e-2, msg=lambda s: f"{name}: {s}")
+
+
+def test_collate_places_per_token_advantages_shifted_like_the_targets():
+    """On-policy distillation hands one advantage per token; position t of the microbatch predicts token t + 1."""
+    import train
+    segs = [dict(token_ids=[5, 6, 7, 8], action_mask=[0, 1, 1, 1], behavior_logprobs=[0.0, -1.0, -2.0, -3.0],
+                 token_versions=[-1, 0, 0, 0], routed_experts=None),
+            dict(token_ids=[5, 6], action_mask=[0, 1], behavior_logprobs=[0.0, -1.5],
+                 token_versions=[-1, 0], routed_experts=None)]
+    mb = train.collate(segs, [torch.tensor([9.0, 0.1, 0.2, 0.3]), torch.tensor([9.0, 0.5])])
+    assert mb["advantages"].shape == (2, 3)
+    assert torch.equal(mb["advantages"], torch.tensor([[0.1, 0.2, 0.3], [0.5, 0.0, 0.0]]))
+    assert torch.equal(mb["action_mask"], torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]))
+    assert train.collate(segs, [0.5, -0.5])["advantages"].shape == (2,)
