@@ -132,7 +132,7 @@ def bench_sync(*args):
     from weights_sync import free_port
     cuda = torch.cuda.is_available()
     opt = _int_options(args, layers=4, bucket_mb=512 if cuda else 1, iters=5 if cuda else 3, tiny=int(not cuda))
-    if "RANK" in os.environ:  # under torchrun
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun
         if int(os.environ["WORLD_SIZE"]) != 2:
             sys.exit(f"bench.py sync needs exactly 2 ranks (sender and receiver), "
                      f"got WORLD_SIZE={os.environ['WORLD_SIZE']}")
@@ -553,7 +553,7 @@ def bench_train(*args):
     import torch.distributed as dist
     import train
     from model import ModelConfig, num_params
-    if "RANK" not in os.environ and torch.cuda.device_count() > 1:
+    if "TORCHELASTIC_RUN_ID" not in os.environ and torch.cuda.device_count() > 1:
         print("bench.py train: running on 1 GPU; use torchrun --nproc_per_node=N for N GPUs", flush=True)
     rank, world, device = train.init_distributed()
     cuda = device.type == "cuda"

@@ -1043,16 +1043,16 @@ def activation_bytes(mcfg, tokens, checkpointing, dtype_bytes=2, expert_parallel
     routing), counted from what each op of model.py saves. Per token and layer: each RMSNorm an fp32 copy of its
     input, the normed input and its output (4 + 2b) * D, q_norm and k_norm (4 + b) per element of their heads;
     attention q, k, v, its output and an fp32 logsumexp per head; a MoE layer the router's fp32 probabilities (E),
-    its K input rows, the K expert hidden tensors of width H four times (gate, up, silu(gate), their product), the K
-    output rows twice (index_copy_ keeps its source; under EP the combine keeps one more copy) and index/weight
-    tensors of width K; a dense MLP its four hidden tensors. With activation checkpointing each block keeps only its
+    its K input rows (sorted by expert), the K expert hidden tensors of width H four times (gate, up, silu(gate),
+    their product), the K output rows once (the weighted sum's input; the row permutes keep only their int64
+    indices, two more of width K under EP) and index/weight tensors of width K; a dense MLP its four hidden tensors. With activation checkpointing each block keeps only its
     input (plus routing-replay ids) and one block at a time is recomputed in backward."""
     b, D, hd, K = dtype_bytes, mcfg.hidden_size, mcfg.head_dim, mcfg.num_experts_per_tok
     nh, nkv = mcfg.num_attention_heads, mcfg.num_key_value_heads
     norm = (4 + 2 * b) * D + 4
     attn = 2 * norm + (4 + b) * (nh + nkv) * hd + 4 * (nh + nkv) + b * 2 * (nh + nkv) * hd + 4 * nh
-    rows = 4 if expert_parallel else 3  # copies of the (K, D) rows per token
-    moe = attn + 4 * mcfg.num_experts + rows * b * K * D + 4 * b * K * mcfg.moe_intermediate_size + (3 * 8 + 4 + b) * K + 4
+    index = (5 if expert_parallel else 3) * 8 * K  # int64 ids of width K: topk ids, sort order, inverse (+ EP's two)
+    moe = attn + 4 * mcfg.num_experts + 2 * b * K * D + 4 * b * K * mcfg.moe_intermediate_size + index + (4 + b) * K + 4
     dense = attn + 4 * b * mcfg.intermediate_size
     n_moe = len(mcfg.moe_layers)
     layers = [moe] * n_moe + [dense] * (mcfg.num_hidden_layers - n_moe)

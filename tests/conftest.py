@@ -10,6 +10,21 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# torchrun's rendezvous variables. train.init_distributed sets them when a test makes a 1-rank process group in this
+# process; a later test's child process (train.py, bench.py) must not inherit them, or it joins a dead rendezvous.
+RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_rendezvous():
+    """Each test starts with the rendezvous variables the session started with (the process group itself stays)."""
+    before = {k: os.environ[k] for k in RENDEZVOUS if k in os.environ}
+    yield
+    for k in RENDEZVOUS:
+        os.environ.pop(k, None)
+    os.environ.update(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path():
     """The tiny Qwen3-MoE directory, built once (deterministically) the first time any test needs it."""

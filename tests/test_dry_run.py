@@ -18,15 +18,12 @@ import pytest
 import torch
 
 import train
+from conftest import RENDEZVOUS  # a child started by a test that made a process group must not inherit them
 from train import ConfigError, configure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ["tiny", "qwen3_4b", "qwen3_30b_a3b", "moe_700b"]
 GiB = 2**30
-
-
-# set by init_distributed when another test of the session made a process group here: a child must not inherit them
-RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
 def child_env(**extra):

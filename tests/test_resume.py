@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 import train
+from conftest import RENDEZVOUS  # a child started by a test that made a process group must not inherit them
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,10 +34,6 @@ def run_args(out_dir, model_path, prompts):
     return [f"--out_dir={out_dir}", f"--model_path={model_path}", f"--prompts={prompts}", "--max_steps=4",
             "--checkpoint_every=2", "--group_size=2", "--groups_per_batch=2", "--groups_in_flight=3",
             "--engine_max_model_len=1024", "--engine_memory_fraction=0.3", "--warmup_steps=0", "--save_trajectories=True"]
-
-
-# set by init_distributed in this process (other tests share it): a child must make its own process group
-RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
 def start(args, log_path):
