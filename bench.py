@@ -523,7 +523,7 @@ def bench_capture(*args):
 def bench_train(*args):
     """Training throughput on a Qwen3-30B-A3B-shaped MoE with few layers (hidden 2048, 32 heads, 4 kv heads,
     head_dim 128, 128 experts top-8, expert hidden 768, vocab 151936), bf16 compute, fp32 master weights, AdamW,
-    `batch` sequences of `seq` tokens per GPU per step. Ours: train.py's model, fully_shard, expert parallel over
+    `accum` microbatches of `batch` sequences of `seq` tokens per GPU per optimizer step. Ours: train.py's model, fully_shard, expert parallel over
     `ep` GPUs (default: all), grouped-GEMM experts, the real train_step (chunked logprobs, PPO loss, clipping,
     AdamW). Baseline, same run and GPUs: transformers' Qwen3MoeForCausalLM (its default experts implementation)
     with each decoder layer and the root under fully_shard (same mixed precision), full logits + log_softmax, the
@@ -534,7 +534,9 @@ def bench_train(*args):
         torchrun --nproc_per_node=2 bench.py train --layers=8 --batch=2 --compile=1
         python bench.py train --smoke                            # CPU, tiny shape: exercises both code paths
 
-    Options: --layers=4 --seq=4096 --batch=4 --steps=6 --warmup=3 --ep=0 (0 = all ranks) --compile=0 (1: compile
+    Options: --layers=4 --seq=4096 --batch=4 (sequences per microbatch) --accum=1 (microbatches per optimizer step,
+    both trainers: the optimizer step and gradient clipping are per-step costs that a real RL window, many
+    microbatches long, spreads out) --steps=6 --warmup=3 --ep=0 (0 = all ranks) --compile=0 (1: compile
     attention and norms of both models) --ac=0 (activation checkpointing, both) --baseline=1 --smoke=0
     --chunk=2048 (ours: tokens per logprob chunk) --keep_logits=1 (ours keeps the bf16 logits for backward, 5 GB
     at 16K tokens, instead of recomputing them; the baseline holds full logits anyway).
@@ -546,7 +548,7 @@ def bench_train(*args):
     import time
     args = ["--smoke=1" if a == "--smoke" else a for a in args]
     opt = _int_options(args, layers=4, seq=4096, batch=4, steps=6, warmup=3, ep=0, compile=0, ac=0, baseline=1,
-                       smoke=0, profile=0, keep_logits=1, chunk=2048)
+                       smoke=0, profile=0, keep_logits=1, chunk=2048, accum=1)
     if opt["smoke"]:
         opt.update(seq=64, batch=2, steps=2, warmup=1)
     import torch
@@ -571,7 +573,7 @@ def bench_train(*args):
                            f"--activation_checkpointing={bool(opt['ac'])}", f"--logprob_chunk_size={opt['chunk']}",
                            f"--logprob_keep_logits={bool(opt['keep_logits'])}",
                            "--learning_rate=1e-5", "--min_lr=1e-6", "--warmup_steps=1", "--max_steps=1000"])
-    B, T = opt["batch"], opt["seq"]
+    B, T, A = opt["batch"], opt["seq"], opt["accum"]
     g = torch.Generator(device=device).manual_seed(1000 + rank)  # each rank its own data, as in training
     ids = torch.randint(0, mcfg.vocab_size, (B, T + 1), device=device, generator=g)
     microbatch = dict(input_ids=ids[:, :-1], targets=ids[:, 1:], action_mask=torch.ones(B, T, device=device),
@@ -598,7 +600,7 @@ def bench_train(*args):
         seconds = (time.perf_counter() - t0) / opt["steps"]
         peak = torch.tensor(torch.cuda.max_memory_allocated(device) if cuda else 0, device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        tokens_per_s = world * B * T / seconds
+        tokens_per_s = world * B * T * A / seconds
         out = dict(tokens_per_s=round(tokens_per_s), step_s=round(seconds, 4), peak_gb=round(peak.item() / 1e9, 2),
                    mfu=round(6 * n_active * tokens_per_s / (989e12 * world), 4),
                    mfu_with_attention=round((6 * n_active + attn_per_token) * tokens_per_s / (989e12 * world), 4))
@@ -628,9 +630,10 @@ def bench_train(*args):
     last = {}
 
     def ours_step(i):
-        last.update(train.train_step(model, optimizer, [microbatch], cfg, policy_version=0, step=i))
+        last.update(train.train_step(model, optimizer, [microbatch] * A, cfg, policy_version=0, step=i))
     result = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", gpus=world if cuda else 0, ep=ep,
-                  layers=mcfg.num_hidden_layers, seq=T, batch_per_gpu=B, tokens_per_step=world * B * T,
+                  layers=mcfg.num_hidden_layers, seq=T, batch_per_gpu=B, microbatches_per_step=A,
+                  tokens_per_step=world * B * T * A,
                   active_params=n_active, compile=bool(opt["compile"]), activation_checkpointing=bool(opt["ac"]),
                   keep_logits=bool(opt["keep_logits"]))
     result["ours"] = measure("ours", ours_step)
@@ -646,10 +649,11 @@ def bench_train(*args):
             result["transformers"] = info
 
             def hf_step(i):
-                logits = hf(input_ids=microbatch["input_ids"], use_cache=False).logits  # (B, T, V)
-                logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, microbatch["targets"][..., None])
-                loss = -(microbatch["advantages"][:, None] * logprobs.squeeze(-1)).mean()
-                loss.backward()
+                for _ in range(A):  # gradient accumulation over the window, like ours
+                    logits = hf(input_ids=microbatch["input_ids"], use_cache=False).logits  # (B, T, V)
+                    logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, microbatch["targets"][..., None])
+                    loss = -(microbatch["advantages"][:, None] * logprobs.squeeze(-1)).mean() / A
+                    loss.backward()
                 torch.nn.utils.clip_grad_norm_(hf.parameters(), cfg["grad_clip"])
                 for group in hf_optimizer.param_groups:
                     group["lr"] = train.learning_rate_at(i, cfg)
