@@ -15,14 +15,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
-@pytest.fixture(autouse=True)
-def no_leaked_rendezvous():
-    """Each test starts with the rendezvous variables the session started with (the process group itself stays)."""
-    before = {k: os.environ[k] for k in RENDEZVOUS if k in os.environ}
-    yield
+SESSION_RENDEZVOUS = {k: os.environ[k] for k in RENDEZVOUS if k in os.environ}
+
+
+def reset_rendezvous():
     for k in RENDEZVOUS:
         os.environ.pop(k, None)
-    os.environ.update(before)
+    os.environ.update(SESSION_RENDEZVOUS)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_rendezvous():
+    """Each test starts (after any module fixture that made a process group) with the rendezvous variables the
+    session started with; the process group itself stays."""
+    reset_rendezvous()
+    yield
+    reset_rendezvous()
 
 
 @pytest.fixture(scope="session")
