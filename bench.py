@@ -297,7 +297,7 @@ def bench_async(*args):
     cfg = train.configure([f"--model_path={path}", "--learning_rate=1e-7", "--min_lr=1e-7", "--max_staleness=8",
                            f"--group_size={opt['group_size']}", f"--groups_per_batch={opt['groups_per_batch']}"])
     _, world, device = train.init_distributed()
-    model, optimizer, _ = train.build_trainer(cfg, world, device)
+    model, optimizer, _, _ = train.build_trainer(cfg, world, device)
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 << 20, log_to_driver=False)
     engines, _ = rollout.start_engines(path, 1, max_model_len=1024, memory_fraction=0.3)
     router = rollout.Router(engines)
@@ -523,9 +523,9 @@ def bench_capture(*args):
 def bench_train(*args):
     """Training throughput on a Qwen3-30B-A3B-shaped MoE with few layers (hidden 2048, 32 heads, 4 kv heads,
     head_dim 128, 128 experts top-8, expert hidden 768, vocab 151936), bf16 compute, fp32 master weights, AdamW,
-    `accum` microbatches of `batch` sequences of `seq` tokens per GPU per optimizer step. Ours: train.py's model, fully_shard, expert parallel over
-    `ep` GPUs (default: all), grouped-GEMM experts, the real train_step (chunked logprobs, PPO loss, clipping,
-    AdamW). Baseline, same run and GPUs: transformers' Qwen3MoeForCausalLM (its default experts implementation)
+    `accum` microbatches of `batch` sequences of `seq` tokens per GPU per optimizer step. Ours: train.py's model,
+    fully_shard, expert parallel over `ep` GPUs (default: all), grouped-GEMM experts, the real train_step (chunked
+    logprobs, PPO loss, clipping, AdamW). Baseline, same run and GPUs: transformers' Qwen3MoeForCausalLM (its default experts implementation)
     with each decoder layer and the root under fully_shard (same mixed precision), full logits + log_softmax, the
     same optimizer. Prints tokens/s, MFU, peak memory of both and ratio = ours / transformers tokens/s.
 

@@ -920,17 +920,17 @@ TINY_MODEL_PATH = ".cache/tiny-qwen3-moe"  # the default model_path: built here 
 
 def build_trainer(cfg, world, device):
     """The sharded model and its optimizer, from the last checkpoint in out_dir when cfg["resume"]. Returns
-    (model, optimizer, step)."""
+    (model, optimizer, step, extra): extra is what save_checkpoint recorded beside the step ({} for a fresh run)."""
     model = build_model(cfg, build_meshes(world, cfg["ep_size"], device.type), device, weights_path=cfg["model_path"])
     optimizer = build_optimizer(model, cfg)
     if not cfg["resume"]:
-        return model, optimizer, 0
+        return model, optimizer, 0, {}
     path = latest_checkpoint(cfg["out_dir"])
     if path is None:
         raise ConfigError(f"--resume=True, but {cfg['out_dir']} holds no checkpoint: run once without --resume first")
-    step, _ = load_checkpoint(path, model, optimizer)
+    step, extra = load_checkpoint(path, model, optimizer)
     print0(f"resumed from {path} at step {step}")
-    return model, optimizer, step
+    return model, optimizer, step, extra
 
 
 # -----------------------------------------------------------------------------
@@ -1045,8 +1045,9 @@ def activation_bytes(mcfg, tokens, checkpointing, dtype_bytes=2, expert_parallel
     attention q, k, v, its output and an fp32 logsumexp per head; a MoE layer the router's fp32 probabilities (E),
     its K input rows (sorted by expert), the K expert hidden tensors of width H four times (gate, up, silu(gate),
     their product), the K output rows once (the weighted sum's input; the row permutes keep only their int64
-    indices, two more of width K under EP) and index/weight tensors of width K; a dense MLP its four hidden tensors. With activation checkpointing each block keeps only its
-    input (plus routing-replay ids) and one block at a time is recomputed in backward."""
+    indices, two more of width K under EP) and index/weight tensors of width K; a dense MLP its four hidden
+    tensors. With activation checkpointing each block keeps only its input (plus routing-replay ids) and one block
+    at a time is recomputed in backward."""
     b, D, hd, K = dtype_bytes, mcfg.hidden_size, mcfg.head_dim, mcfg.num_experts_per_tok
     nh, nkv = mcfg.num_attention_heads, mcfg.num_key_value_heads
     norm = (4 + 2 * b) * D + 4
@@ -1252,7 +1253,7 @@ def main(argv):
     dist.barrier()
     torch.manual_seed(cfg["seed"])
     try:
-        model, optimizer, step = build_trainer(cfg, world, device)
+        model, optimizer, step, extra = build_trainer(cfg, world, device)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
 
@@ -1263,11 +1264,8 @@ def main(argv):
     logging.getLogger("vllm.tool_parsers.hermes_tool_parser").setLevel(logging.CRITICAL)
     ray = connect_ray(cfg, rank, world)
     gpus = trainer_gpus(ray, world)
-    position = 0  # prompts a resumed run's earlier life drew: the pool continues the stream after them
-    if cfg["resume"] and rank == 0:
-        state = torch.load(os.path.join(latest_checkpoint(cfg["out_dir"]), "trainer_state.pt"), weights_only=False)
-        position = state["extra"].get("data_position", 0)
-    run = start_rollout(cfg, trainer_gpus=gpus, data_position=position) if rank == 0 else None
+    # a resumed run's pool continues the prompt stream after the prompts its earlier life drew
+    run = start_rollout(cfg, trainer_gpus=gpus, data_position=extra.get("data_position", 0)) if rank == 0 else None
 
     train(cfg, model, optimizer, run, step, rank, world)
 

@@ -13,8 +13,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # torchrun's rendezvous variables. train.init_distributed sets them when a test makes a 1-rank process group in this
 # process; a later test's child process (train.py, bench.py) must not inherit them, or it joins a dead rendezvous.
 RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-
-
 SESSION_RENDEZVOUS = {k: os.environ[k] for k in RENDEZVOUS if k in os.environ}
 
 
@@ -22,6 +20,11 @@ def reset_rendezvous():
     for k in RENDEZVOUS:
         os.environ.pop(k, None)
     os.environ.update(SESSION_RENDEZVOUS)
+
+
+def child_env(**extra):
+    """os.environ for a child that a test starts after making a process group in this process, plus `extra`."""
+    return {**{k: v for k, v in os.environ.items() if k not in RENDEZVOUS}, **extra}
 
 
 @pytest.fixture(autouse=True)

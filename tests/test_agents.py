@@ -461,7 +461,7 @@ def train_one_step(out_dir, model_path, engine, device, name, **overrides):
                engine_max_model_len=1024, checkpoint_every=100, warmup_steps=0, save_trajectories=True,
                attempt_timeout_s=120.0, failed_group_rule="complete")  # a failed attempt shows in the metrics
     cfg.update(overrides)
-    model, optimizer, step = train.build_trainer(cfg, 1, device)
+    model, optimizer, step, _ = train.build_trainer(cfg, 1, device)
     run = train.start_rollout(cfg, engines=[engine])
     try:
         train.train(cfg, model, optimizer, run, step, 0, 1)

@@ -18,16 +18,12 @@ import pytest
 import torch
 
 import train
-from conftest import RENDEZVOUS  # a child started by a test that made a process group must not inherit them
+from conftest import child_env
 from train import ConfigError, configure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ["tiny", "qwen3_4b", "qwen3_30b_a3b", "moe_700b"]
 GiB = 2**30
-
-
-def child_env(**extra):
-    return {**{k: v for k, v in os.environ.items() if k not in RENDEZVOUS}, **extra}
 
 
 def run_train(*args, env=None):

@@ -59,7 +59,7 @@ def loop_config(out_dir, model_path, **overrides):
 
 def run_loop(cfg, device, engines):
     """main() without its Ray and engine start-up: the trainer, the rollout side on the given engines, the loop."""
-    model, optimizer, step = train.build_trainer(cfg, 1, device)
+    model, optimizer, step, _ = train.build_trainer(cfg, 1, device)
     run = train.start_rollout(cfg, engines=engines)
     try:
         train.train(cfg, model, optimizer, run, step, 0, 1)

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 import train
-from conftest import RENDEZVOUS  # a child started by a test that made a process group must not inherit them
+from conftest import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,10 +38,8 @@ def run_args(out_dir, model_path, prompts):
 
 def start(args, log_path):
     log = open(log_path, "w")
-    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
-    env["PYTHONUNBUFFERED"] = "1"
     return subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env=env, start_new_session=True)
+                            env=child_env(PYTHONUNBUFFERED="1"), start_new_session=True)
 
 
 def exited(proc, tree):
@@ -132,7 +130,7 @@ def test_sigkill_mid_step_then_resume(tmp_path, tiny_model_path):
     saved = read_checkpoint(ckpt, tmp_path)
     cfg = train.configure(args + ["--resume=True"])
     device = train.init_distributed()[2]  # a gloo group of one rank (shared with other tests in this process)
-    model, optimizer, step = train.build_trainer(cfg, 1, device)
+    model, optimizer, step, extra = train.build_trainer(cfg, 1, device)
     assert step == 2
     state = get_model_state_dict(model)
     assert set(state) == set(saved["model"])
@@ -144,8 +142,7 @@ def test_sigkill_mid_step_then_resume(tmp_path, tiny_model_path):
         for key in ("exp_avg", "exp_avg_sq", "step"):
             mine, theirs = train.gather_full(name, moments[key], model.meshes), saved["optimizer"]["state"][name][key]
             assert torch.equal(mine, theirs), (name, key)
-    extra = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)["extra"]
-    assert extra["policy_version"] == 2
+    assert extra["policy_version"] == 2  # what main() hands the rollout pool and the trainer
     assert "data_position" in extra, ("the checkpoint must record how many prompts the run has drawn from its "
                                       "prompt stream (extra['data_position']) so that a resumed run continues it")
     position = extra["data_position"]
