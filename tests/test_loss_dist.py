@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import end_rank
 from loss import LossConfig, count_window_tokens, kept_token_mask, policy_loss, reduce_metrics, token_logprobs
 
 D, V = 8, 32
@@ -92,6 +93,7 @@ def worker(rank, port, out_prefix):
     dist.barrier()
     torch.save(results, f"{out_prefix}.{rank}")
     dist.destroy_process_group()
+    end_rank()
 
 
 def free_port():

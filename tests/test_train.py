@@ -5,6 +5,7 @@
 Each distributed test spawns 2 or 4 processes (torch.multiprocessing, gloo on 127.0.0.1) that run train.py's real
 code; rank 0 saves what it saw and the test compares it with a plain, unsharded model trained here in fp32.
 """
+import faulthandler
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ import torch.multiprocessing as mp
 
 import loss
 import train
+from conftest import end_rank
 from model import ModelConfig, Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -118,12 +120,15 @@ def spawn(world, scenario, *args):
 def _rank_main(rank, world, port, scenario, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
+    faulthandler.enable()  # a C++ abort in a rank prints where the Python code was, not only "SIGABRT"
     torch.set_num_threads(1)
     train.init_distributed(timeout_s=60)  # a bug that desynchronizes ranks fails in a minute, not 30
     try:
         globals()[scenario](rank, world, *args)
+        torch.distributed.barrier()  # no rank tears its group down while a peer still talks to it
     finally:
         torch.distributed.destroy_process_group()
+    end_rank()
 
 
 def full_grads(model):

@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from conftest import end_rank
 from model import Transformer, ours_to_hf
 from weights_sync import (BucketReceiver, WeightSender, connect_engines, free_port, plan_buckets,
                           stateless_process_group, sync_weights)
@@ -235,6 +236,7 @@ def _trainer_rank(rank, world, ep, ports, path):
     assert (sent > 0) == (rank == 0)
     sender.close()
     torch.distributed.destroy_process_group()
+    end_rank()
 
 
 def _receiver(ports, path, out_file):
