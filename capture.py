@@ -56,11 +56,12 @@ class Engine:
 
     def __init__(self, model_path, *, max_model_len=2048, memory_fraction=0.5, tensor_parallel_size=1,
                  enable_prefix_caching=True, speculative_config=None, seed=0, enable_return_routed_experts=False,
-                 worker_extension_cls=WORKER_EXTENSION, **engine_kwargs):
+                 worker_extension_cls=WORKER_EXTENSION, recompute_kv_on_sync=True, **engine_kwargs):
         import torch
         if worker_extension_cls == WORKER_EXTENSION and importlib.util.find_spec("weights_sync") is None:
             worker_extension_cls = None  # a checkout without the weight-sync module still serves
         self.model_path, self.max_model_len = model_path, max_model_len
+        self.recompute_kv_on_sync = recompute_kv_on_sync
         self.engine_args = dict(
             model=model_path, dtype="bfloat16", max_model_len=max_model_len, gpu_memory_utilization=memory_fraction,
             tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=enable_prefix_caching,
@@ -124,7 +125,11 @@ class Engine:
         return [None if d is None else d[t].logprob for t, d in zip(token_ids, out.prompt_logprobs)]
 
     async def pause(self):
-        await self.llm.pause_generation(mode="keep", clear_cache=False)  # in-flight requests wait, KV kept
+        """Freeze in-flight requests for a weight update (they finish after resume). With recompute_kv_on_sync the
+        prefix cache is emptied and the frozen requests are preempted: after resume they recompute their KV (prompt
+        and tokens so far) with the new weights, so every later token is the new policy's alone. Without it they
+        continue on KV the old weights computed, and a new request can hit an old-weight prefix."""
+        await self.llm.pause_generation(mode="keep", clear_cache=self.recompute_kv_on_sync)
 
     async def resume(self):
         await self.llm.resume_generation()

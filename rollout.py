@@ -269,12 +269,14 @@ class RolloutPool:
 
     An attempt that raises or runs past attempt_timeout_s is failed, with its error; failed_group_rule "drop"
     drops its group (a fresh group takes the slot), "complete" keeps the group with reward 0 for the failed
-    attempt (and its partial segments). `run_agent(ctx) -> Result` is the loaded agent; `prompts` an iterator of
-    dicts (prompt / messages, label, tools); `server` the running capture server."""
+    attempt (and its partial segments). When max_failed_in_a_row attempts fail one after another (a bug in the
+    agent, a dead tool, a dead engine) the pool stops and next_batch raises with the last error, rather than
+    dropping groups forever or training on failures (0: never). `run_agent(ctx) -> Result` is the loaded agent;
+    `prompts` an iterator of dicts (prompt / messages, label, tools); `server` the running capture server."""
 
     def __init__(self, run_agent, prompts, server, *, group_size, groups_per_batch, groups_in_flight, sampling,
                  attempt_timeout_s=60.0, failed_group_rule="drop", model_name="policy", trajectory_writer=None,
-                 first_prompt=0):
+                 first_prompt=0, max_failed_in_a_row=0):
         if failed_group_rule not in ("drop", "complete"):
             raise ValueError(f"failed_group_rule must be 'drop' or 'complete', got {failed_group_rule!r}")
         if groups_in_flight < groups_per_batch:
@@ -293,6 +295,7 @@ class RolloutPool:
         self.counters = dict(attempts=0, failed_attempts=0, timed_out_attempts=0, dropped_groups=0,
                              generated_tokens=0, reward_sum=0.0)
         self.errors = []  # the last few failures, for the log
+        self.max_failed_in_a_row, self.failed_in_a_row = max_failed_in_a_row, 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-pool", daemon=True)
         self._changed = None  # asyncio.Event on the pool loop: a group finished or a batch was taken
@@ -346,9 +349,9 @@ class RolloutPool:
         return asyncio.run_coroutine_threadsafe(read(), self._loop).result()
 
     async def _take_batch(self, hold=False):
-        while len(self.ready) < self.groups_per_batch:
+        while self._crash is not None or len(self.ready) < self.groups_per_batch:
             if self._crash is not None:
-                raise RuntimeError("the rollout pool stopped") from self._crash
+                raise RuntimeError(f"the rollout pool stopped: {self._crash}") from self._crash
             if self._exhausted and self.open_groups == len(self.ready):  # nothing running, nothing to come
                 raise EOFError(f"the prompt source ran out with {len(self.ready)} complete group(s) left, fewer than "
                                f"groups_per_batch={self.groups_per_batch}: let prompts() yield forever, or use a "
@@ -422,6 +425,12 @@ class RolloutPool:
         self.counters["reward_sum"] += reward
         if failed:
             self.errors = (self.errors + [error])[-20:]
+        self.failed_in_a_row = self.failed_in_a_row + 1 if failed else 0
+        if self.max_failed_in_a_row and self.failed_in_a_row >= self.max_failed_in_a_row and self._crash is None:
+            self._crash = RuntimeError(f"{self.failed_in_a_row} attempts in a row failed (max_failed_in_a_row); "
+                                       f"the last: {error}")
+            self.held = True  # start nothing more
+            self._changed.set()
         if self.trajectory_writer is not None and segments:
             self.trajectory_writer(segments)
         records = [put_experience(seg, reward, group_id, failed, error) for seg in segments]

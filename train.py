@@ -58,6 +58,8 @@ tensor_parallel_size = 1
 engine_max_model_len = 2048
 engine_memory_fraction = 0.5   # vLLM gpu_memory_utilization (host memory on CPU)
 enable_prefix_caching = True
+recompute_kv_on_sync = True  # a weight sync empties the prefix cache; in-flight requests recompute their KV with the
+                             # new weights (False: they go on with the old weights' KV, a hybrid of two policies)
 speculative_config = {}    # passed to vLLM as is, e.g. {"method": "mtp", "num_speculative_tokens": 1}
 group_size = 4             # attempts per prompt (GRPO group)
 groups_per_batch = 8       # complete groups per optimizer step
@@ -68,6 +70,7 @@ top_p = 1.0
 max_tokens = 48            # per model turn
 attempt_timeout_s = 60.0
 failed_group_rule = "drop"  # "drop" a group with a failed attempt, or "complete" it with reward 0 for the failure
+max_failed_in_a_row = 64   # the run stops, with the last error, when this many attempts in a row failed (0: never)
 # algorithm
 advantage_estimator = "grpo"  # grpo | drgrpo | rloo | reinforce | distill
 loss_type = "ppo"          # ppo | gspo
@@ -743,7 +746,8 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
     pool = rollout.RolloutPool(
         run_agent, prompts, server, group_size=cfg["group_size"], groups_per_batch=cfg["groups_per_batch"],
         groups_in_flight=cfg["groups_in_flight"], attempt_timeout_s=cfg["attempt_timeout_s"],
-        failed_group_rule=cfg["failed_group_rule"], model_name=server.model_name, trajectory_writer=writer,
+        failed_group_rule=cfg["failed_group_rule"], max_failed_in_a_row=cfg["max_failed_in_a_row"],
+        model_name=server.model_name, trajectory_writer=writer,
         first_prompt=data_position,
         sampling=dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_tokens=cfg["max_tokens"]))
     return dict(engines=engines, router=router, server=server, pool=pool, placement=placement, cleanup=cleanup)
@@ -994,18 +998,22 @@ def check_config(cfg, mcfg, world_size=None):
     if cfg["groups_in_flight"] < cfg["groups_per_batch"]:
         raise ConfigError(f"groups_in_flight ({cfg['groups_in_flight']}) is below groups_per_batch "
                           f"({cfg['groups_per_batch']}): a batch could never fill")
+    if cfg["max_failed_in_a_row"] < 0:
+        raise ConfigError(f"max_failed_in_a_row ({cfg['max_failed_in_a_row']}) must be 0 (never stop) or more")
 
 
 def engine_options(cfg):
     """capture.Engine keyword arguments from the config (num_engines says how many engines start)."""
     return dict(max_model_len=cfg["engine_max_model_len"], memory_fraction=cfg["engine_memory_fraction"],
                 tensor_parallel_size=cfg["tensor_parallel_size"], enable_prefix_caching=cfg["enable_prefix_caching"],
-                speculative_config=cfg["speculative_config"] or None)
+                speculative_config=cfg["speculative_config"] or None,
+                recompute_kv_on_sync=cfg["recompute_kv_on_sync"])
 
 
 ENGINE_OPTION_KEYS = {"max_model_len": "engine_max_model_len", "memory_fraction": "engine_memory_fraction",
                       "tensor_parallel_size": "tensor_parallel_size",
-                      "enable_prefix_caching": "enable_prefix_caching", "speculative_config": "speculative_config"}
+                      "enable_prefix_caching": "enable_prefix_caching", "speculative_config": "speculative_config",
+                      "recompute_kv_on_sync": "recompute_kv_on_sync"}
 
 
 def check_engine_options(cfg, model_dir, **engine_kwargs):

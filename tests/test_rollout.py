@@ -139,6 +139,21 @@ def test_failed_attempt_follows_the_group_rule(server, rule):
         assert failed[0]["action_tokens"] > 0  # its turn before the failure is kept, with reward 0
 
 
+@pytest.mark.parametrize("rule", ["drop", "complete"])
+def test_attempts_failing_in_a_row_stop_the_pool_with_the_error(server, rule):
+    async def broken(ctx):  # an agent bug: every attempt fails before its first model call
+        raise KeyError("tool_registry")
+    pool = make_pool(server, as_result(broken), [], failed_group_rule=rule, max_failed_in_a_row=5)
+    try:
+        with pytest.raises(RuntimeError, match=r"attempts in a row failed .*KeyError: 'tool_registry'"):
+            for _ in range(20):  # "complete" fills a few batches with failures before the streak is long enough
+                pool.next_batch(timeout=120)
+        stats = pool.stats()
+    finally:
+        pool.stop()
+    assert stats["failed_attempts"] >= 5 and stats["attempts"] == stats["failed_attempts"]
+
+
 def test_hanging_tool_times_out_and_the_pool_goes_on(server):
     pool = make_pool(server, as_result(cued_agent()), ["hang"], attempt_timeout_s=2.0, failed_group_rule="complete")
     try:

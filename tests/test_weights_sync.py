@@ -12,6 +12,7 @@ fused MoE, vLLM's attention), so per-token logprobs differ by rounding: we requi
 import asyncio
 import copy
 import os
+from uuid import uuid4
 
 import pytest
 import torch
@@ -180,6 +181,32 @@ def test_request_in_flight_resumes_and_carries_policy_versions(loop, engine, sen
     assert spans == [(str(old), 0, boundary), (str(new), boundary, max_tokens)]
     # the tokens streamed before the pause are the old policy's; the request went on after the sync
     assert 4 <= tokens_at_pause <= boundary < max_tokens
+    # recompute_kv_on_sync (the default): after the sync the request recomputed its KV with the new weights, so each
+    # later token's sampling logprob is the new policy's given everything before it, prompt and old tokens alike
+    sampled = torch.tensor([d[t].logprob for d, t in zip(out.logprobs, out.token_ids)])
+    full = fixed_sequence(16) + list(out.token_ids)
+    now = torch.tensor(loop.run_until_complete(engine.prompt_logprobs(full))[16:])
+    diff = (sampled - now).abs()
+    assert diff[boundary:].max() <= MAX_DIFF and diff[boundary:].mean() <= MEAN_DIFF, diff[boundary:].max().item()
+    assert diff[:boundary].mean() > 10 * MEAN_DIFF  # the old policy's tokens: another model
+
+
+def test_sync_empties_the_prefix_cache(loop, engine, sender, version, tiny_model_path):
+    """A prompt cached under the old weights is not reused under the new ones (recompute_kv_on_sync)."""
+    assert engine.engine_args["enable_prefix_caching"] and engine.recompute_kv_on_sync
+    prompt = fixed_sequence(600, seed=5)  # several KV blocks: a prefix-cache hit reuses them
+
+    def first_token_logprob():  # one sampled token and its logprob given the (maybe cached) prompt
+        out = loop.run_until_complete(engine.generate(prompt, dict(max_tokens=1, seed=0), uuid4().hex))
+        return out["token_ids"][0], out["logprobs"][0]
+
+    first_token_logprob()  # cached now under the engine's current weights
+    model = trained_model(tiny_model_path, fixed_sequence(seed=2), steps=3)
+    version["now"] += 1
+    loop.run_until_complete(sync_weights([engine], sender, model, version["now"]))
+    token, logprob = first_token_logprob()
+    fresh = loop.run_until_complete(engine.prompt_logprobs(prompt + [token]))[-1]  # no cache: the new weights
+    assert abs(logprob - fresh) <= MAX_DIFF, (logprob, fresh)
 
 
 def test_failed_load_resumes_engines_and_reconnect_recovers(loop, engine, sender, version, tiny_model_path,
