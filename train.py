@@ -197,7 +197,7 @@ def build_meshes(world, ep_size, device_type):
         raise ConfigError(f"ep_size={ep_size} must divide the number of trainer ranks ({world})")
     fsdp = init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",))
     # mesh[ep_index, expert_fsdp_index] = expert_fsdp_index * ep_size + ep_index; the ep dimension comes first so
-    # that a (Shard(0), Shard(0)) DTensor over it is the global expert tensor in expert order (checkpoints, export)
+    # that a (Shard(0), FSDP's Shard) DTensor over it is the global expert tensor in expert order (checkpoints)
     layout = torch.arange(world).view(world // ep_size, ep_size).T
     experts = DeviceMesh(device_type, layout, mesh_dim_names=("ep", "expert_fsdp"))
     return {"fsdp": fsdp, "experts": experts, "ep": experts["ep"], "expert_fsdp": experts["expert_fsdp"]}
@@ -231,7 +231,8 @@ def shard_model(model, meshes, cfg):
     kw = dict(mp_policy=mp, offload_policy=offload)
     for block in model.model.layers:
         if block.is_moe:  # its own FSDP unit on its own mesh: the block's unit must not gather the experts
-            fully_shard(block.mlp.experts, mesh=meshes["expert_fsdp"], **kw)
+            fully_shard(block.mlp.experts, mesh=meshes["expert_fsdp"],
+                        shard_placement_fn=expert_placement(block.mlp.experts, meshes), **kw)
         fully_shard(block, mesh=meshes["fsdp"], **kw)
     fully_shard(model, mesh=meshes["fsdp"], **kw)
     register_fsdp_forward_method(model, "hidden_states")  # the trainer calls hidden_states, not forward
@@ -247,6 +248,16 @@ def shard_model(model, meshes, cfg):
             module.set_force_sum_reduction_for_comms(True)
     model.meshes = meshes
     return model
+
+
+def expert_placement(experts, meshes):
+    """FSDP cuts this rank's (E / ep, ...) expert tensors on dim 0 when the expert FSDP ranks divide E / ep, else on
+    dim 1 where they divide it (FSDP2 cuts other dims evenly only). E.g. 1 expert per EP rank and 2 FSDP ranks: on
+    dim 0 one rank would hold the whole expert and the other padding; on dim 1 each holds half."""
+    n = meshes["expert_fsdp"].size()
+    shapes = [getattr(experts, name).shape for name in EXPERT_PROJS]
+    dim = 1 if shapes[0][0] % n and all(shape[1] % n == 0 for shape in shapes) else 0
+    return lambda param: Shard(dim)
 
 
 # the autograd all-to-all; torch 2.13 suggests the traced functional collectives instead, but this one is the
@@ -368,13 +379,14 @@ def hf_weight_files(path):
 
 
 def copy_shard(p, full):
-    """Copy this rank's FSDP shard of `full` into parameter p (dim-0 chunks, as FSDP and torch.chunk cut them)."""
+    """Copy this rank's FSDP shard of `full` into parameter p (chunks on its shard dim, as FSDP and torch.chunk cut
+    them)."""
     if tuple(full.shape) != tuple(p.shape):
         raise ValueError(f"checkpoint tensor of shape {tuple(full.shape)} does not fit parameter of shape {tuple(p.shape)}")
     local = local_tensor(p)
     if isinstance(p, DTensor):
         mesh = p.device_mesh
-        chunks = full.chunk(mesh.size(), dim=0)
+        chunks = full.chunk(mesh.size(), dim=p.placements[0].dim)
         r = mesh.get_local_rank()
         full = chunks[r] if r < len(chunks) else full[:0]
     local.copy_(full.to(local.dtype))
@@ -558,7 +570,7 @@ def global_experts(t, meshes):
     """This rank's piece of an expert tensor as a DTensor of the global (E, ...) tensor on the 2-D experts mesh.
     Shares storage with t, so loading into it loads into t."""
     shape = (t.shape[0] * meshes["ep"].size(), *t.shape[1:])
-    return DTensor.from_local(local_tensor(t), meshes["experts"], [Shard(0), Shard(0)], run_check=False,
+    return DTensor.from_local(local_tensor(t), meshes["experts"], [Shard(0), t.placements[0]], run_check=False,
                               shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
 
 
@@ -1087,13 +1099,10 @@ def plan_memory(cfg, mcfg, model):
     W, ep = cfg["train_world_size"], cfg["ep_size"]
     b = getattr(torch, cfg["param_dtype"]).itemsize  # compute dtype: what FSDP all-gathers and activations are in
     p_dense = p_expert = 0
-    padded_experts = None
     for name, p in model.named_parameters():
         local = local_tensor(p)  # rank 0's shard (meta): FSDP pads every rank to this size
         if ".mlp.experts." in name:
             p_expert += local.numel()
-            if p.shape[0] < p.device_mesh.size():
-                padded_experts = (p.shape[0], p.device_mesh.size())
         else:
             p_dense += local.numel()
     params = p_dense + p_expert
@@ -1104,7 +1113,7 @@ def plan_memory(cfg, mcfg, model):
     tokens = max(cfg["microbatch_tokens"], cfg["engine_max_model_len"])
     plan = dict(
         world=W, ep=ep, params_total=num_params(mcfg), params_active=num_params(mcfg, active=True),
-        params_dense_local=p_dense, params_expert_local=p_expert, padded_experts=padded_experts,
+        params_dense_local=p_dense, params_expert_local=p_expert,
         # fp32 master weights (FSDP keeps the sharded parameters fp32), fp32 gradients, AdamW m and v in fp32
         params_bytes=4 * params, grads_bytes=4 * params, optimizer_bytes=8 * params,
         # the root unit (embeddings, final norm, lm_head) stays gathered from forward to the end of backward, with
@@ -1220,10 +1229,6 @@ def print_plan(cfg, plan):
         f"({100 * plan['total_bytes'] / plan['gpu_bytes']:.0f}%), activation checkpointing {'on' if ckpt else 'off'}; "
         f"{'off' if ckpt else 'on'}: {gib(plan['total_bytes_other_ckpt']).strip()}",
     ]
-    if plan["padded_experts"]:
-        rows, ranks = plan["padded_experts"]
-        lines.append(f"  note: {rows} expert(s) per EP rank are FSDP-sharded on dim 0 over {ranks} ranks, so every "
-                     "rank holds a whole padded expert: expert memory is not divided by the expert FSDP size")
     tp = cfg["tensor_parallel_size"]
     lines += [
         f"GPUs: {W} training + {plan['rollout_gpus']} rollout ({cfg['num_engines']} engines x tensor_parallel_size "

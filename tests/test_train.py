@@ -5,6 +5,7 @@
 Each distributed test spawns 2 or 4 processes (torch.multiprocessing, gloo on 127.0.0.1) that run train.py's real
 code; rank 0 saves what it saw and the test compares it with a plain, unsharded model trained here in fp32.
 """
+import dataclasses
 import faulthandler
 import json
 import os
@@ -25,6 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, rope_theta=10000.0, num_experts=8, num_experts_per_tok=2,
                   moe_intermediate_size=16, mlp_only_layers=[1])
+# 6 experts: with ep=2 each EP rank's 3 experts do not split over 2 FSDP ranks, so FSDP cuts them on dim 1
+CFG6 = dataclasses.replace(CFG, num_experts=6)
 TRAIN = dict(learning_rate=1e-2, min_lr=1e-3, warmup_steps=1, max_steps=4, weight_decay=0.1, grad_clip=0.5,
              logprob_chunk_size=16, max_staleness=1, temperature=0.9)
 STEPS = 3
@@ -39,15 +42,15 @@ def trainer_config(**overrides):
     return train.configure([f"--{k}={v}" for k, v in {**TRAIN, **overrides}.items()])
 
 
-def make_weights(path):
+def make_weights(path, cfg=CFG):
     torch.manual_seed(0)
-    m = Transformer(CFG)
+    m = Transformer(cfg)
     m.init_weights(0, std=0.2)
     m.save_pretrained(path)
     return path
 
 
-def make_window(step, n_microbatches, seed, routes=False):
+def make_window(step, n_microbatches, seed, routes=False, num_experts=CFG.num_experts):
     """Random microbatches: right-padded rows, a prompt part (mask 0), stale and fresh action tokens."""
     g = torch.Generator().manual_seed(seed)
     window = []
@@ -64,13 +67,14 @@ def make_window(step, n_microbatches, seed, routes=False):
                   advantages=torch.randn(B, generator=g), routed_experts=None)
         if routes:  # distinct expert ids per token, unrelated to what the router would pick
             L = len(CFG.moe_layers)
-            mb["routed_experts"] = torch.rand(B, T, L, CFG.num_experts, generator=g).argsort(-1)[..., :CFG.num_experts_per_tok]
+            mb["routed_experts"] = torch.rand(B, T, L, num_experts, generator=g).argsort(-1)[..., :CFG.num_experts_per_tok]
         window.append(mb)
     return window
 
 
-def windows(n_microbatches=6):
-    return [make_window(step, n_microbatches, seed=100 + step, routes=(step == 1)) for step in range(STEPS)]
+def windows(n_microbatches=6, num_experts=CFG.num_experts):
+    return [make_window(step, n_microbatches, seed=100 + step, routes=(step == 1), num_experts=num_experts)
+            for step in range(STEPS)]
 
 # -----------------------------------------------------------------------------
 # the single-process reference: a plain model, loss.py directly, torch's own clipping and AdamW
@@ -180,24 +184,28 @@ def run_steps(rank, world, cfg, weights, wins, out, first_step=0, steps=STEPS, c
             x = torch.arange(2 * 10).view(2, 10) % CFG.vocab_size
             logits = model.lm_head(model.hidden_states(x)).float()  # (B, T, V)
     params = {n: t for n, t in train.full_parameters(model)}
+    shard_dims = {p.placements[0].dim for n, p in model.named_parameters() if ".mlp.experts." in n}
     if rank == 0:
-        torch.save(dict(metrics=metrics, grads=recorded, params=params, resumed=resumed, logits=logits), out)
+        torch.save(dict(metrics=metrics, grads=recorded, params=params, resumed=resumed, logits=logits,
+                        expert_shard_dims=shard_dims), out)
 
 # -----------------------------------------------------------------------------
 # tests
 
 
-@pytest.mark.parametrize("world,ep,extra", [
-    (2, 2, {}),
-    (4, 2, {"is_mode": "mask"}),  # ep=2 x fsdp=2; rejection needs the trainer's logprobs before the window count
-    (4, 4, {"activation_checkpointing": True}),
-], ids=["world2-ep2", "world4-ep2-fsdp2", "world4-ep4-ac"])
-def test_matches_single_process(tmp_path, world, ep, extra):
-    weights = make_weights(str(tmp_path / "weights"))
+@pytest.mark.parametrize("world,ep,extra,mcfg", [
+    (2, 2, {}, CFG),
+    (4, 2, {"is_mode": "mask"}, CFG),  # ep=2 x fsdp=2; rejection needs the trainer's logprobs before the window count
+    (4, 4, {"activation_checkpointing": True}, CFG),
+    (4, 2, {}, CFG6),
+], ids=["world2-ep2", "world4-ep2-fsdp2", "world4-ep4-ac", "world4-ep2-fsdp2-experts-cut-on-dim1"])
+def test_matches_single_process(tmp_path, world, ep, extra, mcfg):
+    weights = make_weights(str(tmp_path / "weights"), mcfg)
     cfg = trainer_config(ep_size=ep, **extra)
-    wins = windows()
+    wins = windows(num_experts=mcfg.num_experts)
     spawn(world, "run_steps", cfg, weights, wins, str(tmp_path / "out.pt"))
     got = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert got["expert_shard_dims"] == ({1} if mcfg is CFG6 else {0})
     ref = reference_run(weights, wins, cfg)
     for step, (m, r) in enumerate(zip(got["metrics"], ref)):
         assert not m["skipped"]
@@ -209,14 +217,16 @@ def test_matches_single_process(tmp_path, world, ep, extra):
         torch.testing.assert_close(got["params"][name], p, **PARAM_TOL, msg=lambda s: f"{name}: {s}")
 
 
-def test_checkpoint_from_4_ranks_resumes_on_2_and_exports_to_transformers(tmp_path):
+@pytest.mark.parametrize("mcfg", [CFG, CFG6], ids=["experts-cut-on-dim0", "experts-cut-on-dim1"])
+def test_checkpoint_from_4_ranks_resumes_on_2_and_exports_to_transformers(tmp_path, mcfg):
     from transformers import AutoModelForCausalLM
-    weights = make_weights(str(tmp_path / "weights"))
-    wins = windows()
+    weights = make_weights(str(tmp_path / "weights"), mcfg)
+    wins = windows(num_experts=mcfg.num_experts)
     ckpt, export = str(tmp_path / "run"), str(tmp_path / "hf")
     cfg4 = trainer_config(ep_size=2)
     spawn(4, "run_steps", cfg4, weights, wins, str(tmp_path / "out4.pt"), 0, 2, ckpt, None, export)
     got4 = torch.load(tmp_path / "out4.pt", weights_only=False)
+    assert got4["expert_shard_dims"] == ({1} if mcfg is CFG6 else {0})
     # 2 ranks, no expert parallelism: every expert tensor is re-cut from (ep=2 x fsdp=2) to (fsdp=2)
     cfg2 = trainer_config(ep_size=1)
     spawn(2, "run_steps", cfg2, weights, wins, str(tmp_path / "out2.pt"), 0, STEPS, None,

@@ -11,6 +11,7 @@ fused MoE, vLLM's attention), so per-token logprobs differ by rounding: we requi
 """
 import asyncio
 import copy
+import dataclasses
 import os
 from uuid import uuid4
 
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from conftest import end_rank
-from model import Transformer, ours_to_hf
+from model import Transformer, load_config, ours_to_hf
 from weights_sync import (BucketReceiver, WeightSender, connect_engines, free_port, plan_buckets,
                           stateless_process_group, sync_weights)
 
@@ -244,7 +245,7 @@ def perturb_(t):
     return t.mul_(1.37).add_(0.003)  # elementwise, so it commutes with sharding; off the bf16 grid of the checkpoint
 
 
-def _trainer_rank(rank, world, ep, ports, path):
+def _trainer_rank(rank, world, ep, ports, path, expert_dim):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     import train
@@ -256,6 +257,7 @@ def _trainer_rank(rank, world, ep, ports, path):
         for p in model.parameters():
             perturb_(p.to_local() if isinstance(p, DTensor) else p)
     assert all(isinstance(p, DTensor) for p in model.parameters())
+    assert {p.placements[0].dim for n, p in model.named_parameters() if ".mlp.experts." in n} == {expert_dim}
     sender = WeightSender(bucket_bytes=BUCKET_BYTES)
     if rank == 0:
         sender.connect("127.0.0.1", ports[1], 2, "gloo")
@@ -276,20 +278,30 @@ def _receiver(ports, path, out_file):
 
 
 # 3 ranks: most shards are uneven (2048 / 3, 128 / 3), the padded gather; 4 ranks with ep=2: experts come from two
-# EP owners, each gathering its block from its own FSDP pair first
-@pytest.mark.parametrize("world,ep", [(3, 1), (4, 2)], ids=["fsdp3-uneven", "fsdp4-ep2"])
-def test_sharded_trainer_sends_the_unsharded_weights(world, ep, tiny_model_path, tmp_path):
+# EP owners, each gathering its block from its own FSDP pair first; with 6 experts each EP rank's 3 experts do not
+# split over its 2 FSDP ranks, so FSDP cuts them on dim 1 and the gather joins them on dim 1
+@pytest.mark.parametrize("world,ep,num_experts", [(3, 1, 8), (4, 2, 8), (4, 2, 6)],
+                         ids=["fsdp3-uneven", "fsdp4-ep2", "fsdp4-ep2-experts-cut-on-dim1"])
+def test_sharded_trainer_sends_the_unsharded_weights(world, ep, num_experts, tiny_model_path, tmp_path):
+    path = tiny_model_path
+    if num_experts != load_config(tiny_model_path).num_experts:
+        path = str(tmp_path / "model")
+        torch.manual_seed(0)
+        other = Transformer(dataclasses.replace(load_config(tiny_model_path), num_experts=num_experts))
+        other.init_weights(0)
+        other.save_pretrained(path)
     ctx = mp.get_context("spawn")
     ports = (free_port(), free_port())
     out_file = str(tmp_path / "received.safetensors")
-    procs = [ctx.Process(target=_trainer_rank, args=(r, world, ep, ports, tiny_model_path)) for r in range(world)]
-    procs.append(ctx.Process(target=_receiver, args=(ports, tiny_model_path, out_file)))
+    expert_dim = 1 if num_experts == 6 else 0
+    procs = [ctx.Process(target=_trainer_rank, args=(r, world, ep, ports, path, expert_dim)) for r in range(world)]
+    procs.append(ctx.Process(target=_receiver, args=(ports, path, out_file)))
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=240)
     assert [p.exitcode for p in procs] == [0] * len(procs)
-    model = Transformer.from_pretrained(tiny_model_path)
+    model = Transformer.from_pretrained(path)
     with torch.no_grad():
         for p in model.parameters():
             perturb_(p)
