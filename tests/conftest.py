@@ -1,6 +1,7 @@
 """Shared fixtures. Run the suite with `make test` (or `.venv/bin/python -m pytest tests -q`)."""
 import os
 import sys
+import time
 
 import pytest
 
@@ -35,6 +36,35 @@ def end_rank():
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+class RecordingBackend:
+    """The capture server's backend for tests: the real engine behind a thin wrapper that records every call
+    (session, prompt ids, output, start and end times), and can force the text of a session's next turns (the
+    engine scores the forced tokens, so their logprobs are real; out["forced"] marks them) or fail one call."""
+
+    def __init__(self, engine, tokenizer):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.calls, self.forced, self.fail = [], {}, set()
+
+    async def generate(self, prompt, sampling, request_id, session_id=None):
+        start = time.monotonic()
+        if session_id in self.fail:
+            self.fail.discard(session_id)
+            raise RuntimeError("the engine process died (simulated)")
+        if self.forced.get(session_id):
+            ids = self.tokenizer(self.forced[session_id].pop(0), add_special_tokens=False)["input_ids"]
+            ids += [self.tokenizer.eos_token_id]
+            logprobs = (await self.engine.prompt_logprobs(prompt + ids))[len(prompt):]
+            out = dict(token_ids=ids, logprobs=logprobs, token_versions=[self.engine.policy_version] * len(ids),
+                       routed_experts=None, finish_reason="stop", num_prompt_tokens=len(prompt), forced=True)
+        else:
+            out = await self.engine.generate(prompt, sampling, request_id, session_id=session_id)
+        self.calls.append(dict(session_id=session_id, prompt=list(prompt), out=out, start=start, end=time.monotonic()))
+        return out
+
+    def of(self, session_id):
+        return [c for c in self.calls if c["session_id"] == session_id]
 
 
 @pytest.fixture(autouse=True)

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import capture
+from conftest import RecordingBackend
 import loss
 import train
 from agents import Context, load_agent, setup_agent
@@ -42,35 +43,11 @@ def tool_turn(*calls):
                      for n, a in calls)
 
 
-class Forcing:
-    """The real engine behind a thin wrapper that records every call and can force the text of a session's next
-    turns."""
-
-    def __init__(self, engine, tokenizer):
-        self.engine, self.tokenizer = engine, tokenizer
-        self.calls, self.forced = [], {}
-
-    async def generate(self, prompt, sampling, request_id, session_id=None):
-        if self.forced.get(session_id):
-            ids = self.tokenizer(self.forced[session_id].pop(0), add_special_tokens=False)["input_ids"]
-            ids += [self.tokenizer.eos_token_id]
-            logprobs = (await self.engine.prompt_logprobs(prompt + ids))[len(prompt):]
-            out = dict(token_ids=ids, logprobs=logprobs, token_versions=[self.engine.policy_version] * len(ids),
-                       routed_experts=None, finish_reason="stop", num_prompt_tokens=len(prompt), forced=True)
-        else:
-            out = await self.engine.generate(prompt, sampling, request_id)
-        self.calls.append(dict(session_id=session_id, prompt=list(prompt), out=out))
-        return out
-
-    def of(self, session_id):
-        return [c for c in self.calls if c["session_id"] == session_id]
-
-
 @pytest.fixture(scope="module")
 def stack(tiny_model_path):
     engine = capture.Engine(tiny_model_path, max_model_len=MAX_MODEL_LEN, worker_extension_cls=None)
     server = capture.CaptureServer(None, tiny_model_path, max_model_len=MAX_MODEL_LEN)
-    server.backend = backend = Forcing(engine, server.tokenizer)
+    server.backend = backend = RecordingBackend(engine, server.tokenizer)
     server.start_in_thread()
     server.run_in_loop(engine.start())
     yield server, backend

@@ -10,7 +10,6 @@ prompt logprobs); every other turn is sampled by the engine.
 """
 import asyncio
 import json
-import time
 
 import anthropic
 import httpx
@@ -18,6 +17,7 @@ import openai
 import pytest
 
 import capture
+from conftest import RecordingBackend
 
 MAX_MODEL_LEN = 1024
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.",
@@ -31,38 +31,11 @@ FORCED_TOOL_TURN = "\n".join('<tool_call>\n{"name": "%s", "arguments": %s}\n</to
                              for n, a in CALLS)
 
 
-class Recorder:
-    """The real engine behind a thin wrapper: records every call; can force one reply or fail one call."""
-
-    def __init__(self, engine, tokenizer):
-        self.engine, self.tokenizer = engine, tokenizer
-        self.calls, self.forced, self.fail = [], {}, set()
-
-    async def generate(self, prompt, sampling, request_id, session_id=None):
-        start = time.monotonic()
-        if session_id in self.fail:
-            self.fail.discard(session_id)
-            raise RuntimeError("the engine process died (simulated)")
-        if self.forced.get(session_id):
-            ids = self.tokenizer(self.forced[session_id].pop(0), add_special_tokens=False)["input_ids"]
-            ids += [self.tokenizer.eos_token_id]
-            logprobs = (await self.engine.prompt_logprobs(prompt + ids))[len(prompt):]
-            out = dict(token_ids=ids, logprobs=logprobs, token_versions=[self.engine.policy_version] * len(ids),
-                       routed_experts=None, finish_reason="stop", num_prompt_tokens=len(prompt))
-        else:
-            out = await self.engine.generate(prompt, sampling, request_id, session_id=session_id)
-        self.calls.append(dict(session_id=session_id, prompt=list(prompt), out=out, start=start, end=time.monotonic()))
-        return out
-
-    def of(self, session_id):
-        return [c for c in self.calls if c["session_id"] == session_id]
-
-
 @pytest.fixture(scope="module")
 def stack(tiny_model_path):
     engine = capture.Engine(tiny_model_path, max_model_len=MAX_MODEL_LEN, worker_extension_cls=None)
     server = capture.CaptureServer(None, tiny_model_path, max_model_len=MAX_MODEL_LEN)
-    server.backend = recorder = Recorder(engine, server.tokenizer)
+    server.backend = recorder = RecordingBackend(engine, server.tokenizer)
     server.start_in_thread()
     server.run_in_loop(engine.start())
     yield server, recorder, engine
