@@ -456,13 +456,17 @@ def policy_loss(logprobs, old_logprobs, behavior_logprobs, advantages, mask, tok
         def total(x, where):
             return torch.where(where, x, 0.0).sum(dtype=torch.float64)
         d_mis = torch.where(fresh, old - behavior, 0.0)  # log rho
+        current = fresh & (token_versions == policy_version)  # sampled with the weights the trainer holds now
         metrics = dict(
             action_tokens=action.sum(dtype=torch.float64), kept_tokens=kept.sum(dtype=torch.float64),
             fresh_tokens=fresh.sum(dtype=torch.float64), stale_tokens=(action & ~fresh).sum(dtype=torch.float64),
+            current_tokens=current.sum(dtype=torch.float64),
             is_masked_tokens=(fresh & ~accepted).sum(dtype=torch.float64),
             clipped_tokens=clipped.sum(dtype=torch.float64), dual_clipped_tokens=dual_clipped.sum(dtype=torch.float64),
             # KL(engine || trainer) over fresh action tokens sampled by the engine: k3 = rho - 1 - log rho >= 0
             mismatch_kl_sum=total(d_mis.exp() - 1 - d_mis, fresh),
+            # the same over tokens the engine sampled with the trainer's current weights: numerics alone, no policy lag
+            mismatch_kl_current_sum=total(d_mis.exp() - 1 - d_mis, current),
             mismatch_k1_sum=total(-d_mis, fresh),  # mean(behavior - old), the plain estimator
             is_weight_sum=total(is_weight, kept), ratio_sum=total(ratio, kept),
             loss_sum=loss_sum.detach().double(),
@@ -480,7 +484,8 @@ def policy_loss(logprobs, old_logprobs, behavior_logprobs, advantages, mask, tok
 def reduce_metrics(metrics_list, group=None):
     """Combine policy_loss metrics of this rank's microbatches and all-reduce them over `group` (three
     collectives, one host sync). Returns floats: token counts, fractions of action tokens, and means over kept
-    tokens (over fresh ones for mismatch_kl)."""
+    tokens (over fresh ones for mismatch_kl, which includes the policy lag of off-policy tokens; over those sampled
+    with the current weights for mismatch_kl_current, the engine-vs-trainer numerical gap: None without any)."""
     keys = sorted(metrics_list[0])
     mins = [k for k in keys if k.endswith("_min")]
     maxes = [k for k in keys if k.endswith("_max")]
@@ -500,6 +505,8 @@ def reduce_metrics(metrics_list, group=None):
         stale_frac=values["stale_tokens"] / action, is_masked_frac=values["is_masked_tokens"] / action,
         clip_frac=values["clipped_tokens"] / kept, dual_clip_frac=values["dual_clipped_tokens"] / kept,
         mismatch_kl=values["mismatch_kl_sum"] / fresh, mismatch_k1=values["mismatch_k1_sum"] / fresh,
+        mismatch_kl_current=(values["mismatch_kl_current_sum"] / values["current_tokens"]
+                             if values["current_tokens"] else None),
         is_weight_mean=values["is_weight_sum"] / kept, ratio_mean=values["ratio_sum"] / kept,
         advantage_mean=adv_mean, advantage_std=max(values["advantage_sq_sum"] / kept - adv_mean ** 2, 0.0) ** 0.5,
         advantage_min=values["advantage_min"], advantage_max=values["advantage_max"],

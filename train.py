@@ -906,6 +906,7 @@ def train(cfg, model, optimizer, run, step, rank, world):
             step_time = time.perf_counter() - t0
             row = dict(step=step + 1, reward_mean=sum(rewards.values()) / max(len(rewards), 1),
                        policy_version=policy_version, mismatch_kl=m["mismatch_kl"],
+                       mismatch_kl_current=m["mismatch_kl_current"],
                        stale_dropped=round(m["stale_frac"] * m["action_tokens"]),
                        failed_attempts=pool["failed_attempts"], timed_out_attempts=pool["timed_out_attempts"],
                        dropped_groups=pool["dropped_groups"], engine_restarts=run["router"].restarts,

@@ -333,6 +333,15 @@ def test_metrics_by_hand_and_across_microbatches():
     assert summary["is_masked_frac"] == pytest.approx(2 / 5) and summary["stale_frac"] == 0
     assert summary["kept_tokens"] == 3 and summary["action_tokens"] == 5
     assert summary["loss"] == pytest.approx((-1 + 2 * 1.5 + 2 * 0.8) / 3)
+    assert summary["mismatch_kl_current"] == pytest.approx(summary["mismatch_kl"])  # all sampled by version 5
+    # tokens of version 4 (fresh at max_staleness=1) leave mismatch_kl_current: rho 3, 1 and 0.8 remain
+    lagged = torch.tensor([[5, 4, 5], [4, 5, -1]])
+    summary = reduce_metrics([policy_loss(logprobs, old, behavior, adv, mask, lagged, 5, cfg, 3)[1]])
+    assert summary["mismatch_kl"] == pytest.approx(sum(p - 1 - math.log(p) for p in rho) / 5)
+    assert summary["mismatch_kl_current"] == pytest.approx(sum(p - 1 - math.log(p) for p in (3, 1, 0.8)) / 3)
+    older = torch.full((2, 3), 4)
+    assert reduce_metrics([policy_loss(logprobs, old, behavior, adv, mask, older, 5, cfg, 3)[1]])[
+        "mismatch_kl_current"] is None
     kept_adv = [1.0, -2.0, -2.0]  # advantage stats over kept tokens
     assert summary["advantage_mean"] == pytest.approx(-1.0)
     assert summary["advantage_std"] == pytest.approx(math.sqrt(sum(a * a for a in kept_adv) / 3 - 1.0))
