@@ -75,12 +75,24 @@ def check_engine_gpus(engines, gpus_per_node):
                                "nodes of their own (torchrun.sh ROLLOUT_NODE=1)")
 
 
+def check_engine_fits_a_node(tensor_parallel_size, nodes):
+    """An engine's tensor-parallel GPUs are one placement bundle, so one node must have that many; else Ray would
+    wait forever to place it. `nodes` is ray.nodes()."""
+    most = max((n["Resources"].get("GPU", 0) for n in nodes if n.get("Alive")), default=0)
+    if tensor_parallel_size > most:
+        raise RuntimeError(f"tensor_parallel_size={tensor_parallel_size} needs that many GPUs on one node, but the "
+                           f"largest node of the Ray cluster has {int(most)}: engines spanning nodes are not "
+                           "supported; lower tensor_parallel_size")
+
+
 def start_engines(model_path, num_engines=1, tensor_parallel_size=1, *, max_restarts=3, ready_timeout_s=600,
                   **engine_kwargs):
     """Start `num_engines` capture.Engine actors (one vLLM AsyncLLM each) and wait until they serve, at weight
     version 0. On GPU each engine gets tensor_parallel_size GPUs of one node; on CPU one logical CPU. Ray restarts a
     killed engine up to max_restarts times (the Router starts it again). Returns (engines, placement group)."""
     on_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    if on_gpu:
+        check_engine_fits_a_node(tensor_parallel_size, ray.nodes())
     bundle = {"CPU": 1, "GPU": tensor_parallel_size} if on_gpu else {"CPU": 1}
     pg = placement_group([bundle] * num_engines, strategy="PACK")
     try:

@@ -102,6 +102,7 @@ param_dtype = "float32"    # compute dtype (bfloat16 on GPU); master weights and
 activation_checkpointing = False
 cpu_offload_optimizer = False
 gpu_memory_gib = 140.0      # per-GPU memory the dry run plans against (H200: 141 GB as sold, 140.4 GiB)
+gpus_per_node = 8          # GPUs of one node, for the dry run: an engine's tensor_parallel_size GPUs sit on one node
 # -----------------------------------------------------------------------------
 
 CONFIG_KEYS = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, dict))
@@ -1241,6 +1242,10 @@ def print_plan(cfg, plan):
         f"engine options: {plan['engine_check']}",
         f"weight sync per step: {plan['sync_bytes'] / 1e9:.2f} GB (bf16 HF state dict), received by each engine",
     ]
+    if tp > cfg["gpus_per_node"]:
+        lines.append(f"note: an engine's {tp} GPUs must sit on one node (one placement bundle; the run stops at engine "
+                     f"start otherwise): nodes of {cfg['gpus_per_node']} GPUs (gpus_per_node) cannot hold one, and "
+                     "engines spanning nodes are not supported yet")
     print("\n".join(lines), flush=True)
 
 

@@ -56,6 +56,8 @@ def test_dry_run_of_every_config(name):
     if name == "moe_700b":
         billions = float(re.search(r"dry run: ([\d.]+)B parameters", out).group(1))
         assert 650 < billions < 750
+    one_node = cfg["tensor_parallel_size"] <= cfg["gpus_per_node"]
+    assert ("note: an engine's" not in out) == one_node  # moe_700b's TP16 engines need 16-GPU nodes
 
 
 def test_readme_table_holds_the_dry_run_figures():

@@ -73,6 +73,16 @@ def as_result(fn):
     from agents import as_run_function
     return as_run_function(fn)
 
+def test_an_engine_must_fit_one_node():
+    nodes = [{"Alive": True, "Resources": {"GPU": 8.0, "CPU": 96.0}},
+             {"Alive": False, "Resources": {"GPU": 16.0}},  # a dead node does not count
+             {"Alive": True, "Resources": {"CPU": 8.0}}]
+    rollout.check_engine_fits_a_node(8, nodes)
+    with pytest.raises(RuntimeError, match=r"tensor_parallel_size=16 needs that many GPUs on one node, but the "
+                                           r"largest node of the Ray cluster has 8"):
+        rollout.check_engine_fits_a_node(16, nodes)
+
+
 # -----------------------------------------------------------------------------
 # the pool
 
