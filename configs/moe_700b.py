@@ -1,7 +1,7 @@
 # NNODES=64 NODE_RANK=$i ROLLOUT_NODES=16 MASTER_ADDR=node0 ./torchrun.sh --config configs/moe_700b.py   (torchrun.sh has the Slurm file)
 # A Qwen3-MoE-architecture model of ~698B parameters (61 layers, 256 experts, top-8, ~32B active): 64 nodes x 8 GPUs
 # train (EP 256 x FSDP 2), 128 GPUs roll out (8 engines x TP 16: the bf16 weights need 16 GPUs per engine; an
-# engine must sit on one node, so this needs 16-GPU rollout nodes (ROLLOUT_NODES=8) until engines can span nodes).
+# engine must sit on one node, so until engines can span nodes, this needs 16-GPU rollout nodes).
 # Check the plan first, on any machine: python train.py --config configs/moe_700b.py --dry_run=True
 out_dir = "out/moe_700b"
 model_path = "checkpoints/moe-700b"
