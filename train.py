@@ -70,7 +70,8 @@ top_p = 1.0
 max_tokens = 48            # per model turn
 attempt_timeout_s = 60.0
 failed_group_rule = "drop"  # "drop" a group with a failed attempt, or "complete" it with reward 0 for the failure
-max_failed_in_a_row = 64   # the run stops, with the last error, when this many attempts in a row failed (0: never)
+max_failed_rounds = 3      # the run stops, with the last error, when this many x groups_in_flight x group_size
+                           # attempts in a row failed (a broken agent or tool; a killed engine fails one round at most)
 # algorithm
 advantage_estimator = "grpo"  # grpo | drgrpo | rloo | reinforce | distill
 loss_type = "ppo"          # ppo | gspo
@@ -759,7 +760,8 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
     pool = rollout.RolloutPool(
         run_agent, prompts, server, group_size=cfg["group_size"], groups_per_batch=cfg["groups_per_batch"],
         groups_in_flight=cfg["groups_in_flight"], attempt_timeout_s=cfg["attempt_timeout_s"],
-        failed_group_rule=cfg["failed_group_rule"], max_failed_in_a_row=cfg["max_failed_in_a_row"],
+        failed_group_rule=cfg["failed_group_rule"],
+        max_failed_in_a_row=cfg["max_failed_rounds"] * cfg["groups_in_flight"] * cfg["group_size"],
         model_name=server.model_name, trajectory_writer=writer,
         first_prompt=data_position,
         sampling=dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_tokens=cfg["max_tokens"]))
@@ -1012,8 +1014,8 @@ def check_config(cfg, mcfg, world_size=None):
     if cfg["groups_in_flight"] < cfg["groups_per_batch"]:
         raise ConfigError(f"groups_in_flight ({cfg['groups_in_flight']}) is below groups_per_batch "
                           f"({cfg['groups_per_batch']}): a batch could never fill")
-    if cfg["max_failed_in_a_row"] < 0:
-        raise ConfigError(f"max_failed_in_a_row ({cfg['max_failed_in_a_row']}) must be 0 (never stop) or more")
+    if cfg["max_failed_rounds"] < 0:
+        raise ConfigError(f"max_failed_rounds ({cfg['max_failed_rounds']}) must be 0 (never stop) or more")
 
 
 def engine_options(cfg):

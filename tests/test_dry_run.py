@@ -162,7 +162,7 @@ def tiny_cfg(**overrides):
     (dict(max_tokens=2048, engine_max_model_len=2048), r"max_tokens \(2048\) leaves no room for the prompt"),
     (dict(engine_max_model_len=8192), r"engine_max_model_len \(8192\) is above the model's max_position_embeddings"),
     (dict(num_engines=0), r"num_engines \(0\) and tensor_parallel_size \(1\) must be at least 1"),
-    (dict(max_failed_in_a_row=-1), r"max_failed_in_a_row \(-1\) must be 0 \(never stop\) or more"),
+    (dict(max_failed_rounds=-1), r"max_failed_rounds \(-1\) must be 0 \(never stop\) or more"),
 ])
 def test_check_config(overrides, msg):
     from model import TINY_CONFIG
