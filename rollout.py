@@ -213,6 +213,11 @@ class Router:
             with self._lock:
                 self._reviving.discard(i)
 
+    def engines_down(self):
+        """Whether an engine is dead or restarting now (attempts that fail meanwhile are the engine's failures)."""
+        with self._lock:
+            return not all(self.up)
+
     def live_engines(self):
         """Engines up now, and whether that set differs from the one in the weight group (reconnect first)."""
         with self._lock:
@@ -282,8 +287,8 @@ class RolloutPool:
     An attempt that raises or runs past attempt_timeout_s is failed, with its error; failed_group_rule "drop"
     drops its group (a fresh group takes the slot), "complete" keeps the group with reward 0 for the failed
     attempt (and its partial segments). When max_failed_in_a_row attempts fail one after another (a bug in the
-    agent, a dead tool, a dead engine) the pool stops and next_batch raises with the last error, rather than
-    dropping groups forever or training on failures (0: never). `run_agent(ctx) -> Result` is the loaded agent;
+    agent, a dead tool; failures while an engine restarts do not count) the pool stops and next_batch raises with
+    the last error, rather than dropping groups forever or training on failures (0: never). `run_agent(ctx) -> Result` is the loaded agent;
     `prompts` an iterator of dicts (prompt / messages, label, tools); `server` the running capture server."""
 
     def __init__(self, run_agent, prompts, server, *, group_size, groups_per_batch, groups_in_flight, sampling,
@@ -437,7 +442,9 @@ class RolloutPool:
         self.counters["reward_sum"] += reward
         if failed:
             self.errors = (self.errors + [error])[-20:]
-        self.failed_in_a_row = self.failed_in_a_row + 1 if failed else 0
+        # a failure while an engine is down is the engine's (the router restarts it), not a sign of a broken agent
+        engine_down = getattr(self.server.backend, "engines_down", lambda: False)()
+        self.failed_in_a_row = 0 if not failed else self.failed_in_a_row + (not engine_down)
         if self.max_failed_in_a_row and self.failed_in_a_row >= self.max_failed_in_a_row and self._crash is None:
             self._crash = RuntimeError(f"{self.failed_in_a_row} attempts in a row failed (max_failed_in_a_row); "
                                        f"the last: {error}")

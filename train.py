@@ -71,7 +71,7 @@ max_tokens = 48            # per model turn
 attempt_timeout_s = 60.0
 failed_group_rule = "drop"  # "drop" a group with a failed attempt, or "complete" it with reward 0 for the failure
 max_failed_rounds = 3      # the run stops, with the last error, when this many x groups_in_flight x group_size
-                           # attempts in a row failed (a broken agent or tool; a killed engine fails one round at most)
+                           # attempts in a row failed (a broken agent or tool; not while an engine restarts)
 # algorithm
 advantage_estimator = "grpo"  # grpo | drgrpo | rloo | reinforce | distill
 loss_type = "ppo"          # ppo | gspo
