@@ -164,6 +164,25 @@ def test_attempts_failing_in_a_row_stop_the_pool_with_the_error(server, rule):
     assert stats["failed_attempts"] >= 5 and stats["attempts"] == stats["failed_attempts"]
 
 
+def test_failures_while_an_engine_is_down_do_not_stop_the_pool(server):
+    async def broken(ctx):
+        raise KeyError("tool_registry")
+    router = server.backend
+    router.up[0] = False  # as when a request found the engine dead: the router is restarting it
+    pool = make_pool(server, as_result(broken), [], failed_group_rule="drop", max_failed_in_a_row=5)
+    try:
+        deadline = time.monotonic() + 60
+        while pool.stats(reset=False)["failed_attempts"] < 15 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.stats(reset=False)["failed_attempts"] >= 15 and pool._crash is None
+        router.up[0] = True  # the engine is back: the same failures now count
+        with pytest.raises(RuntimeError, match="5 attempts in a row failed"):
+            pool.next_batch(timeout=120)
+    finally:
+        router.up[0] = True
+        pool.stop()
+
+
 def test_hanging_tool_times_out_and_the_pool_goes_on(server):
     pool = make_pool(server, as_result(cued_agent()), ["hang"], attempt_timeout_s=2.0, failed_group_rule="complete")
     try:
