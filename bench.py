@@ -525,9 +525,9 @@ def bench_train(*args):
     head_dim 128, 128 experts top-8, expert hidden 768, vocab 151936), bf16 compute, fp32 master weights, AdamW,
     `accum` microbatches of `batch` sequences of `seq` tokens per GPU per optimizer step. Ours: train.py's model,
     fully_shard, expert parallel over `ep` GPUs (default: all), grouped-GEMM experts, the real train_step (chunked
-    logprobs, PPO loss, clipping, AdamW). Baseline, same run and GPUs: transformers' Qwen3MoeForCausalLM (its default experts implementation)
-    with each decoder layer and the root under fully_shard (same mixed precision), full logits + log_softmax, the
-    same optimizer. Prints tokens/s, MFU, peak memory of both and ratio = ours / transformers tokens/s.
+    logprobs, PPO loss, clipping, AdamW). Baseline, same run and GPUs: transformers' Qwen3MoeForCausalLM (its
+    default experts implementation) with each decoder layer and the root under fully_shard (same mixed precision),
+    full logits + log_softmax, the same optimizer. Prints tokens/s, MFU, peak memory of both and ratio = ours / transformers tokens/s.
 
         torchrun --nproc_per_node=1 bench.py train               # 1 GPU
         torchrun --nproc_per_node=2 bench.py train               # 2 GPUs, ep=2

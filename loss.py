@@ -457,6 +457,7 @@ def policy_loss(logprobs, old_logprobs, behavior_logprobs, advantages, mask, tok
             return torch.where(where, x, 0.0).sum(dtype=torch.float64)
         d_mis = torch.where(fresh, old - behavior, 0.0)  # log rho
         current = fresh & (token_versions == policy_version)  # sampled with the weights the trainer holds now
+        k3 = d_mis.exp() - 1 - d_mis  # per-token KL(engine || trainer) estimate, >= 0
         metrics = dict(
             action_tokens=action.sum(dtype=torch.float64), kept_tokens=kept.sum(dtype=torch.float64),
             fresh_tokens=fresh.sum(dtype=torch.float64), stale_tokens=(action & ~fresh).sum(dtype=torch.float64),
@@ -464,9 +465,9 @@ def policy_loss(logprobs, old_logprobs, behavior_logprobs, advantages, mask, tok
             is_masked_tokens=(fresh & ~accepted).sum(dtype=torch.float64),
             clipped_tokens=clipped.sum(dtype=torch.float64), dual_clipped_tokens=dual_clipped.sum(dtype=torch.float64),
             # KL(engine || trainer) over fresh action tokens sampled by the engine: k3 = rho - 1 - log rho >= 0
-            mismatch_kl_sum=total(d_mis.exp() - 1 - d_mis, fresh),
+            mismatch_kl_sum=total(k3, fresh),
             # the same over tokens the engine sampled with the trainer's current weights: numerics alone, no policy lag
-            mismatch_kl_current_sum=total(d_mis.exp() - 1 - d_mis, current),
+            mismatch_kl_current_sum=total(k3, current),
             mismatch_k1_sum=total(-d_mis, fresh),  # mean(behavior - old), the plain estimator
             is_weight_sum=total(is_weight, kept), ratio_sum=total(ratio, kept),
             loss_sum=loss_sum.detach().double(),

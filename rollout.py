@@ -288,8 +288,9 @@ class RolloutPool:
     drops its group (a fresh group takes the slot), "complete" keeps the group with reward 0 for the failed
     attempt (and its partial segments). When max_failed_in_a_row attempts fail one after another (a bug in the
     agent, a dead tool; failures while an engine restarts do not count) the pool stops and next_batch raises with
-    the last error, rather than dropping groups forever or training on failures (0: never). `run_agent(ctx) -> Result` is the loaded agent;
-    `prompts` an iterator of dicts (prompt / messages, label, tools); `server` the running capture server."""
+    the last error, rather than dropping groups forever or training on failures (0: never).
+    `run_agent(ctx) -> Result` is the loaded agent; `prompts` an iterator of dicts (prompt / messages, label,
+    tools); `server` the running capture server."""
 
     def __init__(self, run_agent, prompts, server, *, group_size, groups_per_batch, groups_in_flight, sampling,
                  attempt_timeout_s=60.0, failed_group_rule="drop", model_name="policy", trajectory_writer=None,

@@ -73,6 +73,7 @@ def as_result(fn):
     from agents import as_run_function
     return as_run_function(fn)
 
+
 def test_an_engine_must_fit_one_node():
     nodes = [{"Alive": True, "Resources": {"GPU": 8.0, "CPU": 96.0}},
              {"Alive": False, "Resources": {"GPU": 16.0}},  # a dead node does not count

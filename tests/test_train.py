@@ -66,8 +66,8 @@ def make_window(step, n_microbatches, seed, routes=False, num_experts=CFG.num_ex
                   token_versions=torch.where(mask, step - torch.randint(0, 3, (B, T), generator=g), -1),
                   advantages=torch.randn(B, generator=g), routed_experts=None)
         if routes:  # distinct expert ids per token, unrelated to what the router would pick
-            L = len(CFG.moe_layers)
-            mb["routed_experts"] = torch.rand(B, T, L, num_experts, generator=g).argsort(-1)[..., :CFG.num_experts_per_tok]
+            L, K = len(CFG.moe_layers), CFG.num_experts_per_tok
+            mb["routed_experts"] = torch.rand(B, T, L, num_experts, generator=g).argsort(-1)[..., :K]
         window.append(mb)
     return window
 

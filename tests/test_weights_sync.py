@@ -283,11 +283,11 @@ def _receiver(ports, path, out_file):
 @pytest.mark.parametrize("world,ep,num_experts", [(3, 1, 8), (4, 2, 8), (4, 2, 6)],
                          ids=["fsdp3-uneven", "fsdp4-ep2", "fsdp4-ep2-experts-cut-on-dim1"])
 def test_sharded_trainer_sends_the_unsharded_weights(world, ep, num_experts, tiny_model_path, tmp_path):
-    path = tiny_model_path
-    if num_experts != load_config(tiny_model_path).num_experts:
+    path, tiny = tiny_model_path, load_config(tiny_model_path)
+    if num_experts != tiny.num_experts:
         path = str(tmp_path / "model")
         torch.manual_seed(0)
-        other = Transformer(dataclasses.replace(load_config(tiny_model_path), num_experts=num_experts))
+        other = Transformer(dataclasses.replace(tiny, num_experts=num_experts))
         other.init_weights(0)
         other.save_pretrained(path)
     ctx = mp.get_context("spawn")
