@@ -25,6 +25,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+try:  # one small kernel on CUDA (sum_slots); everything else, and all of it on CPU, is plain PyTorch
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
 # -----------------------------------------------------------------------------
 # config
 
@@ -188,73 +194,108 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def experts_loop(x, counts, gate_proj, up_proj, down_proj):
-    """Reference expert compute: x (N, D) sorted by expert, counts (E,) rows per expert -> (N, D)."""
+def experts_loop(x, counts, scale, gate_proj, up_proj, down_proj):
+    """Reference expert compute: x (N, D) sorted by expert, counts (E,) rows per expert, scale (N,) each row's
+    routing weight -> (N, D). The weight scales the H-wide hidden row before the (linear) down projection: the
+    same product as scaling the D-wide output, in less memory traffic."""
     out = torch.empty_like(x)
     start = 0
     for e, n in enumerate(counts.tolist()):  # NOTE: .tolist() is a device-to-host sync
         if n == 0:
             continue
         xs = x[start:start + n]
-        out[start:start + n] = (F.silu(xs @ gate_proj[e].T) * (xs @ up_proj[e].T)) @ down_proj[e].T
+        h = F.silu(xs @ gate_proj[e].T) * (xs @ up_proj[e].T) * scale[start:start + n, None]
+        out[start:start + n] = h @ down_proj[e].T
         start += n
     return out
 
 
 @cuda_compiled
-def silu_mul(gate, up):
-    return F.silu(gate) * up
+def silu_mul(gate, up, scale):
+    return F.silu(gate) * up * scale.unsqueeze(-1)
 
 
-@cuda_compiled
-def weighted_sum_topk(y, topk_weights):
-    """y (N, K, D) expert outputs per token, topk_weights (N, K) -> (N, D)."""
-    return (y * topk_weights.unsqueeze(-1).to(y.dtype)).sum(1)
-
-
-def experts_grouped_mm(x, counts, gate_proj, up_proj, down_proj):
+def experts_grouped_mm(x, counts, scale, gate_proj, up_proj, down_proj):
     """Same as experts_loop in three grouped GEMMs (CUDA, bf16); no host sync."""
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     # weights are (E, out, in) like nn.Linear; transposed views are the column-major (E, in, out) operands
     h = silu_mul(torch._grouped_mm(x, gate_proj.transpose(-2, -1), offs=offs),
-                 torch._grouped_mm(x, up_proj.transpose(-2, -1), offs=offs))  # (N, H)
+                 torch._grouped_mm(x, up_proj.transpose(-2, -1), offs=offs), scale)  # (N, H)
     return torch._grouped_mm(h, down_proj.transpose(-2, -1), offs=offs)  # (N, D)
 
 
-class PermuteRows(torch.autograd.Function):
-    """x[index] for a permutation `index` of the rows, with `inverse` its inverse permutation: both directions are
-    row gathers (index_select), where autograd's own backward of x[index] scatters with atomics."""
+# Rows and slots. Each row of an (N, D) tensor has K slots, slot s = row * K + j: a token's j-th chosen expert, or
+# under expert parallelism a token's copy for rank j. `slots` (S,) lists the slots in use in the order they are
+# wanted, and `position` (N*K,) is its inverse: each slot's index in `slots`, or S for a slot not in use.
+
+def slot_positions(slots, n_slots):
+    """The inverse of a selection of slots: position[slots[i]] = i, and S = len(slots) for the others."""
+    S = slots.numel()
+    return torch.full((n_slots,), S, dtype=slots.dtype, device=slots.device).scatter_(
+        0, slots, torch.arange(S, dtype=slots.dtype, device=slots.device))
+
+
+def sum_slots(y, position, K):
+    """y (S, D), one row per slot in use -> (N, D): each row's sum over its K slots, unused slots adding zero.
+    Deterministic (a fixed order, fp32 accumulation, no atomics). On CUDA one Triton kernel reads only the rows in
+    use; torch.compile's version of the gather-and-sum below ran 5x slower there."""
+    if y.is_cuda and triton is not None:
+        return sum_slots_triton(y, position, K)
+    y = torch.cat([y, y.new_zeros(1, y.shape[1])])  # row S: the zero row of unused slots
+    return y.index_select(0, position).view(-1, K, y.shape[1]).sum(1)
+
+
+def sum_slots_triton(y, position, K):
+    y = y.contiguous()
+    (S, D), N = y.shape, position.numel() // K
+    out = y.new_empty(N, D)
+    block = min(1024, triton.next_power_of_2(D))
+    if N:
+        _sum_slots_kernel[(N, triton.cdiv(D, block))](y, position, out, S, D, K=K, BLOCK=block)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _sum_slots_kernel(y, position, out, S, D, K: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # one output row, BLOCK of its columns
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k in tl.static_range(K):
+            p = tl.load(position + row * K + k)  # where slot k of this row sits in y, S if unused
+            acc += tl.load(y + p * D + cols, mask=(cols < D) & (cols * 0 + p < S), other=0.0).to(tl.float32)
+        tl.store(out + row * D + cols, acc.to(out.dtype.element_ty), mask=cols < D)
+
+
+class GatherRows(torch.autograd.Function):
+    """x (N, D) -> x[slots // K] (S, D): a row once for each of its slots in use. Backward sums each row's slot
+    gradients with `sum_slots` (autograd's own backward of x[index] would scatter with atomics)."""
 
     @staticmethod
-    def forward(ctx, x, index, inverse):
-        ctx.save_for_backward(inverse)
-        return x.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, grad):
-        inverse, = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
-
-
-class RepeatSortRows(torch.autograd.Function):
-    """x (N, D) -> x[order // K] (N*K, D): each token's row once per chosen expert, in expert order. Backward
-    gathers the K gradient rows of each token with the inverse of `order` and sums them (fp32 accumulation, no
-    atomics)."""
-
-    @staticmethod
-    def forward(ctx, x, order, inverse, K):
-        ctx.save_for_backward(inverse)
+    def forward(ctx, x, slots, position, K):
+        ctx.save_for_backward(position)
         ctx.K = K
-        return x.index_select(0, order // K)
+        return x.index_select(0, slots // K)
 
     @staticmethod
     def backward(ctx, grad):
-        inverse, = ctx.saved_tensors
-        return grad.index_select(0, inverse).view(-1, ctx.K, grad.shape[-1]).sum(1), None, None, None
+        position, = ctx.saved_tensors
+        return sum_slots(grad, position, ctx.K), None, None, None
 
 
-def inverse_permutation(order):
-    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+class SumRows(torch.autograd.Function):
+    """The adjoint of GatherRows: y (S, D), one row per slot in use -> (N, D), each row the sum of its slots."""
+
+    @staticmethod
+    def forward(ctx, y, slots, position, K):
+        ctx.save_for_backward(slots)
+        ctx.K = K
+        return sum_slots(y, position, K)
+
+    @staticmethod
+    def backward(ctx, grad):
+        slots, = ctx.saved_tensors
+        return grad.index_select(0, slots // ctx.K), None, None, None
 
 
 class Experts(nn.Module):
@@ -262,7 +303,8 @@ class Experts(nn.Module):
 
     Under expert parallelism train.py sets `ep_group`, `ep_dispatch`, `ep_combine` and `first_expert`: the
     parameters then hold only this rank's experts [first_expert, first_expert + E/ep), and `forward` sends each
-    token row to the rank owning its expert and takes the results back (two all-to-alls, written in train.py).
+    token to every rank that holds one of its chosen experts, once, and takes back one weighted sum per rank (two
+    all-to-alls of rows, written in train.py).
     """
 
     def __init__(self, E, D, H):
@@ -273,35 +315,43 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, D, H))  # (E, D, H)
         self.ep_group = None     # the expert-parallel process group, or None
         self.first_expert = 0    # global index of local expert 0
-        self.ep_dispatch = None  # (x_sorted, counts, group) -> (x_local, local_counts, plan)
-        self.ep_combine = None   # (y_local, plan, group) -> y_sorted
+        self.ep_dispatch = None  # (x, topk_ids, topk_weights, E, group) -> (x_recv, ids_recv, weights_recv, n, plan)
+        self.ep_combine = None   # (y_recv, plan, group) -> y
         self.use_grouped_mm = None  # None: grouped GEMM for bf16 on CUDA, loop elsewhere
 
-    def compute(self, x, counts):
-        if x.shape[0] == 0:  # no rows for this rank's experts (expert parallelism): keep the weights in the graph so
-            # they still get a (zero) gradient and FSDP's gradient reduce-scatter runs on every rank
-            return x + 0 * (self.gate_proj.sum() + self.up_proj.sum() + self.down_proj.sum())
+    def compute(self, x, counts, scale):
+        if x.shape[0] == 0:  # no rows for this rank's experts (expert parallelism): keep the weights and the scale in
+            # the graph so the weights still get a (zero) gradient, FSDP's gradient reduce-scatter runs on every rank,
+            # and so does the backward all-to-all of the routing weights that arrived (empty) from other ranks
+            return x + 0 * (scale.sum() + self.gate_proj.sum() + self.up_proj.sum() + self.down_proj.sum())
         grouped = self.use_grouped_mm if self.use_grouped_mm is not None else (x.is_cuda and x.dtype == torch.bfloat16)
         fn = experts_grouped_mm if grouped else experts_loop
-        return fn(x, counts, self.gate_proj, self.up_proj, self.down_proj)
+        return fn(x, counts, scale, self.gate_proj, self.up_proj, self.down_proj)
 
     def forward(self, x, topk_ids, topk_weights):
-        # x (N, D), topk_ids (N, K), topk_weights (N, K)
-        N, K = topk_ids.shape
-        flat_ids = topk_ids.flatten()  # (N*K,)
-        order = flat_ids.argsort(stable=True)
-        # scatter_add, not bincount: bincount on CUDA reads the max id back to the host (a sync)
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
-            0, flat_ids, torch.ones_like(flat_ids))  # (E,)
-        inverse = inverse_permutation(order)  # (N*K,) where each (token, k) row went
-        x_sorted = RepeatSortRows.apply(x, order, inverse, K)  # (N*K, D) rows grouped by expert
+        # x (N, D), topk_ids (N, K) global expert ids, topk_weights (N, K)
         if self.ep_group is None:
-            y_sorted = self.compute(x_sorted, counts)
-        else:
-            x_local, local_counts, plan = self.ep_dispatch(x_sorted, counts, self.ep_group)
-            y_sorted = self.ep_combine(self.compute(x_local, local_counts), plan, self.ep_group)
-        y = PermuteRows.apply(y_sorted, inverse, order)  # (N*K, D) back in (token, k) order
-        return weighted_sum_topk(y.view(N, K, -1), topk_weights)
+            return self.local_experts(x, topk_ids, topk_weights, topk_ids.numel())
+        x_recv, ids_recv, weights_recv, pairs, plan = self.ep_dispatch(x, topk_ids, topk_weights, self.num_experts,
+                                                                       self.ep_group)
+        return self.ep_combine(self.local_experts(x_recv, ids_recv, weights_recv, pairs), plan, self.ep_group)
+
+    def local_experts(self, x, ids, weights, pairs):
+        """Each row's weighted sum over its chosen experts among this rank's.
+
+        x (N, D); ids (N, K) local expert index of each choice, or E_local for a choice another rank holds;
+        weights (N, K); pairs: how many ids are local (a host int: the row count of the grouped GEMMs)."""
+        N, K = ids.shape
+        E_local = self.gate_proj.shape[0]
+        flat = ids.flatten()  # (N*K,) one slot per (row, choice)
+        slots = flat.argsort(stable=True)[:pairs]  # slots of local choices, grouped by expert
+        # scatter_add, not bincount: bincount on CUDA reads the max id back to the host (a sync)
+        counts = torch.zeros(E_local + 1, dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))[:E_local]  # (E_local,)
+        position = slot_positions(slots, N * K)
+        x_sorted = GatherRows.apply(x, slots, position, K)  # (pairs, D) rows grouped by expert
+        y_sorted = self.compute(x_sorted, counts, weights.flatten().index_select(0, slots))  # weighted outputs
+        return SumRows.apply(y_sorted, slots, position, K)  # (N, D)
 
 
 class MoE(nn.Module):

@@ -35,7 +35,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
 from torch.distributed.tensor import DTensor, Shard
 
 import loss
-from model import EXPERT_PROJS, PermuteRows, Transformer, inverse_permutation, load_config, ours_to_hf
+from model import EXPERT_PROJS, GatherRows, SumRows, Transformer, load_config, ours_to_hf, slot_positions
 from model import save_checkpoint as write_hf_checkpoint
 
 # -----------------------------------------------------------------------------
@@ -273,36 +273,47 @@ def all_to_all(x, out_splits, in_splits, group):
     return dist_nn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
 
 
-def ep_dispatch(x_sorted, counts, group):
-    """Send each row to the rank owning its expert.
+def ep_dispatch(x, topk_ids, topk_weights, num_experts, group):
+    """Send each token once to every rank holding one of its chosen experts, with its choices there.
 
-    x_sorted (N*K, D): token rows grouped by global expert; counts (E,): rows per global expert.
-    Returns x_local (R, D) rows for this rank's experts grouped by local expert, local_counts (E_local,), and the
-    plan `ep_combine` needs to send results back.
+    x (N, D), topk_ids (N, K) global expert ids, topk_weights (N, K). A token with several experts on one rank
+    crosses once, not once per expert (with top-8 of 128 experts on 2 ranks: 2 rows per token instead of 8).
+    Returns what arrived, x_recv (R, D) with ids_recv (R, K) local expert ids (E_local for choices held elsewhere)
+    and weights_recv (R, K), the number of local choices among them (a host int), and the plan `ep_combine` needs.
     """
-    ep = group.size()
-    E_local = counts.numel() // ep
-    # 1. counts first: recv_counts[src * E_local + e] = rows rank src sends to my local expert e
-    recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts, group=group)
+    N, K = topk_ids.shape
+    ep, device = group.size(), x.device
+    E_local = num_experts // ep
+    rank_of = topk_ids // E_local  # (N, K) the rank holding each choice
+    on_rank = torch.zeros(N, ep, dtype=torch.bool, device=device).scatter_(1, rank_of, True)  # (N, ep)
+    # 1. counts first. For each destination rank: rows, then choices per local expert
+    choices = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
+        0, topk_ids.flatten(), torch.ones_like(topk_ids.flatten()))
+    send_counts = torch.cat([on_rank.sum(0).view(ep, 1), choices.view(ep, E_local)], dim=1)  # (ep, 1 + E_local)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
     # NOTE: device-to-host sync (one per MoE layer): all_to_all_single takes its split sizes as Python ints
-    send_splits, recv_splits = torch.stack([counts.view(ep, E_local).sum(1),
-                                            recv_counts.view(ep, E_local).sum(1)]).tolist()
-    # 2. the rows: what arrives is ordered by (source rank, local expert)
-    x_recv = all_to_all(x_sorted, recv_splits, send_splits, group)  # (R, D)
-    R = x_recv.shape[0]
-    local_expert = torch.arange(E_local, device=counts.device).repeat(ep).repeat_interleave(recv_counts, output_size=R)
-    order = local_expert.argsort(stable=True)  # (source, expert) order -> (expert, source) order
-    inverse = inverse_permutation(order)
-    local_counts = recv_counts.view(ep, E_local).sum(0)  # (E_local,)
-    return PermuteRows.apply(x_recv, order, inverse), local_counts, (order, inverse, send_splits, recv_splits)
+    splits = torch.cat([send_counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum().view(1)]).tolist()
+    send_rows, recv_rows, pairs = splits[:ep], splits[ep:2 * ep], splits[-1]
+    # 2. the rows, in (destination rank, token) order: slot n * ep + r is token n's copy for rank r
+    slot_rank = torch.where(on_rank, torch.arange(ep, device=device), ep).flatten()  # (N*ep,), ep: not sent
+    slots = slot_rank.argsort(stable=True)[:sum(send_rows)]
+    position = slot_positions(slots, N * ep)
+    token, dest = slots // ep, slots % ep
+    local_ids = topk_ids.index_select(0, token) - (dest * E_local).unsqueeze(1)  # (S, K) ids on the destination
+    ids_send = torch.where((local_ids >= 0) & (local_ids < E_local), local_ids, E_local)
+    x_recv = all_to_all(GatherRows.apply(x, slots, position, ep), recv_rows, send_rows, group)  # (R, D)
+    weights_recv = all_to_all(GatherRows.apply(topk_weights, slots, position, ep), recv_rows, send_rows, group)
+    ids_recv = ids_send.new_empty((sum(recv_rows), K))
+    dist.all_to_all_single(ids_recv, ids_send, recv_rows, send_rows, group=group)
+    return x_recv, ids_recv, weights_recv, pairs, (slots, position, send_rows, recv_rows)
 
 
-def ep_combine(y_local, plan, group):
-    """Send expert outputs back to the ranks their tokens came from, in the order ep_dispatch received them."""
-    order, inverse, send_splits, recv_splits = plan
-    y_recv = PermuteRows.apply(y_local, inverse, order)  # back to (source, expert) order
-    return all_to_all(y_recv, send_splits, recv_splits, group)  # (N*K, D) in x_sorted's order
+def ep_combine(y_recv, plan, group):
+    """Send each rank's weighted sums back to the tokens' ranks and add up each token's copies."""
+    slots, position, send_rows, recv_rows = plan
+    y_back = all_to_all(y_recv, send_rows, recv_rows, group)  # (S, D) in ep_dispatch's send order
+    return SumRows.apply(y_back, slots, position, group.size())  # (N, D)
 
 
 def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_std=0.02):

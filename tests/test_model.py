@@ -4,6 +4,8 @@
 """
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -91,8 +93,9 @@ def test_expert_loop_matches_per_token_reference():
     g, u, d = torch.randn(E, H, D) * 0.2, torch.randn(E, H, D) * 0.2, torch.randn(E, D, H) * 0.2
     ids = torch.randint(0, E, (N,)).sort().values
     x = torch.randn(N, D)
-    out = experts_loop(x, torch.bincount(ids, minlength=E), g, u, d)
-    ref = torch.stack([(F.silu(x[i] @ g[e].T) * (x[i] @ u[e].T)) @ d[e].T for i, e in enumerate(ids.tolist())])
+    w = torch.rand(N)
+    out = experts_loop(x, torch.bincount(ids, minlength=E), w, g, u, d)
+    ref = torch.stack([w[i] * (F.silu(x[i] @ g[e].T) * (x[i] @ u[e].T)) @ d[e].T for i, e in enumerate(ids.tolist())])
     torch.testing.assert_close(out, ref)
 
 
@@ -106,7 +109,8 @@ def test_grouped_mm_matches_loop_on_cuda():
     counts = torch.bincount(torch.randint(0, E, (N,), device="cuda"), minlength=E)
     counts[3] = 0  # an expert with no tokens
     x = torch.randn(int(counts.sum()), D, device="cuda", dtype=torch.bfloat16)
-    torch.testing.assert_close(experts_grouped_mm(x, counts, g, u, d), experts_loop(x, counts, g, u, d),
+    w = torch.rand(x.shape[0], device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(experts_grouped_mm(x, counts, w, g, u, d), experts_loop(x, counts, w, g, u, d),
                                atol=2e-2, rtol=2e-2)
 
 
@@ -158,3 +162,24 @@ def test_not_a_qwen3_directory_is_one_clear_error(tmp_path):
 def test_num_params_counts_the_module():
     for cfg in (DENSE, MOE, TINY_CONFIG):
         assert num_params(cfg) == sum(p.numel() for p in Transformer(cfg).parameters())
+
+
+SUM_SLOTS_CHECK = """
+import torch, model
+torch.manual_seed(0)
+for N, K, D in ((50, 8, 2048), (37, 2, 100), (3, 4, 64), (0, 4, 64)):
+    slots = torch.randperm(N * K)[: N * K * 5 // 8]  # some slots unused
+    position = model.slot_positions(slots, N * K)
+    y = torch.randn(slots.numel(), D)
+    expected = torch.zeros(N, D).index_add_(0, slots // K, y)
+    torch.testing.assert_close(model.sum_slots_triton(y, position, K), expected)
+    torch.testing.assert_close(model.sum_slots(y, position, K), expected)
+"""
+
+
+def test_sum_slots_triton_kernel_matches_reference():
+    """The Triton kernel sum_slots runs on CUDA, checked here on CPU by Triton's interpreter."""
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", SUM_SLOTS_CHECK], env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=root,
+                   check=True, timeout=300)

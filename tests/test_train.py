@@ -280,15 +280,15 @@ def replay(rank, world, cfg, weights, x, routes, out):
     model, _ = build(cfg, weights, world)
     experts = model.model.layers[0].mlp.experts
     seen, dispatch = [], experts.ep_dispatch
-    def recording_dispatch(x_sorted, counts, group):
-        seen.append(counts.clone())  # rows per global expert this rank sends out
-        return dispatch(x_sorted, counts, group)
+    def recording_dispatch(x, topk_ids, *args):
+        seen.append(topk_ids.clone())  # the choices this rank dispatches
+        return dispatch(x, topk_ids, *args)
     experts.ep_dispatch = recording_dispatch
     mine, my_routes = x[rank::world], routes[rank::world]
     with torch.no_grad():
         hidden, used = model.hidden_states(mine, routed_experts=my_routes, return_routes=True)
         own_hidden, own_routes = model.hidden_states(mine, return_routes=True)
-    torch.save(dict(hidden=hidden, used=used, own_hidden=own_hidden, own_routes=own_routes, counts=seen[0]),
+    torch.save(dict(hidden=hidden, used=used, own_hidden=own_hidden, own_routes=own_routes, dispatched=seen[0]),
                f"{out}.{rank}")
 
 
@@ -307,7 +307,7 @@ def test_routing_replay_under_expert_parallelism(tmp_path):
         assert torch.equal(got["used"], routes[rank::2])
         assert not torch.equal(got["own_routes"], routes[rank::2])
         # what dispatch sent is exactly the replayed choices of the first MoE layer
-        assert torch.equal(got["counts"], torch.bincount(routes[rank::2, :, 0].flatten(), minlength=E))
+        assert torch.equal(got["dispatched"], routes[rank::2, :, 0].reshape(-1, K))
         torch.testing.assert_close(got["hidden"], ref_hidden[rank::2], rtol=1e-5, atol=1e-5)
         assert not torch.allclose(got["own_hidden"], ref_hidden[rank::2], atol=1e-3)
 
