@@ -1078,17 +1078,17 @@ def activation_bytes(mcfg, tokens, checkpointing, dtype_bytes=2, expert_parallel
     routing), counted from what each op of model.py saves. Per token and layer: each RMSNorm an fp32 copy of its
     input, the normed input and its output (4 + 2b) * D, q_norm and k_norm (4 + b) per element of their heads;
     attention q, k, v, its output and an fp32 logsumexp per head; a MoE layer the router's fp32 probabilities (E),
-    its K input rows (sorted by expert), the K expert hidden tensors of width H four times (gate, up, silu(gate),
-    their product), the K output rows once (the weighted sum's input; the row permutes keep only their int64
-    indices, two more of width K under EP) and index/weight tensors of width K; a dense MLP its four hidden
-    tensors. With activation checkpointing each block keeps only its input (plus routing-replay ids) and one block
+    its K input rows (sorted by expert), the K expert hidden tensors of width H five times (gate, up, silu(gate),
+    their product, scaled by the routing weight; fewer where silu_mul is compiled), and index/weight tensors of
+    width K (the row gathers and sums keep only int64 indices, about two more of width K under EP); a dense MLP
+    its four hidden tensors. With activation checkpointing each block keeps only its input (plus routing-replay ids) and one block
     at a time is recomputed in backward."""
     b, D, hd, K = dtype_bytes, mcfg.hidden_size, mcfg.head_dim, mcfg.num_experts_per_tok
     nh, nkv = mcfg.num_attention_heads, mcfg.num_key_value_heads
     norm = (4 + 2 * b) * D + 4
     attn = 2 * norm + (4 + b) * (nh + nkv) * hd + 4 * (nh + nkv) + b * 2 * (nh + nkv) * hd + 4 * nh
     index = (5 if expert_parallel else 3) * 8 * K  # int64 ids of width K: topk ids, sort order, inverse (+ EP's two)
-    moe = attn + 4 * mcfg.num_experts + 2 * b * K * D + 4 * b * K * mcfg.moe_intermediate_size + index + (4 + b) * K + 4
+    moe = attn + 4 * mcfg.num_experts + b * K * D + 5 * b * K * mcfg.moe_intermediate_size + index + (4 + b) * K + 4
     dense = attn + 4 * b * mcfg.intermediate_size
     n_moe = len(mcfg.moe_layers)
     layers = [moe] * n_moe + [dense] * (mcfg.num_hidden_layers - n_moe)
