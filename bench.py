@@ -378,9 +378,13 @@ def bench_capture(*args):
     are made and connected before timing (agent set-up, the same whatever the server). Prints generated tokens/s
     of each and ratio = capture (SDK) / direct (target >= 0.95). Added latency per request = the agent's wait minus
     the engine's time on that same request (timed around the backend call), so engine noise cancels; p50 and p99
-    under the full load and with one agent alone (target <= 5 ms at p50).
+    under the full load and with one agent alone (target <= 5 ms at p50). The loop is the one the server runs on
+    in training (capture.new_event_loop: uvloop). Every turn asks for `tokens` tokens, so all agents finish a turn
+    at the same engine step and wait on each other's client work (the worst case); --spread=S draws each turn's
+    max_tokens from tokens +- S instead (the same draws in every mode), as agents' turns differ in length.
 
         python bench.py capture                      # CPU, tiny model, ~1.5 minutes
+        python bench.py capture --spread=32          # turns of 16..80 tokens
         python bench.py capture --agents=32 --turns=6 --tokens=64 --rounds=3
     """
     import asyncio
@@ -394,7 +398,7 @@ def bench_capture(*args):
 
     import capture
     from model import ensure_tiny_model
-    opt = _int_options(args, agents=16, turns=4, tokens=48, rounds=6)
+    opt = _int_options(args, agents=16, turns=4, tokens=48, rounds=6, spread=0)
     path = ensure_tiny_model(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "tiny-qwen3-moe"))
 
     class TimedEngine:  # the server's backend: the engine, with the time of each call kept per session
@@ -420,11 +424,14 @@ def bench_capture(*args):
         def user_text(agent, turn):
             return f"Agent {agent}, step {turn}: what is {agent} plus {turn}?"
 
+        def turn_tokens(agent, turn):  # max_tokens of a turn: tokens +- spread, the same in every mode
+            return opt["tokens"] - opt["spread"] + (agent * 7919 + turn * 104729) % (2 * opt["spread"] + 1)
+
         async def direct(agent, session, waits):
             ids, generated = server.render([{"role": "user", "content": user_text(agent, 0)}], [], True), 0
             for turn in range(opt["turns"]):
                 start = time.perf_counter()
-                out = await engine.generate(ids, dict(max_tokens=opt["tokens"], seed=agent * 100 + turn,
+                out = await engine.generate(ids, dict(max_tokens=turn_tokens(agent, turn), seed=agent * 100 + turn,
                                                       stop_token_ids=server.end_ids), f"{session.id}-{turn}")
                 waits.append(time.perf_counter() - start)
                 generated += len(out["token_ids"])
@@ -438,7 +445,7 @@ def bench_capture(*args):
             for turn in range(opt["turns"]):
                 start = time.perf_counter()
                 r = await session.client.chat.completions.create(model="tiny", messages=messages, seed=agent * 100 + turn,
-                                                                 max_tokens=opt["tokens"])
+                                                                 max_tokens=turn_tokens(agent, turn))
                 waits.append(time.perf_counter() - start)
                 generated += r.usage.completion_tokens
                 messages += [r.choices[0].message, {"role": "user", "content": user_text(agent, turn + 1)}]
@@ -450,7 +457,7 @@ def bench_capture(*args):
             for turn in range(opt["turns"]):
                 start = time.perf_counter()
                 r = (await http.post(url, headers=headers, json=dict(
-                    model="tiny", messages=messages, max_tokens=opt["tokens"], seed=agent * 100 + turn))).json()
+                    model="tiny", messages=messages, max_tokens=turn_tokens(agent, turn), seed=agent * 100 + turn))).json()
                 waits.append(time.perf_counter() - start)
                 generated += r["usage"]["completion_tokens"]
                 messages += [r["choices"][0]["message"], {"role": "user", "content": user_text(agent, turn + 1)}]
@@ -492,7 +499,8 @@ def bench_capture(*args):
         await engine.shutdown()
         return totals
 
-    totals = asyncio.run(run())
+    with asyncio.Runner(loop_factory=capture.new_event_loop) as runner:  # the loop the server uses in training
+        totals = runner.run(run())
     tput = {name: t[0] / t[1] for name, t in totals.items()}
     out = dict(agents=opt["agents"], turns=opt["turns"], tokens=opt["tokens"], rounds=opt["rounds"],
                direct_tokens_per_s=round(tput["direct"], 1))
