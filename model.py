@@ -238,7 +238,7 @@ def slot_positions(slots, n_slots):
 def sum_slots(y, position, K):
     """y (S, D), one row per slot in use -> (N, D): each row's sum over its K slots, unused slots adding zero.
     Deterministic (a fixed order, fp32 accumulation, no atomics). On CUDA one Triton kernel reads only the rows in
-    use; torch.compile's version of the gather-and-sum below ran 5x slower there."""
+    use (H200, 16K rows x 8 slots x 2048: 0.13 ms; the eager code below 0.63 ms, torch.compile's fusion of it 1.2)."""
     if y.is_cuda and triton is not None:
         return sum_slots_triton(y, position, K)
     y = torch.cat([y, y.new_zeros(1, y.shape[1])])  # row S: the zero row of unused slots

@@ -284,11 +284,17 @@ def replay(rank, world, cfg, weights, x, routes, out):
         seen.append(topk_ids.clone())  # the choices this rank dispatches
         return dispatch(x, topk_ids, *args)
     experts.ep_dispatch = recording_dispatch
+    sent, a2a = [], train.all_to_all
+    def recording_all_to_all(x, out_splits, in_splits, group):
+        sent.append(list(in_splits))  # rows this rank sends to each rank
+        return a2a(x, out_splits, in_splits, group)
+    train.all_to_all = recording_all_to_all
     mine, my_routes = x[rank::world], routes[rank::world]
     with torch.no_grad():
         hidden, used = model.hidden_states(mine, routed_experts=my_routes, return_routes=True)
         own_hidden, own_routes = model.hidden_states(mine, return_routes=True)
-    torch.save(dict(hidden=hidden, used=used, own_hidden=own_hidden, own_routes=own_routes, dispatched=seen[0]),
+    torch.save(dict(hidden=hidden, used=used, own_hidden=own_hidden, own_routes=own_routes, dispatched=seen[0],
+                    sent_rows=sent[0]),
                f"{out}.{rank}")
 
 
@@ -308,6 +314,10 @@ def test_routing_replay_under_expert_parallelism(tmp_path):
         assert not torch.equal(got["own_routes"], routes[rank::2])
         # what dispatch sent is exactly the replayed choices of the first MoE layer
         assert torch.equal(got["dispatched"], routes[rank::2, :, 0].reshape(-1, K))
+        # each token crosses once to each rank holding some of its experts, not once per expert
+        ranks_of_token = [set((ids // (E // 2)).tolist()) for ids in routes[rank::2, :, 0].reshape(-1, K)]
+        assert got["sent_rows"] == [sum(r in held for held in ranks_of_token) for r in range(2)]
+        assert sum(got["sent_rows"]) < routes[rank::2, :, 0].numel()
         torch.testing.assert_close(got["hidden"], ref_hidden[rank::2], rtol=1e-5, atol=1e-5)
         assert not torch.allclose(got["own_hidden"], ref_hidden[rank::2], atol=1e-3)
 
