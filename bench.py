@@ -382,9 +382,12 @@ def bench_capture(*args):
     in training (capture.new_event_loop: uvloop). Every turn asks for `tokens` tokens, so all agents finish a turn
     at the same engine step and wait on each other's client work (the worst case); --spread=S draws each turn's
     max_tokens from tokens +- S instead (the same draws in every mode), as agents' turns differ in length.
+    --threads=1 lays the process out as training does: the server and the engine's client on the server's thread
+    and loop, the agents on another thread's asyncio loop (as the rollout pool runs them), sharing the GIL.
 
         python bench.py capture                      # CPU, tiny model, ~1.5 minutes
         python bench.py capture --spread=32          # turns of 16..80 tokens
+        python bench.py capture --threads=1          # agents on their own thread, as in training
         python bench.py capture --agents=32 --turns=6 --tokens=64 --rounds=3
     """
     import asyncio
@@ -398,7 +401,7 @@ def bench_capture(*args):
 
     import capture
     from model import ensure_tiny_model
-    opt = _int_options(args, agents=16, turns=4, tokens=48, rounds=6, spread=0)
+    opt = _int_options(args, agents=16, turns=4, tokens=48, rounds=6, spread=0, threads=0)
     path = ensure_tiny_model(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "tiny-qwen3-moe"))
 
     class TimedEngine:  # the server's backend: the engine, with the time of each call kept per session
@@ -413,10 +416,20 @@ def bench_capture(*args):
 
     async def run():
         engine = capture.Engine(path, max_model_len=2048, enable_prefix_caching=False, worker_extension_cls=None)
-        await engine.start()
         backend = TimedEngine(engine)
         server = capture.CaptureServer(backend, path, max_model_len=2048)
-        await server.start()
+
+        async def on_server(coro):  # the server's and the engine client's work runs on the server's loop
+            if not opt["threads"]:
+                return await coro
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, server.loop))
+
+        if opt["threads"]:  # as in training: server and engine client on the server's thread, agents on this one
+            server.start_in_thread()
+            server.run_in_loop(engine.start())
+        else:
+            await engine.start()
+            await server.start()
         tok = server.tokenizer
         im_end = tok.convert_tokens_to_ids("<|im_end|>")
         http = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1000))
@@ -431,8 +444,9 @@ def bench_capture(*args):
             ids, generated = server.render([{"role": "user", "content": user_text(agent, 0)}], [], True), 0
             for turn in range(opt["turns"]):
                 start = time.perf_counter()
-                out = await engine.generate(ids, dict(max_tokens=turn_tokens(agent, turn), seed=agent * 100 + turn,
-                                                      stop_token_ids=server.end_ids), f"{session.id}-{turn}")
+                out = await on_server(engine.generate(ids, dict(max_tokens=turn_tokens(agent, turn),
+                                                                seed=agent * 100 + turn, stop_token_ids=server.end_ids),
+                                                      f"{session.id}-{turn}"))
                 waits.append(time.perf_counter() - start)
                 generated += len(out["token_ids"])
                 ids = ids + out["token_ids"] + ([] if out["token_ids"][-1:] == [im_end] else [im_end])
@@ -495,11 +509,12 @@ def bench_capture(*args):
                 totals[name][2] += added
                 totals[name][3] += (await phase(modes[name], [1000 + r]))[2]  # one agent alone
         await http.aclose()
-        await server.stop()
-        await engine.shutdown()
+        await on_server(server.stop())
+        await on_server(engine.shutdown())
         return totals
 
-    with asyncio.Runner(loop_factory=capture.new_event_loop) as runner:  # the loop the server uses in training
+    # one loop: the server's (uvloop); --threads=1: agents on asyncio's loop, as the rollout pool runs them
+    with asyncio.Runner(loop_factory=asyncio.new_event_loop if opt["threads"] else capture.new_event_loop) as runner:
         totals = runner.run(run())
     tput = {name: t[0] / t[1] for name, t in totals.items()}
     out = dict(agents=opt["agents"], turns=opt["turns"], tokens=opt["tokens"], rounds=opt["rounds"],
