@@ -470,8 +470,8 @@ def bench_capture(*args):
             messages, generated = [{"role": "user", "content": user_text(agent, 0)}], 0
             for turn in range(opt["turns"]):
                 start = time.perf_counter()
-                r = (await http.post(url, headers=headers, json=dict(
-                    model="tiny", messages=messages, max_tokens=turn_tokens(agent, turn), seed=agent * 100 + turn))).json()
+                body = dict(model="tiny", messages=messages, max_tokens=turn_tokens(agent, turn), seed=agent * 100 + turn)
+                r = (await http.post(url, headers=headers, json=body)).json()
                 waits.append(time.perf_counter() - start)
                 generated += r["usage"]["completion_tokens"]
                 messages += [r["choices"][0]["message"], {"role": "user", "content": user_text(agent, turn + 1)}]

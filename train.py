@@ -1080,9 +1080,9 @@ def activation_bytes(mcfg, tokens, checkpointing, dtype_bytes=2, expert_parallel
     attention q, k, v, its output and an fp32 logsumexp per head; a MoE layer the router's fp32 probabilities (E),
     its K input rows (sorted by expert), the K expert hidden tensors of width H five times (gate, up, silu(gate),
     their product, scaled by the routing weight; fewer where silu_mul is compiled), and index/weight tensors of
-    width K (the row gathers and sums keep only int64 indices, about two more of width K under EP); a dense MLP
-    its four hidden tensors. With activation checkpointing each block keeps only its input (plus routing-replay ids) and one block
-    at a time is recomputed in backward."""
+    width K (the row gathers and sums keep only int64 indices, about two more of width K under EP); a dense MLP its
+    four hidden tensors. With activation checkpointing each block keeps only its input (plus routing-replay ids) and
+    one block at a time is recomputed in backward."""
     b, D, hd, K = dtype_bytes, mcfg.hidden_size, mcfg.head_dim, mcfg.num_experts_per_tok
     nh, nkv = mcfg.num_attention_heads, mcfg.num_key_value_heads
     norm = (4 + 2 * b) * D + 4
