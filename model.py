@@ -228,6 +228,12 @@ def experts_grouped_mm(x, counts, scale, gate_proj, up_proj, down_proj):
 # under expert parallelism a token's copy for rank j. `slots` (S,) lists the slots in use in the order they are
 # wanted, and `position` (N*K,) is its inverse: each slot's index in `slots`, or S for a slot not in use.
 
+def count_ids(ids, n):
+    """How often each of 0..n-1 occurs in `ids` (int64 (n,)). scatter_add, not bincount: bincount on CUDA reads
+    the max id back to the host (a sync)."""
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+
+
 def slot_positions(slots, n_slots):
     """The inverse of a selection of slots: position[slots[i]] = i, and S = len(slots) for the others."""
     S = slots.numel()
@@ -345,9 +351,7 @@ class Experts(nn.Module):
         E_local = self.gate_proj.shape[0]
         flat = ids.flatten()  # (N*K,) one slot per (row, choice)
         slots = flat.argsort(stable=True)[:pairs]  # slots of local choices, grouped by expert
-        # scatter_add, not bincount: bincount on CUDA reads the max id back to the host (a sync)
-        counts = torch.zeros(E_local + 1, dtype=torch.int64, device=x.device).scatter_add_(
-            0, flat, torch.ones_like(flat))[:E_local]  # (E_local,)
+        counts = count_ids(flat, E_local + 1)[:E_local]  # (E_local,) choices per local expert
         position = slot_positions(slots, N * K)
         x_sorted = GatherRows.apply(x, slots, position, K)  # (pairs, D) rows grouped by expert
         y_sorted = self.compute(x_sorted, counts, weights.flatten().index_select(0, slots))  # weighted outputs

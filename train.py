@@ -35,7 +35,8 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
 from torch.distributed.tensor import DTensor, Shard
 
 import loss
-from model import EXPERT_PROJS, GatherRows, SumRows, Transformer, load_config, ours_to_hf, slot_positions
+from model import (EXPERT_PROJS, GatherRows, SumRows, Transformer, count_ids, load_config, ours_to_hf,
+                   slot_positions)
 from model import save_checkpoint as write_hf_checkpoint
 
 # -----------------------------------------------------------------------------
@@ -287,8 +288,7 @@ def ep_dispatch(x, topk_ids, topk_weights, num_experts, group):
     rank_of = topk_ids // E_local  # (N, K) the rank holding each choice
     on_rank = torch.zeros(N, ep, dtype=torch.bool, device=device).scatter_(1, rank_of, True)  # (N, ep)
     # 1. counts first. For each destination rank: rows, then choices per local expert
-    choices = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
-        0, topk_ids.flatten(), torch.ones_like(topk_ids.flatten()))
+    choices = count_ids(topk_ids.flatten(), num_experts)
     send_counts = torch.cat([on_rank.sum(0).view(ep, 1), choices.view(ep, E_local)], dim=1)  # (ep, 1 + E_local)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
