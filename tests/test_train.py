@@ -140,10 +140,12 @@ def full_grads(model):
 
 
 def record_grads_before_step(optimizer, model):
-    """Gather the full (clipped) gradients just before each optimizer step, for the comparison."""
+    """Gather the full gradients just before each optimizer step, clipped as the step uses them (the fused step
+    divides by optimizer.grad_scale as it reads them), for the comparison."""
     recorded, step = [], optimizer.step
     def recording_step(*args, **kwargs):
-        recorded.append(full_grads(model))
+        scale = getattr(optimizer, "grad_scale", None)
+        recorded.append({n: g if scale is None else g / scale.item() for n, g in full_grads(model).items()})
         return step(*args, **kwargs)
     optimizer.step = recording_step
     return recorded
