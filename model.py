@@ -324,15 +324,23 @@ class Experts(nn.Module):
         self.ep_dispatch = None  # (x, topk_ids, topk_weights, E, group) -> (x_recv, ids_recv, weights_recv, n, plan)
         self.ep_combine = None   # (y_recv, plan, group) -> y
         self.use_grouped_mm = None  # None: grouped GEMM for bf16 on CUDA, loop elsewhere
+        self.cast_weights = None  # set by train.py when it keeps these weights outside FSDP: parameter -> compute weight
+
+    def weights(self):
+        """(gate_proj, up_proj, down_proj) as the computation uses them: the parameters (under FSDP, its unsharded
+        compute-dtype copies), or what `cast_weights` makes of them (train.keep_experts_local)."""
+        ws = (self.gate_proj, self.up_proj, self.down_proj)
+        return ws if self.cast_weights is None else tuple(self.cast_weights(w) for w in ws)
 
     def compute(self, x, counts, scale):
+        g, u, d = self.weights()
         if x.shape[0] == 0:  # no rows for this rank's experts (expert parallelism): keep the weights and the scale in
             # the graph so the weights still get a (zero) gradient, FSDP's gradient reduce-scatter runs on every rank,
             # and so does the backward all-to-all of the routing weights that arrived (empty) from other ranks
-            return x + 0 * (scale.sum() + self.gate_proj.sum() + self.up_proj.sum() + self.down_proj.sum())
+            return x + 0 * (scale.sum() + g.sum() + u.sum() + d.sum())
         grouped = self.use_grouped_mm if self.use_grouped_mm is not None else (x.is_cuda and x.dtype == torch.bfloat16)
         fn = experts_grouped_mm if grouped else experts_loop
-        return fn(x, counts, scale, self.gate_proj, self.up_proj, self.down_proj)
+        return fn(x, counts, scale, g, u, d)
 
     def forward(self, x, topk_ids, topk_weights):
         # x (N, D), topk_ids (N, K) global expert ids, topk_weights (N, K)

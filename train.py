@@ -232,12 +232,17 @@ def shard_model(model, meshes, cfg):
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg["param_dtype"]), reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg["cpu_offload_optimizer"] else OffloadPolicy()
     kw = dict(mp_policy=mp, offload_policy=offload)
+    local_experts = experts_stay_local(meshes, cfg)
+    kept = set()
     for block in model.model.layers:
-        if block.is_moe:  # its own FSDP unit on its own mesh: the block's unit must not gather the experts
+        if block.is_moe and local_experts:
+            keep_experts_local(block.mlp.experts, meshes["expert_fsdp"], mp.param_dtype)
+            kept |= set(block.mlp.experts.parameters())
+        elif block.is_moe:  # its own FSDP unit on its own mesh: the block's unit must not gather the experts
             fully_shard(block.mlp.experts, mesh=meshes["expert_fsdp"],
                         shard_placement_fn=expert_placement(block.mlp.experts, meshes), **kw)
-        fully_shard(block, mesh=meshes["fsdp"], **kw)
-    fully_shard(model, mesh=meshes["fsdp"], **kw)
+        fully_shard(block, mesh=meshes["fsdp"], ignored_params=kept or None, **kw)
+    fully_shard(model, mesh=meshes["fsdp"], ignored_params=kept or None, **kw)
     register_fsdp_forward_method(model, "hidden_states")  # the trainer calls hidden_states, not forward
     # Gradients are SUMMED over ranks, never averaged: each rank's loss is already divided by the window's global
     # token count (loss.py's window normalization), so the sum over ranks is the gradient of the window loss.
@@ -251,6 +256,27 @@ def shard_model(model, meshes, cfg):
             module.set_force_sum_reduction_for_comms(True)
     model.meshes = meshes
     return model
+
+
+def experts_stay_local(meshes, cfg):
+    """True when the expert FSDP mesh has one rank (ep_size = world): FSDP would have nothing to gather or reduce
+    there, yet it would still copy and cast every expert weight at each forward and backward and its gradient once
+    per microbatch (~5% of a step on 2 H200s). Offloaded optimizer state keeps FSDP (it moves the shards)."""
+    return meshes["expert_fsdp"].size() == 1 and not cfg["cpu_offload_optimizer"]
+
+
+def keep_experts_local(experts, mesh, dtype):
+    """Experts outside FSDP, on a one-rank expert FSDP mesh: the weights stay fp32 DTensors on that mesh, as FSDP
+    would leave them (checkpoints, clipping, the optimizer and the weight export see no difference), and each
+    forward computes with a cast of them to the compute dtype (autograd casts the gradient back to fp32 and
+    accumulates it); floating inputs are cast as FSDP's mixed precision casts them. Without activation checkpointing
+    the casts stay alive until their layer's backward (plan_memory counts them)."""
+    for name in EXPERT_PROJS:
+        p = getattr(experts, name)
+        setattr(experts, name, nn.Parameter(DTensor.from_local(p.data, mesh, [Shard(0)], run_check=False)))
+    experts.cast_weights = lambda w: local_tensor(w).to(dtype)
+    experts.register_forward_pre_hook(
+        lambda module, args: tuple(a.to(dtype) if torch.is_floating_point(a) else a for a in args))
 
 
 def expert_placement(experts, meshes):
@@ -1145,7 +1171,10 @@ def plan_memory(cfg, mcfg, model):
         gather_bytes=2 * b * unit_numel[""] + 2 * b * block_numel + (b + 4) * block_numel,
         root_numel=unit_numel[""], block_numel=block_numel, tokens=tokens,
         act_bytes_ckpt=activation_bytes(mcfg, tokens, True, b, ep > 1),
-        act_bytes_full=activation_bytes(mcfg, tokens, False, b, ep > 1),
+        # + experts kept outside FSDP (experts_stay_local): autograd keeps each layer's cast of them to the compute
+        # dtype (none when that is fp32 itself)
+        act_bytes_full=activation_bytes(mcfg, tokens, False, b, ep > 1) +
+        (b * p_expert if experts_stay_local(model.meshes, cfg) and b < 4 else 0),
         # chunked logprobs: fp32 logits of one chunk, their softmax and its gradient (loss.token_logprobs)
         logits_bytes=3 * 4 * min(cfg["logprob_chunk_size"], tokens) * mcfg.vocab_size,
         gpu_bytes=cfg["gpu_memory_gib"] * GiB)
