@@ -227,8 +227,9 @@ def partition_experts(model, meshes):
 
 
 def shard_model(model, meshes, cfg):
-    """Every fully_shard call: experts on their own mesh first, then each block, then the root (embeddings,
-    final norm, lm_head). Mixed precision: compute in param_dtype, gradients reduced in fp32."""
+    """Every fully_shard call: experts on their own mesh first (or, on a one-rank expert mesh, kept outside FSDP:
+    keep_experts_local), then each block, then the root (embeddings, final norm, lm_head). Mixed precision: compute
+    in param_dtype, gradients reduced in fp32."""
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg["param_dtype"]), reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg["cpu_offload_optimizer"] else OffloadPolicy()
     kw = dict(mp_policy=mp, offload_policy=offload)
