@@ -371,12 +371,15 @@ def bench_async(*args):
 
 def bench_capture(*args):
     """N agents run the same multi-turn workload on one tiny-model engine, in one process and one event loop,
-    three ways: calling Engine.generate directly with token ids they extend themselves (the baseline); through the
-    capture server with the async OpenAI SDK, as agents do; and through the capture server with a bare HTTP client
-    (httpx, JSON bodies), which leaves out the SDK's own client-side work. Same prompts and seeds, so the engine
-    does the same work; prefix caching is off so that repeating a prompt costs the same; modes alternate. Clients
+    four ways: calling Engine.generate directly with token ids they extend themselves (the baseline); through the
+    capture server with the async OpenAI SDK, as agents do; through the capture server with a bare HTTP client
+    (httpx, JSON bodies), which leaves out the SDK's own client-side work; and with the same SDK through vLLM's own
+    OpenAI-compatible server on the same engine (what an SDK agent would call without us; it records nothing).
+    Same prompts and seeds, so the engine does the same work (the generated token counts are printed per mode);
+    prefix caching is off so that repeating a prompt costs the same; modes alternate. Clients
     are made and connected before timing (agent set-up, the same whatever the server). Prints generated tokens/s
-    of each and ratio = capture (SDK) / direct (target >= 0.95). Added latency per request = the agent's wait minus
+    of each, ratio = capture (SDK) / direct (target >= 0.95) and sdk_vs_vllm_server = capture (SDK) / vLLM's
+    server (SDK). Added latency per request = the agent's wait minus
     the engine's time on that same request (timed around the backend call), so engine noise cancels; p50 and p99
     under the full load and with one agent alone (target <= 5 ms at p50). The loop is the one the server runs on
     in training (capture.new_event_loop: uvloop). Every turn asks for `tokens` tokens, so all agents finish a turn
@@ -396,8 +399,11 @@ def bench_capture(*args):
     import time
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import socket
+
     import httpx
     import openai
+    import uvicorn
 
     import capture
     from model import ensure_tiny_model
@@ -430,6 +436,27 @@ def bench_capture(*args):
         else:
             await engine.start()
             await server.start()
+        async def start_vllm_server():  # vLLM's OpenAI-compatible app on our engine's AsyncLLM, served like ours
+            from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+            from vllm.entrypoints.launchers.app import build_app
+            from vllm.entrypoints.launchers.cli_args import make_arg_parser
+            from vllm.utils.argparse_utils import FlexibleArgumentParser
+            vargs = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", path, "--served-model-name", "tiny"])
+            app = build_app(vargs, supported_tasks=("generate",), model_config=engine.llm.model_config)
+            await init_app_state(engine.llm, app.state, vargs, ("generate",))
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY, as ours
+            sock.bind(("127.0.0.1", 0))
+            vserver = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+            serving = asyncio.ensure_future(vserver.serve(sockets=[sock]))
+            while not vserver.started:
+                await asyncio.sleep(0.005)
+            return vserver, serving, f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+
+        async def stop_vllm_server():
+            vserver.should_exit = True
+            await serving
+
+        vserver, serving, vllm_url = await on_server(start_vllm_server())
         tok = server.tokenizer
         im_end = tok.convert_tokens_to_ids("<|im_end|>")
         http = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1000))
@@ -477,11 +504,13 @@ def bench_capture(*args):
                 messages += [r["choices"][0]["message"], {"role": "user", "content": user_text(agent, turn + 1)}]
             return generated
 
-        async def phase(agent_fn, agents):
+        async def phase(name, agents):
             """Run the agents at once; returns (generated tokens, seconds, per-request added latencies)."""
+            agent_fn = modes[name]
             sessions = [server.new_session() for _ in agents]  # set-up, untimed: session, client, connection
             for s in sessions:
-                s.client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+                s.client = openai.AsyncOpenAI(base_url=vllm_url if name == "vllm" else s.base_url, api_key=s.api_key,
+                                              max_retries=0)
             if agent_fn is sdk:
                 await asyncio.gather(*[s.client.models.list() for s in sessions])
             waits = [[] for _ in agents]
@@ -490,25 +519,26 @@ def bench_capture(*args):
             seconds = time.perf_counter() - start
             added = []
             for s, w in zip(sessions, waits):
-                if agent_fn is not direct:
+                if name in ("sdk", "http"):  # vLLM's server calls the engine itself: not timed there
                     added += [a - b for a, b in zip(w, backend.seconds.pop(s.id))]
                 await s.client.close()
                 server.finish_session(s.id, 0.0)
                 server.drop_session(s.id)
             return tokens, seconds, added
 
-        modes = {"direct": direct, "sdk": sdk, "http": bare_http}
-        for fn in modes.values():  # warm-up: first requests pay for lazy imports and allocations
-            await phase(fn, range(4))
+        modes = {"direct": direct, "sdk": sdk, "http": bare_http, "vllm": sdk}
+        for name in modes:  # warm-up: first requests pay for lazy imports and allocations
+            await phase(name, range(4))
         totals = {name: [0, 0.0, [], []] for name in modes}
         for r in range(opt["rounds"]):
-            for name in list(modes)[r % 3:] + list(modes)[:r % 3]:
-                tokens, seconds, added = await phase(modes[name], range(opt["agents"]))
+            for name in list(modes)[r % 4:] + list(modes)[:r % 4]:
+                tokens, seconds, added = await phase(name, range(opt["agents"]))
                 totals[name][0] += tokens
                 totals[name][1] += seconds
                 totals[name][2] += added
-                totals[name][3] += (await phase(modes[name], [1000 + r]))[2]  # one agent alone
+                totals[name][3] += (await phase(name, [1000 + r]))[2]  # one agent alone
         await http.aclose()
+        await on_server(stop_vllm_server())
         await on_server(server.stop())
         await on_server(engine.shutdown())
         return totals
@@ -518,7 +548,8 @@ def bench_capture(*args):
         totals = runner.run(run())
     tput = {name: t[0] / t[1] for name, t in totals.items()}
     out = dict(agents=opt["agents"], turns=opt["turns"], tokens=opt["tokens"], rounds=opt["rounds"],
-               direct_tokens_per_s=round(tput["direct"], 1))
+               generated_tokens={name: t[0] for name, t in totals.items()},  # equal: the engine did the same work
+               direct_tokens_per_s=round(tput["direct"], 1), vllm_server_tokens_per_s=round(tput["vllm"], 1))
 
     def percentiles(seconds):
         ms = sorted(x * 1000 for x in seconds)
@@ -528,10 +559,12 @@ def bench_capture(*args):
         out[f"{name}_ratio"] = round(tput[name] / tput["direct"], 4)
         out[f"{name}_added_ms_p50"], out[f"{name}_added_ms_p99"] = percentiles(totals[name][2])
         out[f"{name}_alone_added_ms_p50"], out[f"{name}_alone_added_ms_p99"] = percentiles(totals[name][3])
+    out["sdk_vs_vllm_server"] = round(tput["sdk"] / tput["vllm"], 4)
     out["ratio"] = out["sdk_ratio"]
     print(f"{opt['agents']} agents x {opt['turns']} turns x {opt['tokens']} tokens, {opt['rounds']} rounds: direct "
           f"{tput['direct']:.0f} tok/s; capture via the OpenAI SDK {tput['sdk']:.0f} tok/s (x{out['sdk_ratio']:.3f}), "
-          f"via bare HTTP {tput['http']:.0f} tok/s (x{out['http_ratio']:.3f})")
+          f"via bare HTTP {tput['http']:.0f} tok/s (x{out['http_ratio']:.3f}); the SDK through vLLM's own server "
+          f"{tput['vllm']:.0f} tok/s (capture / vLLM's server: x{out['sdk_vs_vllm_server']:.3f})")
     for name, label in (("sdk", "OpenAI SDK"), ("http", "bare HTTP")):
         print(f"added latency per request, {label}: p50 {out[f'{name}_added_ms_p50']:.2f} ms, p99 "
               f"{out[f'{name}_added_ms_p99']:.2f} ms under load; p50 {out[f'{name}_alone_added_ms_p50']:.2f} ms, "
