@@ -328,8 +328,8 @@ def ep_dispatch(x, topk_ids, topk_weights, num_experts, group):
     slots = slot_rank.argsort(stable=True)[:sum(send_rows)]
     position = slot_positions(slots, N * ep)
     token, dest = slots // ep, slots % ep
-    local_ids = topk_ids.index_select(0, token) - (dest * E_local).unsqueeze(1)  # (S, K) ids on the destination
-    ids_send = torch.where((local_ids >= 0) & (local_ids < E_local), local_ids, E_local)
+    held = rank_of.index_select(0, token) == dest.unsqueeze(1)  # (S, K) the choices the destination holds
+    ids_send = torch.where(held, topk_ids.index_select(0, token) % E_local, E_local)  # their ids there
     x_recv = all_to_all(GatherRows.apply(x, slots, position, ep), recv_rows, send_rows, group)  # (R, D)
     weights_recv = all_to_all(GatherRows.apply(topk_weights, slots, position, ep), recv_rows, send_rows, group)
     ids_recv = ids_send.new_empty((sum(recv_rows), K))
