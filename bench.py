@@ -399,11 +399,8 @@ def bench_capture(*args):
     import time
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    import socket
-
     import httpx
     import openai
-    import uvicorn
 
     import capture
     from model import ensure_tiny_model
@@ -444,13 +441,8 @@ def bench_capture(*args):
             vargs = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", path, "--served-model-name", "tiny"])
             app = build_app(vargs, supported_tasks=("generate",), model_config=engine.llm.model_config)
             await init_app_state(engine.llm, app.state, vargs, ("generate",))
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY, as ours
-            sock.bind(("127.0.0.1", 0))
-            vserver = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
-            serving = asyncio.ensure_future(vserver.serve(sockets=[sock]))
-            while not vserver.started:
-                await asyncio.sleep(0.005)
-            return vserver, serving, f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+            sock = capture.bind_socket()
+            return *(await capture.serve_app(app, sock)), f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
 
         async def stop_vllm_server():
             vserver.should_exit = True

@@ -491,6 +491,29 @@ def new_event_loop():
     return uvloop.new_event_loop()
 
 
+def bind_socket(host="127.0.0.1", port=0):
+    """A TCP socket bound to host:port (0: a free port), ready for serve_app."""
+    # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY only on sockets that say so (else Nagle + delayed ACK hold
+    # each response ~40 ms)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+async def serve_app(app, sock):
+    """Serve an ASGI app with uvicorn on a bound socket, on the running loop. Returns (the uvicorn server, its task)
+    once it accepts connections; stop it with `server.should_exit = True` and await the task."""
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                           timeout_graceful_shutdown=5))
+    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started:
+        if serving.done():
+            serving.result()  # raises why it could not start
+        await asyncio.sleep(0.005)
+    return server, serving
+
+
 class CaptureServer:
     """HTTP front of one backend (an Engine, or rollout's router): sessions, rendering, the segmenter."""
 
@@ -509,12 +532,7 @@ class CaptureServer:
         self.max_model_len, self.importance_correction = max_model_len, importance_correction
         self.model_name = model_name or os.path.basename(os.path.normpath(self.tokenizer.name_or_path)) or "model"
         self.max_body_bytes, self.max_cached_answers = max_body_bytes, max_cached_answers
-        # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY only on sockets that say so (else Nagle + delayed ACK
-        # hold each response ~40 ms)
-        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
-                                    socket.IPPROTO_TCP)
-        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.socket.bind((host, port))  # bound now so that url (and sessions' base URLs) exist before serving
+        self.socket = bind_socket(host, port)  # bound now so that url (and sessions' base URLs) exist before serving
         self.url = f"http://{host}:{self.socket.getsockname()[1]}"
         self.sessions = {}
         self.uvicorn = self.loop = self.thread = None
@@ -742,14 +760,7 @@ class CaptureServer:
         # move out of the cyclic GC's reach, so a full collection during a request stops costing tens of ms
         gc.collect()
         gc.freeze()
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5)
-        self.uvicorn = uvicorn.Server(config)
-        self.serving = asyncio.ensure_future(self.uvicorn.serve(sockets=[self.socket]))
-        while not self.uvicorn.started:
-            if self.serving.done():
-                self.serving.result()  # raises why it could not start
-            await asyncio.sleep(0.005)
+        self.uvicorn, self.serving = await serve_app(self.app, self.socket)
         return self.url
 
     async def stop(self):
