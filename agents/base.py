@@ -7,8 +7,8 @@ attempt's reward:
 
     class MyAgent(ChatAgent):
         async def run(self, ctx):
-            client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
-            reply = await client.chat.completions.create(model=ctx.model, messages=ctx.messages, **ctx.sampling)
+            async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key) as client:
+                reply = await client.chat.completions.create(model=ctx.model, messages=ctx.messages, **ctx.sampling)
             return float(reply.choices[0].message.content.strip() == ctx.label)
 
 An Env is a Gymnasium-style environment; the framework plays the model against it through the same SDK path (so
@@ -105,5 +105,6 @@ async def run_env(env: Env, ctx: Context):
                 break
             messages.extend(as_messages(observation))
     finally:
+        await client.close()
         await env.close()
     return Result(total, {"turns": turns})

@@ -86,17 +86,19 @@ def score(answer, stopped, result, max_tokens):
 
 class Calculator(ChatAgent):
     async def run(self, ctx):
-        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
-        messages = [{"role": "user", "content": ctx.prompt}]
-        first = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS, **ctx.sampling)
-        reply = first.choices[0].message
-        expression, called = expression_of(reply, ctx.label)
-        result = str(calculate(expression))
-        # the reply goes back exactly as received, so the capture server sees the conversation extend its tokens
-        messages.append(reply.model_dump(exclude_none=True))
-        call_id = reply.tool_calls[0].id if called else "call_0"
-        messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
-        second = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS, **ctx.sampling)
+        async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+            messages = [{"role": "user", "content": ctx.prompt}]
+            first = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS,
+                                                         **ctx.sampling)
+            reply = first.choices[0].message
+            expression, called = expression_of(reply, ctx.label)
+            result = str(calculate(expression))
+            # the reply goes back exactly as received, so the capture server sees the conversation extend its tokens
+            messages.append(reply.model_dump(exclude_none=True))
+            call_id = reply.tool_calls[0].id if called else "call_0"
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
+            second = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS,
+                                                          **ctx.sampling)
         choice = second.choices[0]
         reward = score(choice.message.content or "", choice.finish_reason == "stop", result,
                        ctx.sampling.get("max_tokens", 48))

@@ -74,20 +74,20 @@ class CodeExec(ChatAgent):
         return result.report(), result.output
 
     async def run(self, ctx):
-        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
-        messages, printed = list(ctx.messages), []
-        stats = dict(programs=0, timeouts=0, out_of_memory=0, failed_programs=0)
-        for turn in range(1, self.max_turns + 1):
-            response = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS,
-                                                            **ctx.sampling)
-            reply = response.choices[0].message
-            messages.append(reply.model_dump(exclude_none=True))  # back exactly as received
-            if not reply.tool_calls:
-                break
-            for call in reply.tool_calls:
-                report, output = await self.execute(call.function.arguments, stats)
-                printed.append(output)
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": report})
+        async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+            messages, printed = list(ctx.messages), []
+            stats = dict(programs=0, timeouts=0, out_of_memory=0, failed_programs=0)
+            for turn in range(1, self.max_turns + 1):
+                response = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS,
+                                                                **ctx.sampling)
+                reply = response.choices[0].message
+                messages.append(reply.model_dump(exclude_none=True))  # back exactly as received
+                if not reply.tool_calls:
+                    break
+                for call in reply.tool_calls:
+                    report, output = await self.execute(call.function.arguments, stats)
+                    printed.append(output)
+                    messages.append({"role": "tool", "tool_call_id": call.id, "content": report})
         answer = "" if reply.tool_calls else reply.content or ""
         numbers = re.findall(r"-?\d+", answer)
         if numbers and numbers[-1] == ctx.label:

@@ -47,25 +47,25 @@ def score(answer, total, max_tokens):
 
 class CompactingAgent(ChatAgent):
     async def run(self, ctx):
-        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
 
-        async def turn(messages):
-            response = await client.chat.completions.create(model=ctx.model, messages=messages, **ctx.sampling)
-            return response.choices[0].message.model_dump(exclude_none=True)  # sent back exactly as received
+            async def turn(messages):
+                response = await client.chat.completions.create(model=ctx.model, messages=messages, **ctx.sampling)
+                return response.choices[0].message.model_dump(exclude_none=True)  # sent back exactly as received
 
-        task = list(ctx.messages)
-        messages, compactions = list(task), 0
-        for i, number in enumerate(ctx.label, 1):
-            messages.append({"role": "user", "content": f"Number {i}: {number}"})
-            messages.append(await turn(messages))
-            if i % COMPACT_EVERY == 0 and i < len(ctx.label):
-                messages.append({"role": "user", "content": SUMMARISE})
-                summary = (await turn(messages)).get("content") or ""
-                # the rewrite: old turns out, the summary in. The next request opens a new segment.
-                messages = task + [{"role": "user", "content": f"Your notes from earlier turns: {summary.strip()}"}]
-                compactions += 1
-        messages.append({"role": "user", "content": "What is the total? Answer with the number only."})
-        answer = (await turn(messages)).get("content") or ""
+            task = list(ctx.messages)
+            messages, compactions = list(task), 0
+            for i, number in enumerate(ctx.label, 1):
+                messages.append({"role": "user", "content": f"Number {i}: {number}"})
+                messages.append(await turn(messages))
+                if i % COMPACT_EVERY == 0 and i < len(ctx.label):
+                    messages.append({"role": "user", "content": SUMMARISE})
+                    summary = (await turn(messages)).get("content") or ""
+                    # the rewrite: old turns out, the summary in. The next request opens a new segment.
+                    messages = task + [{"role": "user", "content": f"Your notes from earlier turns: {summary.strip()}"}]
+                    compactions += 1
+            messages.append({"role": "user", "content": "What is the total? Answer with the number only."})
+            answer = (await turn(messages)).get("content") or ""
         reward = score(answer, sum(ctx.label), ctx.sampling.get("max_tokens") or 48)
         return Result(reward, {"compactions": compactions})
 

@@ -68,8 +68,8 @@ class Distill(ChatAgent):
         if teacher is None:
             raise RuntimeError("the teacher is not running: the framework calls this module's setup(cfg) before the "
                                "first attempt (agents.setup_agent)")
-        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
-        await client.chat.completions.create(model=ctx.model, messages=ctx.messages, **ctx.sampling)
+        async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+            await client.chat.completions.create(model=ctx.model, messages=ctx.messages, **ctx.sampling)
         teacher_logprobs, log_ratio = [], []
         for segment in await recorded_segments(ctx):  # in segment_index order
             scored = await teacher.prompt_logprobs(segment["token_ids"])  # one prefill over the whole segment

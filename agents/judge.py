@@ -70,8 +70,8 @@ class JudgedAnswer(ChatAgent):
         if judge is None:
             raise RuntimeError("the judge is not running: the framework calls this module's setup(cfg) before the "
                                "first attempt (agents.setup_agent)")
-        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
-        response = await client.chat.completions.create(model=ctx.model, messages=ctx.messages, **ctx.sampling)
+        async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+            response = await client.chat.completions.create(model=ctx.model, messages=ctx.messages, **ctx.sampling)
         answer = response.choices[0].message.content or ""
         question = ctx.prompt or ctx.messages[-1]["content"]
         async with judge.client() as judge_client:

@@ -71,20 +71,20 @@ def score(answer, label, looked_up):
 
 class ShopAgent(ChatAgent):
     async def run(self, ctx):
-        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
-        messages, looked_up, calls = list(ctx.messages), set(), 0
-        for turn in range(1, MAX_TURNS + 1):
-            response = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS,
-                                                            **ctx.sampling)
-            reply = response.choices[0].message
-            # the reply goes back exactly as received, so the capture server sees the conversation extend its tokens
-            messages.append(reply.model_dump(exclude_none=True))
-            if not reply.tool_calls:
-                break
-            for call in reply.tool_calls:  # one `tool` message per call, in the order of the calls
-                calls += 1
-                messages.append({"role": "tool", "tool_call_id": call.id,
-                                 "content": run_tool(call.function.name, call.function.arguments, looked_up)})
+        async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+            messages, looked_up, calls = list(ctx.messages), set(), 0
+            for turn in range(1, MAX_TURNS + 1):
+                response = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS,
+                                                                **ctx.sampling)
+                reply = response.choices[0].message
+                # the reply goes back exactly as received, so the capture server sees the conversation extend its tokens
+                messages.append(reply.model_dump(exclude_none=True))
+                if not reply.tool_calls:
+                    break
+                for call in reply.tool_calls:  # one `tool` message per call, in the order of the calls
+                    calls += 1
+                    messages.append({"role": "tool", "tool_call_id": call.id,
+                                     "content": run_tool(call.function.name, call.function.arguments, looked_up)})
         answer = "" if reply.tool_calls else reply.content or ""
         return Result(score(answer, ctx.label, looked_up), {"tool_calls": calls, "turns": turn})
 

@@ -129,8 +129,8 @@ import asyncio
 from openai import AsyncOpenAI
 
 async def agent(ctx):
-    client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
-    reply = await client.chat.completions.create(model=ctx.model, messages=ctx.messages, **ctx.sampling)
+    async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+        reply = await client.chat.completions.create(model=ctx.model, messages=ctx.messages, **ctx.sampling)
     if ctx.label == "raise":
         raise RuntimeError("the tool crashed")
     if ctx.label == "hang":

@@ -26,8 +26,8 @@ def cued_agent(release=None):
     failed_once = set()
 
     async def agent(ctx):
-        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
-        reply = await client.chat.completions.create(model=ctx.model, messages=ctx.messages, **ctx.sampling)
+        async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+            reply = await client.chat.completions.create(model=ctx.model, messages=ctx.messages, **ctx.sampling)
         cue = ctx.label
         if cue == "slow":  # a tool with a long tail: waits until the test lets it go
             while not release.is_set():
