@@ -34,7 +34,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
                                     register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor, Shard
 
-try:  # one small kernel on CUDA (add_into); on CPU plain PyTorch
+try:  # one small kernel on CUDA (cast_into); on CPU plain PyTorch
     import triton
     import triton.language as tl
 except ImportError:
@@ -276,8 +276,8 @@ def experts_stay_local(meshes, cfg):
 def keep_experts_local(experts, mesh, dtype):
     """Experts outside FSDP, on a one-rank expert FSDP mesh: the weights stay fp32 DTensors on that mesh, as FSDP
     would leave them (checkpoints, clipping, the optimizer and the weight export see no difference), and each
-    forward computes with a cast of them to the compute dtype (CastForCompute: its backward adds the gradient into
-    the fp32 .grad); floating inputs are cast as FSDP's mixed precision casts them. Without activation checkpointing
+    forward computes with a cast of them to the compute dtype (CastForCompute: its backward returns the gradient in
+    fp32); floating inputs are cast as FSDP's mixed precision casts them. Without activation checkpointing
     the casts stay alive until their layer's backward (plan_memory counts them)."""
     for name in EXPERT_PROJS:
         p = getattr(experts, name)
@@ -289,50 +289,42 @@ def keep_experts_local(experts, mesh, dtype):
 
 class CastForCompute(torch.autograd.Function):
     """A local expert weight (an fp32 DTensor on a one-rank mesh) -> its local tensor in the compute dtype. Backward
-    writes or adds the gradient into the parameter's fp32 .grad itself, in one pass, where autograd would cast it to
-    a new fp32 tensor and then add that (the grouped GEMM's gradient comes transposed, which makes both slow). H200,
-    one 128 x 768 x 2048 weight: first microbatch of a step 0.56 -> 0.34 ms, each later one 2.0 -> 0.53 ms; bench.py
-    train shapes, A/B in one process: +1.9% tok/s at 4 x 1 sequences per step, +3.6% at 4 x 4, +2.2% at 8 x 4."""
+    returns the gradient as a new fp32 tensor in the parameter's layout, in one pass (`cast_into`), which autograd
+    then takes as .grad, or adds to it, as it is. Autograd's own cast kept the grouped GEMM's transposed layout, and
+    every later microbatch's add into .grad was a strided pass (H200, one 128 x 768 x 2048 weight: ~1.1 ms less per
+    microbatch). bench.py train shapes on 1 H200, A/B in one process: +1.8% tok/s at 4 x 1 sequences per step, +1.3%
+    at 4 x 4, +1.0% at 8 x 4. (Adding into .grad inside backward, as Megatron's main_grad does, measured +1.9% /
+    +3.6% / +2.2%, but then torch.autograd.grad would not see these weights and would write .grad.)"""
 
     @staticmethod
     def forward(ctx, param, dtype):
-        ctx.param = param
+        ctx.mesh, ctx.placements, ctx.param_dtype = param.device_mesh, param.placements, param.dtype
         return local_tensor(param).to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        param = ctx.param
-        if param.grad is None:
-            main = torch.empty(grad.shape, dtype=param.dtype, device=grad.device)
-            add_into(main, grad, assign=True)
-            param.grad = DTensor.from_local(main, param.device_mesh, param.placements, run_check=False)
-        else:
-            add_into(local_tensor(param.grad), grad, assign=False)
-        return None, None
+        main = cast_into(torch.empty(grad.shape, dtype=ctx.param_dtype, device=grad.device), grad)
+        return DTensor.from_local(main, ctx.mesh, ctx.placements, run_check=False), None
 
 
-def add_into(main, grad, assign):
-    """main (E, R, C) fp32 = or += grad (E, R, C) of any strides and dtype, in one pass."""
-    if not (grad.is_cuda and triton is not None and grad.dim() == 3 and main.is_contiguous()):
-        return main.copy_(grad) if assign else main.add_(grad)  # the reference; the kernel matches it bit for bit
-    E, R, C = main.shape
-    _add_into_kernel[(E, triton.cdiv(R, 64), triton.cdiv(C, 64))](main, grad, R, C, *grad.stride(), ASSIGN=assign,
-                                                                 BR=64, BC=64)
-    return main
+def cast_into(out, x):
+    """out (E, R, C), contiguous = x (E, R, C) of any strides and dtype, in one pass."""
+    if not (x.is_cuda and triton is not None and x.dim() == 3 and out.is_contiguous()):
+        return out.copy_(x)  # the reference; the kernel matches it bit for bit
+    E, R, C = out.shape
+    _cast_into_kernel[(E, triton.cdiv(R, 64), triton.cdiv(C, 64))](out, x, R, C, *x.stride(), BR=64, BC=64)
+    return out
 
 
 if triton is not None:
     @triton.jit
-    def _add_into_kernel(main, grad, R, C, s0, s1, s2, ASSIGN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-        e = tl.program_id(0).to(tl.int64)  # one (BR, BC) tile of matrix e; Triton reads grad along its unit stride
+    def _cast_into_kernel(out, x, R, C, s0, s1, s2, BR: tl.constexpr, BC: tl.constexpr):
+        e = tl.program_id(0).to(tl.int64)  # one (BR, BC) tile of matrix e; Triton reads x along its unit stride
         rows = tl.program_id(1) * BR + tl.arange(0, BR)[:, None]
         cols = tl.program_id(2) * BC + tl.arange(0, BC)[None, :]
         mask = (rows < R) & (cols < C)
-        g = tl.load(grad + e * s0 + rows * s1 + cols * s2, mask=mask).to(tl.float32)
-        out = main + e * R * C + rows * C + cols
-        if not ASSIGN:
-            g += tl.load(out, mask=mask)
-        tl.store(out, g, mask=mask)
+        tile = tl.load(x + e * s0 + rows * s1 + cols * s2, mask=mask)
+        tl.store(out + e * R * C + rows * C + cols, tile.to(out.dtype.element_ty), mask=mask)
 
 
 def expert_placement(experts, meshes):
