@@ -291,7 +291,7 @@ class CastForCompute(torch.autograd.Function):
     """A local expert weight (an fp32 DTensor on a one-rank mesh) -> its local tensor in the compute dtype. Backward
     returns the gradient as a new fp32 tensor in the parameter's layout, in one pass (`cast_into`), which autograd
     then takes as .grad, or adds to it, as it is. Autograd's own cast kept the grouped GEMM's transposed layout, and
-    every later microbatch's add into .grad was a strided pass (H200, one 128 x 768 x 2048 weight: ~1.1 ms less per
+    every later microbatch's add into .grad was a strided pass (H200, one 128 x 768 x 2048 weight: 1.1-1.6 ms less per
     microbatch). bench.py train shapes on 1 H200, A/B in one process: +1.8% tok/s at 4 x 1 sequences per step, +1.3%
     at 4 x 4, +1.0% at 8 x 4. (Adding into .grad inside backward, as Megatron's main_grad does, measured +1.9% /
     +3.6% / +2.2%, but then torch.autograd.grad would not see these weights and would write .grad.)"""
