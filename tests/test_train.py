@@ -389,16 +389,17 @@ def test_grouped_gemm_experts_match_the_loop_under_expert_parallelism_in_bf16(tm
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA")
-def test_cast_into_takes_any_layout_on_cuda():
+def test_to_contiguous_takes_any_layout_on_cuda():
     """The kernel behind CastForCompute's backward: a bf16 gradient of any strides (the grouped GEMM's comes
-    transposed; an unused expert's is an expanded zero) into a contiguous fp32 tensor, bit-equal to copy_."""
+    transposed; an unused expert's is an expanded zero) into a contiguous fp32 tensor, bit-equal to .to()."""
     g = torch.Generator(device="cuda").manual_seed(0)
     E, R, C = 5, 70, 130  # not multiples of the 64 x 64 tiles
     grads = {"contiguous": torch.randn(E, R, C, device="cuda", generator=g).bfloat16(),
              "transposed": torch.randn(E, C, R, device="cuda", generator=g).bfloat16().transpose(1, 2),
              "expanded": torch.ones((), device="cuda", dtype=torch.bfloat16).expand(E, R, C)}
     for name, grad in grads.items():
-        out = train.cast_into(torch.empty(E, R, C, device="cuda"), grad)
+        out = train.to_contiguous(grad, torch.float32)
+        assert out.is_contiguous(), name
         torch.testing.assert_close(out, grad.float(), rtol=0, atol=0, msg=name)
 
 
