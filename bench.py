@@ -12,10 +12,7 @@ import json
 import sys
 
 # -----------------------------------------------------------------------------
-# each benchmark is one function bench_NAME() returning a dict with at least "ratio"
-
-# -----------------------------------------------------------------------------
-# logprobs: chunked token logprobs (loss.token_logprobs) vs the naive full-logits computation
+# each benchmark is one function bench_NAME(args) returning a dict with at least "ratio"; their options
 
 
 def _int_options(args, **defaults):
@@ -27,6 +24,9 @@ def _int_options(args, **defaults):
             sys.exit(f"unknown option {arg!r}; options: {', '.join('--%s=%s' % kv for kv in defaults.items())}")
         out[key] = int(value)
     return out
+
+# -----------------------------------------------------------------------------
+# logprobs: chunked token logprobs (loss.token_logprobs) vs the naive full-logits computation
 
 
 def _peak_extra_bytes(logprob_fn, T, V, D, chunk_size, with_entropy, fake):
@@ -292,7 +292,7 @@ def bench_async(*args):
     # tools like code execution or search answer in about a second, with a long tail: median 0.5 s, p99 ~16 s
     opt = _int_options(args, steps=8, group_size=4, groups_per_batch=4, groups_in_flight=8, max_tokens=16,
                        tool_median_ms=500, tool_sigma_pct=150, seed=0)
-    path = ensure_tiny_model(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "tiny-qwen3-moe"))
+    path = ensure_tiny_model()
     # a tiny learning rate: both phases do the same work (train step, weight sync) on a policy that stays put
     cfg = train.configure([f"--model_path={path}", "--learning_rate=1e-7", "--min_lr=1e-7", "--max_staleness=8",
                            f"--group_size={opt['group_size']}", f"--groups_per_batch={opt['groups_per_batch']}"])
@@ -405,7 +405,7 @@ def bench_capture(*args):
     import capture
     from model import ensure_tiny_model
     opt = _int_options(args, agents=16, turns=4, tokens=48, rounds=6, spread=0, threads=0)
-    path = ensure_tiny_model(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "tiny-qwen3-moe"))
+    path = ensure_tiny_model()
 
     class TimedEngine:  # the server's backend: the engine, with the time of each call kept per session
         def __init__(self, engine):
@@ -746,7 +746,9 @@ def _hf_fsdp_model(mcfg, cfg, device, compile_modules, checkpointing):
         fully_shard(layer, mp_policy=mp)
     fully_shard(hf, mp_policy=mp)
     hf.to_empty(device=device)
-    train.init_local_shards(hf, 0.02, seed=cfg["seed"] + torch.distributed.get_rank())
+    from model import init_parameters
+    generator = torch.Generator(device).manual_seed(cfg["seed"] + torch.distributed.get_rank())
+    init_parameters(((n, train.local_tensor(p)) for n, p in hf.named_parameters()), 0.02, generator)
     # to_empty left the rotary inv_freq buffers uninitialized: build the rotary embedding again
     hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_cfg).to(device)
     if compile_modules:

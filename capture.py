@@ -2,7 +2,7 @@
 The capture server. Agents are unchanged programs using the official OpenAI or Anthropic SDK; only their base URL
 points here. The server renders each request to token ids with the model's own tokenizer and chat template, asks a
 vLLM engine for tokens (ids in, ids + sampling logprobs out), answers in the protocol the client spoke (tool calls
-parsed by vLLM's Hermes parser), and records the trajectory token-exactly (DESIGN.md invariant 1).
+parsed by vLLM's Hermes parser), and records the trajectory token-exactly (README, invariant 1).
 
     python capture.py                          # serve the tiny model on CPU; prints the address
     python capture.py --model DIR --port 8000  # any local HuggingFace model directory
@@ -436,11 +436,11 @@ class Segment:
 class Session:
     """One agent attempt: its own base URL and key, its segments, and the conversation the open segment renders."""
 
-    def __init__(self, url, attempt_id=None, metadata=None):
+    def __init__(self, url, attempt_id=None):
         self.id = uuid.uuid4().hex[:16]
         self.api_key = "sk-capture-" + secrets.token_urlsafe(24)
         self.base_url = f"{url}/s/{self.id}/v1"
-        self.attempt_id, self.metadata = attempt_id or self.id, metadata or {}
+        self.attempt_id = attempt_id or self.id
         self.segments, self.finished, self.reward = [], False, None
         self.conversation, self.tools, self.last_generated = None, None, []  # what the open segment renders
         self.answers = OrderedDict()  # request key -> result, for client retries
@@ -547,8 +547,8 @@ class CaptureServer:
 
     # --- the Python API of the rollout side
 
-    def new_session(self, attempt_id=None, metadata=None):
-        session = Session(self.url, attempt_id, metadata)
+    def new_session(self, attempt_id=None):
+        session = Session(self.url, attempt_id)
         self.sessions[session.id] = session
         return session
 
@@ -727,7 +727,7 @@ class CaptureServer:
             body = body if body is not None else {}
             if not isinstance(body, dict):
                 raise RequestError(400, "The request body must be a JSON object.")
-            session = self.new_session(field(body, "attempt_id", str), field(body, "metadata", dict))
+            session = self.new_session(field(body, "attempt_id", str))
         except RequestError as e:
             return error_response("openai", e.status, e.message, e.param)
         return JSONResponse({"id": session.id, "base_url": session.base_url, "api_key": session.api_key,
@@ -907,7 +907,7 @@ def main(argv=None):
     model = args.model
     if model is None:
         from model import ensure_tiny_model
-        model = ensure_tiny_model(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "tiny-qwen3-moe"))
+        model = ensure_tiny_model()
     if not os.path.isfile(os.path.join(model, "config.json")):
         sys.exit(f"--model {model}: no config.json there; pass a local HuggingFace model directory.")
 

@@ -1,6 +1,7 @@
 """
 The RL objective: token logprobs without full logits, advantage estimators, and the policy loss with importance
-correction and window normalization. Pure functions on tensors; imports torch only.
+correction and window normalization. Pure functions on tensors; imports torch (and model.py's compile-on-CUDA
+wrapper) only.
 
     .venv/bin/python -m pytest tests/test_loss.py tests/test_loss_dist.py -q   # tests
     .venv/bin/python bench.py logprobs                                       # chunked vs naive peak memory
@@ -13,8 +14,8 @@ One optimizer step over a window of microbatches, on every data-parallel rank:
     for mb in my_microbatches:
         logprobs, entropy = token_logprobs(hidden, lm_head_weight, mb.targets, temperature, with_entropy=True)
         loss, metrics = policy_loss(logprobs, mb.old_logprobs, mb.behavior_logprobs, mb.advantages, mb.mask,
-                                    mb.token_versions, version, cfg, window_tokens, dp_world_size, entropy=entropy)
-        loss.backward()                                           # FSDP averages gradients over the dp ranks
+                                    mb.token_versions, version, cfg, window_tokens, entropy=entropy)
+        loss.backward()   # the trainer SUMS gradients over ranks; a data-parallel average would pass dp_world_size
     summary = reduce_metrics(all_metrics, group=dp_group)
 
 Names: logprobs (this forward), old_logprobs (the trainer's policy at the start of the step, no grad),
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from model import cuda_compiled  # torch.compile on CUDA, eager elsewhere: the one such wrapper
 
 # -----------------------------------------------------------------------------
 # token logprobs and entropy, chunked over tokens
@@ -44,6 +47,7 @@ def _compute_dtype(weight):
     return torch.promote_types(weight.dtype, torch.float32)
 
 
+@cuda_compiled
 def _fused_chunk_stats(logits, targets, temperature, with_entropy):
     """The forward of one chunk without in-place ops, for torch.compile on CUDA: one kernel reads the (C, V)
     logits in the weight dtype and writes (C,) results (eager would write three fp32 (C, V) buffers)."""
@@ -57,6 +61,7 @@ def _fused_chunk_stats(logits, targets, temperature, with_entropy):
     return lse, logprobs, entropy
 
 
+@cuda_compiled
 def _fused_chunk_grad_logits(logits, targets, lse, g_lp, entropy, g_entropy, temperature):
     """d loss / d logits of one chunk in the weight dtype, without in-place ops, for torch.compile on CUDA: one
     kernel reads the recomputed (C, V) logits and writes the (C, V) gradient (eager: six fp32 passes)."""
@@ -70,16 +75,6 @@ def _fused_chunk_grad_logits(logits, targets, lse, g_lp, entropy, g_entropy, tem
 
 
 FUSED_DEVICES = ("cuda",)  # device types that take the fused path (tests add "cpu" to run it eagerly)
-_compiled = {}
-
-
-def _fused(fn, device):
-    """fn compiled once per process on CUDA (a shape change recompiles once with dynamic shapes); eager elsewhere."""
-    if device.type != "cuda":
-        return fn
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn)
-    return _compiled[fn]
 
 
 def _use_fused(hidden):
@@ -108,7 +103,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 if keep_logits:
                     kept.append(raw)
             if fused:
-                lse, lp, ent = _fused(_fused_chunk_stats, hidden.device)(raw, targets[rows], temperature, with_entropy)
+                lse, lp, ent = _fused_chunk_stats(raw, targets[rows], temperature, with_entropy)
                 logsumexp[rows], logprobs[rows] = lse, lp
                 if with_entropy:
                     entropy[rows] = ent
@@ -146,7 +141,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             if kept:  # the forward's logits (bit-identical to recomputing them); dropped as they are used
                 raw, kept[i] = kept[i], None
             if fused:
-                grad_logits = _fused(_fused_chunk_grad_logits, hidden.device)(
+                grad_logits = _fused_chunk_grad_logits(
                     raw if raw is not None else h @ weight.T, targets[rows], logsumexp[rows], grad_logprobs[rows],
                     entropy[rows] if ctx.with_entropy else None,
                     grad_entropy[rows] if ctx.with_entropy else None, ctx.temperature)  # (C, V) weight dtype
@@ -305,7 +300,9 @@ def distill_token_rewards(student_logprobs, teacher_logprobs):
 
 @dataclass
 class LossConfig:
-    loss: str = "ppo"          # ppo (token ratio) | gspo (sequence ratio exp(mean log r))
+    """The loss's options; each field is also a config key of train.py, of the same name and default."""
+    advantage_estimator: str = "grpo"  # grpo | drgrpo | rloo | reinforce | distill (per token: distill_token_rewards)
+    loss_type: str = "ppo"     # ppo (token ratio) | gspo (sequence ratio exp(mean log r))
     eps_low: float = 0.2       # ratio clipped to [1 - eps_low, 1 + eps_high]
     eps_high: float = 0.28
     dual_clip: float = 0.0     # 0 = off, else c > 1: for A < 0 the token loss is capped at -c * A
@@ -318,19 +315,21 @@ class LossConfig:
     entropy_coef: float = 0.0  # entropy bonus (needs entropy)
 
     def __post_init__(self):
-        choices = dict(loss=("ppo", "gspo"), is_level=("token", "sequence", "geometric", "none"),
-                       is_mode=("truncate", "clip", "mask"))
+        choices = dict(advantage_estimator=ESTIMATORS + ("distill",), loss_type=("ppo", "gspo"),
+                       is_level=("token", "sequence", "geometric", "none"), is_mode=("truncate", "clip", "mask"))
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise ValueError(f"LossConfig.{name}={getattr(self, name)!r}, expected one of {allowed}")
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
         if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
-            raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {self.eps_low}, {self.eps_high}")
+            raise ValueError(f"eps_low={self.eps_low}, eps_high={self.eps_high}: need 0 <= eps_low < 1 and eps_high >= 0")
         if self.dual_clip != 0 and not self.dual_clip > 1:
-            raise ValueError(f"dual_clip must be 0 (off) or > 1, got {self.dual_clip}")
+            raise ValueError(f"dual_clip={self.dual_clip}: must be 0 (off) or > 1")
         if not (0 <= self.is_low <= self.is_high and self.is_high > 0):
-            raise ValueError(f"need 0 <= is_low <= is_high and is_high > 0, got {self.is_low}, {self.is_high}")
+            raise ValueError(f"is_low={self.is_low}, is_high={self.is_high}: need 0 <= is_low <= is_high and is_high > 0")
         if not (isinstance(self.max_staleness, int) and self.max_staleness >= 0):
-            raise ValueError(f"max_staleness must be an int >= 0, got {self.max_staleness!r}")
+            raise ValueError(f"max_staleness={self.max_staleness!r}: must be an int >= 0")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError(f"kl_coef={self.kl_coef}, entropy_coef={self.entropy_coef}: must be >= 0")
 
 
 def _fresh_action_mask(mask, token_versions, policy_version, cfg):
@@ -398,9 +397,9 @@ def policy_loss(logprobs, old_logprobs, behavior_logprobs, advantages, mask, tok
     with w_t the detached importance weight (engine -> trainer) and pg_t the PPO / GSPO clipped surrogate, and
         loss = dp_world_size * sum_{kept t} l_t / window_tokens.
     window_tokens counts kept tokens over all microbatches and ranks (count_window_tokens), so summing loss over
-    this rank's microbatches and averaging over ranks gives sum_W l / |W| exactly. The dp_world_size factor
-    cancels the 1/world that FSDP (or DDP) applies when it averages gradients, so the gradient is that of
-    sum_W l / |W| however the window is split. Pass dp_world_size=1 if gradients are summed, not averaged.
+    this rank's microbatches and summing over ranks gives sum_W l / |W| exactly, however the window is split.
+    train.py sums gradients over ranks (dp_world_size=1); a wrapper that averages them (DDP's default) passes its
+    world size here to cancel the 1/world it applies.
     Metrics: a dict of detached 0-dim sums, counts, mins and maxes; combine them with reduce_metrics."""
     per_token_inputs = [t for t in (logprobs, old_logprobs, behavior_logprobs, mask, token_versions, ref_logprobs,
                                     entropy) if t is not None]
@@ -427,7 +426,7 @@ def policy_loss(logprobs, old_logprobs, behavior_logprobs, advantages, mask, tok
 
     # where(), not multiplication, everywhere a masked value could be inf or NaN (padding, huge ratios)
     log_ratio = torch.where(kept, logprobs - old, 0.0)  # (B, T)
-    if cfg.loss == "gspo":  # sequence ratio: exp of the mean log ratio over the row's kept tokens
+    if cfg.loss_type == "gspo":  # sequence ratio: exp of the mean log ratio over the row's kept tokens
         log_ratio = log_ratio.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True).clamp(min=1)
         log_ratio = torch.where(kept, log_ratio.expand_as(kept), 0.0)
     ratio = log_ratio.exp()

@@ -15,6 +15,7 @@ driver splits across trainer ranks by tokens; each rank `ray.get`s its own refs.
 """
 import asyncio
 import itertools
+import math
 import os
 import threading
 import time
@@ -38,11 +39,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 class EngineActor(capture.Engine):
-    """capture.Engine as a Ray actor: start() answers None (an Engine cannot be pickled back to the caller), and
-    started() tells a restarted actor (a fresh, unstarted Engine) from a live one."""
-
-    async def start(self):
-        await super().start()
+    """capture.Engine as a Ray actor; started() tells a restarted actor (a fresh, unstarted Engine) from a live one."""
 
     async def started(self):
         return self.llm is not None
@@ -109,8 +106,7 @@ def start_engines(model_path, num_engines=1, tensor_parallel_size=1, *, max_rest
                              scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
                .remote(model_path, tensor_parallel_size=tensor_parallel_size, seed=i, **engine_kwargs)
                for i in range(num_engines)]
-    ray.get([e.start.remote() for e in engines], timeout=ready_timeout_s)
-    ray.get([e.set_version.remote(0) for e in engines])
+    ray.get([e.start.remote() for e in engines], timeout=ready_timeout_s)  # each starts at weight version 0
     return engines, pg
 
 
@@ -416,11 +412,14 @@ class RolloutPool:
         ctx = Context(base_url=session.base_url, api_key=session.api_key, model=self.model_name, prompt=prompt,
                       messages=[dict(m) for m in messages], tools=item.get("tools"), label=item.get("label"),
                       sampling=dict(self.sampling), attempt_id=session.attempt_id, group_id=group_id)
-        reward, failed, error, teacher = 0.0, False, None, None
+        reward, failed, error, teacher, info = 0.0, False, None, None, {}
         try:
             result = await asyncio.wait_for(self.run_agent(ctx), self.attempt_timeout_s)
             reward = result.reward
             teacher = result.info.get("teacher_logprobs")  # on-policy distillation: one list per segment
+            # the numbers the agent reports (Result.info) are logged per step, averaged over attempts
+            info = {k: float(v) for k, v in result.info.items()
+                    if isinstance(v, (int, float)) and math.isfinite(v)}
         except asyncio.TimeoutError:
             failed, error = True, f"attempt timed out after {self.attempt_timeout_s}s"
             self.counters["timed_out_attempts"] += 1
@@ -457,5 +456,7 @@ class RolloutPool:
         if not records:  # an attempt that never reached the model still counts in its group's statistics
             records = [dict(ref=None, attempt_id=session.attempt_id, segment_index=-1, group_id=group_id, reward=reward,
                             num_tokens=0, action_tokens=0, min_version=-1, max_version=-1, failed=failed, error=error)]
+        for r in records:
+            r["info"] = info
         self.counters["generated_tokens"] += sum(r["action_tokens"] for r in records)
         return dict(attempt_id=session.attempt_id, reward=reward, failed=failed, error=error, segments=records)

@@ -12,8 +12,9 @@ overrides are type-checked against the default. Unknown keys and wrong types sto
 """
 
 import ast
-import datetime
 import asyncio
+import dataclasses
+import datetime
 import json
 import math
 import os
@@ -34,28 +35,26 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
                                     register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor, Shard
 
-try:  # one small kernel on CUDA (to_contiguous); on CPU plain PyTorch
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
 import loss
-from model import (EXPERT_PROJS, GatherRows, SumRows, Transformer, count_ids, load_config, ours_to_hf,
-                   slot_positions)
-from model import save_checkpoint as write_hf_checkpoint
+import plan
+from model import (EXPERT_PROJS, GatherRows, SumRows, Transformer, count_ids, ensure_tiny_model, init_parameters,
+                   is_stacked_experts, is_tiny_model, load_config, ours_to_hf, save_hf_checkpoint, slot_positions,
+                   to_contiguous, weight_files)
+from plan import ConfigError, check_config, loss_config
+from weights_sync import free_port
 
 # -----------------------------------------------------------------------------
 # default config values: the tiny CPU run. configs/*.py and --key=value override them.
 # I/O
 out_dir = "out/tiny"
 model_path = ".cache/tiny-qwen3-moe"  # HF-format Qwen3 / Qwen3-MoE directory; the tiny one is built if missing
-model_config = {}          # config.json fields used when model_path has none yet (dry runs, from-scratch init)
+model_config = {}          # config.json fields a dry run plans from when model_path has none (not downloaded yet)
 resume = False             # continue from the last checkpoint in out_dir
 checkpoint_every = 10      # optimizer steps between checkpoints (and at the end)
 save_trajectories = False  # write every finished attempt's segments to out_dir/trajectories.jsonl
 seed = 1337
 dry_run = False            # build on the meta device against a fake process group, print the plan, exit
+export_hf = ""             # a directory: write out_dir's last checkpoint there as HF safetensors, then exit
 # agent and data
 agent = "agents/calculator.py"  # a module exporting `agent` (a ChatAgent or an Env)
 prompts = ""               # JSONL/Parquet of prompts and labels; "" lets the agent module generate them
@@ -71,7 +70,6 @@ speculative_config = {}    # passed to vLLM as is, e.g. {"method": "mtp", "num_s
 group_size = 4             # attempts per prompt (GRPO group)
 groups_per_batch = 8       # complete groups per optimizer step
 groups_in_flight = 12      # queue depth: groups running at once; more than groups_per_batch means off-policy
-max_staleness = 1          # tokens sampled more than this many policy versions ago are dropped from the loss
 temperature = 1.0
 top_p = 1.0
 max_tokens = 48            # per model turn
@@ -79,18 +77,9 @@ attempt_timeout_s = 60.0
 failed_group_rule = "drop"  # "drop" a group with a failed attempt, or "complete" it with reward 0 for the failure
 max_failed_rounds = 3      # the run stops, with the last error, when this many x groups_in_flight x group_size
                            # attempts in a row failed (a broken agent or tool; not while an engine restarts)
-# algorithm
-advantage_estimator = "grpo"  # grpo | drgrpo | rloo | reinforce | distill
-loss_type = "ppo"          # ppo | gspo
-eps_low = 0.2
-eps_high = 0.28
-dual_clip = 0.0            # 0 = off, else the dual-clip constant c > 1
-is_level = "token"         # importance correction engine->trainer: token | sequence | geometric | none
-is_mode = "truncate"       # truncate | clip | mask
-is_low = 0.5
-is_high = 2.0
-kl_coef = 0.0              # KL to the reference (initial) policy
-entropy_coef = 0.0
+# algorithm: every field of loss.LossConfig is a config key of the same name and default (advantage_estimator,
+# loss_type, the clipping and importance-correction options, ...); loss.py says what each does and accepts
+globals().update(dataclasses.asdict(loss.LossConfig()))
 # optimization
 max_steps = 40
 learning_rate = 3e-3
@@ -115,10 +104,6 @@ gpus_per_node = 8          # GPUs of one node, for the dry run: an engine's tens
 
 CONFIG_KEYS = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, dict))
                and k not in ("CONFIG_KEYS",)]
-
-
-class ConfigError(ValueError):
-    pass
 
 
 def configure(argv, defaults=None):
@@ -192,13 +177,6 @@ def init_distributed(timeout_s=600):
     return rank, world, device
 
 
-def free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def build_meshes(world, ep_size, device_type):
     """All device meshes of the trainer: `fsdp` (all ranks, dense weights), `experts` (ep x expert_fsdp, 2-D),
     and its two 1-D slices `ep` (dispatch/combine) and `expert_fsdp` (FSDP of the local experts)."""
@@ -212,24 +190,12 @@ def build_meshes(world, ep_size, device_type):
     return {"fsdp": fsdp, "experts": experts, "ep": experts["ep"], "expert_fsdp": experts["expert_fsdp"]}
 
 
-def partition_experts(model, meshes):
-    """Keep only this rank's E / ep experts in every MoE layer (the model is still on the meta device)."""
-    ep_mesh = meshes["ep"]
-    ep, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    for block in model.model.layers:
-        if not block.is_moe:
-            continue
-        experts = block.mlp.experts
-        E = experts.num_experts
-        if E % ep:
-            raise ConfigError(f"ep_size={ep} must divide the number of experts ({E})")
-        E_local = E // ep
-        for name in EXPERT_PROJS:
-            full = getattr(experts, name)
-            setattr(experts, name, nn.Parameter(torch.empty(E_local, *full.shape[1:], device=full.device)))
-        if ep > 1:
-            experts.ep_group, experts.first_expert = ep_mesh.get_group(), ep_rank * E_local
-            experts.ep_dispatch, experts.ep_combine = ep_dispatch, ep_combine
+def meta_sharded_model(mcfg, meshes, cfg):
+    """The model on the meta device with this rank's experts only (E / ep_size of each layer), fully_shard applied."""
+    ep = ExpertParallel(meshes["ep"]) if meshes["ep"].size() > 1 else None
+    with torch.device("meta"):
+        model = Transformer(mcfg, expert_parallel=ep)
+    return shard_model(model, meshes, cfg)
 
 
 def shard_model(model, meshes, cfg):
@@ -307,27 +273,6 @@ class CastForCompute(torch.autograd.Function):
         return DTensor.from_local(main, ctx.mesh, ctx.placements, run_check=False), None
 
 
-def to_contiguous(x, dtype):
-    """x (E, R, C) of any strides -> a contiguous tensor in `dtype`, in one pass (x itself when it already is one)."""
-    if (x.dtype == dtype and x.is_contiguous()) or not (x.is_cuda and triton is not None and x.dim() == 3):
-        return x.to(dtype, memory_format=torch.contiguous_format)  # the reference; the kernel matches it bit for bit
-    E, R, C = x.shape
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    _to_contiguous_kernel[(E, triton.cdiv(R, 64), triton.cdiv(C, 64))](out, x, R, C, *x.stride(), BR=64, BC=64)
-    return out
-
-
-if triton is not None:
-    @triton.jit
-    def _to_contiguous_kernel(out, x, R, C, s0, s1, s2, BR: tl.constexpr, BC: tl.constexpr):
-        e = tl.program_id(0).to(tl.int64)  # one (BR, BC) tile of matrix e; Triton reads x along its unit stride
-        rows = tl.program_id(1) * BR + tl.arange(0, BR)[:, None]
-        cols = tl.program_id(2) * BC + tl.arange(0, BC)[None, :]
-        mask = (rows < R) & (cols < C)
-        tile = tl.load(x + e * s0 + rows * s1 + cols * s2, mask=mask)
-        tl.store(out + e * R * C + rows * C + cols, tile.to(out.dtype.element_ty), mask=mask)
-
-
 def expert_placement(experts, meshes):
     """FSDP cuts this rank's (E / ep, ...) expert tensors on dim 0 when the expert FSDP ranks divide E / ep, else on
     dim 1 where they divide it (FSDP2 cuts other dims evenly only). E.g. 1 expert per EP rank and 2 FSDP ranks: on
@@ -347,6 +292,21 @@ def all_to_all(x, out_splits, in_splits, group):
     """Autograd all-to-all of rows: backward sends the gradients back along the same routes."""
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     return dist_nn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+
+
+class ExpertParallel:
+    """The experts of each MoE layer split over the `ep` mesh's ranks, and the two all-to-alls model.Experts calls
+    around its local experts: `dispatch` sends each token to the ranks holding its experts, `combine` brings the
+    weighted sums back."""
+
+    def __init__(self, ep_mesh):
+        self.group, self.size, self.rank = ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank()
+
+    def dispatch(self, x, topk_ids, topk_weights, num_experts):
+        return ep_dispatch(x, topk_ids, topk_weights, num_experts, self.group)
+
+    def combine(self, y_recv, plan):
+        return ep_combine(y_recv, plan, self.group)
 
 
 def ep_dispatch(x, topk_ids, topk_weights, num_experts, group):
@@ -395,10 +355,7 @@ def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_
     """The sharded trainer model: built on the meta device, experts partitioned, fully_shard, then each rank
     materializes and fills only its own shards (from `weights_path`, an HF directory, or random init)."""
     mcfg = model_config if model_config is not None else load_config(weights_path)
-    with torch.device("meta"):
-        model = Transformer(mcfg)
-    partition_experts(model, meshes)
-    shard_model(model, meshes, cfg)
+    model = meta_sharded_model(mcfg, meshes, cfg)
     model.to_empty(device=device if not cfg["cpu_offload_optimizer"] else "cpu")
     if mcfg.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
         raise RuntimeError("tied embeddings came untied while materializing the sharded model")
@@ -406,20 +363,9 @@ def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_
     if weights_path is not None:
         load_hf_weights(model, weights_path)
     else:
-        init_local_shards(model, init_std, seed=cfg["seed"] + dist.get_rank())
+        generator = torch.Generator(model.lm_head.weight.device).manual_seed(cfg["seed"] + dist.get_rank())
+        init_parameters(((n, local_tensor(p)) for n, p in model.named_parameters()), init_std, generator)
     return model
-
-
-@torch.no_grad()
-def init_local_shards(model, std, seed):
-    """Random init of each rank's shards (benchmarks, from-scratch runs), on their device; norms start at 1."""
-    torch.manual_seed(seed)
-    for name, p in model.named_parameters():
-        local = local_tensor(p)
-        if name.endswith("norm.weight"):
-            local.fill_(1.0)
-        else:
-            local.normal_(0.0, std)
 
 
 def local_tensor(t):
@@ -430,7 +376,7 @@ def local_tensor(t):
 def load_hf_weights(model, path):
     """Fill each rank's shards from an HF safetensors directory; files are memory-mapped and each rank copies
     only its rows (for experts, only its own experts), so no rank ever holds the whole model."""
-    files = hf_weight_files(path)
+    files = weight_files(path)
     handles = {}
     def read(name):
         if name not in files:
@@ -440,7 +386,7 @@ def load_hf_weights(model, path):
             handles[f] = safe_open(os.path.join(path, f), framework="pt")
         return handles[f].get_tensor(name)
     for name, p in model.named_parameters():
-        if ".mlp.experts." in name:
+        if is_stacked_experts(name):
             prefix, proj = name.split(".mlp.experts.")
             experts = model.get_submodule(prefix + ".mlp.experts")
             E_local = p.shape[0]  # the DTensor's shape: this rank's experts before FSDP cut them
@@ -451,19 +397,6 @@ def load_hf_weights(model, path):
         else:
             full = read(name)
         copy_shard(p, full)
-
-
-def hf_weight_files(path):
-    """HF tensor name -> file name, for a single-file or sharded (index.json) safetensors directory."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            return json.load(f)["weight_map"]
-    single = os.path.join(path, "model.safetensors")
-    if not os.path.isfile(single):
-        raise FileNotFoundError(f"{path} has no model.safetensors or model.safetensors.index.json")
-    with safe_open(single, framework="pt") as f:
-        return {k: "model.safetensors" for k in f.keys()}
 
 
 def copy_shard(p, full):
@@ -489,8 +422,8 @@ def build_optimizer(model, cfg):
     dense weights live on different meshes, so they are separate param groups (foreach kernels stay per mesh).
     With cpu_offload_optimizer the shards, their gradients and the Adam state stay in host memory (FSDP's
     CPUOffloadPolicy) and the step runs on the CPU."""
-    experts = [p for n, p in model.named_parameters() if ".mlp.experts." in n]
-    dense = [p for n, p in model.named_parameters() if ".mlp.experts." not in n]
+    experts = [p for n, p in model.named_parameters() if is_stacked_experts(n)]
+    dense = [p for n, p in model.named_parameters() if not is_stacked_experts(n)]
     groups = [{"params": dense}] + ([{"params": experts}] if experts else [])
     # fused: one kernel per group, on the GPU and on the CPU (offloaded state); it also takes the clipping factor
     return torch.optim.AdamW(groups, lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
@@ -504,13 +437,6 @@ def learning_rate_at(step, cfg):
         return lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
-
-
-def loss_config(cfg):
-    return loss.LossConfig(loss=cfg["loss_type"], eps_low=cfg["eps_low"], eps_high=cfg["eps_high"],
-                           dual_clip=cfg["dual_clip"], is_level=cfg["is_level"], is_mode=cfg["is_mode"],
-                           is_low=cfg["is_low"], is_high=cfg["is_high"], max_staleness=cfg["max_staleness"],
-                           kl_coef=cfg["kl_coef"], entropy_coef=cfg["entropy_coef"])
 
 
 def collate(segments, advantages, pad_id=0):
@@ -675,7 +601,7 @@ def with_global_experts(state, meshes, experts=False):
     global DTensors (see above)."""
     out = {}
     for k, v in state.items():
-        is_experts = experts or ".mlp.experts." in str(k)
+        is_experts = experts or is_stacked_experts(str(k))
         if isinstance(v, dict):
             out[k] = with_global_experts(v, meshes, is_experts)
         elif is_experts and isinstance(v, DTensor) and v.dim() > 0:
@@ -739,7 +665,7 @@ def gather_full(name, t, meshes):
     if t.device.type != t.device_mesh.device_type:  # cpu_offload_optimizer: host shards, GPU collectives
         t = t.to(t.device_mesh.device_type)
     full = t.full_tensor()  # over its FSDP mesh; experts: (E / ep, ...) this EP rank's experts
-    if ".mlp.experts." in name and meshes["ep"].size() > 1:
+    if is_stacked_experts(name) and meshes["ep"].size() > 1:
         full = DTensor.from_local(full, meshes["ep"], [Shard(0)], run_check=False).full_tensor()  # (E, ...)
     return full
 
@@ -753,7 +679,7 @@ def export_hf(model, path, dtype=torch.bfloat16, source_dir=None):
         if rank0:
             state[name] = t.to(dtype).cpu()
     if rank0:
-        write_hf_checkpoint(path, ours_to_hf(state, model.config), model.config, dtype=dtype)
+        save_hf_checkpoint(path, ours_to_hf(state, model.config), model.config, dtype=dtype)
         if source_dir is not None:
             copy_hf_extras(source_dir, path)
     dist.barrier()
@@ -827,10 +753,10 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
     placement = []
     if engines is None:
         placement.append(rollout.reserve_trainer_gpus(trainer_gpus))  # torchrun's GPUs, unknown to Ray
-        options = engine_options(cfg)
-        # routing replay (invariant 3): the engine returns each token's experts for the trainer's router to reuse;
+        options = plan.engine_options(cfg)
+        # routing replay (README, invariant 3): the engine returns each token's experts for the trainer's router to reuse;
         # vLLM returns them on GPU only (Model Runner V2), so a CPU run trains on the trainer's own routing
-        options["enable_return_routed_experts"] = torch.cuda.is_available() and planned_model_config(cfg).is_moe
+        options["enable_return_routed_experts"] = torch.cuda.is_available() and plan.planned_model_config(cfg).is_moe
         engines, engine_pg = rollout.start_engines(cfg["model_path"], cfg["num_engines"], **options)
         placement.append(engine_pg)
         rollout.check_engine_gpus(engines, trainer_gpus)
@@ -949,6 +875,14 @@ def push_weights(run, loop, sender, model, policy_version, rank, world):
     return time.perf_counter() - t0
 
 
+def info_means(records):
+    """{"info/KEY": mean over attempts} of the numbers agents returned in Result.info (an attempt counts once)."""
+    per_attempt = {r["attempt_id"]: r.get("info") or {} for r in records}
+    keys = sorted({k for info in per_attempt.values() for k in info})
+    return {f"info/{k}": sum(info[k] for info in per_attempt.values() if k in info) /
+            sum(k in info for info in per_attempt.values()) for k in keys}
+
+
 def log_step(out_dir, row):
     with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
@@ -1013,6 +947,7 @@ def train(cfg, model, optimizer, run, step, rank, world):
                        staleness=sum(policy_version - 1 - r["min_version"] for r in generated) / max(len(generated), 1),
                        loss=m["loss"], grad_norm=m["grad_norm"], lr=m["lr"], kept_tokens=m["kept_tokens"],
                        clip_frac=m["clip_frac"], attempts=len(rewards), segments=len(records))
+            row.update(info_means(records))
             log_step(out_dir, row)
             run["router"].reset_idle_clock()
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", step_s=f"{step_time:.1f}",
@@ -1029,9 +964,6 @@ def train(cfg, model, optimizer, run, step, rank, world):
         plot_rewards(out_dir)
 
 
-TINY_MODEL_PATH = ".cache/tiny-qwen3-moe"  # the default model_path: built here on first use
-
-
 def build_trainer(cfg, world, device):
     """The sharded model and its optimizer, from the last checkpoint in out_dir when cfg["resume"]. Returns
     (model, optimizer, step, extra): extra is what save_checkpoint recorded beside the step ({} for a fresh run)."""
@@ -1040,340 +972,38 @@ def build_trainer(cfg, world, device):
     if not cfg["resume"]:
         return model, optimizer, 0, {}
     path = latest_checkpoint(cfg["out_dir"])
-    if path is None:
-        raise ConfigError(f"--resume=True, but {cfg['out_dir']} holds no checkpoint: run once without --resume first")
     step, extra = load_checkpoint(path, model, optimizer)
     print0(f"resumed from {path} at step {step}")
     return model, optimizer, step, extra
 
 
-# -----------------------------------------------------------------------------
-# config checks and the dry run: the real sharding code against a fake process group, on the meta device
-#
-# `python train.py --config configs/moe_700b.py --dry_run=True` builds the model on the meta device, runs
-# partition_experts and shard_model (the code a real run uses) against torch's fake process group of
-# train_world_size ranks, and reads each parameter's local shard shape on rank 0. FSDP cuts dim 0 like torch.chunk,
-# so rank 0 holds the largest shard of every parameter: its figures are the per-GPU maximum. No memory is allocated.
-
-GiB = 2**30
-
-
-def launched_world_size():
-    """WORLD_SIZE when torchrun started this process, else None (plain `python train.py` is a world of one)."""
-    return int(os.environ["WORLD_SIZE"]) if "TORCHELASTIC_RUN_ID" in os.environ else None
-
-
-def planned_model_config(cfg):
-    """The model a run trains: model_path's config.json; else model_config (a model not downloaded yet); else, for
-    the tiny default path, the tiny model's config (it is built on first use)."""
-    from model import TINY_CONFIG, ModelConfig
-    if os.path.isfile(os.path.join(cfg["model_path"], "config.json")):
-        return load_config(cfg["model_path"])
-    if cfg["model_config"]:
-        try:
-            return ModelConfig.from_hf(cfg["model_config"])
-        except (TypeError, ValueError, KeyError) as e:
-            raise ConfigError(f"model_config is not a usable Qwen3 config.json: {e}") from None
-    if os.path.normpath(cfg["model_path"]) == os.path.normpath(TINY_MODEL_PATH):
-        return TINY_CONFIG
-    raise ConfigError(f"model_path {cfg['model_path']!r} has no config.json and model_config is empty: download the "
-                      "model there or give its config.json fields as model_config")
-
-
-def check_config(cfg, mcfg, world_size=None):
-    """Consistency checks shared by the dry run and a real run (the driver calls this before any work, with
-    world_size=launched_world_size()). Raises ConfigError with one sentence naming what is wrong."""
-    W, ep = cfg["train_world_size"], cfg["ep_size"]
-    if W < 1 or ep < 1:
-        raise ConfigError(f"train_world_size ({W}) and ep_size ({ep}) must be at least 1")
-    if world_size is not None and world_size != W:
-        raise ConfigError(f"torchrun started {world_size} ranks (WORLD_SIZE) but train_world_size is {W}: launch "
-                          f"{W} ranks or pass --train_world_size={world_size}")
-    if W % ep:
-        raise ConfigError(f"train_world_size ({W}) is not divisible by ep_size ({ep}): expert-parallel groups "
-                          "need whole sets of ep_size ranks")
-    if ep > 1 and not mcfg.is_moe:
-        raise ConfigError(f"ep_size={ep} needs a MoE model, but the model is dense (num_experts=0): use ep_size=1")
-    if mcfg.is_moe and mcfg.num_experts % ep:
-        raise ConfigError(f"ep_size ({ep}) does not divide the number of experts ({mcfg.num_experts})")
-    if cfg["num_engines"] < 1 or cfg["tensor_parallel_size"] < 1:
-        raise ConfigError(f"num_engines ({cfg['num_engines']}) and tensor_parallel_size "
-                          f"({cfg['tensor_parallel_size']}) must be at least 1")
-    if cfg["max_tokens"] >= cfg["engine_max_model_len"]:
-        raise ConfigError(f"max_tokens ({cfg['max_tokens']}) leaves no room for the prompt within "
-                          f"engine_max_model_len ({cfg['engine_max_model_len']})")
-    if cfg["engine_max_model_len"] > mcfg.max_position_embeddings:
-        raise ConfigError(f"engine_max_model_len ({cfg['engine_max_model_len']}) is above the model's "
-                          f"max_position_embeddings ({mcfg.max_position_embeddings})")
-    if cfg["groups_in_flight"] < cfg["groups_per_batch"]:
-        raise ConfigError(f"groups_in_flight ({cfg['groups_in_flight']}) is below groups_per_batch "
-                          f"({cfg['groups_per_batch']}): a batch could never fill")
-    if cfg["max_failed_rounds"] < 0:
-        raise ConfigError(f"max_failed_rounds ({cfg['max_failed_rounds']}) must be 0 (never stop) or more")
-
-
-def engine_options(cfg):
-    """capture.Engine keyword arguments from the config (num_engines says how many engines start)."""
-    return dict(max_model_len=cfg["engine_max_model_len"], memory_fraction=cfg["engine_memory_fraction"],
-                tensor_parallel_size=cfg["tensor_parallel_size"], enable_prefix_caching=cfg["enable_prefix_caching"],
-                speculative_config=cfg["speculative_config"] or None,
-                recompute_kv_on_sync=cfg["recompute_kv_on_sync"])
-
-
-ENGINE_OPTION_KEYS = {"max_model_len": "engine_max_model_len", "memory_fraction": "engine_memory_fraction",
-                      "tensor_parallel_size": "tensor_parallel_size",
-                      "enable_prefix_caching": "enable_prefix_caching", "speculative_config": "speculative_config",
-                      "recompute_kv_on_sync": "recompute_kv_on_sync"}
-
-
-def check_engine_options(cfg, model_dir, **engine_kwargs):
-    """Ask vLLM whether it accepts the engine options, with the validation AsyncLLM runs first when an engine starts
-    (no weights loaded, no GPU needed, well under a second). Raises ConfigError naming the config key it refuses."""
-    import capture
-    from vllm import AsyncEngineArgs
-
-    def refusal(options):
-        try:
-            AsyncEngineArgs(**capture.Engine(model_dir, **options, **engine_kwargs).engine_args).create_engine_config()
-        except Exception as e:  # pydantic's ValidationError, ValueError, NotImplementedError, ...
-            errors = getattr(e, "errors", None)
-            msg = errors()[0]["msg"] if callable(errors) else str(e)
-            return msg.removeprefix("Value error, ").strip().splitlines()[0][:400]
-        return None
-
-    options = engine_options(cfg)
-    if refusal(options) is None:
-        return
-    base = refusal({})
-    if base is not None:
-        raise ConfigError(f"vLLM cannot start an engine on {model_dir!r} even with default options: {base}")
-    tried = {}
-    for name, value in options.items():  # add the options one at a time: the first one refused is named
-        tried[name] = value
-        msg = refusal(tried)
-        if msg is not None:
-            key = ENGINE_OPTION_KEYS[name]
-            raise ConfigError(f"vLLM refuses engine option {key}={cfg[key]!r}: {msg}")
-
-
-def activation_bytes(mcfg, tokens, checkpointing, dtype_bytes=2, expert_parallel=False, routing_replay=True):
-    """Estimated bytes autograd saves for backward in one microbatch of `tokens` tokens (flash attention, balanced
-    routing), counted from what each op of model.py saves. Per token and layer: each RMSNorm an fp32 copy of its
-    input, the normed input and its output (4 + 2b) * D, q_norm and k_norm (4 + b) per element of their heads;
-    attention q, k, v, its output and an fp32 logsumexp per head; a MoE layer the router's fp32 probabilities (E),
-    its K input rows (sorted by expert), the K expert hidden tensors of width H five times (gate, up, silu(gate),
-    their product, scaled by the routing weight; fewer where silu_mul is compiled), and index/weight tensors of
-    width K (the row gathers and sums keep only int64 indices, about two more of width K under EP); a dense MLP its
-    four hidden tensors. With activation checkpointing each block keeps only its input (plus routing-replay ids) and
-    one block at a time is recomputed in backward."""
-    b, D, hd, K = dtype_bytes, mcfg.hidden_size, mcfg.head_dim, mcfg.num_experts_per_tok
-    nh, nkv = mcfg.num_attention_heads, mcfg.num_key_value_heads
-    norm = (4 + 2 * b) * D + 4
-    attn = 2 * norm + (4 + b) * (nh + nkv) * hd + 4 * (nh + nkv) + b * 2 * (nh + nkv) * hd + 4 * nh
-    index = (5 if expert_parallel else 3) * 8 * K  # int64 ids of width K: topk ids, sort order, inverse (+ EP's two)
-    moe = attn + 4 * mcfg.num_experts + b * K * D + 5 * b * K * mcfg.moe_intermediate_size + index + (4 + b) * K + 4
-    dense = attn + 4 * b * mcfg.intermediate_size
-    n_moe = len(mcfg.moe_layers)
-    layers = [moe] * n_moe + [dense] * (mcfg.num_hidden_layers - n_moe)
-    once = norm + 8 + 2 * b * hd  # the final norm, the token ids, RoPE's cos and sin
-    if not checkpointing:
-        return tokens * (sum(layers) + once)
-    replay = 8 * K * n_moe if (routing_replay and n_moe) else 0  # (B, T, L_moe, K) int64 expert ids
-    return tokens * (b * D * mcfg.num_hidden_layers + replay + max(layers) + once)
-
-
-def fsdp_unit_params(model):
-    """{unit name: [its parameters]}: the fully_shard units and the parameters each one all-gathers."""
-    units = {name: [] for name, m in model.named_modules() if isinstance(m, FSDPModule)}
-    for pname, p in model.named_parameters():
-        owner = max((u for u in units if u == "" or pname.startswith(u + ".")), key=len)
-        units[owner].append(p)
-    return units
-
-
-def plan_memory(cfg, mcfg, model):
-    """Per-GPU bytes of rank 0 from the sharded meta model, and the rollout side from the config. Returns a dict."""
-    from model import num_params
-    W, ep = cfg["train_world_size"], cfg["ep_size"]
-    b = getattr(torch, cfg["param_dtype"]).itemsize  # compute dtype: what FSDP all-gathers and activations are in
-    p_dense = p_expert = 0
-    for name, p in model.named_parameters():
-        local = local_tensor(p)  # rank 0's shard (meta): FSDP pads every rank to this size
-        if ".mlp.experts." in name:
-            p_expert += local.numel()
-        else:
-            p_dense += local.numel()
-    params = p_dense + p_expert
-    units = fsdp_unit_params(model)
-    unit_numel = {u: sum(p.numel() for p in ps) for u, ps in units.items()}  # unsharded (on its own mesh)
-    blocks = [f"model.layers.{i}" for i in range(mcfg.num_hidden_layers)]
-    block_numel = max(sum(n for u, n in unit_numel.items() if u == blk or u.startswith(blk + ".")) for blk in blocks)
-    tokens = max(cfg["microbatch_tokens"], cfg["engine_max_model_len"])
-    plan = dict(
-        world=W, ep=ep, params_total=num_params(mcfg), params_active=num_params(mcfg, active=True),
-        params_dense_local=p_dense, params_expert_local=p_expert,
-        # fp32 master weights (FSDP keeps the sharded parameters fp32), fp32 gradients, AdamW m and v in fp32
-        params_bytes=4 * params, grads_bytes=4 * params, optimizer_bytes=8 * params,
-        # the root unit (embeddings, final norm, lm_head) stays gathered from forward to the end of backward, with
-        # its gradient; blocks: the one computing plus the next one prefetched, and the computing one's gradient
-        # unsharded in the compute dtype and in fp32 for the reduce-scatter
-        gather_bytes=2 * b * unit_numel[""] + 2 * b * block_numel + (b + 4) * block_numel,
-        root_numel=unit_numel[""], block_numel=block_numel, tokens=tokens,
-        act_bytes_ckpt=activation_bytes(mcfg, tokens, True, b, ep > 1),
-        # + experts kept outside FSDP (experts_stay_local): autograd keeps each layer's cast of them to the compute
-        # dtype (none when that is fp32 itself)
-        act_bytes_full=activation_bytes(mcfg, tokens, False, b, ep > 1) +
-        (b * p_expert if experts_stay_local(model.meshes, cfg) and b < 4 else 0),
-        # chunked logprobs: fp32 logits of one chunk, their softmax and its gradient (loss.token_logprobs)
-        logits_bytes=3 * 4 * min(cfg["logprob_chunk_size"], tokens) * mcfg.vocab_size,
-        gpu_bytes=cfg["gpu_memory_gib"] * GiB)
-    on_gpu_state = 0 if cfg["cpu_offload_optimizer"] else plan["params_bytes"] + plan["grads_bytes"] + plan["optimizer_bytes"]
-    transient = plan["gather_bytes"] + plan["logits_bytes"]
-    act = plan["act_bytes_ckpt"] if cfg["activation_checkpointing"] else plan["act_bytes_full"]
-    plan["total_bytes"] = on_gpu_state + transient + act
-    plan["total_bytes_other_ckpt"] = on_gpu_state + transient + (
-        plan["act_bytes_full"] if cfg["activation_checkpointing"] else plan["act_bytes_ckpt"])
-    # rollout: bf16 weights split over tensor_parallel_size GPUs; KV heads split too (replicated past nkv)
-    tp = cfg["tensor_parallel_size"]
-    plan["sync_bytes"] = 2 * plan["params_total"]  # bf16 HF state dict sent to the engines every step
-    plan["engine_weight_bytes"] = plan["sync_bytes"] / tp
-    kv_heads = max(1, math.ceil(mcfg.num_key_value_heads / tp))
-    plan["kv_bytes_per_token"] = 2 * mcfg.num_hidden_layers * kv_heads * mcfg.head_dim * 2
-    plan["engine_budget_bytes"] = cfg["engine_memory_fraction"] * plan["gpu_bytes"]
-    plan["kv_tokens"] = int((plan["engine_budget_bytes"] - plan["engine_weight_bytes"]) // plan["kv_bytes_per_token"])
-    plan["rollout_gpus"] = cfg["num_engines"] * tp
-    return plan
-
-
-def dry_run_report(cfg):
-    """Plan the run on paper: print per-GPU memory, GPU counts and the weight-sync volume; exit with one sentence
-    if it cannot fit or is inconsistent. Runs in seconds on a CPU for any world size."""
-    try:
-        plan = plan_run(cfg)
-    except ConfigError as e:
-        sys.exit(f"dry run: {e}")
-    print_plan(cfg, plan)
-    return plan
-
-
-def plan_run(cfg):
-    """Checks, the sharded meta model against a fake process group of train_world_size ranks, the memory plan, and
-    vLLM's verdict on the engine options. Raises ConfigError when the run cannot work."""
-    import tempfile
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    mcfg = planned_model_config(cfg)
-    check_config(cfg, mcfg, world_size=launched_world_size())
-    if dist.is_initialized():
-        raise RuntimeError("the dry run needs a process without a process group (it makes a fake one)")
-    W = cfg["train_world_size"]
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=W)
-    try:
-        meshes = build_meshes(W, cfg["ep_size"], "cpu")
-        with torch.device("meta"):
-            model = Transformer(mcfg)
-        partition_experts(model, meshes)
-        shard_model(model, meshes, cfg)
-        plan = plan_memory(cfg, mcfg, model)
-    finally:
-        dist.destroy_process_group()
-    gib = lambda n: f"{n / GiB:.1f} GiB"
-    if plan["total_bytes"] > plan["gpu_bytes"]:
-        raise ConfigError(f"training needs about {gib(plan['total_bytes'])} per GPU, more than the "
-                          f"{cfg['gpu_memory_gib']:g} GiB of one GPU: raise train_world_size, lower microbatch_tokens, "
-                          "turn on activation_checkpointing or cpu_offload_optimizer")
-    one_sequence = plan["kv_bytes_per_token"] * cfg["engine_max_model_len"]
-    if plan["engine_weight_bytes"] + one_sequence > plan["engine_budget_bytes"]:
-        raise ConfigError(f"a rollout engine cannot hold the model: {gib(plan['engine_weight_bytes'])} of bf16 weights "
-                          f"per GPU plus the KV cache of one {cfg['engine_max_model_len']}-token sequence exceed "
-                          f"engine_memory_fraction x GPU = {gib(plan['engine_budget_bytes'])}: raise "
-                          "tensor_parallel_size or engine_memory_fraction")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its config notes would bury the plan
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        plan["engine_check"] = "not checked: vLLM is not installed here"
-        return plan
-    if os.path.isfile(os.path.join(cfg["model_path"], "config.json")):
-        check_engine_options(cfg, cfg["model_path"])
-    else:  # the model is not here: vLLM validates against its config.json alone
-        with tempfile.TemporaryDirectory() as tmp:
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump(mcfg.to_hf(), f)
-            check_engine_options(cfg, tmp, skip_tokenizer_init=True)
-    plan["engine_check"] = "accepted by vLLM's engine-config validation"
-    return plan
-
-
-def print_plan(cfg, plan):
-    gib = lambda n: f"{n / GiB:8.2f} GiB"
-    M = lambda n: f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.1f}M"
-    W, ep = plan["world"], plan["ep"]
-    ckpt = cfg["activation_checkpointing"]
-    where = "host memory (cpu_offload_optimizer)" if cfg["cpu_offload_optimizer"] else "GPU"
-    lines = [
-        f"dry run: {M(plan['params_total'])} parameters ({M(plan['params_active'])} active), "
-        f"{W} trainer ranks, ep_size {ep} (fake process group; rank 0 shown: FSDP gives it the largest shard)",
-        f"per-GPU memory, training ({cfg['param_dtype']} compute; fp32 master weights, gradients and AdamW state):",
-        f"  parameters        {gib(plan['params_bytes'])}  fp32, {M(plan['params_dense_local'])} dense + "
-        f"{M(plan['params_expert_local'])} expert parameters on this rank  [{where}]",
-        f"  gradients         {gib(plan['grads_bytes'])}  fp32, sharded like the parameters  [{where}]",
-        f"  optimizer         {gib(plan['optimizer_bytes'])}  AdamW m and v, fp32  [{where}]",
-        f"  all-gather        {gib(plan['gather_bytes'])}  unsharded: root unit ({M(plan['root_numel'])}, gathered "
-        f"forward to end of backward, with its gradient) + 2 x largest block ({M(plan['block_numel'])} incl. "
-        "its experts) + that block's gradient for the reduce-scatter",
-        f"  activations       {gib(plan['act_bytes_ckpt'])}  with activation checkpointing, "
-        f"{plan['tokens']:,} tokens per microbatch (max of microbatch_tokens, engine_max_model_len)",
-        f"  activations       {gib(plan['act_bytes_full'])}  without activation checkpointing",
-        f"  logprob chunk     {gib(plan['logits_bytes'])}  fp32 logits, softmax, gradient of one "
-        f"{cfg['logprob_chunk_size']}-token chunk",
-        f"  total             {gib(plan['total_bytes'])}  of {cfg['gpu_memory_gib']:g} GiB "
-        f"({100 * plan['total_bytes'] / plan['gpu_bytes']:.0f}%), activation checkpointing {'on' if ckpt else 'off'}; "
-        f"{'off' if ckpt else 'on'}: {gib(plan['total_bytes_other_ckpt']).strip()}",
-    ]
-    tp = cfg["tensor_parallel_size"]
-    lines += [
-        f"GPUs: {W} training + {plan['rollout_gpus']} rollout ({cfg['num_engines']} engines x tensor_parallel_size "
-        f"{tp}) = {W + plan['rollout_gpus']}",
-        f"rollout engine, per GPU: {gib(plan['engine_weight_bytes']).strip()} bf16 weights of "
-        f"{gib(plan['engine_budget_bytes']).strip()} (engine_memory_fraction {cfg['engine_memory_fraction']:g}); KV cache "
-        f"for {plan['kv_tokens']:,} tokens = {plan['kv_tokens'] // cfg['engine_max_model_len']:,} full "
-        f"{cfg['engine_max_model_len']}-token sequences per engine",
-        f"engine options: {plan['engine_check']}",
-        f"weight sync per step: {plan['sync_bytes'] / 1e9:.2f} GB (bf16 HF state dict), received by each engine",
-    ]
-    if tp > cfg["gpus_per_node"]:
-        lines.append(f"note: an engine's {tp} GPUs must sit on one node (one placement bundle; the run stops at engine "
-                     f"start otherwise): nodes of {cfg['gpus_per_node']} GPUs (gpus_per_node) cannot hold one, and "
-                     "engines spanning nodes are not supported yet")
-    print("\n".join(lines), flush=True)
-
-
 def main(argv):
     try:
         cfg = configure(argv)
-    except ConfigError as e:
-        sys.exit(f"config error: {e}")
-    if cfg["dry_run"]:
-        return dry_run_report(cfg)
-    try:
-        check_config(cfg, planned_model_config(cfg), world_size=launched_world_size())
+        if cfg["dry_run"]:
+            return plan.dry_run_report(cfg)
+        check_config(cfg, world_size=plan.launched_world_size())
+        if (cfg["resume"] or cfg["export_hf"]) and latest_checkpoint(cfg["out_dir"]) is None:
+            raise ConfigError(f"{'resume=True' if cfg['resume'] else 'export_hf'} needs a checkpoint, and out_dir="
+                              f"{cfg['out_dir']!r} holds none: train there first (without --resume)")
     except ConfigError as e:
         sys.exit(f"config error: {e}")
     rank, world, device = init_distributed()
     if rank == 0:
         print(json.dumps(cfg, indent=1))
         os.makedirs(cfg["out_dir"], exist_ok=True)
-        if cfg["model_path"] == TINY_MODEL_PATH:
-            from model import ensure_tiny_model
+        if is_tiny_model(cfg["model_path"]):
             ensure_tiny_model(cfg["model_path"])
-        if not cfg["resume"] and os.path.exists(os.path.join(cfg["out_dir"], "metrics.jsonl")):
+        if not cfg["resume"] and not cfg["export_hf"] and os.path.exists(os.path.join(cfg["out_dir"], "metrics.jsonl")):
             os.remove(os.path.join(cfg["out_dir"], "metrics.jsonl"))  # a fresh run starts a fresh log
     dist.barrier()
     torch.manual_seed(cfg["seed"])
-    try:
-        model, optimizer, step, extra = build_trainer(cfg, world, device)
-    except ConfigError as e:
-        sys.exit(f"config error: {e}")
+    model, optimizer, step, extra = build_trainer(dict(cfg, resume=cfg["resume"] or bool(cfg["export_hf"])), world,
+                                                  device)
+    if cfg["export_hf"]:  # no rollout: the checkpoint as an HF directory that vLLM and transformers load
+        export_hf(model, cfg["export_hf"], source_dir=cfg["model_path"])
+        print0(f"exported step {step} of {cfg['out_dir']} to {cfg['export_hf']}")
+        return dist.destroy_process_group()
 
     # the rollout side, on rank 0: engines, router, capture server, pool
     import logging

@@ -44,7 +44,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from model import ours_to_hf
+from model import is_stacked_experts, ours_to_hf
 
 ALIGN = 256  # byte alignment of each tensor in a bucket: keeps copies and NCCL on aligned addresses
 
@@ -145,10 +145,6 @@ def plan_buckets(model, bucket_bytes, dtype=torch.bfloat16):
 
 def align(nbytes):
     return -(-nbytes // ALIGN) * ALIGN
-
-
-def is_stacked_experts(name):
-    return ".mlp.experts." in name
 
 
 def global_shape(model, name, p):
@@ -284,11 +280,11 @@ class WeightSender:
         """The full parameter on the sender (None elsewhere); stacked experts under EP come from their owners."""
         from torch.distributed.tensor import DTensor
         experts = model.get_submodule(name.rsplit(".", 1)[0]) if is_stacked_experts(name) else None
-        if experts is None or experts.ep_group is None:
+        if experts is None or experts.expert_parallel is None:
             # an unsharded tensor is not cast here: the copy into the bucket casts, reading fp32 once (on GPU this
             # memory traffic competes with NCCL's)
             return gather_to(p, 0, self.dtype if isinstance(p, DTensor) else None, self.device)
-        ep_group = experts.ep_group
+        ep_group = experts.expert_parallel.group
         senders = self._ep_sender_ranks(ep_group)
         # 1. the EP shard's FSDP group gathers its block of experts to its member in rank 0's EP group
         owner = 0

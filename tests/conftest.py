@@ -80,7 +80,7 @@ def no_leaked_rendezvous():
 def tiny_model_path():
     """The tiny Qwen3-MoE directory, built once (deterministically) the first time any test needs it."""
     from model import ensure_tiny_model
-    return ensure_tiny_model(os.path.join(ROOT, ".cache", "tiny-qwen3-moe"))
+    return ensure_tiny_model()
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""The nanoGPT-style config system: defaults, config files, type-checked overrides, one-sentence errors.
+"""The nanoGPT-style config system: defaults, config files, type-checked overrides, one-sentence errors, and every
+key checked before any work (plan.check_config).
 
     .venv/bin/python -m pytest tests/test_config.py -q
 """
@@ -9,7 +10,8 @@ import sys
 import pytest
 
 import train
-from train import ConfigError, configure
+from plan import ConfigError
+from train import configure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,3 +59,54 @@ def test_bad_config_stops_the_run_before_any_work(tmp_path):
     assert r.returncode != 0
     assert "config error: config key 'max_steps' (--max_steps) must be int, got str 'x'" in r.stderr
     assert not os.path.exists(f"{tmp_path}/o")
+
+
+# each bad value a new user tried, and the range cases: (override, the sentence's key=value and what it accepts)
+BAD_VALUES = [
+    ("--advantage_estimator=gpro", "advantage_estimator='gpro' is not one of grpo, drgrpo, rloo, reinforce, distill"),
+    ("--loss_type=ppo2", "loss_type='ppo2' is not one of ppo, gspo"),
+    ("--is_level=tok", "is_level='tok' is not one of token, sequence, geometric, none"),
+    ("--is_mode=reject", "is_mode='reject' is not one of truncate, clip, mask"),
+    ("--failed_group_rule=keep", "failed_group_rule='keep' is not one of drop, complete"),
+    ("--param_dtype=bf16", "param_dtype='bf16' is not one of float32, bfloat16"),
+    ("--group_size=0", "group_size=0 is not accepted: it must be >= 1"),
+    ("--groups_per_batch=0", "groups_per_batch=0 is not accepted: it must be >= 1"),
+    ("--max_tokens=0", "max_tokens=0 is not accepted: it must be >= 1"),
+    ("--learning_rate=0", "learning_rate=0.0 is not accepted: it must be > 0"),
+    ("--learning_rate=-1e-3", "learning_rate=-0.001 is not accepted: it must be > 0"),
+    ("--temperature=0", "temperature=0.0 is not accepted: it must be > 0"),
+    ("--top_p=1.5", "top_p=1.5 is not accepted: it must be in (0, 1]"),
+    ("--max_staleness=-1", "max_staleness=-1: must be an int >= 0"),
+    ("--eps_low=1.5", "eps_low=1.5, eps_high=0.28: need 0 <= eps_low < 1"),
+    ("--engine_memory_fraction=0", "engine_memory_fraction=0.0 is not accepted: it must be in (0, 1]"),
+    ("--min_lr=1.0", "min_lr (1.0) is above learning_rate (0.003)"),
+    ("--agent=agents/no_such_agent.py", "agent='agents/no_such_agent.py': no such file"),
+    ("--prompts=no_such_prompts.jsonl", "prompts='no_such_prompts.jsonl': no such file"),
+    ("--model_path=/no/such/model", "model_path='/no/such/model' has no config.json"),
+    ("--resume=True", "resume=True needs a checkpoint, and out_dir="),
+]
+
+
+@pytest.mark.parametrize("override,sentence", BAD_VALUES)
+def test_every_bad_value_stops_before_any_work(override, sentence, tmp_path, monkeypatch):
+    """train.main exits with one sentence, and none of what a run starts (process group, tiny model build, trainer,
+    Ray, engines) was called."""
+    def started(*args, **kwargs):
+        raise AssertionError(f"{override}: work started before the config was checked")
+    for name in ("init_distributed", "ensure_tiny_model", "build_trainer", "connect_ray", "start_rollout"):
+        monkeypatch.setattr(train, name, started)
+    with pytest.raises(SystemExit) as exit_:
+        train.main([override, f"--out_dir={tmp_path}/o"])
+    assert str(exit_.value).startswith("config error: ") and sentence in str(exit_.value), str(exit_.value)
+    assert str(exit_.value).count("\n") == 0
+    assert not os.path.exists(f"{tmp_path}/o")
+
+
+def test_bad_value_exit_status_and_no_ray(tmp_path):
+    """The real process: exit status 1, the sentence on stderr, no Ray session or engine started."""
+    env = dict(os.environ, RAY_TMPDIR=str(tmp_path / "ray"))
+    r = subprocess.run([sys.executable, "train.py", "--loss_type=ppo2", f"--out_dir={tmp_path}/o"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1] == "config error: loss_type='ppo2' is not one of ppo, gspo"
+    assert not os.path.exists(tmp_path / "ray") and "Traceback" not in r.stderr and "vllm" not in r.stderr.lower()

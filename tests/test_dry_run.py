@@ -2,7 +2,7 @@
 
     .venv/bin/python -m pytest tests/test_dry_run.py -q        # CPU, about a minute
 
-Every shipped config is planned with the real sharding code (train.build_meshes / partition_experts /
+Every shipped config is planned with the real sharding code (train.build_meshes / meta_sharded_model /
 shard_model) against a fake process group of its world size; the printed memory of qwen3_30b_a3b is checked
 against a hand computation from the config's numbers, and the activation estimate against what autograd saves.
 """
@@ -17,9 +17,11 @@ import sys
 import pytest
 import torch
 
-import train
+import plan
 from conftest import child_env
-from train import ConfigError, configure
+from plan import ConfigError
+from train import configure
+from weights_sync import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ["tiny", "qwen3_4b", "qwen3_30b_a3b", "moe_700b"]
@@ -126,9 +128,9 @@ def test_activation_estimate_matches_what_autograd_saves():
         B, T = 2, 512
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model.hidden_states(torch.randint(0, 512, (B, T)))
-        estimate = train.activation_bytes(mcfg, B * T, checkpointing=False, dtype_bytes=2)
+        estimate = plan.activation_bytes(mcfg, B * T, checkpointing=False, dtype_bytes=2)
         assert sum(saved.values()) == pytest.approx(estimate, rel=0.05), kw
-        assert train.activation_bytes(mcfg, B * T, checkpointing=True, dtype_bytes=2) < estimate
+        assert plan.activation_bytes(mcfg, B * T, checkpointing=True, dtype_bytes=2) < estimate
 
 
 @pytest.mark.parametrize("args,env,msg", [
@@ -161,28 +163,28 @@ def tiny_cfg(**overrides):
     (dict(groups_in_flight=2, groups_per_batch=4), r"groups_in_flight \(2\) is below groups_per_batch \(4\)"),
     (dict(max_tokens=2048, engine_max_model_len=2048), r"max_tokens \(2048\) leaves no room for the prompt"),
     (dict(engine_max_model_len=8192), r"engine_max_model_len \(8192\) is above the model's max_position_embeddings"),
-    (dict(num_engines=0), r"num_engines \(0\) and tensor_parallel_size \(1\) must be at least 1"),
-    (dict(max_failed_rounds=-1), r"max_failed_rounds \(-1\) must be 0 \(never stop\) or more"),
+    (dict(num_engines=0), r"num_engines=0 is not accepted: it must be >= 1"),
+    (dict(max_failed_rounds=-1), r"max_failed_rounds=-1 is not accepted: it must be >= 0 \(0 never stops\)"),
 ])
 def test_check_config(overrides, msg):
     from model import TINY_CONFIG
     mcfg = dataclasses.replace(TINY_CONFIG, num_experts=overrides.pop("num_experts", TINY_CONFIG.num_experts))
     with pytest.raises(ConfigError, match=msg):
-        train.check_config(tiny_cfg(**overrides), mcfg)
-    train.check_config(tiny_cfg(), TINY_CONFIG)  # the defaults are consistent
+        plan.check_config(tiny_cfg(**overrides), mcfg)
+    plan.check_config(tiny_cfg(), TINY_CONFIG)  # the defaults are consistent
     with pytest.raises(ConfigError, match=r"torchrun started 2 ranks"):
-        train.check_config(tiny_cfg(), TINY_CONFIG, world_size=2)
+        plan.check_config(tiny_cfg(), TINY_CONFIG, world_size=2)
 
 
 def test_engine_receives_the_config_options(tiny_model_path):
     import capture
     cfg = tiny_cfg(engine_max_model_len=1024, engine_memory_fraction=0.3, tensor_parallel_size=2,
                    enable_prefix_caching=False, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    args = capture.Engine(tiny_model_path, **train.engine_options(cfg)).engine_args
+    args = capture.Engine(tiny_model_path, **plan.engine_options(cfg)).engine_args
     assert (args["max_model_len"], args["gpu_memory_utilization"], args["tensor_parallel_size"]) == (1024, 0.3, 2)
     assert args["enable_prefix_caching"] is False
     assert args["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2}
-    assert capture.Engine(tiny_model_path, **train.engine_options(tiny_cfg())).engine_args["speculative_config"] is None
+    assert capture.Engine(tiny_model_path, **plan.engine_options(tiny_cfg())).engine_args["speculative_config"] is None
 
 
 @pytest.mark.parametrize("overrides,key", [
@@ -194,8 +196,8 @@ def test_engine_receives_the_config_options(tiny_model_path):
 ])
 def test_vllm_refusal_names_the_option(tiny_model_path, overrides, key):
     with pytest.raises(ConfigError, match=rf"^vLLM refuses engine option {key}=.+: .+"):
-        train.check_engine_options(tiny_cfg(**overrides), tiny_model_path)
-    train.check_engine_options(tiny_cfg(enable_prefix_caching=False, tensor_parallel_size=2,
+        plan.check_engine_options(tiny_cfg(**overrides), tiny_model_path)
+    plan.check_engine_options(tiny_cfg(enable_prefix_caching=False, tensor_parallel_size=2,
                                         speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                                             "prompt_lookup_max": 3}), tiny_model_path)
 
@@ -206,8 +208,8 @@ def test_real_engine_start_refuses_the_same_option(tiny_model_path):
     import capture
     bad = {"method": "mtp", "num_speculative_tokens": 1}
     with pytest.raises(ConfigError) as checked:
-        train.check_engine_options(tiny_cfg(speculative_config=bad), tiny_model_path)
-    engine = capture.Engine(tiny_model_path, **train.engine_options(tiny_cfg(speculative_config=bad)))
+        plan.check_engine_options(tiny_cfg(speculative_config=bad), tiny_model_path)
+    engine = capture.Engine(tiny_model_path, **plan.engine_options(tiny_cfg(speculative_config=bad)))
     with pytest.raises(Exception) as started:
         asyncio.run(engine.start())
     assert engine.llm is None
@@ -215,7 +217,7 @@ def test_real_engine_start_refuses_the_same_option(tiny_model_path):
 
 
 def test_torchrun_sh_launches_and_the_world_size_check_sees_torchrun():
-    env = {"NPROC_PER_NODE": "1", "MASTER_PORT": str(train.free_port())}
+    env = {"NPROC_PER_NODE": "1", "MASTER_PORT": str(free_port())}
     r = subprocess.run(["./torchrun.sh", "--dry_run=True"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=child_env(**env))
     assert r.returncode == 0 and "per-GPU memory" in r.stdout, r.stderr[-3000:]

@@ -86,6 +86,8 @@ def test_tiny_default_end_to_end_then_resume(tmp_path, tiny_model_path, rollout_
     # the log, the curve, the checkpoint
     assert [r["step"] for r in rows] == [1, 2] and [r["policy_version"] for r in rows] == [1, 2]
     assert all(METRIC_KEYS <= set(r) for r in rows)
+    # the numbers the agent returns in Result.info, averaged over the step's attempts
+    assert all(0.0 <= r["info/tool_called"] <= 1.0 and r["info/answer_chars"] >= 0 for r in rows)
     assert all(0.0 <= r["reward_mean"] <= 1.0 and r["tokens_per_s"] > 0 and r["kept_tokens"] > 0 for r in rows)
     assert rows[0]["mismatch_kl"] < 1e-3  # the first batch: engine and trainer hold the same weights
     # tokens sampled with the weights the trainer holds (KV recomputed at each sync): rounding alone
@@ -145,8 +147,12 @@ def prompts():
 '''
 
 
-def test_failing_agent_hanging_tool_and_killed_engine_leave_the_run_going(tmp_path, tiny_model_path, rollout_engine,
+def test_failing_agent_hanging_tool_and_killed_engine_leave_the_run_going(tmp_path, tiny_model_path, ray_cluster,
                                                                           device):
+    """The engine this test kills is its own (the shared one stays up for the tests after it)."""
+    import rollout
+    (engine,), _ = rollout.start_engines(tiny_model_path, num_engines=1, max_model_len=1024, memory_fraction=0.3,
+                                         max_restarts=2)
     agent = tmp_path / "flaky.py"
     agent.write_text(FLAKY_AGENT)
     cfg = loop_config(tmp_path, tiny_model_path, agent=str(agent), max_steps=4, attempt_timeout_s=3.0,
@@ -156,15 +162,20 @@ def test_failing_agent_hanging_tool_and_killed_engine_leave_the_run_going(tmp_pa
     def kill_after_first_step():
         while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
             time.sleep(0.1)
-        ray.kill(rollout_engine, no_restart=False)  # Ray restarts it; the router starts its engine again
+        ray.kill(engine, no_restart=False)  # Ray restarts it; the router starts its engine again
     killer = threading.Thread(target=kill_after_first_step, daemon=True)
     killer.start()
-    rows, run = run_loop(cfg, device, [rollout_engine])
-    killer.join(timeout=1)
+    try:
+        rows, run = run_loop(cfg, device, [engine])
+        killer.join(timeout=1)
+        restarted, version = ray.get(engine.started.remote()), engine_version(engine)
+    finally:
+        ray.kill(engine, no_restart=True)
 
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert sum(r["failed_attempts"] for r in rows) > sum(r["timed_out_attempts"] for r in rows) > 0
     assert sum(r["dropped_groups"] for r in rows) > 0
-    assert rows[-1]["engine_restarts"] == 1 and run["router"].failed_requests >= 0
-    assert ray.get(rollout_engine.started.remote())
-    assert engine_version(rollout_engine) == 4  # the restarted engine rejoined the weight group and got step 4
+    # the router notices a dead engine by a request that failed on it, and starts it again
+    assert rows[-1]["engine_restarts"] == 1 and run["router"].failed_requests >= 1
+    assert restarted
+    assert version == 4  # the restarted engine rejoined the weight group and got step 4

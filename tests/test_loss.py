@@ -291,7 +291,7 @@ def test_gspo_sequence_ratio_by_hand():
     log_r = torch.tensor([[math.log(1.5), math.log(0.5), 0.0], [math.log(2.0), math.log(1.2), 5.0]])
     logprobs = (old + log_r).requires_grad_()  # the 5.0 is padding and must not count
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    cfg = LossConfig(loss="gspo", eps_low=0.05, eps_high=0.05)
+    cfg = LossConfig(loss_type="gspo", eps_low=0.05, eps_high=0.05)
     loss, metrics = policy_loss(logprobs, old, old, torch.tensor([1.0, 1.0]), mask, torch.zeros(2, 3), 0, cfg, 5)
     s0 = 0.75 ** (1 / 3)  # exp(mean log r) = 0.9086, inside [0.95, 1.05]'s unclipped side for A > 0
     # row 1: s = sqrt(2.4) = 1.549 > 1.05, clipped to 1.05

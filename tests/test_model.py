@@ -99,17 +99,18 @@ def test_expert_loop_matches_per_token_reference():
     torch.testing.assert_close(out, ref)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._grouped_mm needs CUDA")
-def test_grouped_mm_matches_loop_on_cuda():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA"))])
+def test_grouped_mm_matches_loop(device):
     torch.manual_seed(0)
     E, D, H, N = 8, 256, 512, 1000
-    g, u, d = (torch.randn(E, H, D, device="cuda", dtype=torch.bfloat16) * 0.05,
-               torch.randn(E, H, D, device="cuda", dtype=torch.bfloat16) * 0.05,
-               torch.randn(E, D, H, device="cuda", dtype=torch.bfloat16) * 0.05)
-    counts = torch.bincount(torch.randint(0, E, (N,), device="cuda"), minlength=E)
+    g, u, d = (torch.randn(E, H, D, device=device, dtype=torch.bfloat16) * 0.05,
+               torch.randn(E, H, D, device=device, dtype=torch.bfloat16) * 0.05,
+               torch.randn(E, D, H, device=device, dtype=torch.bfloat16) * 0.05)
+    counts = torch.bincount(torch.randint(0, E, (N,), device=device), minlength=E)
     counts[3] = 0  # an expert with no tokens
-    x = torch.randn(int(counts.sum()), D, device="cuda", dtype=torch.bfloat16)
-    w = torch.rand(x.shape[0], device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(int(counts.sum()), D, device=device, dtype=torch.bfloat16)
+    w = torch.rand(x.shape[0], device=device, dtype=torch.bfloat16)
     torch.testing.assert_close(experts_grouped_mm(x, counts, w, g, u, d), experts_loop(x, counts, w, g, u, d),
                                atol=2e-2, rtol=2e-2)
 
@@ -174,11 +175,19 @@ for N, K, D in ((50, 8, 2048), (37, 2, 100), (3, 4, 64), (0, 4, 64)):
     expected = torch.zeros(N, D).index_add_(0, slots // K, y)
     torch.testing.assert_close(model.sum_slots_triton(y, position, K), expected)
     torch.testing.assert_close(model.sum_slots(y, position, K), expected)
+# to_contiguous: a bf16 gradient of any strides (the grouped GEMM's comes transposed; an unused expert's is an
+# expanded zero) into a contiguous fp32 tensor, bit-equal to .to(); sizes not multiples of the 64 x 64 tiles
+E, R, C = 5, 70, 130
+for name, grad in {"contiguous": torch.randn(E, R, C).bfloat16(), "transposed": torch.randn(E, C, R).bfloat16().transpose(1, 2),
+                   "expanded": torch.ones((), dtype=torch.bfloat16).expand(E, R, C)}.items():
+    out = model.to_contiguous_triton(grad, torch.float32)
+    assert out.is_contiguous(), name
+    torch.testing.assert_close(out, grad.float(), rtol=0, atol=0, msg=name)
 """
 
 
-def test_sum_slots_triton_kernel_matches_reference():
-    """The Triton kernel sum_slots runs on CUDA, checked here on CPU by Triton's interpreter."""
+def test_triton_kernels_match_their_references():
+    """The Triton kernels (sum_slots, to_contiguous) run on CUDA; checked here on CPU by Triton's interpreter."""
     pytest.importorskip("triton")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", SUM_SLOTS_CHECK], env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=root,

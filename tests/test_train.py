@@ -19,7 +19,8 @@ import torch.multiprocessing as mp
 import loss
 import train
 from conftest import end_rank
-from model import ModelConfig, Transformer
+import model
+from model import ModelConfig, Transformer, is_stacked_experts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # small but complete: MoE layer, dense layer, MoE layer; 8 experts top-2 so every EP rank gets traffic
@@ -186,7 +187,7 @@ def run_steps(rank, world, cfg, weights, wins, out, first_step=0, steps=STEPS, c
             x = torch.arange(2 * 10).view(2, 10) % CFG.vocab_size
             logits = model.lm_head(model.hidden_states(x)).float()  # (B, T, V)
     params = {n: t for n, t in train.full_parameters(model)}
-    shard_dims = {p.placements[0].dim for n, p in model.named_parameters() if ".mlp.experts." in n}
+    shard_dims = {p.placements[0].dim for n, p in model.named_parameters() if is_stacked_experts(n)}
     if rank == 0:
         torch.save(dict(metrics=metrics, grads=recorded, params=params, resumed=resumed, logits=logits,
                         expert_shard_dims=shard_dims), out)
@@ -281,11 +282,11 @@ def test_non_finite_gradient_skips_the_step(tmp_path, capfd):
 def replay(rank, world, cfg, weights, x, routes, out):
     model, _ = build(cfg, weights, world)
     experts = model.model.layers[0].mlp.experts
-    seen, dispatch = [], experts.ep_dispatch
+    seen, dispatch = [], experts.expert_parallel.dispatch
     def recording_dispatch(x, topk_ids, *args):
         seen.append(topk_ids.clone())  # the choices this rank dispatches
         return dispatch(x, topk_ids, *args)
-    experts.ep_dispatch = recording_dispatch
+    experts.expert_parallel.dispatch = recording_dispatch
     sent, a2a = [], train.all_to_all
     def recording_all_to_all(x, out_splits, in_splits, group):
         sent.append(list(in_splits))  # rows this rank sends to each rank
@@ -398,7 +399,7 @@ def test_to_contiguous_takes_any_layout_on_cuda():
              "transposed": torch.randn(E, C, R, device="cuda", generator=g).bfloat16().transpose(1, 2),
              "expanded": torch.ones((), device="cuda", dtype=torch.bfloat16).expand(E, R, C)}
     for name, grad in grads.items():
-        out = train.to_contiguous(grad, torch.float32)
+        out = model.to_contiguous(grad, torch.float32)
         assert out.is_contiguous(), name
         torch.testing.assert_close(out, grad.float(), rtol=0, atol=0, msg=name)
 

@@ -1,0 +1,375 @@
+"""
+Before any work: every config key checked, and the dry-run planner (per-GPU memory, GPU counts, weight-sync volume).
+
+    python train.py --config configs/moe_700b.py --dry_run=True    # plan any config on a CPU, in seconds
+    .venv/bin/python -m pytest tests/test_config.py tests/test_dry_run.py -q
+
+`check_config` runs before Ray, the engines or the model start: a wrong value stops the run with one sentence naming
+the key and what it accepts. The dry run builds the model on the meta device and runs the trainer's own sharding
+code (train.build_meshes, train.shard_model) against torch's fake process group of train_world_size ranks, then
+reads each parameter's shard shape on rank 0. FSDP cuts dim 0 like torch.chunk, so rank 0 holds the largest shard
+of every parameter: its figures are the per-GPU maximum. No memory is allocated.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import sys
+
+import torch
+
+import loss
+from model import TINY_CONFIG, ModelConfig, is_stacked_experts, is_tiny_model, load_config, num_params
+
+
+class ConfigError(ValueError):
+    pass
+
+
+# -----------------------------------------------------------------------------
+# config checks
+
+# key: (accepted, what it accepts). Type checks happen earlier (train.configure), so a value here has its type.
+RANGES = {
+    "checkpoint_every": (lambda v: v >= 1, ">= 1"),
+    "num_engines": (lambda v: v >= 1, ">= 1"),
+    "tensor_parallel_size": (lambda v: v >= 1, ">= 1"),
+    "engine_max_model_len": (lambda v: v >= 2, ">= 2"),
+    "engine_memory_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "group_size": (lambda v: v >= 1, ">= 1"),
+    "groups_per_batch": (lambda v: v >= 1, ">= 1"),
+    "groups_in_flight": (lambda v: v >= 1, ">= 1"),
+    "temperature": (lambda v: 0 < v < math.inf, "> 0 (the trainer divides logits by it, as the engine samples)"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "max_tokens": (lambda v: v >= 1, ">= 1"),
+    "attempt_timeout_s": (lambda v: 0 < v < math.inf, "> 0"),
+    "max_failed_rounds": (lambda v: v >= 0, ">= 0 (0 never stops)"),
+    "max_steps": (lambda v: v >= 1, ">= 1"),
+    "learning_rate": (lambda v: 0 < v < math.inf, "> 0"),
+    "min_lr": (lambda v: 0 <= v < math.inf, ">= 0"),
+    "warmup_steps": (lambda v: v >= 0, ">= 0"),
+    "weight_decay": (lambda v: 0 <= v < math.inf, ">= 0"),
+    "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "grad_clip": (lambda v: 0 <= v < math.inf, ">= 0 (0 never clips)"),
+    "microbatch_tokens": (lambda v: v >= 1, ">= 1"),
+    "logprob_chunk_size": (lambda v: v >= 1, ">= 1"),
+    "train_world_size": (lambda v: v >= 1, ">= 1"),
+    "ep_size": (lambda v: v >= 1, ">= 1"),
+    "gpu_memory_gib": (lambda v: 0 < v < math.inf, "> 0"),
+    "gpus_per_node": (lambda v: v >= 1, ">= 1"),
+}
+CHOICES = {"failed_group_rule": ("drop", "complete"), "param_dtype": ("float32", "bfloat16")}
+
+
+def loss_config(cfg):
+    """The loss's options (loss.LossConfig: it declares them and checks their values) from the config."""
+    return loss.LossConfig(**{f.name: cfg[f.name] for f in dataclasses.fields(loss.LossConfig)})
+
+
+def check_config(cfg, mcfg=None, world_size=None):
+    """Every key, before any work: ranges, choices, the loss's options, files, and the rules between keys. mcfg: the
+    model (default: planned_model_config); world_size: torchrun's WORLD_SIZE, when it started this process. Returns
+    the model config. Raises ConfigError with one sentence naming the key and what it accepts."""
+    for key, (ok, accepted) in RANGES.items():
+        if not ok(cfg[key]):
+            raise ConfigError(f"{key}={cfg[key]!r} is not accepted: it must be {accepted}")
+    for key, allowed in CHOICES.items():
+        if cfg[key] not in allowed:
+            raise ConfigError(f"{key}={cfg[key]!r} is not one of {', '.join(allowed)}")
+    try:
+        loss_config(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not os.path.isfile(cfg["agent"]):
+        raise ConfigError(f"agent={cfg['agent']!r}: no such file (a Python file exporting `agent`, e.g. "
+                          "agents/calculator.py)")
+    if cfg["prompts"] and not os.path.isfile(cfg["prompts"]):
+        raise ConfigError(f"prompts={cfg['prompts']!r}: no such file (JSONL or Parquet; \"\" lets the agent generate them)")
+    mcfg = mcfg or planned_model_config(cfg)
+    W, ep = cfg["train_world_size"], cfg["ep_size"]
+    if world_size is not None and world_size != W:
+        raise ConfigError(f"torchrun started {world_size} ranks (WORLD_SIZE) but train_world_size is {W}: launch "
+                          f"{W} ranks or pass --train_world_size={world_size}")
+    if W % ep:
+        raise ConfigError(f"train_world_size ({W}) is not divisible by ep_size ({ep}): expert-parallel groups "
+                          "need whole sets of ep_size ranks")
+    if ep > 1 and not mcfg.is_moe:
+        raise ConfigError(f"ep_size={ep} needs a MoE model, but the model is dense (num_experts=0): use ep_size=1")
+    if mcfg.is_moe and mcfg.num_experts % ep:
+        raise ConfigError(f"ep_size ({ep}) does not divide the number of experts ({mcfg.num_experts})")
+    if cfg["max_tokens"] >= cfg["engine_max_model_len"]:
+        raise ConfigError(f"max_tokens ({cfg['max_tokens']}) leaves no room for the prompt within "
+                          f"engine_max_model_len ({cfg['engine_max_model_len']})")
+    if cfg["engine_max_model_len"] > mcfg.max_position_embeddings:
+        raise ConfigError(f"engine_max_model_len ({cfg['engine_max_model_len']}) is above the model's "
+                          f"max_position_embeddings ({mcfg.max_position_embeddings})")
+    if cfg["groups_in_flight"] < cfg["groups_per_batch"]:
+        raise ConfigError(f"groups_in_flight ({cfg['groups_in_flight']}) is below groups_per_batch "
+                          f"({cfg['groups_per_batch']}): a batch could never fill")
+    if cfg["min_lr"] > cfg["learning_rate"]:
+        raise ConfigError(f"min_lr ({cfg['min_lr']}) is above learning_rate ({cfg['learning_rate']}): the schedule "
+                          "decays from learning_rate to min_lr")
+    return mcfg
+
+
+def planned_model_config(cfg):
+    """The model a run trains: model_path's config.json; else, for the tiny model's path, the tiny config (it is
+    built on first use); else, in a dry run, model_config (a model not downloaded yet)."""
+    path = cfg["model_path"]
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return load_config(path)
+    if is_tiny_model(path):
+        return TINY_CONFIG
+    if cfg["dry_run"] and cfg["model_config"]:
+        try:
+            return ModelConfig.from_hf(cfg["model_config"])
+        except (TypeError, ValueError, KeyError) as e:
+            raise ConfigError(f"model_config is not a usable Qwen3 config.json: {e}") from None
+    where = "" if cfg["dry_run"] else " (a dry run can plan from model_config instead)"
+    raise ConfigError(f"model_path={path!r} has no config.json: download the model there{where}")
+
+
+def launched_world_size():
+    """WORLD_SIZE when torchrun started this process, else None (plain `python train.py` is a world of one)."""
+    return int(os.environ["WORLD_SIZE"]) if "TORCHELASTIC_RUN_ID" in os.environ else None
+
+
+# capture.Engine's keyword -> the config key that sets it: the one list of engine options
+ENGINE_OPTIONS = {"max_model_len": "engine_max_model_len", "memory_fraction": "engine_memory_fraction",
+                  "tensor_parallel_size": "tensor_parallel_size", "enable_prefix_caching": "enable_prefix_caching",
+                  "speculative_config": "speculative_config", "recompute_kv_on_sync": "recompute_kv_on_sync"}
+
+
+def engine_options(cfg):
+    """capture.Engine keyword arguments from the config (num_engines says how many engines start)."""
+    return {arg: cfg[key] or None if key == "speculative_config" else cfg[key] for arg, key in ENGINE_OPTIONS.items()}
+
+
+def check_engine_options(cfg, model_dir, **engine_kwargs):
+    """Ask vLLM whether it accepts the engine options, with the validation AsyncLLM runs first when an engine starts
+    (no weights loaded, no GPU needed, well under a second). Raises ConfigError naming the config key it refuses."""
+    import capture
+    from vllm import AsyncEngineArgs
+
+    def refusal(options):
+        try:
+            AsyncEngineArgs(**capture.Engine(model_dir, **options, **engine_kwargs).engine_args).create_engine_config()
+        except Exception as e:  # pydantic's ValidationError, ValueError, NotImplementedError, ...
+            errors = getattr(e, "errors", None)
+            msg = errors()[0]["msg"] if callable(errors) else str(e)
+            return msg.removeprefix("Value error, ").strip().splitlines()[0][:400]
+        return None
+
+    options = engine_options(cfg)
+    if refusal(options) is None:
+        return
+    base = refusal({})
+    if base is not None:
+        raise ConfigError(f"vLLM cannot start an engine on {model_dir!r} even with default options: {base}")
+    tried = {}
+    for name, value in options.items():  # add the options one at a time: the first one refused is named
+        tried[name] = value
+        msg = refusal(tried)
+        if msg is not None:
+            key = ENGINE_OPTIONS[name]
+            raise ConfigError(f"vLLM refuses engine option {key}={cfg[key]!r}: {msg}")
+
+
+# -----------------------------------------------------------------------------
+# the dry run: the trainer's sharding code against a fake process group, on the meta device
+
+GiB = 2**30
+
+
+def activation_bytes(mcfg, tokens, checkpointing, dtype_bytes=2, expert_parallel=False, routing_replay=True):
+    """Estimated bytes autograd saves for backward in one microbatch of `tokens` tokens (flash attention, balanced
+    routing), counted from what each op of model.py saves. Per token and layer: each RMSNorm an fp32 copy of its
+    input, the normed input and its output (4 + 2b) * D, q_norm and k_norm (4 + b) per element of their heads;
+    attention q, k, v, its output and an fp32 logsumexp per head; a MoE layer the router's fp32 probabilities (E),
+    its K input rows (sorted by expert), the K expert hidden tensors of width H five times (gate, up, silu(gate),
+    their product, scaled by the routing weight; fewer where silu_mul is compiled), and index/weight tensors of
+    width K (the row gathers and sums keep only int64 indices, about two more of width K under EP); a dense MLP its
+    four hidden tensors. With activation checkpointing each block keeps only its input (plus routing-replay ids) and
+    one block at a time is recomputed in backward."""
+    b, D, hd, K = dtype_bytes, mcfg.hidden_size, mcfg.head_dim, mcfg.num_experts_per_tok
+    nh, nkv = mcfg.num_attention_heads, mcfg.num_key_value_heads
+    norm = (4 + 2 * b) * D + 4
+    attn = 2 * norm + (4 + b) * (nh + nkv) * hd + 4 * (nh + nkv) + b * 2 * (nh + nkv) * hd + 4 * nh
+    index = (5 if expert_parallel else 3) * 8 * K  # int64 ids of width K: topk ids, sort order, inverse (+ EP's two)
+    moe = attn + 4 * mcfg.num_experts + b * K * D + 5 * b * K * mcfg.moe_intermediate_size + index + (4 + b) * K + 4
+    dense = attn + 4 * b * mcfg.intermediate_size
+    n_moe = len(mcfg.moe_layers)
+    layers = [moe] * n_moe + [dense] * (mcfg.num_hidden_layers - n_moe)
+    once = norm + 8 + 2 * b * hd  # the final norm, the token ids, RoPE's cos and sin
+    if not checkpointing:
+        return tokens * (sum(layers) + once)
+    replay = 8 * K * n_moe if (routing_replay and n_moe) else 0  # (B, T, L_moe, K) int64 expert ids
+    return tokens * (b * D * mcfg.num_hidden_layers + replay + max(layers) + once)
+
+
+def fsdp_unit_params(model):
+    """{unit name: [its parameters]}: the fully_shard units and the parameters each one all-gathers."""
+    from torch.distributed.fsdp import FSDPModule
+    units = {name: [] for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+    for pname, p in model.named_parameters():
+        owner = max((u for u in units if u == "" or pname.startswith(u + ".")), key=len)
+        units[owner].append(p)
+    return units
+
+
+def plan_memory(cfg, mcfg, model):
+    """Per-GPU bytes of rank 0 from the sharded meta model, and the rollout side from the config. Returns a dict."""
+    from train import experts_stay_local, local_tensor
+    W, ep = cfg["train_world_size"], cfg["ep_size"]
+    b = getattr(torch, cfg["param_dtype"]).itemsize  # compute dtype: what FSDP all-gathers and activations are in
+    p_dense = p_expert = 0
+    for name, p in model.named_parameters():
+        local = local_tensor(p)  # rank 0's shard (meta): FSDP pads every rank to this size
+        if is_stacked_experts(name):
+            p_expert += local.numel()
+        else:
+            p_dense += local.numel()
+    params = p_dense + p_expert
+    units = fsdp_unit_params(model)
+    unit_numel = {u: sum(p.numel() for p in ps) for u, ps in units.items()}  # unsharded (on its own mesh)
+    blocks = [f"model.layers.{i}" for i in range(mcfg.num_hidden_layers)]
+    block_numel = max(sum(n for u, n in unit_numel.items() if u == blk or u.startswith(blk + ".")) for blk in blocks)
+    tokens = max(cfg["microbatch_tokens"], cfg["engine_max_model_len"])
+    plan = dict(
+        world=W, ep=ep, params_total=num_params(mcfg), params_active=num_params(mcfg, active=True),
+        params_dense_local=p_dense, params_expert_local=p_expert,
+        # fp32 master weights (FSDP keeps the sharded parameters fp32), fp32 gradients, AdamW m and v in fp32
+        params_bytes=4 * params, grads_bytes=4 * params, optimizer_bytes=8 * params,
+        # the root unit (embeddings, final norm, lm_head) stays gathered from forward to the end of backward, with
+        # its gradient; blocks: the one computing plus the next one prefetched, and the computing one's gradient
+        # unsharded in the compute dtype and in fp32 for the reduce-scatter
+        gather_bytes=2 * b * unit_numel[""] + 2 * b * block_numel + (b + 4) * block_numel,
+        root_numel=unit_numel[""], block_numel=block_numel, tokens=tokens,
+        act_bytes_ckpt=activation_bytes(mcfg, tokens, True, b, ep > 1),
+        # + experts kept outside FSDP (experts_stay_local): autograd keeps each layer's cast of them to the compute
+        # dtype (none when that is fp32 itself)
+        act_bytes_full=activation_bytes(mcfg, tokens, False, b, ep > 1) +
+        (b * p_expert if experts_stay_local(model.meshes, cfg) and b < 4 else 0),
+        # chunked logprobs: fp32 logits of one chunk, their softmax and its gradient (loss.token_logprobs)
+        logits_bytes=3 * 4 * min(cfg["logprob_chunk_size"], tokens) * mcfg.vocab_size,
+        gpu_bytes=cfg["gpu_memory_gib"] * GiB)
+    on_gpu_state = 0 if cfg["cpu_offload_optimizer"] else plan["params_bytes"] + plan["grads_bytes"] + plan["optimizer_bytes"]
+    transient = plan["gather_bytes"] + plan["logits_bytes"]
+    act = plan["act_bytes_ckpt"] if cfg["activation_checkpointing"] else plan["act_bytes_full"]
+    plan["total_bytes"] = on_gpu_state + transient + act
+    plan["total_bytes_other_ckpt"] = on_gpu_state + transient + (
+        plan["act_bytes_full"] if cfg["activation_checkpointing"] else plan["act_bytes_ckpt"])
+    # rollout: bf16 weights split over tensor_parallel_size GPUs; KV heads split too (replicated past nkv)
+    tp = cfg["tensor_parallel_size"]
+    plan["sync_bytes"] = 2 * plan["params_total"]  # bf16 HF state dict sent to the engines every step
+    plan["engine_weight_bytes"] = plan["sync_bytes"] / tp
+    kv_heads = max(1, math.ceil(mcfg.num_key_value_heads / tp))
+    plan["kv_bytes_per_token"] = 2 * mcfg.num_hidden_layers * kv_heads * mcfg.head_dim * 2
+    plan["engine_budget_bytes"] = cfg["engine_memory_fraction"] * plan["gpu_bytes"]
+    plan["kv_tokens"] = int((plan["engine_budget_bytes"] - plan["engine_weight_bytes"]) // plan["kv_bytes_per_token"])
+    plan["rollout_gpus"] = cfg["num_engines"] * tp
+    return plan
+
+
+def dry_run_report(cfg):
+    """Plan the run on paper: print per-GPU memory, GPU counts and the weight-sync volume; exit with one sentence
+    if it cannot fit or is inconsistent. Runs in seconds on a CPU for any world size."""
+    try:
+        plan = plan_run(cfg)
+    except ConfigError as e:
+        sys.exit(f"dry run: {e}")
+    print_plan(cfg, plan)
+    return plan
+
+
+def plan_run(cfg):
+    """Checks, the sharded meta model against a fake process group of train_world_size ranks, the memory plan, and
+    vLLM's verdict on the engine options. Raises ConfigError when the run cannot work."""
+    import tempfile
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    import train  # the trainer's own sharding code
+    mcfg = check_config(cfg, world_size=launched_world_size())
+    if dist.is_initialized():
+        raise RuntimeError("the dry run needs a process without a process group (it makes a fake one)")
+    W = cfg["train_world_size"]
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=W)
+    try:
+        model = train.meta_sharded_model(mcfg, train.build_meshes(W, cfg["ep_size"], "cpu"), cfg)
+        plan = plan_memory(cfg, mcfg, model)
+    finally:
+        dist.destroy_process_group()
+    gib = lambda n: f"{n / GiB:.1f} GiB"
+    if plan["total_bytes"] > plan["gpu_bytes"]:
+        raise ConfigError(f"training needs about {gib(plan['total_bytes'])} per GPU, more than the "
+                          f"{cfg['gpu_memory_gib']:g} GiB of one GPU: raise train_world_size, lower microbatch_tokens, "
+                          "turn on activation_checkpointing or cpu_offload_optimizer")
+    one_sequence = plan["kv_bytes_per_token"] * cfg["engine_max_model_len"]
+    if plan["engine_weight_bytes"] + one_sequence > plan["engine_budget_bytes"]:
+        raise ConfigError(f"a rollout engine cannot hold the model: {gib(plan['engine_weight_bytes'])} of bf16 weights "
+                          f"per GPU plus the KV cache of one {cfg['engine_max_model_len']}-token sequence exceed "
+                          f"engine_memory_fraction x GPU = {gib(plan['engine_budget_bytes'])}: raise "
+                          "tensor_parallel_size or engine_memory_fraction")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its config notes would bury the plan
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        plan["engine_check"] = "not checked: vLLM is not installed here"
+        return plan
+    if os.path.isfile(os.path.join(cfg["model_path"], "config.json")):
+        check_engine_options(cfg, cfg["model_path"])
+    else:  # the model is not here: vLLM validates against its config.json alone
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(mcfg.to_hf(), f)
+            check_engine_options(cfg, tmp, skip_tokenizer_init=True)
+    plan["engine_check"] = "accepted by vLLM's engine-config validation"
+    return plan
+
+
+def print_plan(cfg, plan):
+    gib = lambda n: f"{n / GiB:8.2f} GiB"
+    M = lambda n: f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.1f}M"
+    W, ep = plan["world"], plan["ep"]
+    ckpt = cfg["activation_checkpointing"]
+    where = "host memory (cpu_offload_optimizer)" if cfg["cpu_offload_optimizer"] else "GPU"
+    lines = [
+        f"dry run: {M(plan['params_total'])} parameters ({M(plan['params_active'])} active), "
+        f"{W} trainer ranks, ep_size {ep} (fake process group; rank 0 shown: FSDP gives it the largest shard)",
+        f"per-GPU memory, training ({cfg['param_dtype']} compute; fp32 master weights, gradients and AdamW state):",
+        f"  parameters        {gib(plan['params_bytes'])}  fp32, {M(plan['params_dense_local'])} dense + "
+        f"{M(plan['params_expert_local'])} expert parameters on this rank  [{where}]",
+        f"  gradients         {gib(plan['grads_bytes'])}  fp32, sharded like the parameters  [{where}]",
+        f"  optimizer         {gib(plan['optimizer_bytes'])}  AdamW m and v, fp32  [{where}]",
+        f"  all-gather        {gib(plan['gather_bytes'])}  unsharded: root unit ({M(plan['root_numel'])}, gathered "
+        f"forward to end of backward, with its gradient) + 2 x largest block ({M(plan['block_numel'])} incl. "
+        "its experts) + that block's gradient for the reduce-scatter",
+        f"  activations       {gib(plan['act_bytes_ckpt'])}  with activation checkpointing, "
+        f"{plan['tokens']:,} tokens per microbatch (max of microbatch_tokens, engine_max_model_len)",
+        f"  activations       {gib(plan['act_bytes_full'])}  without activation checkpointing",
+        f"  logprob chunk     {gib(plan['logits_bytes'])}  fp32 logits, softmax, gradient of one "
+        f"{cfg['logprob_chunk_size']}-token chunk",
+        f"  total             {gib(plan['total_bytes'])}  of {cfg['gpu_memory_gib']:g} GiB "
+        f"({100 * plan['total_bytes'] / plan['gpu_bytes']:.0f}%), activation checkpointing {'on' if ckpt else 'off'}; "
+        f"{'off' if ckpt else 'on'}: {gib(plan['total_bytes_other_ckpt']).strip()}",
+    ]
+    tp = cfg["tensor_parallel_size"]
+    lines += [
+        f"GPUs: {W} training + {plan['rollout_gpus']} rollout ({cfg['num_engines']} engines x tensor_parallel_size "
+        f"{tp}) = {W + plan['rollout_gpus']}",
+        f"rollout engine, per GPU: {gib(plan['engine_weight_bytes']).strip()} bf16 weights of "
+        f"{gib(plan['engine_budget_bytes']).strip()} (engine_memory_fraction {cfg['engine_memory_fraction']:g}); KV cache "
+        f"for {plan['kv_tokens']:,} tokens = {plan['kv_tokens'] // cfg['engine_max_model_len']:,} full "
+        f"{cfg['engine_max_model_len']}-token sequences per engine",
+        f"engine options: {plan['engine_check']}",
+        f"weight sync per step: {plan['sync_bytes'] / 1e9:.2f} GB (bf16 HF state dict), received by each engine",
+    ]
+    if tp > cfg["gpus_per_node"]:
+        lines.append(f"note: an engine's {tp} GPUs must sit on one node (one placement bundle; the run stops at engine "
+                     f"start otherwise): nodes of {cfg['gpus_per_node']} GPUs (gpus_per_node) cannot hold one, and "
+                     "engines spanning nodes are not supported yet")
+    print("\n".join(lines), flush=True)
+
+
