@@ -1,14 +1,17 @@
 """
-Agentic RL trainer: config, FSDP2 + expert parallel training, and the short Ray driver.
+Agentic RL trainer: config, the loop and the short Ray driver, FSDP2 + expert parallel training, checkpoints.
 
     python train.py                                            # tiny MoE on a laptop CPU (configs/tiny.py)
     python train.py --config configs/tiny.py --max_steps=5     # any config, with --key=value overrides
     torchrun --nproc_per_node=2 train.py --train_world_size=2 --ep_size=2   # 2 ranks (gloo on CPU, NCCL on GPU)
     torchrun --nproc_per_node=8 train.py --config configs/qwen3_30b_a3b.py
-    python train.py --config configs/moe_700b.py --dry_run=True    # plan memory and GPUs: CPU, seconds
+    python train.py --config configs/moe_700b.py --dry_run=True    # plan memory and GPUs: CPU, seconds (plan.py)
+    python train.py --export_hf_dir=out/tiny/hf                # out_dir's last checkpoint as HF safetensors
 
 Defaults are the globals below; `--config FILE` executes a file of plain assignments over them; `--key=value`
-overrides are type-checked against the default. Unknown keys and wrong types stop the run before any work.
+overrides are type-checked against the default; then plan.check_config checks every key. A bad key, type or value
+stops the run before any work. Sections, in order: config; the loop (main, train); the driver's plumbing; the
+train step; parallelism (meshes, fully_shard, expert-parallel dispatch); model build and checkpoints.
 """
 
 import ast
@@ -54,7 +57,7 @@ checkpoint_every = 10      # optimizer steps between checkpoints (and at the end
 save_trajectories = False  # write every finished attempt's segments to out_dir/trajectories.jsonl
 seed = 1337
 dry_run = False            # build on the meta device against a fake process group, print the plan, exit
-export_hf = ""             # a directory: write out_dir's last checkpoint there as HF safetensors, then exit
+export_hf_dir = ""         # a directory: write out_dir's last checkpoint there as HF safetensors, then exit
 # agent and data
 agent = "agents/calculator.py"  # a module exporting `agent` (a ChatAgent or an Env)
 prompts = ""               # JSONL/Parquet of prompts and labels; "" lets the agent module generate them
@@ -102,13 +105,12 @@ gpu_memory_gib = 140.0      # per-GPU memory the dry run plans against (H200: 14
 gpus_per_node = 8          # GPUs of one node, for the dry run: an engine's tensor_parallel_size GPUs sit on one node
 # -----------------------------------------------------------------------------
 
-CONFIG_KEYS = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, dict))
-               and k not in ("CONFIG_KEYS",)]
+DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, dict))}
 
 
 def configure(argv, defaults=None):
     """Resolve the config: defaults, then `--config FILE` (plain assignments), then `--key=value` overrides."""
-    cfg = dict(defaults if defaults is not None else {k: globals()[k] for k in CONFIG_KEYS})
+    cfg = dict(defaults if defaults is not None else DEFAULTS)
     def put(key, value, where):
         if key not in cfg:
             raise ConfigError(f"unknown config key {key!r} ({where}); known keys: {', '.join(sorted(cfg))}")
@@ -150,563 +152,131 @@ def configure(argv, defaults=None):
 
 
 # -----------------------------------------------------------------------------
-# parallelism: process group, device meshes, expert partition, fully_shard, expert-parallel dispatch/combine
-#
-# Ranks are laid out as rank = expert_fsdp_index * ep_size + ep_index, so an expert-parallel group is ep_size
-# consecutive ranks (one node's NVLink domain when ep_size <= GPUs per node). Dense weights (attention, norms,
-# router, embeddings) are FSDP-sharded over all ranks; each EP rank keeps E / ep_size experts, FSDP-sharded over
-# the world / ep_size ranks that hold the same experts. Every element of every weight lives on exactly one rank.
-
-
-def init_distributed(timeout_s=600):
-    """Join torchrun's process group (or make a 1-rank one). Returns (rank, world, device): NCCL on CUDA, gloo on CPU.
-    A collective that waits longer than timeout_s (a rank died or diverged) raises instead of hanging."""
-    if "RANK" not in os.environ:  # plain `python train.py`: a group of one, so the same code path runs everywhere
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if backend == "nccl" else None)  # NCCL: bind this rank's GPU now
-    return rank, world, device
-
-
-def build_meshes(world, ep_size, device_type):
-    """All device meshes of the trainer: `fsdp` (all ranks, dense weights), `experts` (ep x expert_fsdp, 2-D),
-    and its two 1-D slices `ep` (dispatch/combine) and `expert_fsdp` (FSDP of the local experts)."""
-    if ep_size < 1 or world % ep_size:
-        raise ConfigError(f"ep_size={ep_size} must divide the number of trainer ranks ({world})")
-    fsdp = init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",))
-    # mesh[ep_index, expert_fsdp_index] = expert_fsdp_index * ep_size + ep_index; the ep dimension comes first so
-    # that a (Shard(0), FSDP's Shard) DTensor over it is the global expert tensor in expert order (checkpoints)
-    layout = torch.arange(world).view(world // ep_size, ep_size).T
-    experts = DeviceMesh(device_type, layout, mesh_dim_names=("ep", "expert_fsdp"))
-    return {"fsdp": fsdp, "experts": experts, "ep": experts["ep"], "expert_fsdp": experts["expert_fsdp"]}
-
-
-def meta_sharded_model(mcfg, meshes, cfg):
-    """The model on the meta device with this rank's experts only (E / ep_size of each layer), fully_shard applied."""
-    ep = ExpertParallel(meshes["ep"]) if meshes["ep"].size() > 1 else None
-    with torch.device("meta"):
-        model = Transformer(mcfg, expert_parallel=ep)
-    return shard_model(model, meshes, cfg)
-
-
-def shard_model(model, meshes, cfg):
-    """Every fully_shard call: experts on their own mesh first (or, on a one-rank expert mesh, kept outside FSDP:
-    keep_experts_local), then each block, then the root (embeddings, final norm, lm_head). Mixed precision: compute
-    in param_dtype, gradients reduced in fp32."""
-    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg["param_dtype"]), reduce_dtype=torch.float32)
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg["cpu_offload_optimizer"] else OffloadPolicy()
-    kw = dict(mp_policy=mp, offload_policy=offload)
-    local_experts = experts_stay_local(meshes, cfg)
-    kept = set()
-    for block in model.model.layers:
-        if block.is_moe and local_experts:
-            keep_experts_local(block.mlp.experts, meshes["expert_fsdp"], mp.param_dtype)
-            kept |= set(block.mlp.experts.parameters())
-        elif block.is_moe:  # its own FSDP unit on its own mesh: the block's unit must not gather the experts
-            fully_shard(block.mlp.experts, mesh=meshes["expert_fsdp"],
-                        shard_placement_fn=expert_placement(block.mlp.experts, meshes), **kw)
-        fully_shard(block, mesh=meshes["fsdp"], ignored_params=kept or None, **kw)
-    fully_shard(model, mesh=meshes["fsdp"], ignored_params=kept or None, **kw)
-    register_fsdp_forward_method(model, "hidden_states")  # the trainer calls hidden_states, not forward
-    # Gradients are SUMMED over ranks, never averaged: each rank's loss is already divided by the window's global
-    # token count (loss.py's window normalization), so the sum over ranks is the gradient of the window loss.
-    # force-sum also keeps the reduction a plain SUM, which gloo needs (it has neither AVG nor PREMUL_SUM).
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            if not hasattr(module, "set_force_sum_reduction_for_comms"):
-                raise RuntimeError(f"torch {torch.__version__} has no FSDPModule.set_force_sum_reduction_for_comms; "
-                                   "the trainer needs torch >= 2.9")
-            module.set_force_sum_reduction_for_comms(True)
-    model.meshes = meshes
-    return model
-
-
-def experts_stay_local(meshes, cfg):
-    """True when the expert FSDP mesh has one rank (ep_size = world): FSDP would have nothing to gather or reduce
-    there, yet it would still copy and cast every expert weight at each forward and backward and its gradient once
-    per microbatch (bench.py train on 1 H200: 85.5K -> 95.7K tok/s without it). Offloaded optimizer state keeps FSDP
-    (it moves the shards)."""
-    return meshes["expert_fsdp"].size() == 1 and not cfg["cpu_offload_optimizer"]
-
-
-def keep_experts_local(experts, mesh, dtype):
-    """Experts outside FSDP, on a one-rank expert FSDP mesh: the weights stay fp32 DTensors on that mesh, as FSDP
-    would leave them (checkpoints, clipping, the optimizer and the weight export see no difference), and each
-    forward computes with a cast of them to the compute dtype (CastForCompute: its backward returns the gradient in
-    fp32); floating inputs are cast as FSDP's mixed precision casts them. Without activation checkpointing
-    the casts stay alive until their layer's backward (plan_memory counts them)."""
-    for name in EXPERT_PROJS:
-        p = getattr(experts, name)
-        setattr(experts, name, nn.Parameter(DTensor.from_local(p.data, mesh, [Shard(0)], run_check=False)))
-    experts.cast_weights = lambda w: CastForCompute.apply(w, dtype)
-    experts.register_forward_pre_hook(
-        lambda module, args: tuple(a.to(dtype) if torch.is_floating_point(a) else a for a in args))
-
-
-class CastForCompute(torch.autograd.Function):
-    """A local expert weight (an fp32 DTensor on a one-rank mesh) -> its local tensor in the compute dtype. Backward
-    returns the gradient as a new fp32 tensor in the parameter's layout, in one pass (`to_contiguous`), which autograd
-    then takes as .grad, or adds to it, as it is. Autograd's own cast kept the grouped GEMM's transposed layout, and
-    every later microbatch's add into .grad was a strided pass (H200, one 128 x 768 x 2048 weight: 1.1-1.6 ms less per
-    microbatch). bench.py train shapes on 1 H200, A/B in one process: +1.8% tok/s at 4 x 1 sequences per step, +1.3%
-    at 4 x 4, +1.0% at 8 x 4. (Adding into .grad inside backward, as Megatron's main_grad does, measured +1.9% /
-    +3.6% / +2.2%, but then torch.autograd.grad would not see these weights and would write .grad.)"""
-
-    @staticmethod
-    def forward(ctx, param, dtype):
-        ctx.mesh, ctx.placements, ctx.param_dtype = param.device_mesh, param.placements, param.dtype
-        return local_tensor(param).to(dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        main = to_contiguous(grad, ctx.param_dtype)
-        return DTensor.from_local(main, ctx.mesh, ctx.placements, run_check=False), None
-
-
-def expert_placement(experts, meshes):
-    """FSDP cuts this rank's (E / ep, ...) expert tensors on dim 0 when the expert FSDP ranks divide E / ep, else on
-    dim 1 where they divide it (FSDP2 cuts other dims evenly only). E.g. 1 expert per EP rank and 2 FSDP ranks: on
-    dim 0 one rank would hold the whole expert and the other padding; on dim 1 each holds half."""
-    n = meshes["expert_fsdp"].size()
-    shapes = [getattr(experts, name).shape for name in EXPERT_PROJS]
-    dim = 1 if shapes[0][0] % n and all(shape[1] % n == 0 for shape in shapes) else 0
-    return lambda param: Shard(dim)
-
-
-# the autograd all-to-all; torch 2.13 suggests the traced functional collectives instead, but this one is the
-# same eager call on torch 2.11 and 2.13
-warnings.filterwarnings("ignore", message="torch.distributed.nn.functional.all_to_all_single is deprecated")
-
-
-def all_to_all(x, out_splits, in_splits, group):
-    """Autograd all-to-all of rows: backward sends the gradients back along the same routes."""
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    return dist_nn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-
-
-class ExpertParallel:
-    """The experts of each MoE layer split over the `ep` mesh's ranks, and the two all-to-alls model.Experts calls
-    around its local experts: `dispatch` sends each token to the ranks holding its experts, `combine` brings the
-    weighted sums back."""
-
-    def __init__(self, ep_mesh):
-        self.group, self.size, self.rank = ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank()
-
-    def dispatch(self, x, topk_ids, topk_weights, num_experts):
-        return ep_dispatch(x, topk_ids, topk_weights, num_experts, self.group)
-
-    def combine(self, y_recv, plan):
-        return ep_combine(y_recv, plan, self.group)
-
-
-def ep_dispatch(x, topk_ids, topk_weights, num_experts, group):
-    """Send each token once to every rank holding one of its chosen experts, with its choices there.
-
-    x (N, D), topk_ids (N, K) global expert ids, topk_weights (N, K). A token with several experts on one rank
-    crosses once, not once per expert (with top-8 of 128 experts on 2 ranks: 2 rows per token instead of 8).
-    Returns what arrived, x_recv (R, D) with ids_recv (R, K) local expert ids (E_local for choices held elsewhere)
-    and weights_recv (R, K), the number of local choices among them (a host int), and the plan `ep_combine` needs.
-    """
-    N, K = topk_ids.shape
-    ep, device = group.size(), x.device
-    E_local = num_experts // ep
-    rank_of = topk_ids // E_local  # (N, K) the rank holding each choice
-    on_rank = torch.zeros(N, ep, dtype=torch.bool, device=device).scatter_(1, rank_of, True)  # (N, ep)
-    # 1. counts first. For each destination rank: rows, then choices per local expert
-    choices = count_ids(topk_ids.flatten(), num_experts)
-    send_counts = torch.cat([on_rank.sum(0).view(ep, 1), choices.view(ep, E_local)], dim=1)  # (ep, 1 + E_local)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    # NOTE: device-to-host sync (one per MoE layer): all_to_all_single takes its split sizes as Python ints
-    splits = torch.cat([send_counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum().view(1)]).tolist()
-    send_rows, recv_rows, pairs = splits[:ep], splits[ep:2 * ep], splits[-1]
-    # 2. the rows, in (destination rank, token) order: slot n * ep + r is token n's copy for rank r
-    slot_rank = torch.where(on_rank, torch.arange(ep, device=device), ep).flatten()  # (N*ep,), ep: not sent
-    slots = slot_rank.argsort(stable=True)[:sum(send_rows)]
-    position = slot_positions(slots, N * ep)
-    token, dest = slots // ep, slots % ep
-    held = rank_of.index_select(0, token) == dest.unsqueeze(1)  # (S, K) the choices the destination holds
-    ids_send = torch.where(held, topk_ids.index_select(0, token) % E_local, E_local)  # their ids there
-    x_recv = all_to_all(GatherRows.apply(x, slots, position, ep), recv_rows, send_rows, group)  # (R, D)
-    weights_recv = all_to_all(GatherRows.apply(topk_weights, slots, position, ep), recv_rows, send_rows, group)
-    ids_recv = ids_send.new_empty((sum(recv_rows), K))
-    dist.all_to_all_single(ids_recv, ids_send, recv_rows, send_rows, group=group)
-    return x_recv, ids_recv, weights_recv, pairs, (slots, position, send_rows, recv_rows)
-
-
-def ep_combine(y_recv, plan, group):
-    """Send each rank's weighted sums back to the tokens' ranks and add up each token's copies."""
-    slots, position, send_rows, recv_rows = plan
-    y_back = all_to_all(y_recv, send_rows, recv_rows, group)  # (S, D) in ep_dispatch's send order
-    return SumRows.apply(y_back, slots, position, group.size())  # (N, D)
-
-
-def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_std=0.02):
-    """The sharded trainer model: built on the meta device, experts partitioned, fully_shard, then each rank
-    materializes and fills only its own shards (from `weights_path`, an HF directory, or random init)."""
-    mcfg = model_config if model_config is not None else load_config(weights_path)
-    model = meta_sharded_model(mcfg, meshes, cfg)
-    model.to_empty(device=device if not cfg["cpu_offload_optimizer"] else "cpu")
-    if mcfg.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
-        raise RuntimeError("tied embeddings came untied while materializing the sharded model")
-    model.activation_checkpointing = cfg["activation_checkpointing"]
-    if weights_path is not None:
-        load_hf_weights(model, weights_path)
-    else:
-        generator = torch.Generator(model.lm_head.weight.device).manual_seed(cfg["seed"] + dist.get_rank())
-        init_parameters(((n, local_tensor(p)) for n, p in model.named_parameters()), init_std, generator)
-    return model
-
-
-def local_tensor(t):
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-@torch.no_grad()
-def load_hf_weights(model, path):
-    """Fill each rank's shards from an HF safetensors directory; files are memory-mapped and each rank copies
-    only its rows (for experts, only its own experts), so no rank ever holds the whole model."""
-    files = weight_files(path)
-    handles = {}
-    def read(name):
-        if name not in files:
-            raise KeyError(f"{path} has no tensor {name!r}")
-        f = files[name]
-        if f not in handles:
-            handles[f] = safe_open(os.path.join(path, f), framework="pt")
-        return handles[f].get_tensor(name)
-    for name, p in model.named_parameters():
-        if is_stacked_experts(name):
-            prefix, proj = name.split(".mlp.experts.")
-            experts = model.get_submodule(prefix + ".mlp.experts")
-            E_local = p.shape[0]  # the DTensor's shape: this rank's experts before FSDP cut them
-            full = torch.stack([read(f"{prefix}.mlp.experts.{experts.first_expert + e}.{proj}.weight")
-                                for e in range(E_local)])
-        elif name == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue  # the same parameter as embed_tokens
-        else:
-            full = read(name)
-        copy_shard(p, full)
-
-
-def copy_shard(p, full):
-    """Copy this rank's FSDP shard of `full` into parameter p (chunks on its shard dim, as FSDP and torch.chunk cut
-    them)."""
-    if tuple(full.shape) != tuple(p.shape):
-        raise ValueError(f"checkpoint tensor of shape {tuple(full.shape)} does not fit parameter of shape {tuple(p.shape)}")
-    local = local_tensor(p)
-    if isinstance(p, DTensor):
-        mesh = p.device_mesh
-        chunks = full.chunk(mesh.size(), dim=p.placements[0].dim)
-        r = mesh.get_local_rank()
-        full = chunks[r] if r < len(chunks) else full[:0]
-    local.copy_(full.to(local.dtype))
-
-
-# -----------------------------------------------------------------------------
-# train step: optimizer, learning-rate schedule, microbatches, window-normalized loss, clipping, the step
-
-
-def build_optimizer(model, cfg):
-    """AdamW over the sharded parameters (fp32 master weights: FSDP keeps the sharded params in fp32). Experts and
-    dense weights live on different meshes, so they are separate param groups (foreach kernels stay per mesh).
-    With cpu_offload_optimizer the shards, their gradients and the Adam state stay in host memory (FSDP's
-    CPUOffloadPolicy) and the step runs on the CPU."""
-    experts = [p for n, p in model.named_parameters() if is_stacked_experts(n)]
-    dense = [p for n, p in model.named_parameters() if not is_stacked_experts(n)]
-    groups = [{"params": dense}] + ([{"params": experts}] if experts else [])
-    # fused: one kernel per group, on the GPU and on the CPU (offloaded state); it also takes the clipping factor
-    return torch.optim.AdamW(groups, lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
-                             weight_decay=cfg["weight_decay"], fused=True)
-
-
-def learning_rate_at(step, cfg):
-    """Linear warm-up to learning_rate over warmup_steps, then cosine decay to min_lr at max_steps."""
-    lr, min_lr, warmup, total = cfg["learning_rate"], cfg["min_lr"], cfg["warmup_steps"], cfg["max_steps"]
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
-
-
-def collate(segments, advantages, pad_id=0):
-    """Recorded segments (dicts with token_ids, action_mask, behavior_logprobs, token_versions, routed_experts) and
-    one advantage each (a float, or a (T,) tensor of per-token advantages) -> one right-padded microbatch. Position t
-    predicts token t + 1, so every per-token field is the segment's shifted by one; routed_experts stay with the
-    input tokens that were routed."""
-    T = max(len(s["token_ids"]) for s in segments) - 1
-    B = len(segments)
-    per_token = any(torch.is_tensor(a) for a in advantages)
-    if per_token:
-        dense = torch.zeros(B, T)
-        for i, a in enumerate(advantages):
-            a = torch.as_tensor(a, dtype=torch.float32).reshape(-1)
-            dense[i, :len(a) - 1] = a[1:] if len(a) > 1 else 0.0
-        advantages = dense
-    mb = dict(input_ids=torch.full((B, T), pad_id, dtype=torch.long), targets=torch.full((B, T), pad_id, dtype=torch.long),
-              action_mask=torch.zeros(B, T), behavior_logprobs=torch.zeros(B, T),
-              token_versions=torch.full((B, T), -1, dtype=torch.long),
-              advantages=advantages if per_token else torch.as_tensor(advantages, dtype=torch.float32).reshape(B))
-    with_routes = all(s.get("routed_experts") is not None for s in segments)
-    if with_routes:
-        L, K = len(segments[0]["routed_experts"][0]), len(segments[0]["routed_experts"][0][0])
-        mb["routed_experts"] = torch.zeros(B, T, L, K, dtype=torch.long)
-    for i, s in enumerate(segments):
-        n = len(s["token_ids"]) - 1
-        ids = torch.as_tensor(s["token_ids"], dtype=torch.long)
-        mb["input_ids"][i, :n], mb["targets"][i, :n] = ids[:-1], ids[1:]
-        mb["action_mask"][i, :n] = torch.as_tensor(s["action_mask"][1:], dtype=torch.float32)
-        mb["behavior_logprobs"][i, :n] = torch.as_tensor(s["behavior_logprobs"][1:], dtype=torch.float32)
-        mb["token_versions"][i, :n] = torch.as_tensor(s["token_versions"][1:], dtype=torch.long)
-        if with_routes:
-            mb["routed_experts"][i, :n] = torch.as_tensor(s["routed_experts"][:n], dtype=torch.long)
-    if not with_routes:
-        mb["routed_experts"] = None
-    return mb
-
-
-def empty_microbatch(like):
-    """A 1-token microbatch with nothing to learn from: ranks with fewer microbatches run these so that every rank
-    takes part in the same number of FSDP and expert-parallel collectives."""
-    return {k: (torch.zeros_like(v[:1, :1] if v.dim() > 1 else v[:1]) if torch.is_tensor(v) else v)
-            for k, v in like.items()}
-
-
-def microbatch_logprobs(model, mb, cfg, with_entropy=False):
-    """The trainer's logprob of each target (B, T), with routing replay when mb carries routed_experts."""
-    hidden = model.hidden_states(mb["input_ids"], routed_experts=mb.get("routed_experts"))  # (B, T, D)
-    lm_head = model.lm_head.weight  # unsharded: the root FSDP unit keeps its params gathered after forward
-    keep = cfg["logprob_keep_logits"] and torch.is_grad_enabled()  # nothing to keep them for under no_grad
-    return loss.token_logprobs(hidden, lm_head, mb["targets"], cfg["temperature"], cfg["logprob_chunk_size"],
-                               with_entropy=with_entropy, keep_logits=keep)
-
-
-@torch.no_grad()
-def clip_grad_norm(model, max_norm, device, optimizer=None):
-    """Total gradient norm over every shard of every parameter, then scale to max_norm (0 = never scale).
-    Dense weights are sharded over all ranks and experts over ep x expert_fsdp ranks, so each gradient element
-    lives on exactly one rank: the sum of squares of the local shards, summed over all ranks, is the global one.
-    One all-reduce; the result stays on the device (no host sync here). Given a fused optimizer, the gradients are
-    not rewritten: its step divides each one by `grad_scale` as it reads it (the hook torch.amp.GradScaler uses),
-    which saves a read and a write of every gradient."""
-    local = [local_tensor(p.grad) for p in model.parameters() if p.grad is not None]
-    # .to(device): with cpu_offload_optimizer the gradients are in host memory, the all-reduce on the GPU
-    sq = torch.stack(torch._foreach_norm(local)).float().pow(2).sum().to(device) if local else torch.zeros((), device=device)
-    dist.all_reduce(sq)
-    norm = sq.sqrt()
-    if optimizer is not None:
-        optimizer.grad_scale = None
-    if max_norm > 0 and local:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0).to(local[0].device)
-        if optimizer is not None and optimizer.defaults.get("fused"):
-            optimizer.grad_scale = 1.0 / scale
-        else:
-            torch._foreach_mul_(local, scale)
-    return norm
-
-
-def train_step(model, optimizer, microbatches, cfg, policy_version, step=None):
-    """One optimizer step over this rank's microbatches of the window. Returns metrics (floats, same on all ranks).
-
-    microbatches: dicts of right-padded tensors (B, T): input_ids, targets (input_ids shifted by one), action_mask,
-    behavior_logprobs, token_versions, advantages (B,) or (B, T), optional ref_logprobs, and routed_experts
-    (B, T, L_moe, K) or None (see `collate`). The loss is normalized by the window's kept-token count, all-reduced
-    before the first backward, and gradients are summed over ranks (shard_model), so the step is the same however
-    the window is split into microbatches and ranks.
-    """
-    t0 = time.perf_counter()
-    step = policy_version if step is None else step
-    device = compute_device()
-    lcfg = loss_config(cfg)
-    if not microbatches:
-        raise ValueError("train_step needs at least one microbatch on every rank")
-    # every rank runs the same number of forward/backward passes (FSDP and all-to-all are collectives)
-    n = torch.tensor(len(microbatches), device=device)
-    dist.all_reduce(n, op=dist.ReduceOp.MAX)  # NOTE: a host sync (.item() below), once per step
-    microbatches = list(microbatches) + [empty_microbatch(microbatches[0])] * (int(n.item()) - len(microbatches))
-    microbatches = [{k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in mb.items()}
-                    for mb in microbatches]
-
-    model.train()
-    old_logprobs = [None] * len(microbatches)
-    if lcfg.is_mode == "mask" and lcfg.is_level != "none":  # rejection needs the trainer's logprobs first
-        with torch.no_grad():
-            old_logprobs = [microbatch_logprobs(model, mb, cfg)[0] for mb in microbatches]
-    kept = [loss.kept_token_mask(old, mb["behavior_logprobs"], mb["action_mask"], mb["token_versions"],
-                                 policy_version, lcfg) for old, mb in zip(old_logprobs, microbatches)]
-    window_tokens = loss.count_window_tokens(kept)  # one all-reduce, before the first backward
-
-    metrics = []
-    for old, mb in zip(old_logprobs, microbatches):
-        logprobs, entropy = microbatch_logprobs(model, mb, cfg, with_entropy=lcfg.entropy_coef > 0)
-        mb_loss, mb_metrics = loss.policy_loss(logprobs, old, mb["behavior_logprobs"], mb["advantages"],
-                                               mb["action_mask"], mb["token_versions"], policy_version, lcfg,
-                                               window_tokens, dp_world_size=1,  # gradients are summed over ranks
-                                               ref_logprobs=mb.get("ref_logprobs"), entropy=entropy)
-        mb_loss.backward()
-        metrics.append(mb_metrics)
-
-    grad_norm = clip_grad_norm(model, cfg["grad_clip"], device, optimizer)
-    lr = learning_rate_at(step, cfg)
-    grad_norm = grad_norm.item()  # NOTE: host sync, once per step: the skip decision is made on the host
-    skipped = not math.isfinite(grad_norm)
-    if skipped:
-        print0(f"step {step}: non-finite gradient norm ({grad_norm}); skipping the optimizer step")
-    else:
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    out = loss.reduce_metrics(metrics)
-    tokens = torch.tensor(sum(mb["input_ids"].numel() for mb in microbatches), device=device)
-    dist.all_reduce(tokens)
-    out.update(grad_norm=grad_norm, lr=lr, skipped=skipped, window_tokens=int(window_tokens.item()),
-               tokens=int(tokens.item()), step_time=time.perf_counter() - t0)
-    return out
-
-
-def compute_device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def print0(*args):
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*args, flush=True)
-
-
-# -----------------------------------------------------------------------------
-# checkpoints: sharded (torch.distributed.checkpoint; resumes on any number of ranks) and the HF export
-
-
-def global_experts(t, meshes):
-    """This rank's piece of an expert tensor as a DTensor of the global (E, ...) tensor on the 2-D experts mesh.
-    Shares storage with t, so loading into it loads into t."""
-    shape = (t.shape[0] * meshes["ep"].size(), *t.shape[1:])
-    return DTensor.from_local(local_tensor(t), meshes["experts"], [Shard(0), t.placements[0]], run_check=False,
-                              shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
-
-
-def with_global_experts(state, meshes, experts=False):
-    """Copy of a nested FQN-keyed state dict (model, or optimizer: state.FQN.exp_avg) whose expert tensors are
-    global DTensors (see above)."""
-    out = {}
-    for k, v in state.items():
-        is_experts = experts or is_stacked_experts(str(k))
-        if isinstance(v, dict):
-            out[k] = with_global_experts(v, meshes, is_experts)
-        elif is_experts and isinstance(v, DTensor) and v.dim() > 0:
-            out[k] = global_experts(v, meshes)
-        else:
-            out[k] = v
-    return out
-
-
-def save_checkpoint(out_dir, model, optimizer, step, cfg, extra=None):
-    """Write out_dir/checkpoints/step_NNNNNN (every rank writes its shards) and point `latest` at it."""
-    path = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(with_global_experts(state, model.meshes), checkpoint_id=path)
-    if dist.get_rank() == 0:
-        torch.save({"step": step, "config": cfg, "extra": extra or {}}, os.path.join(path, "trainer_state.pt"))
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=1)
-        latest = os.path.join(out_dir, "checkpoints", "latest")
-        with open(latest + ".tmp", "w") as f:
-            f.write(os.path.basename(path))
-        os.replace(latest + ".tmp", latest)  # atomic: a crash never leaves `latest` naming a half-written step
+# the loop: main() checks the config and starts everything, train() runs the steps
+
+
+def main(argv):
+    try:
+        cfg = configure(argv)
+        if cfg["dry_run"]:
+            return plan.dry_run_report(cfg)
+        check_config(cfg, world_size=plan.launched_world_size())
+        if (cfg["resume"] or cfg["export_hf_dir"]) and latest_checkpoint(cfg["out_dir"]) is None:
+            raise ConfigError(f"{'resume=True' if cfg['resume'] else 'export_hf_dir'} needs a checkpoint, and out_dir="
+                              f"{cfg['out_dir']!r} holds none: train there first (without --resume)")
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")
+    rank, world, device = init_distributed()
+    if rank == 0:
+        print(json.dumps(cfg, indent=1))
+        os.makedirs(cfg["out_dir"], exist_ok=True)
+        if is_tiny_model(cfg["model_path"]):
+            ensure_tiny_model(cfg["model_path"])
+        if not cfg["resume"] and not cfg["export_hf_dir"] and os.path.exists(os.path.join(cfg["out_dir"], "metrics.jsonl")):
+            os.remove(os.path.join(cfg["out_dir"], "metrics.jsonl"))  # a fresh run starts a fresh log
     dist.barrier()
-    return path
+    torch.manual_seed(cfg["seed"])
+    model, optimizer, step, extra = build_trainer(dict(cfg, resume=cfg["resume"] or bool(cfg["export_hf_dir"])), world,
+                                                  device)
+    if cfg["export_hf_dir"]:  # no rollout: the checkpoint as an HF directory that vLLM and transformers load
+        export_hf(model, cfg["export_hf_dir"], source_dir=cfg["model_path"])
+        print0(f"exported step {step} of {cfg['out_dir']} to {cfg['export_hf_dir']}")
+        return dist.destroy_process_group()
+
+    # the rollout side, on rank 0: engines, router, capture server, pool
+    import logging
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engines' start-up and per-sync notes, unless asked
+    # a model in training writes malformed tool calls all the time; vLLM's parser logs a traceback for each
+    logging.getLogger("vllm.tool_parsers.hermes_tool_parser").setLevel(logging.CRITICAL)
+    ray = connect_ray(cfg, rank, world)
+    gpus = trainer_gpus(ray, world)
+    # a resumed run's pool continues the prompt stream after the prompts its earlier life drew
+    run = start_rollout(cfg, trainer_gpus=gpus, data_position=extra.get("data_position", 0)) if rank == 0 else None
+
+    train(cfg, model, optimizer, run, step, rank, world)
+
+    if rank == 0:
+        stop_rollout(run)
+        print(f"done: {cfg['out_dir']}/metrics.jsonl, {cfg['out_dir']}/reward.png, "
+              f"checkpoint {latest_checkpoint(cfg['out_dir'])}")
+    ray.shutdown()
+    dist.destroy_process_group()
 
 
-def latest_checkpoint(out_dir):
-    """Path of the newest complete checkpoint in out_dir, or None."""
-    latest = os.path.join(out_dir, "checkpoints", "latest")
-    if not os.path.isfile(latest):
-        return None
-    with open(latest) as f:
-        return os.path.join(out_dir, "checkpoints", f.read().strip())
+def train(cfg, model, optimizer, run, step, rank, world):
+    """The loop, from `step` to max_steps: batch -> advantages -> each rank's refs -> train step -> weight sync ->
+    log -> checkpoint. Rank 0 drives (run: start_rollout's dict); the others follow through collectives."""
+    import weights_sync
+    from tqdm import tqdm
+    out_dir = cfg["out_dir"]
+    loop = asyncio.new_event_loop()  # runs the weight-sync coroutines of this thread
+    sender = weights_sync.WeightSender()
+    policy_version = step  # one optimizer step = one policy version; the engines start at version 0
+    # the engines get the trainer's weights first: a resumed run's, or whatever they were started or left with
+    push_weights(run, loop, sender, model, policy_version, rank, world)
+    if rank == 0:
+        run["pool"].start()  # after that sync, so that no attempt samples from the base weights
+        run["router"].reset_idle_clock()
+    bar = tqdm(total=cfg["max_steps"], initial=step, disable=rank != 0, dynamic_ncols=True)
+    for step in range(step, cfg["max_steps"]):
+        t0 = time.perf_counter()
+        records = run["pool"].next_batch() if rank == 0 else None
+        t_batch = time.perf_counter()
+        segments, advantages = share_batch(records, cfg, rank, world)
+        m = train_step(model, optimizer, pack_microbatches(segments, advantages, cfg["microbatch_tokens"]), cfg,
+                       policy_version, step)
+        policy_version += 1
+        sync_s = push_weights(run, loop, sender, model, policy_version, rank, world)
+        if rank == 0:
+            pool = run["pool"].stats()
+            rewards = {r["attempt_id"]: r["reward"] for r in records}  # an attempt counts once
+            generated = [r for r in records if r["action_tokens"]]
+            step_time = time.perf_counter() - t0
+            row = dict(step=step + 1, reward_mean=sum(rewards.values()) / max(len(rewards), 1),
+                       policy_version=policy_version, mismatch_kl=m["mismatch_kl"],
+                       mismatch_kl_current=m["mismatch_kl_current"],
+                       stale_dropped=round(m["stale_frac"] * m["action_tokens"]),
+                       failed_attempts=pool["failed_attempts"], timed_out_attempts=pool["timed_out_attempts"],
+                       dropped_groups=pool["dropped_groups"], engine_restarts=run["router"].restarts,
+                       tokens_per_s=sum(r["action_tokens"] for r in records) / step_time, step_time_s=step_time,
+                       batch_wait_s=t_batch - t0, sync_s=sync_s, engine_idle=run["router"].idle_fraction(),
+                       # versions between the policy that sampled a segment's oldest token and the one training on it
+                       staleness=sum(policy_version - 1 - r["min_version"] for r in generated) / max(len(generated), 1),
+                       loss=m["loss"], grad_norm=m["grad_norm"], lr=m["lr"], kept_tokens=m["kept_tokens"],
+                       clip_frac=m["clip_frac"], attempts=len(rewards), segments=len(records))
+            row.update(info_means(records))
+            log_step(out_dir, row)
+            run["router"].reset_idle_clock()
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", step_s=f"{step_time:.1f}",
+                            stale=f"{row['staleness']:.2f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+        bar.update(1)
+        if (step + 1) % cfg["checkpoint_every"] == 0 or step + 1 == cfg["max_steps"]:
+            position = run["pool"].prompts_drawn if rank == 0 else 0  # prompts drawn so far (rank 0 draws them)
+            save_checkpoint(out_dir, model, optimizer, step + 1, cfg,
+                            extra={"policy_version": policy_version, "data_position": position})
+    bar.close()
+    sender.close()
+    loop.close()
+    if rank == 0:
+        plot_rewards(out_dir)
 
 
-def load_checkpoint(path, model, optimizer):
-    """Load a checkpoint written by save_checkpoint, on any world size / ep_size. Returns (step, extra)."""
-    if path is None or not os.path.isfile(os.path.join(path, "trainer_state.pt")):
-        raise FileNotFoundError(f"no checkpoint at {path!r}: expected a directory written by save_checkpoint "
-                                "(out_dir/checkpoints/step_NNNNNN)")
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(with_global_experts(state, model.meshes), checkpoint_id=path)  # fills `state`'s tensors in place
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    trainer_state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
-    return trainer_state["step"], trainer_state["extra"]
-
-
-@torch.no_grad()
-def full_parameters(model):
-    """Yield (name, full tensor) for every parameter, gathered from all shards and, for experts, from all EP ranks.
-    Collective: every rank must iterate to the end. Costs one or two all-gathers per parameter."""
-    for name, p in model.named_parameters():  # a tied lm_head is not repeated
-        yield name, gather_full(name, p, model.meshes)
-
-
-def gather_full(name, t, meshes):
-    """The whole tensor (a parameter, its gradient or its Adam state) from the shards on all ranks."""
-    if not isinstance(t, DTensor):
-        return t.detach()
-    if t.device.type != t.device_mesh.device_type:  # cpu_offload_optimizer: host shards, GPU collectives
-        t = t.to(t.device_mesh.device_type)
-    full = t.full_tensor()  # over its FSDP mesh; experts: (E / ep, ...) this EP rank's experts
-    if is_stacked_experts(name) and meshes["ep"].size() > 1:
-        full = DTensor.from_local(full, meshes["ep"], [Shard(0)], run_check=False).full_tensor()  # (E, ...)
-    return full
-
-
-def export_hf(model, path, dtype=torch.bfloat16, source_dir=None):
-    """Write a consolidated HF safetensors directory (rank 0 writes) that vLLM and transformers load. Tokenizer and
-    generation files are copied from source_dir, the HF directory the run started from."""
-    rank0 = dist.get_rank() == 0
-    state = {}
-    for name, t in full_parameters(model):
-        if rank0:
-            state[name] = t.to(dtype).cpu()
-    if rank0:
-        save_hf_checkpoint(path, ours_to_hf(state, model.config), model.config, dtype=dtype)
-        if source_dir is not None:
-            copy_hf_extras(source_dir, path)
-    dist.barrier()
-    return path
-
-
-def copy_hf_extras(source_dir, path):
-    """Tokenizer, chat template and generation config from source_dir; token ids from its config.json."""
-    import shutil
-    for fname in os.listdir(source_dir):
-        if fname.endswith((".safetensors", ".index.json", ".bin")) or fname == "config.json":
-            continue
-        if os.path.isfile(os.path.join(source_dir, fname)):
-            shutil.copy(os.path.join(source_dir, fname), os.path.join(path, fname))
-    src_cfg = os.path.join(source_dir, "config.json")
-    if os.path.isfile(src_cfg):
-        with open(src_cfg) as f:
-            src = json.load(f)
-        with open(os.path.join(path, "config.json")) as f:
-            hf = json.load(f)
-        hf.update({k: src[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in src})
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(hf, f, indent=2)
+def build_trainer(cfg, world, device):
+    """The sharded model and its optimizer, from the last checkpoint in out_dir when cfg["resume"]. Returns
+    (model, optimizer, step, extra): extra is what save_checkpoint recorded beside the step ({} for a fresh run)."""
+    model = build_model(cfg, build_meshes(world, cfg["ep_size"], device.type), device, weights_path=cfg["model_path"])
+    optimizer = build_optimizer(model, cfg)
+    if not cfg["resume"]:
+        return model, optimizer, 0, {}
+    path = latest_checkpoint(cfg["out_dir"])
+    step, extra = load_checkpoint(path, model, optimizer)
+    print0(f"resumed from {path} at step {step}")
+    return model, optimizer, step, extra
 
 
 # -----------------------------------------------------------------------------
-# the driver: Ray, engines, capture server and rollout pool on rank 0; every rank trains on its share of each batch
+# the driver's plumbing: Ray, engines, capture server and rollout pool on rank 0; every rank trains on its share
+# of each batch
 
 
 def connect_ray(cfg, rank, world):
@@ -906,123 +476,559 @@ def plot_rewards(out_dir):
     plt.close(fig)
 
 
-def train(cfg, model, optimizer, run, step, rank, world):
-    """The loop, from `step` to max_steps: batch -> advantages -> each rank's refs -> train step -> weight sync ->
-    log -> checkpoint. Rank 0 drives (run: start_rollout's dict); the others follow through collectives."""
-    import weights_sync
-    from tqdm import tqdm
-    out_dir = cfg["out_dir"]
-    loop = asyncio.new_event_loop()  # runs the weight-sync coroutines of this thread
-    sender = weights_sync.WeightSender()
-    policy_version = step  # one optimizer step = one policy version; the engines start at version 0
-    # the engines get the trainer's weights first: a resumed run's, or whatever they were started or left with
-    push_weights(run, loop, sender, model, policy_version, rank, world)
-    if rank == 0:
-        run["pool"].start()  # after that sync, so that no attempt samples from the base weights
-        run["router"].reset_idle_clock()
-    bar = tqdm(total=cfg["max_steps"], initial=step, disable=rank != 0, dynamic_ncols=True)
-    for step in range(step, cfg["max_steps"]):
-        t0 = time.perf_counter()
-        records = run["pool"].next_batch() if rank == 0 else None
-        t_batch = time.perf_counter()
-        segments, advantages = share_batch(records, cfg, rank, world)
-        m = train_step(model, optimizer, pack_microbatches(segments, advantages, cfg["microbatch_tokens"]), cfg,
-                       policy_version, step)
-        policy_version += 1
-        sync_s = push_weights(run, loop, sender, model, policy_version, rank, world)
-        if rank == 0:
-            pool = run["pool"].stats()
-            rewards = {r["attempt_id"]: r["reward"] for r in records}  # an attempt counts once
-            generated = [r for r in records if r["action_tokens"]]
-            step_time = time.perf_counter() - t0
-            row = dict(step=step + 1, reward_mean=sum(rewards.values()) / max(len(rewards), 1),
-                       policy_version=policy_version, mismatch_kl=m["mismatch_kl"],
-                       mismatch_kl_current=m["mismatch_kl_current"],
-                       stale_dropped=round(m["stale_frac"] * m["action_tokens"]),
-                       failed_attempts=pool["failed_attempts"], timed_out_attempts=pool["timed_out_attempts"],
-                       dropped_groups=pool["dropped_groups"], engine_restarts=run["router"].restarts,
-                       tokens_per_s=sum(r["action_tokens"] for r in records) / step_time, step_time_s=step_time,
-                       batch_wait_s=t_batch - t0, sync_s=sync_s, engine_idle=run["router"].idle_fraction(),
-                       # versions between the policy that sampled a segment's oldest token and the one training on it
-                       staleness=sum(policy_version - 1 - r["min_version"] for r in generated) / max(len(generated), 1),
-                       loss=m["loss"], grad_norm=m["grad_norm"], lr=m["lr"], kept_tokens=m["kept_tokens"],
-                       clip_frac=m["clip_frac"], attempts=len(rewards), segments=len(records))
-            row.update(info_means(records))
-            log_step(out_dir, row)
-            run["router"].reset_idle_clock()
-            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", step_s=f"{step_time:.1f}",
-                            stale=f"{row['staleness']:.2f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
-        bar.update(1)
-        if (step + 1) % cfg["checkpoint_every"] == 0 or step + 1 == cfg["max_steps"]:
-            position = run["pool"].prompts_drawn if rank == 0 else 0  # prompts drawn so far (rank 0 draws them)
-            save_checkpoint(out_dir, model, optimizer, step + 1, cfg,
-                            extra={"policy_version": policy_version, "data_position": position})
-    bar.close()
-    sender.close()
-    loop.close()
-    if rank == 0:
-        plot_rewards(out_dir)
+# -----------------------------------------------------------------------------
+# train step: optimizer, learning-rate schedule, microbatches, window-normalized loss, clipping, the step
 
 
-def build_trainer(cfg, world, device):
-    """The sharded model and its optimizer, from the last checkpoint in out_dir when cfg["resume"]. Returns
-    (model, optimizer, step, extra): extra is what save_checkpoint recorded beside the step ({} for a fresh run)."""
-    model = build_model(cfg, build_meshes(world, cfg["ep_size"], device.type), device, weights_path=cfg["model_path"])
-    optimizer = build_optimizer(model, cfg)
-    if not cfg["resume"]:
-        return model, optimizer, 0, {}
-    path = latest_checkpoint(cfg["out_dir"])
-    step, extra = load_checkpoint(path, model, optimizer)
-    print0(f"resumed from {path} at step {step}")
-    return model, optimizer, step, extra
+def build_optimizer(model, cfg):
+    """AdamW over the sharded parameters (fp32 master weights: FSDP keeps the sharded params in fp32). Experts and
+    dense weights live on different meshes, so they are separate param groups (foreach kernels stay per mesh).
+    With cpu_offload_optimizer the shards, their gradients and the Adam state stay in host memory (FSDP's
+    CPUOffloadPolicy) and the step runs on the CPU."""
+    experts = [p for n, p in model.named_parameters() if is_stacked_experts(n)]
+    dense = [p for n, p in model.named_parameters() if not is_stacked_experts(n)]
+    groups = [{"params": dense}] + ([{"params": experts}] if experts else [])
+    # fused: one kernel per group, on the GPU and on the CPU (offloaded state); it also takes the clipping factor
+    return torch.optim.AdamW(groups, lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
+                             weight_decay=cfg["weight_decay"], fused=True)
 
 
-def main(argv):
-    try:
-        cfg = configure(argv)
-        if cfg["dry_run"]:
-            return plan.dry_run_report(cfg)
-        check_config(cfg, world_size=plan.launched_world_size())
-        if (cfg["resume"] or cfg["export_hf"]) and latest_checkpoint(cfg["out_dir"]) is None:
-            raise ConfigError(f"{'resume=True' if cfg['resume'] else 'export_hf'} needs a checkpoint, and out_dir="
-                              f"{cfg['out_dir']!r} holds none: train there first (without --resume)")
-    except ConfigError as e:
-        sys.exit(f"config error: {e}")
-    rank, world, device = init_distributed()
-    if rank == 0:
-        print(json.dumps(cfg, indent=1))
-        os.makedirs(cfg["out_dir"], exist_ok=True)
-        if is_tiny_model(cfg["model_path"]):
-            ensure_tiny_model(cfg["model_path"])
-        if not cfg["resume"] and not cfg["export_hf"] and os.path.exists(os.path.join(cfg["out_dir"], "metrics.jsonl")):
-            os.remove(os.path.join(cfg["out_dir"], "metrics.jsonl"))  # a fresh run starts a fresh log
+def learning_rate_at(step, cfg):
+    """Linear warm-up to learning_rate over warmup_steps, then cosine decay to min_lr at max_steps."""
+    lr, min_lr, warmup, total = cfg["learning_rate"], cfg["min_lr"], cfg["warmup_steps"], cfg["max_steps"]
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def collate(segments, advantages, pad_id=0):
+    """Recorded segments (dicts with token_ids, action_mask, behavior_logprobs, token_versions, routed_experts) and
+    one advantage each (a float, or a (T,) tensor of per-token advantages) -> one right-padded microbatch. Position t
+    predicts token t + 1, so every per-token field is the segment's shifted by one; routed_experts stay with the
+    input tokens that were routed."""
+    T = max(len(s["token_ids"]) for s in segments) - 1
+    B = len(segments)
+    per_token = any(torch.is_tensor(a) for a in advantages)
+    if per_token:
+        dense = torch.zeros(B, T)
+        for i, a in enumerate(advantages):
+            a = torch.as_tensor(a, dtype=torch.float32).reshape(-1)
+            dense[i, :len(a) - 1] = a[1:] if len(a) > 1 else 0.0
+        advantages = dense
+    mb = dict(input_ids=torch.full((B, T), pad_id, dtype=torch.long), targets=torch.full((B, T), pad_id, dtype=torch.long),
+              action_mask=torch.zeros(B, T), behavior_logprobs=torch.zeros(B, T),
+              token_versions=torch.full((B, T), -1, dtype=torch.long),
+              advantages=advantages if per_token else torch.as_tensor(advantages, dtype=torch.float32).reshape(B))
+    with_routes = all(s.get("routed_experts") is not None for s in segments)
+    if with_routes:
+        L, K = len(segments[0]["routed_experts"][0]), len(segments[0]["routed_experts"][0][0])
+        mb["routed_experts"] = torch.zeros(B, T, L, K, dtype=torch.long)
+    for i, s in enumerate(segments):
+        n = len(s["token_ids"]) - 1
+        ids = torch.as_tensor(s["token_ids"], dtype=torch.long)
+        mb["input_ids"][i, :n], mb["targets"][i, :n] = ids[:-1], ids[1:]
+        mb["action_mask"][i, :n] = torch.as_tensor(s["action_mask"][1:], dtype=torch.float32)
+        mb["behavior_logprobs"][i, :n] = torch.as_tensor(s["behavior_logprobs"][1:], dtype=torch.float32)
+        mb["token_versions"][i, :n] = torch.as_tensor(s["token_versions"][1:], dtype=torch.long)
+        if with_routes:
+            mb["routed_experts"][i, :n] = torch.as_tensor(s["routed_experts"][:n], dtype=torch.long)
+    if not with_routes:
+        mb["routed_experts"] = None
+    return mb
+
+
+def empty_microbatch(like):
+    """A 1-token microbatch with nothing to learn from: ranks with fewer microbatches run these so that every rank
+    takes part in the same number of FSDP and expert-parallel collectives."""
+    return {k: (torch.zeros_like(v[:1, :1] if v.dim() > 1 else v[:1]) if torch.is_tensor(v) else v)
+            for k, v in like.items()}
+
+
+def microbatch_logprobs(model, mb, cfg, with_entropy=False):
+    """The trainer's logprob of each target (B, T), with routing replay when mb carries routed_experts."""
+    hidden = model.hidden_states(mb["input_ids"], routed_experts=mb.get("routed_experts"))  # (B, T, D)
+    lm_head = model.lm_head.weight  # unsharded: the root FSDP unit keeps its params gathered after forward
+    keep = cfg["logprob_keep_logits"] and torch.is_grad_enabled()  # nothing to keep them for under no_grad
+    return loss.token_logprobs(hidden, lm_head, mb["targets"], cfg["temperature"], cfg["logprob_chunk_size"],
+                               with_entropy=with_entropy, keep_logits=keep)
+
+
+@torch.no_grad()
+def clip_grad_norm(model, max_norm, device, optimizer=None):
+    """Total gradient norm over every shard of every parameter, then scale to max_norm (0 = never scale).
+    Dense weights are sharded over all ranks and experts over ep x expert_fsdp ranks, so each gradient element
+    lives on exactly one rank: the sum of squares of the local shards, summed over all ranks, is the global one.
+    One all-reduce; the result stays on the device (no host sync here). Given a fused optimizer, the gradients are
+    not rewritten: its step divides each one by `grad_scale` as it reads it (the hook torch.amp.GradScaler uses),
+    which saves a read and a write of every gradient."""
+    local = [local_tensor(p.grad) for p in model.parameters() if p.grad is not None]
+    # .to(device): with cpu_offload_optimizer the gradients are in host memory, the all-reduce on the GPU
+    sq = torch.stack(torch._foreach_norm(local)).float().pow(2).sum().to(device) if local else torch.zeros((), device=device)
+    dist.all_reduce(sq)
+    norm = sq.sqrt()
+    if optimizer is not None:
+        optimizer.grad_scale = None
+    if max_norm > 0 and local:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0).to(local[0].device)
+        if optimizer is not None and optimizer.defaults.get("fused"):
+            optimizer.grad_scale = 1.0 / scale
+        else:
+            torch._foreach_mul_(local, scale)
+    return norm
+
+
+def train_step(model, optimizer, microbatches, cfg, policy_version, step=None):
+    """One optimizer step over this rank's microbatches of the window. Returns metrics (floats, same on all ranks).
+
+    microbatches: dicts of right-padded tensors (B, T): input_ids, targets (input_ids shifted by one), action_mask,
+    behavior_logprobs, token_versions, advantages (B,) or (B, T), optional ref_logprobs, and routed_experts
+    (B, T, L_moe, K) or None (see `collate`). The loss is normalized by the window's kept-token count, all-reduced
+    before the first backward, and gradients are summed over ranks (shard_model), so the step is the same however
+    the window is split into microbatches and ranks.
+    """
+    t0 = time.perf_counter()
+    step = policy_version if step is None else step
+    device = compute_device()
+    lcfg = loss_config(cfg)
+    if not microbatches:
+        raise ValueError("train_step needs at least one microbatch on every rank")
+    # every rank runs the same number of forward/backward passes (FSDP and all-to-all are collectives)
+    n = torch.tensor(len(microbatches), device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)  # NOTE: a host sync (.item() below), once per step
+    microbatches = list(microbatches) + [empty_microbatch(microbatches[0])] * (int(n.item()) - len(microbatches))
+    microbatches = [{k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in mb.items()}
+                    for mb in microbatches]
+
+    model.train()
+    old_logprobs = [None] * len(microbatches)
+    if lcfg.is_mode == "mask" and lcfg.is_level != "none":  # rejection needs the trainer's logprobs first
+        with torch.no_grad():
+            old_logprobs = [microbatch_logprobs(model, mb, cfg)[0] for mb in microbatches]
+    kept = [loss.kept_token_mask(old, mb["behavior_logprobs"], mb["action_mask"], mb["token_versions"],
+                                 policy_version, lcfg) for old, mb in zip(old_logprobs, microbatches)]
+    window_tokens = loss.count_window_tokens(kept)  # one all-reduce, before the first backward
+
+    metrics = []
+    for old, mb in zip(old_logprobs, microbatches):
+        logprobs, entropy = microbatch_logprobs(model, mb, cfg, with_entropy=lcfg.entropy_coef > 0)
+        mb_loss, mb_metrics = loss.policy_loss(logprobs, old, mb["behavior_logprobs"], mb["advantages"],
+                                               mb["action_mask"], mb["token_versions"], policy_version, lcfg,
+                                               window_tokens, dp_world_size=1,  # gradients are summed over ranks
+                                               ref_logprobs=mb.get("ref_logprobs"), entropy=entropy)
+        mb_loss.backward()
+        metrics.append(mb_metrics)
+
+    grad_norm = clip_grad_norm(model, cfg["grad_clip"], device, optimizer)
+    lr = learning_rate_at(step, cfg)
+    grad_norm = grad_norm.item()  # NOTE: host sync, once per step: the skip decision is made on the host
+    skipped = not math.isfinite(grad_norm)
+    if skipped:
+        print0(f"step {step}: non-finite gradient norm ({grad_norm}); skipping the optimizer step")
+    else:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    out = loss.reduce_metrics(metrics)
+    tokens = torch.tensor(sum(mb["input_ids"].numel() for mb in microbatches), device=device)
+    dist.all_reduce(tokens)
+    out.update(grad_norm=grad_norm, lr=lr, skipped=skipped, window_tokens=int(window_tokens.item()),
+               tokens=int(tokens.item()), step_time=time.perf_counter() - t0)
+    return out
+
+
+def compute_device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def print0(*args):
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+# -----------------------------------------------------------------------------
+# parallelism: process group, device meshes, expert partition, fully_shard, expert-parallel dispatch/combine
+#
+# Ranks are laid out as rank = expert_fsdp_index * ep_size + ep_index, so an expert-parallel group is ep_size
+# consecutive ranks (one node's NVLink domain when ep_size <= GPUs per node). Dense weights (attention, norms,
+# router, embeddings) are FSDP-sharded over all ranks; each EP rank keeps E / ep_size experts, FSDP-sharded over
+# the world / ep_size ranks that hold the same experts. Every element of every weight lives on exactly one rank.
+
+
+def init_distributed(timeout_s=600):
+    """Join torchrun's process group (or make a 1-rank one). Returns (rank, world, device): NCCL on CUDA, gloo on CPU.
+    A collective that waits longer than timeout_s (a rank died or diverged) raises instead of hanging."""
+    if "RANK" not in os.environ:  # plain `python train.py`: a group of one, so the same code path runs everywhere
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if backend == "nccl" else None)  # NCCL: bind this rank's GPU now
+    return rank, world, device
+
+
+def build_meshes(world, ep_size, device_type):
+    """All device meshes of the trainer: `fsdp` (all ranks, dense weights), `experts` (ep x expert_fsdp, 2-D),
+    and its two 1-D slices `ep` (dispatch/combine) and `expert_fsdp` (FSDP of the local experts)."""
+    if ep_size < 1 or world % ep_size:
+        raise ConfigError(f"ep_size={ep_size} must divide the number of trainer ranks ({world})")
+    fsdp = init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",))
+    # mesh[ep_index, expert_fsdp_index] = expert_fsdp_index * ep_size + ep_index; the ep dimension comes first so
+    # that a (Shard(0), FSDP's Shard) DTensor over it is the global expert tensor in expert order (checkpoints)
+    layout = torch.arange(world).view(world // ep_size, ep_size).T
+    experts = DeviceMesh(device_type, layout, mesh_dim_names=("ep", "expert_fsdp"))
+    return {"fsdp": fsdp, "experts": experts, "ep": experts["ep"], "expert_fsdp": experts["expert_fsdp"]}
+
+
+def meta_sharded_model(mcfg, meshes, cfg):
+    """The model on the meta device with this rank's experts only (E / ep_size of each layer), fully_shard applied."""
+    ep = ExpertParallel(meshes["ep"]) if meshes["ep"].size() > 1 else None
+    with torch.device("meta"):
+        model = Transformer(mcfg, expert_parallel=ep)
+    return shard_model(model, meshes, cfg)
+
+
+def shard_model(model, meshes, cfg):
+    """Every fully_shard call: experts on their own mesh first (or, on a one-rank expert mesh, kept outside FSDP:
+    keep_experts_local), then each block, then the root (embeddings, final norm, lm_head). Mixed precision: compute
+    in param_dtype, gradients reduced in fp32."""
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg["param_dtype"]), reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg["cpu_offload_optimizer"] else OffloadPolicy()
+    kw = dict(mp_policy=mp, offload_policy=offload)
+    local_experts = experts_stay_local(meshes, cfg)
+    kept = set()
+    for block in model.model.layers:
+        if block.is_moe and local_experts:
+            keep_experts_local(block.mlp.experts, meshes["expert_fsdp"], mp.param_dtype)
+            kept |= set(block.mlp.experts.parameters())
+        elif block.is_moe:  # its own FSDP unit on its own mesh: the block's unit must not gather the experts
+            fully_shard(block.mlp.experts, mesh=meshes["expert_fsdp"],
+                        shard_placement_fn=expert_placement(block.mlp.experts, meshes), **kw)
+        fully_shard(block, mesh=meshes["fsdp"], ignored_params=kept or None, **kw)
+    fully_shard(model, mesh=meshes["fsdp"], ignored_params=kept or None, **kw)
+    register_fsdp_forward_method(model, "hidden_states")  # the trainer calls hidden_states, not forward
+    # Gradients are SUMMED over ranks, never averaged: each rank's loss is already divided by the window's global
+    # token count (loss.py's window normalization), so the sum over ranks is the gradient of the window loss.
+    # force-sum also keeps the reduction a plain SUM, which gloo needs (it has neither AVG nor PREMUL_SUM).
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            if not hasattr(module, "set_force_sum_reduction_for_comms"):
+                raise RuntimeError(f"torch {torch.__version__} has no FSDPModule.set_force_sum_reduction_for_comms; "
+                                   "the trainer needs torch >= 2.9")
+            module.set_force_sum_reduction_for_comms(True)
+    model.meshes = meshes
+    return model
+
+
+def experts_stay_local(meshes, cfg):
+    """True when the expert FSDP mesh has one rank (ep_size = world): FSDP would have nothing to gather or reduce
+    there, yet it would still copy and cast every expert weight at each forward and backward and its gradient once
+    per microbatch (about a tenth of a 1-GPU step; README, Performance). Offloaded optimizer state keeps FSDP
+    (it moves the shards)."""
+    return meshes["expert_fsdp"].size() == 1 and not cfg["cpu_offload_optimizer"]
+
+
+def keep_experts_local(experts, mesh, dtype):
+    """Experts outside FSDP, on a one-rank expert FSDP mesh: the weights stay fp32 DTensors on that mesh, as FSDP
+    would leave them (checkpoints, clipping, the optimizer and the weight export see no difference), and each
+    forward computes with a cast of them to the compute dtype (CastForCompute: its backward returns the gradient in
+    fp32); floating inputs are cast as FSDP's mixed precision casts them. Without activation checkpointing
+    the casts stay alive until their layer's backward (plan_memory counts them)."""
+    for name in EXPERT_PROJS:
+        p = getattr(experts, name)
+        setattr(experts, name, nn.Parameter(DTensor.from_local(p.data, mesh, [Shard(0)], run_check=False)))
+    experts.cast_weights = lambda w: CastForCompute.apply(w, dtype)
+    experts.register_forward_pre_hook(
+        lambda module, args: tuple(a.to(dtype) if torch.is_floating_point(a) else a for a in args))
+
+
+class CastForCompute(torch.autograd.Function):
+    """A local expert weight (an fp32 DTensor on a one-rank mesh) -> its local tensor in the compute dtype. Backward
+    returns the gradient as a new fp32 tensor in the parameter's layout, in one pass (model.to_contiguous), which
+    autograd then takes as .grad, or adds to it: the grouped GEMM's gradient comes transposed, and autograd's own
+    cast would keep that layout, making every later add into .grad a strided pass. (Adding into .grad inside
+    backward, as Megatron's main_grad does, is a little faster, but torch.autograd.grad would then not see these
+    weights and would write .grad.)"""
+
+    @staticmethod
+    def forward(ctx, param, dtype):
+        ctx.mesh, ctx.placements, ctx.param_dtype = param.device_mesh, param.placements, param.dtype
+        return local_tensor(param).to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        main = to_contiguous(grad, ctx.param_dtype)
+        return DTensor.from_local(main, ctx.mesh, ctx.placements, run_check=False), None
+
+
+def expert_placement(experts, meshes):
+    """FSDP cuts this rank's (E / ep, ...) expert tensors on dim 0 when the expert FSDP ranks divide E / ep, else on
+    dim 1 where they divide it (FSDP2 cuts other dims evenly only). E.g. 1 expert per EP rank and 2 FSDP ranks: on
+    dim 0 one rank would hold the whole expert and the other padding; on dim 1 each holds half."""
+    n = meshes["expert_fsdp"].size()
+    shapes = [getattr(experts, name).shape for name in EXPERT_PROJS]
+    dim = 1 if shapes[0][0] % n and all(shape[1] % n == 0 for shape in shapes) else 0
+    return lambda param: Shard(dim)
+
+
+# the autograd all-to-all; torch 2.13 suggests the traced functional collectives instead, but this one is the
+# same eager call on torch 2.11 and 2.13
+warnings.filterwarnings("ignore", message="torch.distributed.nn.functional.all_to_all_single is deprecated")
+
+
+def all_to_all(x, out_splits, in_splits, group):
+    """Autograd all-to-all of rows: backward sends the gradients back along the same routes."""
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    return dist_nn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+
+
+class ExpertParallel:
+    """The experts of each MoE layer split over the `ep` mesh's ranks, and the two all-to-alls model.Experts calls
+    around its local experts: `dispatch` sends each token to the ranks holding its experts, `combine` brings the
+    weighted sums back."""
+
+    def __init__(self, ep_mesh):
+        self.group, self.size, self.rank = ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank()
+
+    def dispatch(self, x, topk_ids, topk_weights, num_experts):
+        return ep_dispatch(x, topk_ids, topk_weights, num_experts, self.group)
+
+    def combine(self, y_recv, plan):
+        return ep_combine(y_recv, plan, self.group)
+
+
+def ep_dispatch(x, topk_ids, topk_weights, num_experts, group):
+    """Send each token once to every rank holding one of its chosen experts, with its choices there.
+
+    x (N, D), topk_ids (N, K) global expert ids, topk_weights (N, K). A token with several experts on one rank
+    crosses once, not once per expert (with top-8 of 128 experts on 2 ranks: 2 rows per token instead of 8).
+    Returns what arrived, x_recv (R, D) with ids_recv (R, K) local expert ids (E_local for choices held elsewhere)
+    and weights_recv (R, K), the number of local choices among them (a host int), and the plan `ep_combine` needs.
+    """
+    N, K = topk_ids.shape
+    ep, device = group.size(), x.device
+    E_local = num_experts // ep
+    rank_of = topk_ids // E_local  # (N, K) the rank holding each choice
+    on_rank = torch.zeros(N, ep, dtype=torch.bool, device=device).scatter_(1, rank_of, True)  # (N, ep)
+    # 1. counts first. For each destination rank: rows, then choices per local expert
+    choices = count_ids(topk_ids.flatten(), num_experts)
+    send_counts = torch.cat([on_rank.sum(0).view(ep, 1), choices.view(ep, E_local)], dim=1)  # (ep, 1 + E_local)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    # NOTE: device-to-host sync (one per MoE layer): all_to_all_single takes its split sizes as Python ints
+    splits = torch.cat([send_counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum().view(1)]).tolist()
+    send_rows, recv_rows, pairs = splits[:ep], splits[ep:2 * ep], splits[-1]
+    # 2. the rows, in (destination rank, token) order: slot n * ep + r is token n's copy for rank r
+    slot_rank = torch.where(on_rank, torch.arange(ep, device=device), ep).flatten()  # (N*ep,), ep: not sent
+    slots = slot_rank.argsort(stable=True)[:sum(send_rows)]
+    position = slot_positions(slots, N * ep)
+    token, dest = slots // ep, slots % ep
+    held = rank_of.index_select(0, token) == dest.unsqueeze(1)  # (S, K) the choices the destination holds
+    ids_send = torch.where(held, topk_ids.index_select(0, token) % E_local, E_local)  # their ids there
+    x_recv = all_to_all(GatherRows.apply(x, slots, position, ep), recv_rows, send_rows, group)  # (R, D)
+    weights_recv = all_to_all(GatherRows.apply(topk_weights, slots, position, ep), recv_rows, send_rows, group)
+    ids_recv = ids_send.new_empty((sum(recv_rows), K))
+    dist.all_to_all_single(ids_recv, ids_send, recv_rows, send_rows, group=group)
+    return x_recv, ids_recv, weights_recv, pairs, (slots, position, send_rows, recv_rows)
+
+
+def ep_combine(y_recv, plan, group):
+    """Send each rank's weighted sums back to the tokens' ranks and add up each token's copies."""
+    slots, position, send_rows, recv_rows = plan
+    y_back = all_to_all(y_recv, send_rows, recv_rows, group)  # (S, D) in ep_dispatch's send order
+    return SumRows.apply(y_back, slots, position, group.size())  # (N, D)
+
+
+def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_std=0.02):
+    """The sharded trainer model: built on the meta device, experts partitioned, fully_shard, then each rank
+    materializes and fills only its own shards (from `weights_path`, an HF directory, or random init)."""
+    mcfg = model_config if model_config is not None else load_config(weights_path)
+    model = meta_sharded_model(mcfg, meshes, cfg)
+    model.to_empty(device=device if not cfg["cpu_offload_optimizer"] else "cpu")
+    if mcfg.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
+        raise RuntimeError("tied embeddings came untied while materializing the sharded model")
+    model.activation_checkpointing = cfg["activation_checkpointing"]
+    if weights_path is not None:
+        load_hf_weights(model, weights_path)
+    else:
+        generator = torch.Generator(model.lm_head.weight.device).manual_seed(cfg["seed"] + dist.get_rank())
+        init_parameters(((n, local_tensor(p)) for n, p in model.named_parameters()), init_std, generator)
+    return model
+
+
+def local_tensor(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def load_hf_weights(model, path):
+    """Fill each rank's shards from an HF safetensors directory; files are memory-mapped and each rank copies
+    only its rows (for experts, only its own experts), so no rank ever holds the whole model."""
+    files = weight_files(path)
+    handles = {}
+    def read(name):
+        if name not in files:
+            raise KeyError(f"{path} has no tensor {name!r}")
+        f = files[name]
+        if f not in handles:
+            handles[f] = safe_open(os.path.join(path, f), framework="pt")
+        return handles[f].get_tensor(name)
+    for name, p in model.named_parameters():
+        if is_stacked_experts(name):
+            prefix, proj = name.split(".mlp.experts.")
+            experts = model.get_submodule(prefix + ".mlp.experts")
+            E_local = p.shape[0]  # the DTensor's shape: this rank's experts before FSDP cut them
+            full = torch.stack([read(f"{prefix}.mlp.experts.{experts.first_expert + e}.{proj}.weight")
+                                for e in range(E_local)])
+        elif name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue  # the same parameter as embed_tokens
+        else:
+            full = read(name)
+        copy_shard(p, full)
+
+
+def copy_shard(p, full):
+    """Copy this rank's FSDP shard of `full` into parameter p (chunks on its shard dim, as FSDP and torch.chunk cut
+    them)."""
+    if tuple(full.shape) != tuple(p.shape):
+        raise ValueError(f"checkpoint tensor of shape {tuple(full.shape)} does not fit parameter of shape {tuple(p.shape)}")
+    local = local_tensor(p)
+    if isinstance(p, DTensor):
+        mesh = p.device_mesh
+        chunks = full.chunk(mesh.size(), dim=p.placements[0].dim)
+        r = mesh.get_local_rank()
+        full = chunks[r] if r < len(chunks) else full[:0]
+    local.copy_(full.to(local.dtype))
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: sharded (torch.distributed.checkpoint; resumes on any number of ranks) and the HF export
+
+
+def global_experts(t, meshes):
+    """This rank's piece of an expert tensor as a DTensor of the global (E, ...) tensor on the 2-D experts mesh.
+    Shares storage with t, so loading into it loads into t."""
+    shape = (t.shape[0] * meshes["ep"].size(), *t.shape[1:])
+    return DTensor.from_local(local_tensor(t), meshes["experts"], [Shard(0), t.placements[0]], run_check=False,
+                              shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+
+
+def with_global_experts(state, meshes, experts=False):
+    """Copy of a nested FQN-keyed state dict (model, or optimizer: state.FQN.exp_avg) whose expert tensors are
+    global DTensors (see above)."""
+    out = {}
+    for k, v in state.items():
+        is_experts = experts or is_stacked_experts(str(k))
+        if isinstance(v, dict):
+            out[k] = with_global_experts(v, meshes, is_experts)
+        elif is_experts and isinstance(v, DTensor) and v.dim() > 0:
+            out[k] = global_experts(v, meshes)
+        else:
+            out[k] = v
+    return out
+
+
+def save_checkpoint(out_dir, model, optimizer, step, cfg, extra=None):
+    """Write out_dir/checkpoints/step_NNNNNN (every rank writes its shards) and point `latest` at it."""
+    path = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.save(with_global_experts(state, model.meshes), checkpoint_id=path)
+    if dist.get_rank() == 0:
+        torch.save({"step": step, "config": cfg, "extra": extra or {}}, os.path.join(path, "trainer_state.pt"))
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+        latest = os.path.join(out_dir, "checkpoints", "latest")
+        with open(latest + ".tmp", "w") as f:
+            f.write(os.path.basename(path))
+        os.replace(latest + ".tmp", latest)  # atomic: a crash never leaves `latest` naming a half-written step
     dist.barrier()
-    torch.manual_seed(cfg["seed"])
-    model, optimizer, step, extra = build_trainer(dict(cfg, resume=cfg["resume"] or bool(cfg["export_hf"])), world,
-                                                  device)
-    if cfg["export_hf"]:  # no rollout: the checkpoint as an HF directory that vLLM and transformers load
-        export_hf(model, cfg["export_hf"], source_dir=cfg["model_path"])
-        print0(f"exported step {step} of {cfg['out_dir']} to {cfg['export_hf']}")
-        return dist.destroy_process_group()
+    return path
 
-    # the rollout side, on rank 0: engines, router, capture server, pool
-    import logging
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engines' start-up and per-sync notes, unless asked
-    # a model in training writes malformed tool calls all the time; vLLM's parser logs a traceback for each
-    logging.getLogger("vllm.tool_parsers.hermes_tool_parser").setLevel(logging.CRITICAL)
-    ray = connect_ray(cfg, rank, world)
-    gpus = trainer_gpus(ray, world)
-    # a resumed run's pool continues the prompt stream after the prompts its earlier life drew
-    run = start_rollout(cfg, trainer_gpus=gpus, data_position=extra.get("data_position", 0)) if rank == 0 else None
 
-    train(cfg, model, optimizer, run, step, rank, world)
+def latest_checkpoint(out_dir):
+    """Path of the newest complete checkpoint in out_dir, or None."""
+    latest = os.path.join(out_dir, "checkpoints", "latest")
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        return os.path.join(out_dir, "checkpoints", f.read().strip())
 
-    if rank == 0:
-        stop_rollout(run)
-        print(f"done: {cfg['out_dir']}/metrics.jsonl, {cfg['out_dir']}/reward.png, "
-              f"checkpoint {latest_checkpoint(cfg['out_dir'])}")
-    ray.shutdown()
-    dist.destroy_process_group()
+
+def load_checkpoint(path, model, optimizer):
+    """Load a checkpoint written by save_checkpoint, on any world size / ep_size. Returns (step, extra)."""
+    if path is None or not os.path.isfile(os.path.join(path, "trainer_state.pt")):
+        raise FileNotFoundError(f"no checkpoint at {path!r}: expected a directory written by save_checkpoint "
+                                "(out_dir/checkpoints/step_NNNNNN)")
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(with_global_experts(state, model.meshes), checkpoint_id=path)  # fills `state`'s tensors in place
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    trainer_state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    return trainer_state["step"], trainer_state["extra"]
+
+
+@torch.no_grad()
+def full_parameters(model):
+    """Yield (name, full tensor) for every parameter, gathered from all shards and, for experts, from all EP ranks.
+    Collective: every rank must iterate to the end. Costs one or two all-gathers per parameter."""
+    for name, p in model.named_parameters():  # a tied lm_head is not repeated
+        yield name, gather_full(name, p, model.meshes)
+
+
+def gather_full(name, t, meshes):
+    """The whole tensor (a parameter, its gradient or its Adam state) from the shards on all ranks."""
+    if not isinstance(t, DTensor):
+        return t.detach()
+    if t.device.type != t.device_mesh.device_type:  # cpu_offload_optimizer: host shards, GPU collectives
+        t = t.to(t.device_mesh.device_type)
+    full = t.full_tensor()  # over its FSDP mesh; experts: (E / ep, ...) this EP rank's experts
+    if is_stacked_experts(name) and meshes["ep"].size() > 1:
+        full = DTensor.from_local(full, meshes["ep"], [Shard(0)], run_check=False).full_tensor()  # (E, ...)
+    return full
+
+
+def export_hf(model, path, dtype=torch.bfloat16, source_dir=None):
+    """Write a consolidated HF safetensors directory (rank 0 writes) that vLLM and transformers load. Tokenizer and
+    generation files are copied from source_dir, the HF directory the run started from."""
+    rank0 = dist.get_rank() == 0
+    state = {}
+    for name, t in full_parameters(model):
+        if rank0:
+            state[name] = t.to(dtype).cpu()
+    if rank0:
+        save_hf_checkpoint(path, ours_to_hf(state, model.config), model.config, dtype=dtype)
+        if source_dir is not None:
+            copy_hf_extras(source_dir, path)
+    dist.barrier()
+    return path
+
+
+def copy_hf_extras(source_dir, path):
+    """Tokenizer, chat template and generation config from source_dir; token ids from its config.json."""
+    import shutil
+    for fname in os.listdir(source_dir):
+        if fname.endswith((".safetensors", ".index.json", ".bin")) or fname == "config.json":
+            continue
+        if os.path.isfile(os.path.join(source_dir, fname)):
+            shutil.copy(os.path.join(source_dir, fname), os.path.join(path, fname))
+    src_cfg = os.path.join(source_dir, "config.json")
+    if os.path.isfile(src_cfg):
+        with open(src_cfg) as f:
+            src = json.load(f)
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+        hf.update({k: src[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in src})
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(hf, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Shared fixtures. Run the suite with `make test` (or `.venv/bin/python -m pytest tests -q`)."""
+"""Shared fixtures and the `stack` marker. Run the suite with `make test` (or `.venv/bin/python -m pytest tests -q`);
+the unit tests alone (no vLLM engine, no Ray) with `.venv/bin/python -m pytest tests -q -m "not stack"`."""
 import os
 import sys
 import time
@@ -65,6 +66,20 @@ class RecordingBackend:
 
     def of(self, session_id):
         return [c for c in self.calls if c["session_id"] == session_id]
+
+
+# a test that asks for one of these fixtures runs a real engine or Ray; so do the tests marked `stack` by hand
+STACK_FIXTURES = {"ray_cluster", "rollout_engine", "stack", "served", "server", "engine"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "stack: runs a vLLM engine or Ray (deselect with -m 'not stack')")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if STACK_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.stack)
 
 
 @pytest.fixture(autouse=True)

@@ -202,6 +202,7 @@ def test_vllm_refusal_names_the_option(tiny_model_path, overrides, key):
                                                             "prompt_lookup_max": 3}), tiny_model_path)
 
 
+@pytest.mark.stack
 def test_real_engine_start_refuses_the_same_option(tiny_model_path):
     """check_engine_options asks the validation a real start runs: a real capture.Engine start with the refused
     option fails at once (before any worker process starts) with the same message."""

@@ -9,7 +9,8 @@ is SIGKILLed as soon as that checkpoint is complete, while step 3's rollouts are
   saved beside them;
 - the killed run leaves no process behind (its in-flight rollouts die with its Ray cluster);
 - `python train.py --resume=True` goes on with steps 3 and 4 at policy versions 3 and 4, its prompts continue the
-  prompt stream where the checkpoint left it, and its weights move on from the checkpoint's.
+  prompt stream where the checkpoint left it, and its weights move on from the checkpoint's;
+- `python train.py --export_hf_dir=DIR` writes that last checkpoint as an HF directory that transformers loads.
 """
 import json
 import os
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 import train
 from conftest import child_env
 
+pytestmark = pytest.mark.stack
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -171,3 +173,15 @@ def test_sigkill_mid_step_then_resume(tmp_path, tiny_model_path):
 
     after = read_checkpoint(train.latest_checkpoint(str(out)), tmp_path)["model"]
     assert any(not torch.equal(after[k], saved["model"][k]) for k in saved["model"])
+
+    # 4. the export command: the last checkpoint as an HF directory (bf16), loaded by transformers
+    from transformers import AutoModelForCausalLM
+    exported = tmp_path / "hf"
+    r = subprocess.run([sys.executable, "train.py", *args, f"--export_hf_dir={exported}"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=child_env())
+    assert r.returncode == 0 and f"exported step 4 of {out} to {exported}" in r.stdout, r.stderr[-3000:]
+    hf = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).state_dict()
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                 "model.layers.0.mlp.gate.weight"):
+        torch.testing.assert_close(hf[name], after[name].to(torch.bfloat16).float(), rtol=0, atol=0)
+    assert (exported / "tokenizer.json").is_file()
