@@ -30,35 +30,19 @@ class ConfigError(ValueError):
 # -----------------------------------------------------------------------------
 # config checks
 
-# key: (accepted, what it accepts). Type checks happen earlier (train.configure), so a value here has its type.
+# what each numeric key accepts: (test, the words for it) -> keys. Types are checked earlier (train.configure).
 RANGES = {
-    "checkpoint_every": (lambda v: v >= 1, ">= 1"),
-    "num_engines": (lambda v: v >= 1, ">= 1"),
-    "tensor_parallel_size": (lambda v: v >= 1, ">= 1"),
-    "engine_max_model_len": (lambda v: v >= 2, ">= 2"),
-    "engine_memory_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "group_size": (lambda v: v >= 1, ">= 1"),
-    "groups_per_batch": (lambda v: v >= 1, ">= 1"),
-    "groups_in_flight": (lambda v: v >= 1, ">= 1"),
-    "temperature": (lambda v: 0 < v < math.inf, "> 0 (the trainer divides logits by it, as the engine samples)"),
-    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "max_tokens": (lambda v: v >= 1, ">= 1"),
-    "attempt_timeout_s": (lambda v: 0 < v < math.inf, "> 0"),
-    "max_failed_rounds": (lambda v: v >= 0, ">= 0 (0 never stops)"),
-    "max_steps": (lambda v: v >= 1, ">= 1"),
-    "learning_rate": (lambda v: 0 < v < math.inf, "> 0"),
-    "min_lr": (lambda v: 0 <= v < math.inf, ">= 0"),
-    "warmup_steps": (lambda v: v >= 0, ">= 0"),
-    "weight_decay": (lambda v: 0 <= v < math.inf, ">= 0"),
-    "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "grad_clip": (lambda v: 0 <= v < math.inf, ">= 0 (0 never clips)"),
-    "microbatch_tokens": (lambda v: v >= 1, ">= 1"),
-    "logprob_chunk_size": (lambda v: v >= 1, ">= 1"),
-    "train_world_size": (lambda v: v >= 1, ">= 1"),
-    "ep_size": (lambda v: v >= 1, ">= 1"),
-    "gpu_memory_gib": (lambda v: 0 < v < math.inf, "> 0"),
-    "gpus_per_node": (lambda v: v >= 1, ">= 1"),
+    (lambda v: v >= 1, ">= 1"): ("checkpoint_every", "num_engines", "tensor_parallel_size", "group_size",
+                                 "groups_per_batch", "groups_in_flight", "max_tokens", "max_steps", "microbatch_tokens",
+                                 "logprob_chunk_size", "train_world_size", "ep_size", "gpus_per_node"),
+    (lambda v: v >= 2, ">= 2"): ("engine_max_model_len",),
+    (lambda v: v >= 0, ">= 0"): ("warmup_steps", "min_lr", "weight_decay"),
+    (lambda v: v >= 0, ">= 0 (0 never stops)"): ("max_failed_rounds",),
+    (lambda v: v >= 0, ">= 0 (0 never clips)"): ("grad_clip",),
+    (lambda v: v > 0, "> 0"): ("learning_rate", "attempt_timeout_s", "gpu_memory_gib"),
+    (lambda v: v > 0, "> 0 (the trainer divides logits by it, as the engine samples)"): ("temperature",),
+    (lambda v: 0 < v <= 1, "in (0, 1]"): ("top_p", "engine_memory_fraction"),
+    (lambda v: 0 <= v < 1, "in [0, 1)"): ("beta1", "beta2"),
 }
 CHOICES = {"failed_group_rule": ("drop", "complete"), "param_dtype": ("float32", "bfloat16")}
 
@@ -72,9 +56,10 @@ def check_config(cfg, mcfg=None, world_size=None):
     """Every key, before any work: ranges, choices, the loss's options, files, and the rules between keys. mcfg: the
     model (default: planned_model_config); world_size: torchrun's WORLD_SIZE, when it started this process. Returns
     the model config. Raises ConfigError with one sentence naming the key and what it accepts."""
-    for key, (ok, accepted) in RANGES.items():
-        if not ok(cfg[key]):
-            raise ConfigError(f"{key}={cfg[key]!r} is not accepted: it must be {accepted}")
+    for (ok, accepted), keys in RANGES.items():
+        for key in keys:
+            if not (ok(cfg[key]) and math.isfinite(cfg[key])):
+                raise ConfigError(f"{key}={cfg[key]!r} is not accepted: it must be {accepted}")
     for key, allowed in CHOICES.items():
         if cfg[key] not in allowed:
             raise ConfigError(f"{key}={cfg[key]!r} is not one of {', '.join(allowed)}")
