@@ -25,25 +25,34 @@ dropped turn, changed tools, a template that rewrites earlier turns) seals the s
 full render. Streaming requests get their SSE events once the turn is generated (backends return whole turns).
 """
 import asyncio
+import contextlib
 import gc
 import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
+import re
 import secrets
+import signal
 import socket
 import sys
 import threading
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from http import HTTPStatus
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 # -----------------------------------------------------------------------------
 # the engine: one vLLM AsyncLLM (rollout.py wraps it as a Ray actor)
@@ -180,6 +189,7 @@ class ChatRequest:
         self.protocol, self.messages, self.tools, self.parse_tools = protocol, messages, tools, parse_tools
         self.sampling, self.stream, self.include_usage, self.model = sampling, stream, include_usage, model
         self.key = None  # hash of the raw body: a retry has the same key
+        self.body_bytes = 0  # its size: a large request renders off the event loop
 
 
 TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
@@ -307,7 +317,7 @@ def parse_openai(body, server):
     choice = field(body, "tool_choice", (str, dict), "auto")
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
-        if name not in {t["function"]["name"] for t in tools}:
+        if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
             raise RequestError(400, f"`tool_choice` names the function {name!r}, which is not among `tools`.",
                                "tool_choice")
         raise RequestError(400, f"`tool_choice` forcing a function {CONSTRAINED}.", "tool_choice")
@@ -390,7 +400,8 @@ def parse_anthropic(body, server):
         tools.append({"type": "function", "function": spec})
     choice = field(body, "tool_choice", dict, {"type": "auto"})
     kind = choice.get("type")
-    if kind == "tool" and choice.get("name") not in {t["function"]["name"] for t in tools}:
+    if kind == "tool" and (not isinstance(choice.get("name"), str)
+                           or choice["name"] not in {t["function"]["name"] for t in tools}):
         raise RequestError(400, f"`tool_choice` names the tool {choice.get('name')!r}, which is not among `tools`.",
                            "tool_choice")
     if kind in ("any", "tool"):
@@ -445,6 +456,7 @@ class Session:
         self.conversation, self.tools, self.last_generated = None, None, []  # what the open segment renders
         self.answers = OrderedDict()  # request key -> result, for client retries
         self.turns = 0
+        self.last_used = time.monotonic()  # a session made over HTTP expires when idle
         self.lock = asyncio.Lock()  # serialises this session's requests
         self.record_lock = threading.Lock()  # finish_session may run on another thread
 
@@ -460,7 +472,7 @@ def same_message(a, b):
         for c in m.get("tool_calls") or []:
             try:
                 args = json.loads(c["function"]["arguments"])
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON, or nested too deep to read: compared as text
                 args = c["function"]["arguments"]
             calls.append((c["function"]["name"], args))
         return (m["role"], m.get("content") or "", calls, m.get("tool_call_id"), m.get("reasoning_content") or "")
@@ -501,11 +513,21 @@ def bind_socket(host="127.0.0.1", port=0):
     return sock
 
 
-async def serve_app(app, sock):
-    """Serve an ASGI app with uvicorn on a bound socket, on the running loop. Returns (the uvicorn server, its task)
-    once it accepts connections; stop it with `server.should_exit = True` and await the task."""
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                           timeout_graceful_shutdown=5))
+class EmbeddedServer(uvicorn.Server):
+    """uvicorn's server without its signal handlers: the process that embeds it (rollout, `python capture.py`)
+    decides what SIGINT and SIGTERM do; uvicorn's would stop the listener and then re-raise the signal, which kills
+    the process before it can stop its engines (or does nothing when SIGINT was ignored)."""
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+
+async def serve_app(app, sock, **config):
+    """Serve an ASGI app with uvicorn on a bound socket, on the running loop (`config`: more uvicorn.Config options).
+    Returns (the uvicorn server, its task) once it accepts connections; stop it with `server.should_exit = True` and
+    await the task."""
+    server = EmbeddedServer(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                           timeout_graceful_shutdown=5, **config))
     serving = asyncio.ensure_future(server.serve(sockets=[sock]))
     while not server.started:
         if serving.done():
@@ -514,11 +536,104 @@ async def serve_app(app, sock):
     return server, serving
 
 
+class GuardedHttp(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol (httptools) with the limits it lacks: each request's headers must arrive within
+    header_timeout_s and stay under ~64 KiB, else 408 / 431 and the connection closes (slow-header clients, a
+    connection that never sends a byte); malformed HTTP gets a JSON 400 instead of plain text."""
+    timer, max_header_bytes = None, 64 << 10
+
+    def __init__(self, *args, header_timeout_s=10.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.header_timeout_s, self.url = header_timeout_s, b""
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        self.on_message_begin()  # the clock starts with the connection
+
+    def on_message_begin(self):
+        super().on_message_begin()
+        if self.timer is None:
+            self.header_bytes, self.timer = 0, self.loop.call_later(
+                self.header_timeout_s, self.refuse, 408, f"The headers did not arrive within {self.header_timeout_s:g} s.")
+
+    def on_headers_complete(self):
+        self.timer = self.timer and self.timer.cancel()
+        super().on_headers_complete()
+
+    def data_received(self, data):
+        counted = len(data) if self.timer else 0  # with the read that completes them: <= 256 KiB of body counted
+        super().data_received(data)
+        self.header_bytes += counted
+        if self.timer and self.header_bytes > self.max_header_bytes:
+            self.refuse(431, f"The request headers are larger than {self.max_header_bytes} bytes.")
+
+    def send_400_response(self, msg):
+        self.refuse(400, "The request is not valid HTTP/1.1 (its framing or headers are malformed).")
+
+    def refuse(self, status, message):
+        """Answer outside the app, in the error format of the path's protocol, and close the connection."""
+        self.timer = self.timer and self.timer.cancel()
+        if not self.transport.is_closing():
+            body = json.dumps(error_body("anthropic" if b"/messages" in self.url else "openai", status, message))
+            self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                                 b"connection: close\r\n\r\n%s" % (status, HTTPStatus(status).phrase.encode(),
+                                                                   len(body), body.encode()))
+            self.transport.close()
+
+
+# A private-use character and the one after it (its index) stand for an escaped piece of message text while the
+# template renders; client text holding PLACEHOLDER itself is escaped too, so every placeholder is ours.
+PLACEHOLDER, PLACEHOLDER_BASE = "\ue000", 0xE100
+PLACEHOLDERS = re.compile(PLACEHOLDER + "(.)", re.S)
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def strict_json(raw):
+    """The JSON in `raw`, refusing what JSON over UTF-8 cannot hold and nothing could encode back: invalid UTF-8,
+    lone UTF-16 surrogates, NaN / Infinity, numbers beyond float range. Raises RequestError(400)."""
+    def finite(text):
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(f"the number {text[:40]} is out of range")
+        return value
+
+    def constant(name):
+        raise ValueError(f"{name} is not a JSON value")
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=constant, parse_float=finite)
+        if SURROGATE_ESCAPE.search(raw):  # a \uD8xx escape: paired into one character, or a lone surrogate
+            json.dumps(body, ensure_ascii=False).encode()
+        return body
+    except UnicodeError as e:
+        raise RequestError(400, f"The request body is not valid UTF-8 text (or holds a lone UTF-16 surrogate): {e}.")
+    except (ValueError, RecursionError) as e:
+        raise RequestError(400, f"The request body is not valid JSON: {str(e)[:200]}.")
+
+
+INLINE_RENDER_BYTES = 64 << 10  # larger request bodies render on the render thread
+MAX_DEPTH = 64  # JSON nesting in tool schemas and arguments (real schemas stay under ~15)
+
+
+def plain_token_ids(tokenizer, text):
+    """Token ids of `text` as plain text: its added-token strings (special or not) are not recognised."""
+    backend = tokenizer.backend_tokenizer
+    if backend.normalizer is not None:
+        text = backend.normalizer.normalize_str(text)
+    pieces = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer is not None else [(text, None)]
+    return [t.id for piece, _ in pieces for t in backend.model.tokenize(piece)]
+
+
 class CaptureServer:
-    """HTTP front of one backend (an Engine, or rollout's router): sessions, rendering, the segmenter."""
+    """HTTP front of one backend (an Engine, or rollout's router): sessions, rendering, the segmenter.
+
+    Limits (README, "The capture server's limits"): request bodies up to max_body_bytes, arriving within
+    body_timeout_s; headers within header_timeout_s and under 64 KiB; at most max_connections connections (more get
+    503); sessions made over HTTP expire after http_session_idle_s without a request, at most max_http_sessions
+    live at once (finished ones make room first, else POST /sessions gets 429)."""
 
     def __init__(self, backend, tokenizer, *, max_model_len=2048, importance_correction=False, host="127.0.0.1",
-                 port=0, model_name=None, max_body_bytes=16 << 20, max_cached_answers=16):
+                 port=0, model_name=None, max_body_bytes=16 << 20, max_cached_answers=16, header_timeout_s=10.0,
+                 body_timeout_s=60.0, max_connections=4096, http_session_idle_s=1800.0, max_http_sessions=1024):
         from transformers import AutoTokenizer
         from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
         self.backend = backend
@@ -529,6 +644,22 @@ class CaptureServer:
         self.end_ids = end_token_ids(self.tokenizer)
         self.end_texts = [self.tokenizer.decode([i]) for i in self.end_ids]
         self.added_texts = tuple(self.tokenizer.get_added_vocab())
+        # Message text is tokenized as text: added-token strings in it (a web page holding "<|im_end|>") become
+        # placeholders before rendering and tokenize() puts their plain tokens back, so only the template's own
+        # markup becomes control tokens. Assistant text escapes only special tokens: <think> / <tool_call> there are
+        # the model's own output (and templates parse them).
+        self.escapes = sorted(self.added_texts, key=len, reverse=True) + [PLACEHOLDER]
+        self.escape_index = {t: PLACEHOLDER + chr(PLACEHOLDER_BASE + i) for i, t in enumerate(self.escapes)}
+        special = set(self.tokenizer.all_special_tokens) | {PLACEHOLDER}
+        self.escape_any = re.compile("|".join(map(re.escape, self.escapes)))
+        self.escape_special = re.compile("|".join(re.escape(t) for t in self.escapes if t in special))
+        self.escaped_ids = [plain_token_ids(self.tokenizer, t) for t in self.escapes]
+        # one token covers at most this many characters: a longer render cannot fit, whatever it tokenizes to
+        self.max_token_chars = max(map(len, self.tokenizer.get_vocab()))
+        self.render_pool = ThreadPoolExecutor(1, thread_name_prefix="capture-render")  # large requests, off the loop
+        self.header_timeout_s, self.body_timeout_s, self.max_connections = header_timeout_s, body_timeout_s, max_connections
+        self.http_session_idle_s, self.max_http_sessions = http_session_idle_s, max_http_sessions
+        self.http_sessions = OrderedDict()  # id -> Session made over HTTP, least recently used first
         self.max_model_len, self.importance_correction = max_model_len, importance_correction
         self.model_name = model_name or os.path.basename(os.path.normpath(self.tokenizer.name_or_path)) or "model"
         self.max_body_bytes, self.max_cached_answers = max_body_bytes, max_cached_answers
@@ -553,18 +684,51 @@ class CaptureServer:
         return session
 
     def finish_session(self, session_id, reward):
-        """End an attempt: later requests get 401; every segment gets the reward. Returns the segment dicts."""
+        """End an attempt: later requests get 401; every segment gets the reward (the first finish's: a later one
+        changes nothing). Returns the segment dicts."""
         session = self.sessions[session_id]
         with session.record_lock:
-            session.finished, session.reward = True, None if reward is None else float(reward)
+            if not session.finished:
+                session.finished, session.reward = True, None if reward is None else float(reward)
         return session.segment_dicts()
 
     def drop_session(self, session_id):
         self.sessions.pop(session_id, None)
+        if self.http_sessions.pop(session_id, None) is not None and hasattr(self.backend, "forget"):
+            self.backend.forget(session_id)  # the router's engine affinity
+
+    def make_room_for_http_session(self):
+        """Drop HTTP sessions idle past their lifetime, and finished ones (least recently used first) while their
+        count is at max_http_sessions. False if it still is: every one left is live."""
+        now = time.monotonic()
+        for s in list(self.http_sessions.values()):  # least recently used first
+            idle, full = now - s.last_used > self.http_session_idle_s, len(self.http_sessions) >= self.max_http_sessions
+            if not (idle or full):
+                break
+            if (idle or s.finished) and not s.lock.locked():  # a request in flight keeps its session
+                self.drop_session(s.id)
+        return len(self.http_sessions) < self.max_http_sessions
 
     # --- rendering and the segmenter
 
+    def escape(self, value, pattern, depth=0):
+        """`value` (a JSON value) with every match of `pattern` in its strings (keys too) replaced by a placeholder."""
+        if isinstance(value, str):
+            return pattern.sub(lambda m: self.escape_index[m.group()], value)
+        if depth > MAX_DEPTH:
+            raise RequestError(400, f"The request nests JSON deeper than {MAX_DEPTH} levels.")
+        if isinstance(value, dict):
+            return {self.escape(k, pattern): self.escape(v, pattern, depth + 1) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.escape(v, pattern, depth + 1) for v in value]
+        return value
+
+    def escape_messages(self, messages):
+        return [{k: self.escape(v, self.escape_special if m.get("role") == "assistant" and k in (
+            "content", "reasoning_content") else self.escape_any) for k, v in m.items()} for m in messages]
+
     def render_text(self, messages, tools, add_generation_prompt):
+        messages, tools = self.escape_messages(messages), self.escape(tools, self.escape_any)
         try:
             return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
@@ -572,7 +736,17 @@ class CaptureServer:
             raise RequestError(400, f"The chat template rejected the conversation: {e}.", "messages")
 
     def tokenize(self, text):
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        """Token ids of rendered text: markup as control tokens, each placeholder as its text's plain tokens."""
+        if len(text) > self.max_model_len * self.max_token_chars:  # before the costly part
+            raise RequestError(400, f"The prompt is {len(text)} characters, more than the model's context of "
+                                    f"{self.max_model_len} tokens can hold.", "messages")
+        pieces = PLACEHOLDERS.split(text)  # text, placeholder index, text, ...
+        # one batch call: the tokenizer releases the GIL for it (a single encode would hold it)
+        texts = self.tokenizer(pieces[::2], add_special_tokens=False)["input_ids"]
+        ids = texts[0]
+        for index, tail in zip(pieces[1::2], texts[1:]):
+            ids += self.escaped_ids[ord(index) - PLACEHOLDER_BASE] + tail
+        return ids
 
     def render(self, messages, tools, add_generation_prompt):
         return self.tokenize(self.render_text(messages, tools, add_generation_prompt))
@@ -605,13 +779,20 @@ class CaptureServer:
                 raise RequestError(401, f"Session {session.id} has finished; its attempt is over.")
             if request.key is not None and request.key in session.answers:
                 return session.answers[request.key]
-            ext = self.extension(session, request.messages, request.tools)
-            if ext is not None:
-                appended, conversation = ext
-                prompt = session.segments[-1].token_ids + appended
+
+            def prepare():
+                ext = self.extension(session, request.messages, request.tools)
+                if ext is not None:
+                    return ext, ext[0], session.segments[-1].token_ids + ext[0], ext[1]
+                appended = self.render(request.messages, request.tools, True)
+                return None, appended, appended, request.messages
+            # rendering and tokenizing cost ~1 us per character: a large request does it on the render thread (one
+            # at a time), so that the loop keeps serving other sessions meanwhile; small ones stay here (~0.1 ms less)
+            if request.body_bytes > INLINE_RENDER_BYTES:
+                ext, appended, prompt, conversation = await asyncio.get_running_loop().run_in_executor(
+                    self.render_pool, prepare)
             else:
-                appended = prompt = self.render(request.messages, request.tools, True)
-                conversation = request.messages
+                ext, appended, prompt, conversation = prepare()
             if len(prompt) >= self.max_model_len:
                 raise RequestError(400, f"The prompt is {len(prompt)} tokens; the model's context is "
                                         f"{self.max_model_len} tokens.", "messages")
@@ -626,6 +807,10 @@ class CaptureServer:
             except ValueError as e:  # vLLM's input validation
                 raise RequestError(400, f"The engine refused the request: {e}")
             result = self.answer(out, request, len(prompt))
+            try:  # the reply must be deliverable before it is recorded
+                json.dumps(result, ensure_ascii=False).encode()
+            except (TypeError, ValueError) as e:
+                raise RequestError(400, f"The reply cannot be encoded as JSON: {e}.")
             with session.record_lock:  # recorded only now: a failed generation leaves the trajectory as it was
                 if session.finished:
                     raise RequestError(401, f"Session {session.id} finished while this request was generating.")
@@ -676,22 +861,55 @@ class CaptureServer:
         if session is None or not secrets.compare_digest(key.strip().encode(), session.api_key.encode()):
             raise RequestError(401, "Unknown session or wrong API key: use the base_url and api_key issued for "
                                     "this attempt.")
+        if session.id in self.http_sessions:
+            if time.monotonic() - session.last_used > self.http_session_idle_s and not session.lock.locked():
+                self.drop_session(session.id)
+                raise RequestError(401, f"Session {session.id} expired after {self.http_session_idle_s:g} s idle.")
+            self.http_sessions.move_to_end(session.id)
+        session.last_used = time.monotonic()
         return session
 
     async def read_json(self, request):
-        if int(request.headers.get("content-length") or 0) > self.max_body_bytes:
+        """The raw body and its JSON (None when empty), read within body_timeout_s."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
             raise RequestError(413, f"The request body is larger than {self.max_body_bytes} bytes.")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise RequestError(413, f"The request body is larger than {self.max_body_bytes} bytes.")
-            chunks.append(chunk)
-        raw = b"".join(chunks)
         try:
-            return raw, json.loads(raw) if raw else None
-        except (ValueError, RecursionError) as e:
-            raise RequestError(400, f"The request body is not valid JSON: {str(e)[:200]}.")
+            async with asyncio.timeout(self.body_timeout_s):  # a client that stalls mid-body holds nothing for long
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        raise RequestError(413, f"The request body is larger than {self.max_body_bytes} bytes.")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise RequestError(408, f"The request body did not arrive within {self.body_timeout_s:g} s.")
+        except ClientDisconnect:
+            raise RequestError(400, "The client disconnected while sending the request body.")
+        raw = b"".join(chunks)
+        if not raw:
+            return raw, None
+        if len(raw) > INLINE_RENDER_BYTES:  # ~5 ms per MiB
+            return raw, await asyncio.get_running_loop().run_in_executor(self.render_pool, strict_json, raw)
+        return raw, strict_json(raw)
+
+    async def until_disconnected(self, request, coro):
+        """Await `coro`, cancelling it if the client disconnects first: the engine aborts a cancelled generation
+        (vLLM's AsyncLLM does on cancellation) and nothing is recorded (respond records only a finished turn)."""
+        async def gone():
+            while (await request.receive())["type"] != "http.disconnect":  # the body was read: only the end comes
+                pass
+        work, watch = asyncio.ensure_future(coro), asyncio.ensure_future(gone())
+        done = set()
+        try:
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if work not in done:
+                work.cancel()
+        if work not in done:
+            raise RequestError(400, "The client disconnected before the reply; the turn was aborted, not recorded.")
+        return work.result()
 
     async def http_chat(self, request):
         protocol = "anthropic" if request.url.path.endswith("/messages") else "openai"
@@ -700,9 +918,18 @@ class CaptureServer:
             if session.finished:
                 raise RequestError(401, f"Session {session.id} has finished; its attempt is over.")
             raw, body = await self.read_json(request)
-            chat = (parse_anthropic if protocol == "anthropic" else parse_openai)(body, self)
+            messages = body.get("messages") if isinstance(body, dict) else None
+            if isinstance(messages, list) and len(messages) > self.max_model_len:  # before reading each of them
+                raise RequestError(400, f"`messages` holds {len(messages)} messages, more than the model's context "
+                                        f"of {self.max_model_len} tokens can hold (each takes a token at least).",
+                                   "messages")
+            try:
+                chat = (parse_anthropic if protocol == "anthropic" else parse_openai)(body, self)
+            except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as e:  # a shape no check named
+                raise RequestError(400, f"The request is malformed: {type(e).__name__}: {str(e)[:200]}.")
             chat.key = hashlib.sha256(request.url.path.encode() + b"\0" + raw).hexdigest()
-            result = await self.respond(session, chat)
+            chat.body_bytes = len(raw)
+            result = await self.until_disconnected(request, self.respond(session, chat))
         except RequestError as e:
             return error_response(protocol, e.status, e.message, e.param)
         except Exception as e:  # the engine failed: this request only
@@ -727,7 +954,12 @@ class CaptureServer:
             body = body if body is not None else {}
             if not isinstance(body, dict):
                 raise RequestError(400, "The request body must be a JSON object.")
-            session = self.new_session(field(body, "attempt_id", str))
+            attempt_id = field(body, "attempt_id", str)
+            if not self.make_room_for_http_session():
+                raise RequestError(429, f"{len(self.http_sessions)} sessions made over HTTP are live, the limit: "
+                                        "finish some (or wait for idle ones to expire).")
+            session = self.new_session(attempt_id)
+            self.http_sessions[session.id] = session
         except RequestError as e:
             return error_response("openai", e.status, e.message, e.param)
         return JSONResponse({"id": session.id, "base_url": session.base_url, "api_key": session.api_key,
@@ -745,10 +977,15 @@ class CaptureServer:
             session = self.authorize(request)
             _, body = await self.read_json(request)
             reward = field(body if isinstance(body, dict) else {}, "reward", (int, float))
+            if reward is not None and not abs(reward) <= sys.float_info.max:  # NaN, infinities, ints beyond float
+                raise RequestError(400, f"`reward` must be a finite number, got {reward}.", "reward")
+            async with session.lock:  # let an in-flight turn land first
+                if session.finished:
+                    raise RequestError(409, f"Session {session.id} has already finished with reward {session.reward}; "
+                                            "the first finish stands.")
+                segments = self.finish_session(session.id, reward)
         except RequestError as e:
             return error_response("openai", e.status, e.message, e.param)
-        async with session.lock:  # let an in-flight turn land first
-            segments = self.finish_session(session.id, reward)
         return JSONResponse([trajectory_record(s, self.tokenizer) for s in segments])
 
     async def http_error(self, request, exc):
@@ -760,7 +997,10 @@ class CaptureServer:
         # move out of the cyclic GC's reach, so a full collection during a request stops costing tens of ms
         gc.collect()
         gc.freeze()
-        self.uvicorn, self.serving = await serve_app(self.app, self.socket)
+        limits = dict(http=partial(GuardedHttp, header_timeout_s=self.header_timeout_s),
+                      limit_concurrency=self.max_connections,  # connections + requests in flight; more get 503
+                      timeout_keep_alive=20)  # idle keep-alive connections: longer than clients keep theirs (5-15 s)
+        self.uvicorn, self.serving = await serve_app(self.app, self.socket, **limits)
         return self.url
 
     async def stop(self):
@@ -798,16 +1038,22 @@ class CaptureServer:
 # wire formats of the answers
 
 
-def error_response(protocol, status, message, param=None):
+def error_body(protocol, status, message, param=None):
     if protocol == "anthropic":
-        kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}.get(
+        kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
+                429: "rate_limit_error", 503: "overloaded_error"}.get(
             status, "api_error" if status >= 500 else "invalid_request_error")
-        return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
+        return {"type": "error", "error": {"type": kind, "message": message}}
     kind = {401: "authentication_error", 404: "not_found_error"}.get(
         status, "server_error" if status >= 500 else "invalid_request_error")
     code = {401: "invalid_api_key", 413: "request_too_large"}.get(status)
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(protocol, status, message, param=None):
+    # a client stalled mid-body may never finish it: close its connection (uvicorn discards the rest of a 413's)
+    headers = {"connection": "close"} if status == 408 else None
+    return JSONResponse(error_body(protocol, status, message, param), status_code=status, headers=headers)
 
 
 def openai_completion(result):
@@ -912,21 +1158,24 @@ def main(argv=None):
         sys.exit(f"--model {model}: no config.json there; pass a local HuggingFace model directory.")
 
     async def serve():
-        engine = Engine(model, max_model_len=args.max_model_len)
-        await engine.start()
-        server = CaptureServer(engine, model, max_model_len=args.max_model_len, port=args.port)
-        await server.start()
-        print(f"capture server for {model} at {server.url}\n  new session: curl -X POST {server.url}/sessions",
-              flush=True)
+        # SIGTERM and SIGINT (also when the shell started us with SIGINT ignored: `python capture.py &`) stop the
+        # server and then the engine, whose process would outlive us otherwise; one during start-up acts after it
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        engine, server = Engine(model, max_model_len=args.max_model_len), None
         try:
-            await asyncio.Event().wait()  # until Ctrl-C
+            await engine.start()
+            server = CaptureServer(engine, model, max_model_len=args.max_model_len, port=args.port)
+            await server.start()
+            print(f"capture server for {model} at {server.url}\n  new session: curl -X POST {server.url}/sessions",
+                  flush=True)
+            await stop.wait()
         finally:
-            await server.stop()
+            if server is not None:
+                await server.stop()
             await engine.shutdown()
-    try:
-        asyncio.run(serve())
-    except KeyboardInterrupt:
-        pass
+    asyncio.run(serve())
 
 
 if __name__ == "__main__":

@@ -153,8 +153,12 @@ class Router:
                 raise RuntimeError(f"no rollout engine came back within {wait_for_engine_s:.0f}s")
             await asyncio.sleep(0.5)
         self._started(i)
+        ref = self.engines[i].generate.remote(prompt_token_ids, sampling, request_id)
         try:
-            return await self.engines[i].generate.remote(prompt_token_ids, sampling, request_id)
+            return await ref
+        except asyncio.CancelledError:  # the client went away: the actor's coroutine is cancelled, vLLM aborts
+            ray.cancel(ref)
+            raise
         except RayActorError:
             with self._lock:
                 self.failed_requests += 1
