@@ -930,6 +930,7 @@ class CaptureServer:
             chat.key = hashlib.sha256(request.url.path.encode() + b"\0" + raw).hexdigest()
             chat.body_bytes = len(raw)
             result = await self.until_disconnected(request, self.respond(session, chat))
+            session.last_used = time.monotonic()  # idle time counts from the end of a request
         except RequestError as e:
             return error_response(protocol, e.status, e.message, e.param)
         except Exception as e:  # the engine failed: this request only

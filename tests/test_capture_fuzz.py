@@ -1,17 +1,29 @@
 """Hostile and malformed requests over real HTTP (loopback): every reply is a clear 4xx in the protocol's own error
-format, nothing crashes, and no trajectory (the attacker's or anyone else's) changes. The deterministic fake engine
-of test_capture_segmenter.py stands in for vLLM; test_capture.py runs an error smoke against the real engine.
+format (or, for odd but valid input, a valid answer), nothing crashes, and no trajectory (the attacker's or anyone
+else's) changes. The first test drives hundreds of malformed requests through a server over the deterministic fake
+engine of test_capture_segmenter.py; the others run against the real engine (the shared engine actor, through
+rollout's Router): odd unicode, deep nesting and non-finite numbers in every field, special-token text in every
+field, repeated and non-finite finishes, client disconnects (the engine aborts), slow and malformed HTTP, the
+connection cap and the lifetime of sessions made over HTTP. Load and latency: test_capture_load.py.
 
     .venv/bin/python -m pytest tests/test_capture_fuzz.py -q
 """
 import asyncio
+import copy
 import json
+import logging
 import random
+import select
+import socket
+import time
 
 import httpx
 import pytest
+import ray
 
 import capture
+import rollout
+from conftest import RecordingBackend
 from test_capture_segmenter import CALC, FakeBackend
 
 MAX_BODY = 1 << 20
@@ -178,3 +190,406 @@ def test_hostile_requests_get_4xx_and_change_no_trajectory(served):
             r = client.post(s.base_url + "/chat/completions", json=valid_openai(rng),
                             headers={"authorization": f"Bearer {s.api_key}"})
             assert r.status_code == 200 and len(s.segment_dicts()) >= 1
+
+
+# -----------------------------------------------------------------------------
+# against the real engine
+
+
+@pytest.fixture(scope="module")
+def real(tiny_model_path, rollout_engine):
+    """A capture server over the shared engine actor, with short HTTP timeouts and small session limits."""
+    server = capture.CaptureServer(None, tiny_model_path, max_model_len=1024, header_timeout_s=1.0,
+                                   body_timeout_s=1.0, max_connections=64)
+    server.backend = RecordingBackend(rollout.Router([rollout_engine]), server.tokenizer)
+    server.start_in_thread()
+    yield server
+    server.stop_thread()
+
+
+def request_for(server, protocol):
+    """(url, headers) of a fresh session's chat endpoint for `protocol`, and the session."""
+    s = server.new_session()
+    if protocol == "openai":
+        return s, s.base_url + "/chat/completions", {"authorization": f"Bearer {s.api_key}"}
+    return s, s.base_url + "/v1/messages", {"x-api-key": s.api_key}
+
+
+def check_reply(response, protocol):
+    """A valid answer of the protocol, or a 4xx in its error format; never a 5xx."""
+    if response.status_code == 200:
+        body = response.json()
+        assert ("choices" in body) if protocol == "openai" else (body["type"] == "message"), body
+    else:
+        check_error(response, "/messages" if protocol == "anthropic" else "/chat/completions")
+
+
+def deep(depth, leaf="x"):
+    value = leaf
+    for i in range(depth):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+ODD_TEXT = ["\ud800", "\udfff", "a\ud83d", "\ude00b", "\ud83d\ude00", "\u0000", "\ufeff", "\u202e", "e\u0301" * 50,
+            "\uffff", "\ue000", "\ue000\ue105", "\U0010ffff", "\r\n\t", "\u2028"]
+NON_FINITE = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999", "1" + "0" * 400, "1e-999"]
+
+
+def hostile_values(rng):
+    """(protocol, body as JSON text) pairs: odd unicode in every text field, deep nesting in every JSON field,
+    non-finite and huge numbers in every numeric field, wrong-typed names. `@@` marks where raw JSON goes."""
+    out = []
+
+    def fresh(protocol):  # the valid bodies share CALC: copy before changing
+        return copy.deepcopy((valid_openai if protocol == "openai" else valid_anthropic)(rng))
+
+    def add(protocol, body, raw=None):
+        text = json.dumps(body, ensure_ascii=True)  # lone surrogates travel as \\u escapes, as clients send them
+        out.append((protocol, text.replace('"@@"', raw) if raw is not None else text))
+    for text in ODD_TEXT:
+        for protocol in ("openai", "anthropic"):
+            for where in range(7):
+                body = fresh(protocol)
+                tools = body["tools"][0]["function"] if protocol == "openai" else body["tools"][0]
+                if where == 0:
+                    body["messages"][-1]["content"] = "hi " + text
+                elif where == 1:
+                    tools["name"] = text
+                elif where == 2:
+                    tools["description"] = text
+                elif where == 3:
+                    body["model"] = text
+                elif where == 4:
+                    body["stop" if protocol == "openai" else "stop_sequences"] = [text]
+                elif where == 5 and protocol == "openai":
+                    body["messages"][1:1] = [{"role": "assistant", "content": "", "tool_calls": [
+                        {"id": text, "type": "function", "function": {"name": text, "arguments": json.dumps({"a": text})}}]},
+                        {"role": "tool", "tool_call_id": text, "content": text}]
+                elif where == 5:
+                    body["messages"][0:0] = [{"role": "user", "content": "x"}, {"role": "assistant", "content": [
+                        {"type": "tool_use", "id": text, "name": text, "input": {text: text}}]},
+                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": text, "content": text}]}]
+                else:
+                    body["system" if protocol == "anthropic" else "messages"] = (
+                        text if protocol == "anthropic" else [{"role": "system", "content": text}] + body["messages"][1:])
+                add(protocol, body)
+    for depth in (70, 900):  # deep nesting in every JSON field that holds one
+        for protocol in ("openai", "anthropic"):
+            body = fresh(protocol)
+            params = body["tools"][0]["function"] if protocol == "openai" else body["tools"][0]
+            params["parameters" if protocol == "openai" else "input_schema"] = {"type": "object", "properties": deep(depth)}
+            add(protocol, body)
+            body = fresh(protocol)
+            body["metadata"] = deep(depth)
+            add(protocol, body)
+            body = fresh(protocol)
+            body["messages"][-1]["content"] = deep(depth)
+            add(protocol, body)
+        body = fresh("anthropic")
+        body["messages"][0:0] = [{"role": "user", "content": "x"}, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t1", "name": "calculator", "input": deep(depth)}]}]
+        add("anthropic", body)
+        body = fresh("openai")
+        body["stream_options"] = deep(depth)
+        add("openai", body)
+    body = fresh("openai")  # tool-call arguments: a string of JSON nested 5,000 deep, echoed back
+    body["messages"][1:1] = [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": "[" * 5000 + "]" * 5000}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "4"}]
+    add("openai", body)
+    for raw in NON_FINITE:  # every number the server reads
+        for key in ("temperature", "top_p", "max_tokens", "max_completion_tokens", "seed", "n", "top_logprobs",
+                    "frequency_penalty", "presence_penalty"):
+            add("openai", dict(fresh("openai"), **{key: "@@"}), raw)
+        for key in ("temperature", "top_p", "max_tokens", "top_k"):
+            add("anthropic", dict(fresh("anthropic"), **{key: "@@"}), raw)
+    for name in ([1], {"a": 1}, ["calculator"], None, 5):  # names that are not strings
+        add("openai", dict(fresh("openai"), tool_choice={"type": "function", "function": {"name": name}}))
+        add("anthropic", dict(fresh("anthropic"), tool_choice={"type": "tool", "name": name}))
+    pool = [None, True, 0, -1, 1.5, "", "x", [], [1], {}, {"a": 1}, deep(8)]
+    for _ in range(60):  # any field, any wrong type
+        protocol = rng.choice(["openai", "anthropic"])
+        body = fresh(protocol)
+        path = rng.choice([(k,) for k in body] + [("messages", -1, "content"), ("messages", -1, "role"),
+                                                  ("tools", 0, "function" if protocol == "openai" else "name")])
+        target = body
+        for k in path[:-1]:
+            target = target[k]
+        target[path[-1]] = copy.deepcopy(rng.choice(pool))
+        add(protocol, body)
+    return out
+
+
+def test_hostile_values_get_a_4xx_or_an_answer_never_a_5xx(real):
+    rng = random.Random(1)
+    bystander = real.new_session()
+    cases = hostile_values(rng)
+    assert len(cases) >= 300
+    with httpx.Client(timeout=120) as client:
+        r = client.post(bystander.base_url + "/chat/completions", json=valid_openai(rng),
+                        headers={"authorization": f"Bearer {bystander.api_key}"})
+        assert r.status_code == 200
+        before = bystander.segment_dicts()
+        statuses = []
+        for protocol, text in cases:
+            session, url, headers = request_for(real, protocol)
+            calls = len(real.backend.of(session.id))
+            r = client.post(url, headers={**headers, "content-type": "application/json"}, content=text.encode())
+            check_reply(r, protocol)
+            statuses.append(r.status_code)
+            if r.status_code == 200:  # exactly the turn it answered was recorded
+                assert len(session.segment_dicts()) == 1 and len(real.backend.of(session.id)) == calls + 1
+            else:
+                assert session.segment_dicts() == []
+            real.drop_session(session.id)
+        assert bystander.segment_dicts() == before
+        assert statuses.count(200) > 20 and len(statuses) - statuses.count(200) > 200  # both kinds were exercised
+        # a session made over HTTP with a lone surrogate as its attempt id: refused, and no session is left
+        sessions = len(real.sessions)
+        r = client.post(real.url + "/sessions", content=b'{"attempt_id": "\\udfff"}')
+        check_error(r, "/sessions")
+        assert len(real.sessions) == sessions
+
+
+OPENAI_FIELDS = ["tool name", "tool description", "parameter name", "parameter description", "system", "user",
+                 "assistant", "reasoning", "call name", "call arguments", "call id", "tool result", "user part"]
+ANTHROPIC_FIELDS = ["tool name", "tool description", "parameter name", "system", "user", "assistant", "call name",
+                    "call arguments", "call id", "tool result", "user part"]
+NOT_RENDERED = {"call id", "reasoning"}  # by this template (reasoning only after the last user turn)
+
+
+def openai_body(v):
+    """A request with every text field, field f holding v[f] (or "plain")."""
+    f = lambda name: v.get(name, "plain")  # noqa: E731
+    return {"max_tokens": 2, "tools": [{"type": "function", "function": {
+        "name": f("tool name"), "description": f("tool description"), "parameters": {"type": "object", "properties": {
+            f("parameter name"): {"type": "string", "description": f("parameter description")}}}}}],
+        "messages": [{"role": "system", "content": f("system")}, {"role": "user", "content": f("user")},
+                     {"role": "assistant", "content": f("assistant"), "reasoning_content": f("reasoning"),
+                      "tool_calls": [{"id": f("call id"), "type": "function", "function": {
+                          "name": f("call name"), "arguments": json.dumps({"x": f("call arguments")},
+                                                                          ensure_ascii=False)}}]},
+                     {"role": "tool", "tool_call_id": f("call id"), "content": f("tool result")},
+                     {"role": "user", "content": [{"type": "text", "text": f("user part")}]}]}
+
+
+def anthropic_body(v):
+    f = lambda name: v.get(name, "plain")  # noqa: E731
+    return {"max_tokens": 2, "system": f("system"), "tools": [{
+        "name": f("tool name"), "description": f("tool description"),
+        "input_schema": {"type": "object", "properties": {f("parameter name"): {"type": "string"}}}}],
+        "messages": [{"role": "user", "content": f("user")},
+                     {"role": "assistant", "content": [{"type": "text", "text": f("assistant")}, {
+                         "type": "tool_use", "id": f("call id"), "name": f("call name"),
+                         "input": {"x": f("call arguments")}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f("call id"),
+                                                   "content": f("tool result")},
+                                                  {"type": "text", "text": f("user part")}]}]}
+
+
+def test_special_token_text_in_every_field_is_tokenized_as_text(real):
+    """Each text field in turn carries the text of every added token (and of the server's own placeholder): the
+    recorded prompt holds exactly the control tokens of the same request with a plain word there (the template's
+    markup), and its text reads back the injected string. In assistant text only special tokens are escaped:
+    <think> / <tool_call> there are the model's own output."""
+    tok = real.tokenizer
+    added_ids = set(tok.get_added_vocab().values())
+    inject = "[" + "".join(tok.get_added_vocab()) + "\ue000\ue105]"
+    inject_special = "[" + "".join(tok.all_special_tokens) + "]"
+    with httpx.Client(timeout=120) as client:
+        for protocol, make, fields in (("openai", openai_body, OPENAI_FIELDS),
+                                       ("anthropic", anthropic_body, ANTHROPIC_FIELDS)):
+            plain = (capture.parse_openai if protocol == "openai" else capture.parse_anthropic)(make({}), real)
+            markup = [t for t in real.render(plain.messages, plain.tools, True) if t in added_ids]
+            for name in fields:
+                text = inject_special if name in ("assistant", "reasoning") else inject
+                session, url, headers = request_for(real, protocol)
+                r = client.post(url, headers=headers, json=make({name: text}))
+                assert r.status_code == 200, (name, r.text)
+                prompt = real.backend.of(session.id)[0]["prompt"]
+                assert [t for t in prompt if t in added_ids] == markup, (protocol, name)
+                assert (text in tok.decode(prompt)) == (name not in NOT_RENDERED), (protocol, name)
+                real.drop_session(session.id)
+        # the extension path escapes appended messages the same way: a user turn that tries to close itself
+        session, url, headers = request_for(real, "openai")
+        messages = [{"role": "user", "content": "hi"}]
+        r = client.post(url, headers=headers, json={"messages": messages, "max_tokens": 2})
+        messages += [r.json()["choices"][0]["message"], {"role": "user", "content": inject}]
+        r = client.post(url, headers=headers, json={"messages": messages, "max_tokens": 2})
+        assert r.status_code == 200 and len(session.segment_dicts()) == 1  # extended, not re-rendered
+        (first, second), out = (c["prompt"] for c in real.backend.of(session.id)), real.backend.of(session.id)[0]["out"]
+        appended = second[len(first) + len(out["token_ids"]):]
+        # <|im_end|> closing our reply (unless the engine stopped on it), then <|im_start|>, <|im_end|>, <|im_start|>
+        assert sum(t in added_ids for t in appended) == 3 + (out["token_ids"][-1] not in real.end_ids)
+        assert inject in tok.decode(appended)
+
+
+def test_finish_once_with_a_finite_reward(real):
+    with httpx.Client(timeout=60) as client:
+        made = client.post(real.url + "/sessions").json()
+        auth = {"x-api-key": made["api_key"]}
+        finish = f"{real.url}/sessions/{made['id']}/finish"
+        r = client.post(made["base_url"] + "/chat/completions", headers={"authorization": f"Bearer {made['api_key']}"},
+                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert r.status_code == 200
+        for raw in NON_FINITE[:-1] + ['"1"', "true", "[1]"]:  # refused, and nothing changes
+            r = client.post(finish, headers=auth, content=b'{"reward": %s}' % raw.encode())
+            check_error(r, finish)
+            assert client.get(f"{real.url}/sessions/{made['id']}", headers=auth).json()[0]["finished"] is False
+        r = client.post(finish, headers=auth, json={"reward": 1.0})
+        assert r.status_code == 200 and r.json()[0]["reward"] == 1.0
+        for reward in (-5.0, 1.0):  # the first finish stands
+            r = client.post(finish, headers=auth, json={"reward": reward})
+            assert r.status_code == 409 and "first finish" in r.json()["error"]["message"]
+        real.finish_session(made["id"], 7.0)
+        got = client.get(f"{real.url}/sessions/{made['id']}", headers=auth)
+        assert got.status_code == 200 and [s["reward"] for s in got.json()] == [1.0]
+
+
+class LongTurns:
+    """The real router, asked never to stop before max_tokens (ignore_eos, no stop ids): a turn the server did not
+    abort generates exactly max_tokens tokens."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    async def generate(self, prompt, sampling, request_id, session_id=None):
+        sampling = dict(sampling, ignore_eos=True, stop_token_ids=None)
+        return await self.backend.generate(prompt, sampling, request_id, session_id=session_id)
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+
+def engine_counts(engine):
+    """(requests unfinished, tokens generated so far) in the engine actor's AsyncLLM (its Prometheus counter)."""
+    def read(self):
+        from prometheus_client import REGISTRY
+        generated = sum(s.value for m in REGISTRY.collect() for s in m.samples
+                        if s.name == "vllm:generation_tokens_total")
+        return self.llm.get_num_unfinished_requests(), generated
+    return ray.get(engine.__ray_call__.remote(read))
+
+
+def test_client_disconnect_aborts_the_engine_request_and_records_nothing(real, rollout_engine):
+    recorder = real.backend
+    real.backend = LongTurns(recorder)
+    try:
+        session, url, headers = request_for(real, "openai")
+        body = {"messages": [{"role": "user", "content": "Tell me everything."}], "max_tokens": 900}
+        with httpx.Client(timeout=120) as client:
+            assert client.post(url, headers=headers, json=dict(body, max_tokens=8)).status_code == 200  # warm
+            real.drop_session(session.id)
+            session, url, headers = request_for(real, "openai")
+            _, generated = engine_counts(rollout_engine)
+            with pytest.raises(httpx.ReadTimeout):  # the client gives up mid-generation
+                client.post(url, headers=headers, json=body, timeout=1.5)
+            deadline = time.monotonic() + 120
+            while engine_counts(rollout_engine)[0] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            unfinished, now = engine_counts(rollout_engine)
+            assert unfinished == 0 and 0 <= now - generated < body["max_tokens"]  # aborted, not run to the end
+            assert session.segment_dicts() == []  # the agent never saw that turn
+            # its retry (the same JSON, keys in another order) is the session's first turn
+            r = client.post(url, headers=headers, content=json.dumps(dict(reversed(list(dict(body, max_tokens=5).items())))))
+            assert r.status_code == 200 and len(session.segment_dicts()) == 1
+            messages = body["messages"] + [r.json()["choices"][0]["message"], {"role": "user", "content": "More."}]
+            r = client.post(url, headers=headers, json={"messages": messages, "max_tokens": 5})
+            assert r.status_code == 200 and len(session.segment_dicts()) == 1  # extended: no extra segment
+    finally:
+        real.backend = recorder
+
+
+# --- HTTP-level limits: slow, oversized and malformed requests, the connection cap, session lifetime
+
+
+def raw(server, data, read=True, pause_s=0.0):
+    """Send bytes on a fresh connection, 16 KiB at a time, stopping early if the server answers (bytes sent after
+    it closed would reset the connection and lose its answer); return everything it sends until it closes."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        for i in range(0, len(data), 16 << 10):
+            if select.select([sock], [], [], 0.1 if i else 0)[0]:
+                break
+            sock.sendall(data[i:i + (16 << 10)])
+        time.sleep(pause_s)
+        chunks = []
+        while read and (chunk := sock.recv(65536)):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def json_error(reply, status, protocol="openai"):
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d" % status) and b"application/json" in head, reply[:300]
+    body = json.loads(body)
+    assert (body["type"] == "error" and body["error"]["message"]) if protocol == "anthropic" else body["error"]["message"]
+
+
+def test_slow_oversized_and_malformed_http_get_json_errors(real):
+    session = real.new_session()
+    chat = f"/s/{session.id}/v1/chat/completions".encode()
+    errors = []
+    handler = logging.Handler()
+    handler.emit = errors.append
+    logging.getLogger("uvicorn.error").addHandler(handler)
+    try:
+        json_error(raw(real, b"POST /sessions HTTP/1.1\r\nhost: x\r\nx-slow: "), 408)  # headers never end
+        json_error(raw(real, b""), 408)  # a connection that sends nothing
+        json_error(raw(real, b"POST /sessions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{"), 408)  # stalled body
+        json_error(raw(real, b"GET /sessions HTTP/1.1\r\nx-big: " + b"a" * (200 << 10) + b"\r\n\r\n"), 431)
+        json_error(raw(real, b"POST /sessions HTTP/1.1\r\nhost: x\r\ncontent-length: abc\r\n\r\n{}"), 400)
+        json_error(raw(real, b"POST " + chat + b" HTTP/1.1\r\ncontent-length: 2\r\n\r\n{}GARBAGE\r\n\r\n"), 400)
+        json_error(raw(real, b"POST /s/x/v1/messages HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n"), 400,
+                   "anthropic")
+        json_error(raw(real, b"\x16\x03\x01\x02\x00\x01\x00"), 400)  # a TLS hello on the plain port
+        # a client that drops /finish mid-body: nothing logged, the session not finished
+        raw(real, f"POST /sessions/{session.id}/finish HTTP/1.1\r\nx-api-key: {session.api_key}\r\n"
+                  "content-length: 50\r\n\r\n{\"rew".encode(), read=False, pause_s=0.3)
+        time.sleep(0.5)
+        assert not session.finished and not [e for e in errors if e.levelno >= logging.ERROR], errors
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    with httpx.Client(timeout=30) as client:  # and it serves as before
+        r = client.post(real.url + "/sessions")
+        assert r.status_code == 200
+
+
+def test_connection_cap(real):
+    host, port = real.url.removeprefix("http://").split(":")
+    idle = [socket.create_connection((host, int(port))) for _ in range(real.max_connections)]
+    try:
+        r = httpx.post(real.url + "/sessions", timeout=30)
+        assert r.status_code == 503  # uvicorn's limit_concurrency answers over the cap
+    finally:
+        for sock in idle:
+            sock.close()
+    time.sleep(0.2)
+    assert httpx.post(real.url + "/sessions", timeout=30).status_code == 200
+
+
+def test_sessions_made_over_http_have_a_lifetime(tiny_model_path):
+    server = capture.CaptureServer(None, tiny_model_path, http_session_idle_s=3.0, max_http_sessions=4)
+    server.backend = FakeBackend(server.tokenizer)  # sessions only: no turn is taken
+    server.start_in_thread()
+    try:
+        with httpx.Client(timeout=30) as client:
+            def get(made):
+                return client.get(f"{server.url}/sessions/{made['id']}", headers={"x-api-key": made["api_key"]})
+            made = [client.post(server.url + "/sessions").json() for _ in range(4)]
+            r = client.post(server.url + "/sessions")
+            assert r.status_code == 429 and "limit" in r.json()["error"]["message"]  # all live: refused
+            finish = f"{server.url}/sessions/{made[0]['id']}/finish"
+            assert client.post(finish, headers={"x-api-key": made[0]["api_key"]}, json={"reward": 0}).status_code == 200
+            made.append(client.post(server.url + "/sessions").json())  # the finished one made room
+            assert get(made[0]).status_code == 401 and len(server.sessions) == 4
+            for _ in range(4):  # one stays in use; the others go idle past their lifetime
+                time.sleep(1.0)
+                assert get(made[1]).status_code == 200
+            r = get(made[2])
+            assert r.status_code == 401 and "expired" in r.json()["error"]["message"]
+            assert client.post(server.url + "/sessions").status_code == 200  # room again: idle ones dropped
+            assert made[1]["id"] in server.sessions and len(server.sessions) == 2
+    finally:
+        server.stop_thread()
