@@ -714,6 +714,9 @@ class CaptureServer:
     def escape(self, value, pattern, depth=0):
         """`value` (a JSON value) with every match of `pattern` in its strings (keys too) replaced by a placeholder."""
         if isinstance(value, str):
+            if len(value) > self.max_model_len * self.max_token_chars:  # cannot fit: refused before any work
+                raise RequestError(400, f"A text of {len(value)} characters is more than the model's context of "
+                                        f"{self.max_model_len} tokens can hold.", "messages")
             return pattern.sub(lambda m: self.escape_index[m.group()], value)
         if depth > MAX_DEPTH:
             raise RequestError(400, f"The request nests JSON deeper than {MAX_DEPTH} levels.")
@@ -886,12 +889,13 @@ class CaptureServer:
             raise RequestError(408, f"The request body did not arrive within {self.body_timeout_s:g} s.")
         except ClientDisconnect:
             raise RequestError(400, "The client disconnected while sending the request body.")
-        raw = b"".join(chunks)
-        if not raw:
-            return raw, None
-        if len(raw) > INLINE_RENDER_BYTES:  # ~5 ms per MiB
-            return raw, await asyncio.get_running_loop().run_in_executor(self.render_pool, strict_json, raw)
-        return raw, strict_json(raw)
+
+        def parse():
+            raw = b"".join(chunks)
+            return raw, strict_json(raw) if raw else None
+        if size > INLINE_RENDER_BYTES:  # ~10 ms per MiB
+            return await asyncio.get_running_loop().run_in_executor(self.render_pool, parse)
+        return parse()
 
     async def until_disconnected(self, request, coro):
         """Await `coro`, cancelling it if the client disconnects first: the engine aborts a cancelled generation
@@ -927,8 +931,12 @@ class CaptureServer:
                 chat = (parse_anthropic if protocol == "anthropic" else parse_openai)(body, self)
             except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as e:  # a shape no check named
                 raise RequestError(400, f"The request is malformed: {type(e).__name__}: {str(e)[:200]}.")
-            chat.key = hashlib.sha256(request.url.path.encode() + b"\0" + raw).hexdigest()
-            chat.body_bytes = len(raw)
+            key = hashlib.sha256(request.url.path.encode() + b"\0")
+            if len(raw) > INLINE_RENDER_BYTES:  # ~3 ms per MiB
+                await asyncio.get_running_loop().run_in_executor(self.render_pool, key.update, raw)
+            else:
+                key.update(raw)
+            chat.key, chat.body_bytes = key.hexdigest(), len(raw)
             result = await self.until_disconnected(request, self.respond(session, chat))
             session.last_used = time.monotonic()  # idle time counts from the end of a request
         except RequestError as e:
@@ -1176,7 +1184,8 @@ def main(argv=None):
             if server is not None:
                 await server.stop()
             await engine.shutdown()
-    asyncio.run(serve())
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:  # uvloop, as in training
+        runner.run(serve())
 
 
 if __name__ == "__main__":
