@@ -24,6 +24,7 @@ import pytest
 from conftest import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.stack  # engines, in processes of their own
 HEADER_TIMEOUT_S = 10.0  # capture.py's defaults
 # The bound: a well-behaved session's p99 under attack <= SLOWDOWN x its idle p99 + SLACK_S. On 2 cores shared with
 # other jobs (README) idle p99 was 0.08-0.13 s and under attack 1.2-1.7 s: the attack's own CPU competes with the

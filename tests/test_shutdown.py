@@ -20,6 +20,7 @@ import pytest
 from conftest import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.stack  # engines, in processes of their own
 
 
 def run_until(args, log_path, ready, preexec_fn=None, timeout_s=600):
