@@ -287,7 +287,7 @@ def bench_async(*args):
     import rollout
     import train
     import weights_sync
-    from agents import as_run_function
+    from agentrl import as_run_function
     from model import ensure_tiny_model
     # tools like code execution or search answer in about a second, with a long tail: median 0.5 s, p99 ~16 s
     opt = _int_options(args, steps=8, group_size=4, groups_per_batch=4, groups_in_flight=8, max_tokens=16,

@@ -30,7 +30,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import capture
-from agents import Context
+from agentrl import Context
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 

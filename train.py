@@ -319,7 +319,7 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
     background thread, and the rollout pool for the agent module and its prompts (train() starts it)."""
     import capture
     import rollout
-    from agents import load_agent, read_prompts, setup_agent
+    from agentrl import load_agent, read_prompts, setup_agent
     placement = []
     if engines is None:
         placement.append(rollout.reserve_trainer_gpus(trainer_gpus))  # torchrun's GPUs, unknown to Ray

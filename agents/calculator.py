@@ -24,7 +24,7 @@ from collections import Counter
 
 from openai import AsyncOpenAI
 
-from agents.base import ChatAgent, Result
+from agentrl import ChatAgent, Result
 
 TOOLS = [{"type": "function", "function": {
     "name": "calculator",
