@@ -91,15 +91,20 @@ class Engine:
     async def generate(self, prompt_token_ids, sampling, request_id, session_id=None):
         """Sample one turn. `sampling` keys: temperature, top_p, max_tokens, stop, stop_token_ids, seed,
         routed_experts_start (routes are returned for the tokens from there on: the caller has the earlier ones),
-        ignore_eos (benchmarks). session_id is for routers that keep a session on one engine; one engine ignores it."""
+        ignore_eos (benchmarks), structured (StructuredOutputsParams fields: json, json_object, ...), logit_bias,
+        top_logprobs (k: also return the k likeliest tokens per position). session_id is for routers that keep a
+        session on one engine; one engine ignores it."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        stop = sampling.get("stop") or None
+        from vllm.sampling_params import StructuredOutputsParams
+        stop, structured, top = sampling.get("stop") or None, sampling.get("structured"), sampling.get("top_logprobs")
         params = SamplingParams(
             n=1, temperature=sampling.get("temperature", 1.0), top_p=sampling.get("top_p", 1.0),
             max_tokens=sampling.get("max_tokens"), stop=stop, stop_token_ids=sampling.get("stop_token_ids"),
-            seed=sampling.get("seed"), ignore_eos=sampling.get("ignore_eos", False), logprobs=0,
-            routed_experts_prompt_start=sampling.get("routed_experts_start", 0),
+            seed=sampling.get("seed"), ignore_eos=sampling.get("ignore_eos", False), logprobs=top or 0,
+            routed_experts_prompt_start=sampling.get("routed_experts_start", 0), logit_bias=sampling.get("logit_bias"),
+            # grammar masks and biases act before sampling: processed logprobs are those of the masked distribution
+            structured_outputs=StructuredOutputsParams(**structured) if structured else None,
             detokenize=stop is not None)  # text only for stop strings
         out = None
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id):
@@ -111,9 +116,13 @@ class Engine:
             v = 0 if span.version == "default" else int(span.version)
             versions[span.start:span.end] = [v] * (span.end - span.start)
         routes = c.routed_experts  # (T - routed_experts_start, L_moe, K) when enabled
-        return dict(token_ids=ids, logprobs=[c.logprobs[i][t].logprob for i, t in enumerate(ids)],
-                    token_versions=versions, routed_experts=None if routes is None else routes.tolist(),
-                    finish_reason=c.finish_reason, num_prompt_tokens=len(out.prompt_token_ids))
+        result = dict(token_ids=ids, logprobs=[c.logprobs[i][t].logprob for i, t in enumerate(ids)],
+                      token_versions=versions, routed_experts=None if routes is None else routes.tolist(),
+                      finish_reason=c.finish_reason, num_prompt_tokens=len(out.prompt_token_ids))
+        if top:  # per position, (token id, logprob) by rank; the sampled token's entry comes too when ranked lower
+            result["top_logprobs"] = [[(t, p.logprob) for t, p in sorted(d.items(), key=lambda x: x[1].rank)
+                                       if p.rank <= top] for d in c.logprobs]
+        return result
 
     async def prompt_logprobs(self, token_ids):
         """The engine's logprob of each token given the ones before it (None for the first), at temperature 1."""
@@ -179,7 +188,10 @@ class ChatRequest:
     def __init__(self, protocol, messages, tools, parse_tools, sampling, stream, include_usage, model):
         self.protocol, self.messages, self.tools, self.parse_tools = protocol, messages, tools, parse_tools
         self.sampling, self.stream, self.include_usage, self.model = sampling, stream, include_usage, model
-        self.key = None  # hash of the raw body: a retry has the same key
+        self.key, self.retry = None, False  # the answer's key (Idempotency-Key or the raw body); whether a client retry
+        self.forced = None  # a forced tool call: "" (any tool) or the tool's name
+        self.parallel, self.top_logprobs, self.previous_response_id, self.store = True, None, None, True
+        self.instructions = 0  # Responses API: 1 when messages[0] holds this request's `instructions`
 
 
 TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
@@ -207,10 +219,36 @@ def text_of(content, where):
     if not isinstance(content, list):
         raise RequestError(400, f"`{where}` must be a string or an array of text parts.", where)
     for i, part in enumerate(content):
-        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+        if not (isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text") and isinstance(part.get("text"), str)):
             raise RequestError(400, f"`{where}[{i}]` must be a text part {{\"type\": \"text\", \"text\": ...}}; "
                                     "only text content is supported.", f"{where}[{i}]")
     return "".join(part["text"] for part in content)
+
+
+def tool_choice_of(request, kind, name, parallel=True):
+    """Honour a tool choice: "auto", "none" (calls not parsed; the template's call opening is banned), "required" or
+    "function" (`name`): the call is forced, see CaptureServer.call_opening. parallel=False stops after one call."""
+    names = {t["function"]["name"] for t in request.tools}
+    if kind == "function" and name not in names:
+        raise RequestError(400, f"`tool_choice` names the tool {name!r}, which is not among `tools`.", "tool_choice")
+    if kind in ("required", "function") and not names:
+        raise RequestError(400, "`tool_choice` forces a tool call but `tools` is empty.", "tool_choice")
+    request.parse_tools = kind != "none"
+    request.forced = None if kind in ("auto", "none") else name or ""
+    request.parallel = parallel
+    return request
+
+
+def structured_of(fmt, where):
+    """A response format (json_schema / json_object / text) as vLLM's structured-output fields, or None."""
+    kind = fmt.get("type")
+    if kind == "json_schema":
+        schema = fmt.get("json_schema", fmt)  # chat completions nest it; the Responses API does not
+        return {"json": field(schema if isinstance(schema, dict) else {}, "schema", dict, required=True,
+                              where=where + ".json_schema.")}
+    if kind in ("json_object", "text"):
+        return {"json_object": True} if kind == "json_object" else None
+    raise RequestError(400, f"`{where}.type` must be text, json_object or json_schema, got {kind!r}.", where)
 
 
 def tool_call(call_id, name, arguments):
@@ -239,10 +277,9 @@ def sampling_of(server, temperature, top_p, max_tokens, stop, seed, max_temperat
 
 OPENAI_FIELDS = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens",
                  "max_completion_tokens", "stop", "seed", "stream", "stream_options", "n", "logprobs", "top_logprobs",
-                 "frequency_penalty", "presence_penalty", "parallel_tool_calls", "user", "metadata", "store",
-                 "service_tier"}  # the last four do not change generation
+                 "frequency_penalty", "presence_penalty", "parallel_tool_calls", "response_format", "user", "metadata",
+                 "store", "service_tier"}  # the last four do not change generation
 OPENAI_MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
-CONSTRAINED = "needs constrained decoding, which would make the recorded logprobs differ from the policy's; use \"auto\""
 
 
 def parse_openai(body, server):
@@ -254,15 +291,13 @@ def parse_openai(body, server):
     model = field(body, "model", str, "")
     if field(body, "n", int, 1) != 1:
         raise RequestError(400, "`n` must be 1: each request records one turn of one trajectory.", "n")
-    if field(body, "logprobs", bool, False) or field(body, "top_logprobs", int, 0):
-        raise RequestError(400, "logprobs are not returned to clients (the trajectory records them).", "logprobs")
+    top_logprobs = field(body, "top_logprobs", int, 0) if field(body, "logprobs", bool, False) else None
+    if top_logprobs is not None and not 0 <= top_logprobs <= 20:
+        raise RequestError(400, f"`top_logprobs` must be between 0 and 20, got {top_logprobs}.", "top_logprobs")
     for key in ("frequency_penalty", "presence_penalty"):
         if field(body, key, (int, float), 0) != 0:
             raise RequestError(400, f"`{key}` is not supported: the trainer could not reproduce the penalized "
                                     "distribution.", key)
-    if field(body, "parallel_tool_calls", bool, True) is False:
-        raise RequestError(400, "`parallel_tool_calls: false` cannot be honoured: the model may emit several calls.",
-                           "parallel_tool_calls")
     messages = []
     for i, m in enumerate(field(body, "messages", list, required=True)):
         w = f"messages[{i}]"
@@ -272,10 +307,11 @@ def parse_openai(body, server):
         if extra:
             raise RequestError(400, f"`{w}.{extra[0]}` is not supported.", f"{w}.{extra[0]}")
         role, content = m.get("role"), text_of(m.get("content"), f"{w}.content")
+        name = {"name": m["name"]} if field(m, "name", str, where=w + ".") else {}  # for templates that show it
         if role in ("system", "developer", "user"):
-            messages.append({"role": "user" if role == "user" else "system", "content": content})
+            messages.append({"role": "user" if role == "user" else "system", "content": content, **name})
         elif role == "assistant":
-            msg = {"role": "assistant", "content": content}
+            msg = {"role": "assistant", "content": content, **name}
             calls = field(m, "tool_calls", list, [], where=w + ".")
             for j, c in enumerate(calls):
                 wc = f"{w}.tool_calls[{j}]."
@@ -304,31 +340,37 @@ def parse_openai(body, server):
         spec["parameters"] = field(fn, "parameters", dict, {"type": "object", "properties": {}},
                                    where=f"tools[{i}].function.")
         tools.append({"type": "function", "function": spec})
-    choice = field(body, "tool_choice", (str, dict), "auto")
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
-        if name not in {t["function"]["name"] for t in tools}:
-            raise RequestError(400, f"`tool_choice` names the function {name!r}, which is not among `tools`.",
-                               "tool_choice")
-        raise RequestError(400, f"`tool_choice` forcing a function {CONSTRAINED}.", "tool_choice")
-    if choice == "required":
-        raise RequestError(400, f"`tool_choice: \"required\"` {CONSTRAINED}.", "tool_choice")
-    if choice not in ("auto", "none"):
-        raise RequestError(400, f"`tool_choice` must be \"auto\", \"none\", \"required\" or a function, got {choice!r}.",
-                           "tool_choice")
     max_tokens = field(body, "max_completion_tokens", int, field(body, "max_tokens", int))
     sampling = sampling_of(server, field(body, "temperature", (int, float)), field(body, "top_p", (int, float)),
                            max_tokens, field(body, "stop", (str, list)), field(body, "seed", int), 2.0)
+    sampling["structured"] = structured_of(field(body, "response_format", dict, {"type": "text"}), "response_format")
     options = field(body, "stream_options", dict, {})
-    return ChatRequest("openai", messages, tools, choice == "auto", sampling, field(body, "stream", bool, False),
-                       bool(options.get("include_usage")), model)
+    request = ChatRequest("openai", messages, tools, True, sampling, field(body, "stream", bool, False),
+                          bool(options.get("include_usage")), model)
+    request.top_logprobs = top_logprobs
+    return tool_choice_of(request, *openai_choice(field(body, "tool_choice", (str, dict), "auto"), "function"),
+                          field(body, "parallel_tool_calls", bool, True))
+
+
+def openai_choice(choice, nested):
+    """An OpenAI tool_choice as (kind, name); chat completions nest the name under "function", Responses do not."""
+    if isinstance(choice, dict):
+        fn = choice.get("function") if nested == "function" else choice
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RequestError(400, "`tool_choice` must be \"auto\", \"none\", \"required\" or "
+                                    f"{{\"type\": \"function\", ...}} naming a function, got {choice!r}.", "tool_choice")
+        return "function", fn["name"]
+    if choice not in ("auto", "none", "required"):
+        raise RequestError(400, f"`tool_choice` must be \"auto\", \"none\", \"required\" or a function, got {choice!r}.",
+                           "tool_choice")
+    return choice, None
 
 
 ANTHROPIC_FIELDS = {"model", "messages", "max_tokens", "system", "tools", "tool_choice", "temperature", "top_p", "top_k",
                     "stop_sequences", "stream", "metadata", "thinking", "service_tier"}
 
 
-def parse_anthropic(body, server):
+def parse_anthropic(body, server, counting=False):
     if not isinstance(body, dict):
         raise RequestError(400, "The request body must be a JSON object.")
     unknown = sorted(set(body) - ANTHROPIC_FIELDS)
@@ -365,8 +407,10 @@ def parse_anthropic(body, server):
                 if text:  # text before a tool result stays in its own user turn, in order
                     messages.append({"role": "user", "content": "".join(text)})
                     text = []
+                # an error result reads as one to the model: chat templates have no field for it
+                error = "Error: " if field(b, "is_error", bool, False, where=wb) else ""
                 messages.append({"role": "tool", "tool_call_id": field(b, "tool_use_id", str, required=True, where=wb),
-                                 "content": text_of(b.get("content"), wb + "content")})
+                                 "content": error + text_of(b.get("content"), wb + "content")})
             else:
                 allowed = "text and tool_use" if role == "assistant" else "text and tool_result"
                 raise RequestError(400, f"`{wb}type` {kind!r} is not supported in {role} messages ({allowed} are).",
@@ -389,22 +433,85 @@ def parse_anthropic(body, server):
         spec["parameters"] = field(t, "input_schema", dict, required=True, where=f"tools[{i}].")
         tools.append({"type": "function", "function": spec})
     choice = field(body, "tool_choice", dict, {"type": "auto"})
-    kind = choice.get("type")
-    if kind == "tool" and choice.get("name") not in {t["function"]["name"] for t in tools}:
-        raise RequestError(400, f"`tool_choice` names the tool {choice.get('name')!r}, which is not among `tools`.",
-                           "tool_choice")
-    if kind in ("any", "tool"):
-        raise RequestError(400, f"`tool_choice` of type {kind!r} {CONSTRAINED}.", "tool_choice")
-    if kind not in ("auto", "none"):
-        raise RequestError(400, f"`tool_choice.type` must be auto, any, tool or none, got {kind!r}.", "tool_choice")
-    if choice.get("disable_parallel_tool_use"):
-        raise RequestError(400, "`disable_parallel_tool_use` cannot be honoured: the model may emit several calls.",
+    kind = {"any": "required", "tool": "function"}.get(choice.get("type"), choice.get("type"))
+    if kind not in ("auto", "none", "required", "function"):
+        raise RequestError(400, f"`tool_choice.type` must be auto, any, tool or none, got {choice.get('type')!r}.",
                            "tool_choice")
     sampling = sampling_of(server, field(body, "temperature", (int, float)), field(body, "top_p", (int, float)),
-                           field(body, "max_tokens", int, required=True), field(body, "stop_sequences", list),
+                           field(body, "max_tokens", int, required=not counting), field(body, "stop_sequences", list),
                            None, 1.0)
-    return ChatRequest("anthropic", messages, tools, kind == "auto", sampling, field(body, "stream", bool, False),
-                       True, field(body, "model", str, ""))
+    request = ChatRequest("anthropic", messages, tools, True, sampling, field(body, "stream", bool, False), True,
+                          field(body, "model", str, ""))
+    return tool_choice_of(request, kind, choice.get("name"),
+                          not field(choice, "disable_parallel_tool_use", bool, False, where="tool_choice."))
+
+RESPONSES_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
+                    "temperature", "top_p", "stream", "previous_response_id", "store", "text", "include", "top_logprobs",
+                    "truncation", "reasoning", "metadata", "user", "service_tier", "prompt_cache_key",
+                    "safety_identifier", "stream_options"}  # the last six do not change generation
+RESPONSES_ITEMS = "message, function_call, function_call_output"
+
+
+def parse_responses(body, server):
+    """The Responses API: `input` (a string or items), `instructions`, function tools, text.format; the conversation
+    of `previous_response_id` is put in front by CaptureServer.respond."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "The request body must be a JSON object.")
+    unknown = sorted(set(body) - RESPONSES_FIELDS)
+    if unknown:
+        raise RequestError(400, f"Unsupported field `{unknown[0]}`: this server cannot honour it.", unknown[0])
+    if field(body, "truncation", str, "disabled") != "disabled" or field(body, "reasoning", dict, {}).get("effort"):
+        raise RequestError(400, "`truncation` and `reasoning` are not supported by this server.", "truncation")
+    instructions = field(body, "instructions", str)
+    messages = [{"role": "system", "content": instructions}] if instructions else []
+    items = field(body, "input", (str, list), required=True)
+    for i, item in enumerate([{"role": "user", "content": items}] if isinstance(items, str) else items):
+        w = f"input[{i}]."
+        item = item if isinstance(item, dict) else {"type": None}
+        kind = item.get("type", "message")
+        if kind == "message" and item.get("role") in ("system", "developer", "user", "assistant"):
+            role = {"developer": "system"}.get(item["role"], item["role"])
+            messages.append({"role": role, "content": text_of(item.get("content"), w + "content")})
+        elif kind == "function_call":
+            call = tool_call(field(item, "call_id", str, required=True, where=w), field(item, "name", str, required=True,
+                             where=w), field(item, "arguments", str, required=True, where=w))
+            if not (messages and messages[-1]["role"] == "assistant"):
+                messages.append({"role": "assistant", "content": ""})  # calls without text before them
+            messages[-1].setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            output = field(item, "output", (str, list), required=True, where=w)
+            messages.append({"role": "tool", "tool_call_id": field(item, "call_id", str, required=True, where=w),
+                             "content": text_of(output, w + "output")})
+        else:
+            raise RequestError(400, f"`{w}type` {kind!r} is not supported (items: {RESPONSES_ITEMS}; message roles "
+                                    "system, developer, user, assistant).", w + "type")
+    tools = []
+    for i, t in enumerate(field(body, "tools", list, [])):
+        t = t if isinstance(t, dict) else {}
+        if t.get("type") != "function":
+            raise RequestError(400, f"`tools[{i}].type` must be \"function\" (function tools only).", f"tools[{i}].type")
+        spec = {"name": field(t, "name", str, required=True, where=f"tools[{i}].")}
+        if field(t, "description", str, where=f"tools[{i}]."):
+            spec["description"] = t["description"]
+        spec["parameters"] = field(t, "parameters", dict, {"type": "object", "properties": {}}, where=f"tools[{i}].")
+        tools.append({"type": "function", "function": spec})
+    include = field(body, "include", list, [])
+    top_logprobs = field(body, "top_logprobs", int, 0) if "message.output_text.logprobs" in include else None
+    if top_logprobs is not None and not 0 <= top_logprobs <= 20:
+        raise RequestError(400, f"`top_logprobs` must be between 0 and 20, got {top_logprobs}.", "top_logprobs")
+    sampling = sampling_of(server, field(body, "temperature", (int, float)), field(body, "top_p", (int, float)),
+                           field(body, "max_output_tokens", int), None, None, 2.0)
+    sampling["structured"] = structured_of(field(field(body, "text", dict, {}), "format", dict, {"type": "text"},
+                                                 where="text."), "text.format")
+    request = ChatRequest("responses", messages, tools, True, sampling, field(body, "stream", bool, False), True,
+                          field(body, "model", str, ""))
+    request.top_logprobs, request.instructions = top_logprobs, int(bool(instructions))
+    request.previous_response_id = field(body, "previous_response_id", str)
+    request.store = field(body, "store", bool, True)
+    if not messages and request.previous_response_id is None:
+        raise RequestError(400, "`input` must not be empty.", "input")
+    return tool_choice_of(request, *openai_choice(field(body, "tool_choice", (str, dict), "auto"), "flat"),
+                          field(body, "parallel_tool_calls", bool, True))
 
 # -----------------------------------------------------------------------------
 # sessions and segments: the recorded trajectory
@@ -444,6 +551,7 @@ class Session:
         self.segments, self.finished, self.reward = [], False, None
         self.conversation, self.tools, self.last_generated = None, None, []  # what the open segment renders
         self.answers = OrderedDict()  # request key -> result, for client retries
+        self.responses = {}  # Responses API: response id -> the conversation it ended, for previous_response_id
         self.turns = 0
         self.lock = asyncio.Lock()  # serialises this session's requests
         self.record_lock = threading.Lock()  # finish_session may run on another thread
@@ -518,7 +626,7 @@ class CaptureServer:
     """HTTP front of one backend (an Engine, or rollout's router): sessions, rendering, the segmenter."""
 
     def __init__(self, backend, tokenizer, *, max_model_len=2048, importance_correction=False, host="127.0.0.1",
-                 port=0, model_name=None, max_body_bytes=16 << 20, max_cached_answers=16):
+                 port=0, model_name=None, max_body_bytes=16 << 20, max_cached_answers=16, constrained_tokens="train"):
         from transformers import AutoTokenizer
         from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
         self.backend = backend
@@ -527,6 +635,11 @@ class CaptureServer:
         # a malformed tool call is the policy's output, not our error (its text goes back as content): no traceback
         logging.getLogger("vllm.tool_parsers.hermes_tool_parser").setLevel(logging.CRITICAL)
         self.end_ids = end_token_ids(self.tokenizer)
+        vocab = self.tokenizer.get_added_vocab()  # the call's tags as single tokens: None where the tokenizer lacks them
+        self.call_ids = [vocab.get(self.tool_parser.tool_call_start_token), vocab.get(self.tool_parser.tool_call_end_token)]
+        if constrained_tokens not in ("train", "mask"):
+            raise ValueError(f"constrained_tokens must be 'train' or 'mask', got {constrained_tokens!r}")
+        self.constrained_tokens = constrained_tokens
         self.end_texts = [self.tokenizer.decode([i]) for i in self.end_ids]
         self.added_texts = tuple(self.tokenizer.get_added_vocab())
         self.max_model_len, self.importance_correction = max_model_len, importance_correction
@@ -542,7 +655,10 @@ class CaptureServer:
                   Route("/s/{sid}/v1/models", self.http_models, methods=["GET"]),
                   Route("/s/{sid}/v1/chat/completions", self.http_chat, methods=["POST"]),
                   Route("/s/{sid}/v1/messages", self.http_chat, methods=["POST"]),
-                  Route("/s/{sid}/v1/v1/messages", self.http_chat, methods=["POST"])]  # Anthropic SDK, same base_url
+                  Route("/s/{sid}/v1/v1/messages", self.http_chat, methods=["POST"]),  # Anthropic SDK, same base_url
+                  Route("/s/{sid}/v1/responses", self.http_chat, methods=["POST"])]
+        routes += [Route(f"/s/{{sid}}/v1{v}/messages/count_tokens", self.http_count_tokens, methods=["POST"])
+                   for v in ("", "/v1")]
         self.app = Starlette(routes=routes, exception_handlers={HTTPException: self.http_error})
 
     # --- the Python API of the rollout side
@@ -599,12 +715,19 @@ class CaptureServer:
         return closing + self.tokenize(new_text), conversation
 
     async def respond(self, session, request):
-        """Generate and record one turn (or return the answer already given to this exact request)."""
+        """Generate and record one turn (or, to a client's retry, return the answer already given)."""
         async with session.lock:
             if session.finished:
                 raise RequestError(401, f"Session {session.id} has finished; its attempt is over.")
-            if request.key is not None and request.key in session.answers:
+            if request.retry and request.key in session.answers:
                 return session.answers[request.key]
+            if request.previous_response_id is not None:  # Responses API: the stored conversation goes first
+                if request.previous_response_id not in session.responses:
+                    raise RequestError(400, f"No stored response {request.previous_response_id!r} in this session "
+                                            "(unknown id, or answered with store: false).", "previous_response_id")
+                prior, had = session.responses[request.previous_response_id]  # its instructions are not carried over
+                k = request.instructions
+                request.messages = request.messages[:k] + prior[had:] + request.messages[k:]
             ext = self.extension(session, request.messages, request.tools)
             if ext is not None:
                 appended, conversation = ext
@@ -612,20 +735,32 @@ class CaptureServer:
             else:
                 appended = prompt = self.render(request.messages, request.tools, True)
                 conversation = request.messages
+            opening = "" if request.forced is None else self.call_opening(request)
+            if opening:  # context (mask 0): the model writes the rest of the call itself
+                appended, prompt = appended + self.tokenize(opening), prompt + self.tokenize(opening)
             if len(prompt) >= self.max_model_len:
                 raise RequestError(400, f"The prompt is {len(prompt)} tokens; the model's context is "
                                         f"{self.max_model_len} tokens.", "messages")
             room = self.max_model_len - len(prompt)  # a longer max_tokens is cut to it (finish_reason "length")
             routes = (session.segments[-1].routed_experts or []) if ext is not None else []
-            sampling = dict(request.sampling, stop_token_ids=self.end_ids, routed_experts_start=len(routes),
-                            max_tokens=min(request.sampling["max_tokens"] or room, room))
+            sampling = dict(request.sampling, stop_token_ids=self.end_ids + [self.call_ids[1]] * (not request.parallel),
+                            routed_experts_start=len(routes), max_tokens=min(request.sampling["max_tokens"] or room, room),
+                            top_logprobs=request.top_logprobs)
+            refuse_calls = bool(request.tools) and not request.parse_tools  # tool_choice "none"
+            if None in self.call_ids and (refuse_calls or not request.parallel):
+                raise RequestError(400, "This tokenizer has no single tokens that open and close a tool call, so "
+                                        "tool_choice \"none\" and parallel_tool_calls false cannot be honoured.")
+            if refuse_calls:  # the model cannot open a call
+                sampling["logit_bias"] = {self.call_ids[0]: -100}
+            # sampled under a mask: recorded as context when the config keeps such tokens out of the loss
+            masked = self.constrained_tokens == "mask" and bool(sampling.get("structured") or sampling.get("logit_bias"))
             session.turns += 1
             try:
                 out = await self.backend.generate(prompt, sampling, f"{session.id}-{session.turns}",
                                                   session_id=session.id)
             except ValueError as e:  # vLLM's input validation
                 raise RequestError(400, f"The engine refused the request: {e}")
-            result = self.answer(out, request, len(prompt))
+            result = self.answer(out, request, len(prompt), opening)
             with session.record_lock:  # recorded only now: a failed generation leaves the trajectory as it was
                 if session.finished:
                     raise RequestError(401, f"Session {session.id} finished while this request was generating.")
@@ -633,40 +768,72 @@ class CaptureServer:
                     session.segments.append(Segment(session.attempt_id, len(session.segments)))
                 segment = session.segments[-1]
                 segment.append(appended)
-                segment.append(out["token_ids"], out)
+                segment.append(out["token_ids"], None if masked else out)
                 if out.get("routed_experts") is not None:  # routes of the tokens the engine computed this turn
                     segment.routed_experts = routes + out["routed_experts"]
                 session.conversation = conversation + [result["message"]]
                 session.tools, session.last_generated = request.tools, out["token_ids"]
+                if request.protocol == "responses" and request.store:
+                    session.responses["resp_" + result["id"]] = session.conversation, request.instructions
             if request.key is not None:
                 session.answers[request.key] = result
                 if len(session.answers) > self.max_cached_answers:
                     session.answers.popitem(last=False)
             return result
 
-    def answer(self, out, request, num_prompt_tokens):
-        """The engine's tokens as an assistant message: decoded, cut at a stop string, tool calls parsed."""
-        ids = out["token_ids"]
-        ids = ids[:-1] if ids and ids[-1] in self.end_ids else ids
-        parse = request.parse_tools and bool(request.tools)
-        text = self.tokenizer.decode(ids, skip_special_tokens=not parse)  # tool tags may be special tokens
+    def call_opening(self, request):
+        """The template's text that opens a tool call, up to the name (tool_choice "required") or up to the arguments
+        (a named tool): what the template renders for such a call after the generation prompt."""
+        user = [{"role": "user", "content": "x"}]
+        call = {"role": "assistant", "content": "", "tool_calls": [tool_call("call_0", request.forced or "\0", "\1")]}
+        prompt = self.render_text(user, request.tools, True)
+        full = self.render_text(user + [call], request.tools, False)
+        cut = full.find("\1" if request.forced else "\0")
+        if not full.startswith(prompt) or cut < 0 or self.tool_parser.tool_call_start_token not in full[len(prompt):cut]:
+            raise RequestError(400, "This model's chat template does not show where a tool call opens, so the call "
+                                    "cannot be forced; use tool_choice \"auto\".", "tool_choice")
+        return full[len(prompt):cut]
+
+    def answer(self, out, request, num_prompt_tokens, opening=""):
+        """The engine's tokens as an assistant message: decoded after the forced call opening, tool calls parsed. At a
+        stop string the text ends at the last token boundary before it and the tokens past that leave `out`: the
+        trajectory holds exactly what the agent was shown."""
+        ids, parse = out["token_ids"], request.parse_tools and bool(request.tools)
+        n = len(ids) - (bool(ids) and ids[-1] in self.end_ids)
+
+        def decode(k):
+            return self.tokenizer.decode(ids[:k], skip_special_tokens=not parse)  # tool tags may be special tokens
+        text = decode(n)
         hits = [(text.find(s), s) for s in request.sampling["stop"] if s in text]
         stop_sequence = min(hits)[1] if hits else None
-        if stop_sequence is not None:
-            text = text[:min(hits)[0]]
+        if hits:
+            while n and len(decode(n)) > min(hits)[0]:  # drop the token where the stop string starts, and later ones
+                n -= 1
+            text, dropped = decode(n), len(ids) - n
+            out.update({k: out[k][:n] for k in ("token_ids", "logprobs", "token_versions", "top_logprobs") if k in out})
+            if out.get("routed_experts") is not None:
+                out["routed_experts"] = out["routed_experts"][:len(out["routed_experts"]) - dropped]
+        text = opening[opening.find(self.tool_parser.tool_call_start_token):] + text if opening else text
         calls = []
         if parse:
             info = self.tool_parser.extract_tool_calls(text, None)
             if info.tools_called:
-                prefix = "call_" if request.protocol == "openai" else "toolu_"
+                prefix = "toolu_" if request.protocol == "anthropic" else "call_"
                 text = info.content or ""
                 calls = [tool_call(prefix + uuid.uuid4().hex[:24], c.function.name, c.function.arguments)
                          for c in info.tool_calls]
         message = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
         finish = "tool_calls" if calls else "length" if out["finish_reason"] == "length" and not hits else "stop"
+        logprobs = None if request.top_logprobs is None else [
+            dict(self.token_logprob(t, lp), top_logprobs=[self.token_logprob(*x) for x in top])
+            for t, lp, top in zip(ids[:n], out["logprobs"], out.get("top_logprobs") or [[]] * n)]
         return dict(id=uuid.uuid4().hex[:24], created=int(time.time()), message=message, finish_reason=finish,
                     stop_sequence=stop_sequence, prompt_tokens=num_prompt_tokens, completion_tokens=len(out["token_ids"]),
-                    model=request.model or self.model_name)
+                    model=request.model or self.model_name, logprobs=logprobs)
+
+    def token_logprob(self, token_id, logprob):
+        text = self.tokenizer.decode([token_id])
+        return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode())}  # -inf: masked
 
     # --- HTTP
 
@@ -694,14 +861,17 @@ class CaptureServer:
             raise RequestError(400, f"The request body is not valid JSON: {str(e)[:200]}.")
 
     async def http_chat(self, request):
-        protocol = "anthropic" if request.url.path.endswith("/messages") else "openai"
+        protocol = {"messages": "anthropic", "responses": "responses"}.get(request.url.path.rsplit("/", 1)[1], "openai")
         try:
             session = self.authorize(request)
             if session.finished:
                 raise RequestError(401, f"Session {session.id} has finished; its attempt is over.")
             raw, body = await self.read_json(request)
-            chat = (parse_anthropic if protocol == "anthropic" else parse_openai)(body, self)
-            chat.key = hashlib.sha256(request.url.path.encode() + b"\0" + raw).hexdigest()
+            chat = PARSERS[protocol](body, self)
+            idempotency = request.headers.get("idempotency-key")
+            chat.key = "key:" + idempotency if idempotency else hashlib.sha256(request.url.path.encode() + b"\0" + raw).hexdigest()
+            # the SDKs mark their retries; an unmarked repeat is a new sample (an agent may sample twice on purpose)
+            chat.retry = bool(idempotency) or request.headers.get("x-stainless-retry-count", "0") not in ("", "0")
             result = await self.respond(session, chat)
         except RequestError as e:
             return error_response(protocol, e.status, e.message, e.param)
@@ -709,9 +879,17 @@ class CaptureServer:
             print(f"capture: request on session {request.path_params['sid']} failed: {e!r}", file=sys.stderr)
             return error_response(protocol, 500, f"The engine failed on this request: {type(e).__name__}: {e}")
         if chat.stream:
-            events = anthropic_events(result) if protocol == "anthropic" else openai_events(result, chat.include_usage)
-            return StreamingResponse(events, media_type="text/event-stream")
-        return JSONResponse(anthropic_message(result) if protocol == "anthropic" else openai_completion(result))
+            return StreamingResponse(EVENTS[protocol](result, chat), media_type="text/event-stream")
+        return JSONResponse(ANSWERS[protocol](result))
+
+    async def http_count_tokens(self, request):
+        """Anthropic's token count: the prompt as this server would render it for the request."""
+        try:
+            self.authorize(request)
+            chat = parse_anthropic((await self.read_json(request))[1], self, counting=True)
+        except RequestError as e:
+            return error_response("anthropic", e.status, e.message, e.param)
+        return JSONResponse({"input_tokens": len(self.render(chat.messages, chat.tools, True))})
 
     async def http_models(self, request):
         try:
@@ -817,12 +995,13 @@ def openai_completion(result):
         message["tool_calls"] = m["tool_calls"]
     usage = result["prompt_tokens"], result["completion_tokens"]
     return {"id": "chatcmpl-" + result["id"], "object": "chat.completion", "created": result["created"],
-            "model": result["model"], "choices": [{"index": 0, "message": message, "logprobs": None,
+            "model": result["model"], "choices": [{"index": 0, "message": message,
+                                                   "logprobs": result["logprobs"] and {"content": result["logprobs"]},
                                                    "finish_reason": result["finish_reason"]}],
             "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1], "total_tokens": sum(usage)}}
 
 
-async def openai_events(result, include_usage):
+async def openai_events(result, request):
     base = {"id": "chatcmpl-" + result["id"], "object": "chat.completion.chunk", "created": result["created"],
             "model": result["model"]}
     m = result["message"]
@@ -831,7 +1010,7 @@ async def openai_events(result, include_usage):
     for delta in deltas:
         yield f"data: {json.dumps({**base, 'choices': [{'index': 0, 'delta': delta, 'finish_reason': None}]})}\n\n"
     yield f"data: {json.dumps({**base, 'choices': [{'index': 0, 'delta': {}, 'finish_reason': result['finish_reason']}]})}\n\n"
-    if include_usage:
+    if request.include_usage:
         yield f"data: {json.dumps({**base, 'choices': [], 'usage': openai_completion(result)['usage']})}\n\n"
     yield "data: [DONE]\n\n"
 
@@ -848,7 +1027,7 @@ def anthropic_message(result):
             "usage": {"input_tokens": result["prompt_tokens"], "output_tokens": result["completion_tokens"]}}
 
 
-async def anthropic_events(result):
+async def anthropic_events(result, request=None):
     message = anthropic_message(result)
     start = dict(message, content=[], stop_reason=None, stop_sequence=None,
                  usage={"input_tokens": result["prompt_tokens"], "output_tokens": 0})
@@ -864,10 +1043,60 @@ async def anthropic_events(result):
         events.append(("content_block_stop", {"index": i}))
     events += [("message_delta", {"delta": {"stop_reason": message["stop_reason"],
                                             "stop_sequence": message["stop_sequence"]},
-                                  "usage": {"output_tokens": result["completion_tokens"]}}),
+                                  "usage": {"input_tokens": result["prompt_tokens"],
+                                            "output_tokens": result["completion_tokens"]}}),
                ("message_stop", {})]
     for name, data in events:
         yield f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n"
+
+def responses_object(result):
+    m, output = result["message"], []
+    if m["content"] or "tool_calls" not in m:
+        part = {"type": "output_text", "text": m["content"], "annotations": [], "logprobs": result["logprobs"] or []}
+        output.append({"type": "message", "id": "msg_" + result["id"], "status": "completed", "role": "assistant",
+                       "content": [part]})
+    output += [{"type": "function_call", "id": "fc_" + c["id"], "call_id": c["id"], "name": c["function"]["name"],
+                "arguments": c["function"]["arguments"], "status": "completed"} for c in m.get("tool_calls", [])]
+    cut = result["finish_reason"] == "length"
+    usage = result["prompt_tokens"], result["completion_tokens"]
+    return {"id": "resp_" + result["id"], "object": "response", "created_at": result["created"], "model": result["model"],
+            "status": "incomplete" if cut else "completed", "incomplete_details": {"reason": "max_output_tokens"}
+            if cut else None, "error": None, "output": output, "parallel_tool_calls": True, "tool_choice": "auto",
+            "tools": [], "usage": {"input_tokens": usage[0], "input_tokens_details": {"cached_tokens": 0},
+                                   "output_tokens": usage[1], "output_tokens_details": {"reasoning_tokens": 0},
+                                   "total_tokens": sum(usage)}}
+
+
+async def responses_events(result, request=None):
+    """The Responses API's typed events for one answer, each with its sequence number."""
+    response, events = responses_object(result), []
+    start = dict(response, status="in_progress", output=[], usage=None, incomplete_details=None)
+    events += [("response.created", {"response": start}), ("response.in_progress", {"response": start})]
+    for i, item in enumerate(response["output"]):
+        at = {"output_index": i, "item_id": item["id"]}
+        if item["type"] == "message":
+            part, text = item["content"][0], {"content_index": 0, **at}
+            events += [("response.output_item.added", {"output_index": i, "item": dict(item, status="in_progress",
+                                                                                        content=[])}),
+                       ("response.content_part.added", {**text, "part": dict(part, text="", logprobs=[])}),
+                       ("response.output_text.delta", {**text, "delta": part["text"], "logprobs": part["logprobs"]}),
+                       ("response.output_text.done", {**text, "text": part["text"], "logprobs": part["logprobs"]}),
+                       ("response.content_part.done", {**text, "part": part})]
+        else:
+            events += [("response.output_item.added", {"output_index": i, "item": dict(item, arguments="",
+                                                                                        status="in_progress")}),
+                       ("response.function_call_arguments.delta", {**at, "delta": item["arguments"]}),
+                       ("response.function_call_arguments.done", {**at, "arguments": item["arguments"],
+                                                                  "name": item["name"]})]
+        events.append(("response.output_item.done", {"output_index": i, "item": item}))
+    events.append((f"response.{response['status']}", {"response": response}))
+    for n, (name, data) in enumerate(events):
+        yield f"event: {name}\ndata: {json.dumps({'type': name, 'sequence_number': n, **data})}\n\n"
+
+
+PARSERS = {"openai": parse_openai, "anthropic": parse_anthropic, "responses": parse_responses}
+ANSWERS = {"openai": openai_completion, "anthropic": anthropic_message, "responses": responses_object}
+EVENTS = {"openai": openai_events, "anthropic": anthropic_events, "responses": responses_events}
 
 # -----------------------------------------------------------------------------
 # inspection
