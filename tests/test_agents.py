@@ -13,6 +13,7 @@ sees the policy's own numbers); every other turn is sampled.
 """
 import asyncio
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -495,6 +496,16 @@ def test_tool_use_trains_one_step(tmp_path, tiny_model_path, rollout_engine, dev
     for (segment,) in attempts.values():
         assert results in segment["text"]  # five calls in one turn, five results before the next turn
     assert row["reward_mean"] >= 0.3  # every price looked up
+
+
+@pytest.mark.skipif(importlib.util.find_spec("agents") is None, reason="openai-agents is an optional extra")
+def test_agents_sdk_recipe_trains_one_step(tmp_path, tiny_model_path, rollout_engine, device):
+    """The OpenAI Agents SDK on its Responses path, loaded by train.py unchanged: the first turn calls the tool."""
+    tokenizer = capture.CaptureServer(None, tiny_model_path).tokenizer
+    engine = ForcedFirstTurn(rollout_engine, tool_turn(("calculator", {"expression": "2 + 3"})), tokenizer)
+    row, attempts = train_one_step(tmp_path, tiny_model_path, engine, device, "agents_sdk")
+    for (segment,) in attempts.values():  # the tool ran on the model's call; its result is context of the next turn
+        assert "<tool_response>\n5\n</tool_response>" in segment["text"] and len(segment["generated"]) == 2
 
 
 def test_code_exec_trains_one_step_through_runaway_programs(tmp_path, tiny_model_path, rollout_engine, device):

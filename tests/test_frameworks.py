@@ -13,6 +13,7 @@ forced text is the rest of the call.
 import asyncio
 import importlib.util
 import json
+import os
 
 import anthropic
 import httpx
@@ -23,6 +24,7 @@ import ray
 
 import capture
 import rollout
+from agentrl import Context, load_agent
 from conftest import RecordingBackend
 from test_capture import TOOLS, check_token_identity
 
@@ -316,3 +318,21 @@ def test_smolagents_tool_calling_agent_defaults(stack):
     recorder.forced[session.id] = [call_text("final_answer", {"answer": "5"}, "name")]  # it sends "required"
     assert str(agent.run("What is 2 + 3?")) == "5"
     finish(server, recorder, session)
+
+
+@pytest.mark.parametrize("name,package", [("agents_sdk", "agents"), ("langchain_tools", "langchain_openai")])
+def test_framework_recipes_play_an_attempt(stack, name, package):
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is an optional extra")
+    server, recorder = stack
+    run, prompts = load_agent(os.path.join(os.path.dirname(os.path.dirname(__file__)), "agents", name + ".py"))
+    item = next(prompts())
+    session = server.new_session()
+    answer = str(eval(item["label"]))
+    recorder.forced[session.id] = [call_text("calculator", {"expression": item["label"]}), answer]
+    result = asyncio.run(run(Context(base_url=session.base_url, api_key=session.api_key, model="tiny",
+                                     prompt=item["prompt"], label=item["label"],
+                                     sampling=dict(temperature=1.0, top_p=1.0, max_tokens=24))))
+    assert result.reward == 1.0 and result.info["tool_calls"] == 1
+    (segment,) = finish(server, recorder, session)
+    assert f"<tool_response>\n{answer}\n</tool_response>" in server.tokenizer.decode(segment["token_ids"])
