@@ -28,6 +28,7 @@ import asyncio
 import gc
 import hashlib
 import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -89,12 +90,19 @@ class Engine:
         await self.set_version(0)
 
     async def generate(self, prompt_token_ids, sampling, request_id, session_id=None):
-        """Sample one turn. `sampling` keys: temperature, top_p, max_tokens, stop, stop_token_ids, seed,
+        """One turn, as the last item of stream()."""
+        async for out in self.stream(prompt_token_ids, sampling, request_id, final_only=True):
+            pass
+        return out
+
+    async def stream(self, prompt_token_ids, sampling, request_id, session_id=None, final_only=False):
+        """Sample one turn: {"token_ids": the tokens so far} per engine step, then the turn. `sampling` keys: temperature, top_p, max_tokens, stop, stop_token_ids, seed,
         routed_experts_start (routes are returned for the tokens from there on: the caller has the earlier ones),
         ignore_eos (benchmarks), structured (StructuredOutputsParams fields: json, json_object, ...), logit_bias,
         top_logprobs (k: also return the k likeliest tokens per position). session_id is for routers that keep a
         session on one engine; one engine ignores it."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import StructuredOutputsParams
         stop, structured, top = sampling.get("stop") or None, sampling.get("structured"), sampling.get("top_logprobs")
@@ -105,10 +113,11 @@ class Engine:
             routed_experts_prompt_start=sampling.get("routed_experts_start", 0), logit_bias=sampling.get("logit_bias"),
             # grammar masks and biases act before sampling: processed logprobs are those of the masked distribution
             structured_outputs=StructuredOutputsParams(**structured) if structured else None,
-            detokenize=stop is not None)  # text only for stop strings
-        out = None
+            detokenize=stop is not None,  # text only for stop strings
+            output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE)
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id):
-            pass
+            if not out.finished:
+                yield {"token_ids": list(out.outputs[0].token_ids)}
         c = out.outputs[0]
         ids = list(c.token_ids)
         versions = [self.policy_version] * len(ids)
@@ -122,7 +131,7 @@ class Engine:
         if top:  # per position, (token id, logprob) by rank; the sampled token's entry comes too when ranked lower
             result["top_logprobs"] = [[(t, p.logprob) for t, p in sorted(d.items(), key=lambda x: x[1].rank)
                                        if p.rank <= top] for d in c.logprobs]
-        return result
+        yield result
 
     async def prompt_logprobs(self, token_ids):
         """The engine's logprob of each token given the ones before it (None for the first), at temperature 1."""
@@ -192,6 +201,7 @@ class ChatRequest:
         self.forced = None  # a forced tool call: "" (any tool) or the tool's name
         self.parallel, self.top_logprobs, self.previous_response_id, self.store = True, None, None, True
         self.instructions = 0  # Responses API: 1 when messages[0] holds this request's `instructions`
+        self.id, self.created, self.prompt_tokens = uuid.uuid4().hex[:24], int(time.time()), None  # its answer's
 
 
 TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
@@ -714,8 +724,9 @@ class CaptureServer:
             closing = closing[1:]  # the engine stopped on that very token
         return closing + self.tokenize(new_text), conversation
 
-    async def respond(self, session, request):
-        """Generate and record one turn (or, to a client's retry, return the answer already given)."""
+    async def respond(self, session, request, on_tokens=None):
+        """Generate and record one turn (or, to a client's retry, return the answer already given). With on_tokens
+        and a backend that streams, on_tokens(the turn's token ids so far) is called as the engine samples."""
         async with session.lock:
             if session.finished:
                 raise RequestError(401, f"Session {session.id} has finished; its attempt is over.")
@@ -755,9 +766,14 @@ class CaptureServer:
             # sampled under a mask: recorded as context when the config keeps such tokens out of the loss
             masked = self.constrained_tokens == "mask" and bool(sampling.get("structured") or sampling.get("logit_bias"))
             session.turns += 1
+            request.prompt_tokens, request_id = len(prompt), f"{session.id}-{session.turns}"
             try:
-                out = await self.backend.generate(prompt, sampling, f"{session.id}-{session.turns}",
-                                                  session_id=session.id)
+                if on_tokens is None or not hasattr(self.backend, "stream"):
+                    out = await self.backend.generate(prompt, sampling, request_id, session_id=session.id)
+                else:
+                    async for out in self.backend.stream(prompt, sampling, request_id, session_id=session.id):
+                        if "finish_reason" not in out:
+                            on_tokens(out["token_ids"])
             except ValueError as e:  # vLLM's input validation
                 raise RequestError(400, f"The engine refused the request: {e}")
             result = self.answer(out, request, len(prompt), opening)
@@ -827,13 +843,50 @@ class CaptureServer:
         logprobs = None if request.top_logprobs is None else [
             dict(self.token_logprob(t, lp), top_logprobs=[self.token_logprob(*x) for x in top])
             for t, lp, top in zip(ids[:n], out["logprobs"], out.get("top_logprobs") or [[]] * n)]
-        return dict(id=uuid.uuid4().hex[:24], created=int(time.time()), message=message, finish_reason=finish,
+        return dict(id=request.id, created=request.created, message=message, finish_reason=finish,
                     stop_sequence=stop_sequence, prompt_tokens=num_prompt_tokens, completion_tokens=len(out["token_ids"]),
                     model=request.model or self.model_name, logprobs=logprobs)
 
     def token_logprob(self, token_id, logprob):
         text = self.tokenizer.decode([token_id])
         return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode())}  # -inf: masked
+
+    def streamable(self, ids, request):
+        """The text of a turn's tokens so far that is sure to begin its answer: none of a forced call, what comes
+        before a tool call opens, and with stop strings only up to a token boundary at least the longest stop
+        string away from the end (a stop string completing later cannot start before it; answer cuts there)."""
+        parse = request.parse_tools and bool(request.tools)
+        n, hold = len(ids) - (bool(ids) and ids[-1] in self.end_ids), max(map(len, request.sampling["stop"]), default=0)
+        text = self.tokenizer.decode(ids[:n], skip_special_tokens=not parse)
+        limit = len(text) - hold
+        while hold and n and len(text) > limit:
+            n -= 1
+            text = self.tokenizer.decode(ids[:n], skip_special_tokens=not parse)
+        at = text.find(self.tool_parser.tool_call_start_token) if parse else -1
+        return "" if request.forced is not None else text[:at if at >= 0 else None].rstrip("\ufffd")  # no half chars
+
+    async def live(self, request, tokens, first, task):
+        """A streamed turn for the protocols' event writers: ("head", id, created, model, prompt tokens), then
+        ("text", delta) as the engine samples (`tokens`: a queue of token ids so far, `first` its first get), then
+        ("done", answer, the text already sent). `task` is the request's respond()."""
+        await asyncio.wait([first, task], return_when=asyncio.FIRST_COMPLETED)
+        done = task.done() and not task.exception()  # answered at once (a retry) or before any token came
+        head = task.result() if done else {"id": request.id, "created": request.created, "prompt_tokens": None}
+        yield ("head", head["id"], head["created"], request.model or self.model_name,
+               head["prompt_tokens"] or request.prompt_tokens)
+        sent, pending = "", first
+        while not task.done() or pending.done():
+            if pending.done():
+                ids = pending.result()
+                while not tokens.empty():  # only the latest count: the ids are cumulative
+                    ids = tokens.get_nowait()
+                text, pending = self.streamable(ids, request), asyncio.ensure_future(tokens.get())
+                if len(text) > len(sent):
+                    yield "text", text[len(sent):]
+                    sent = text
+            await asyncio.wait([pending, task], return_when=asyncio.FIRST_COMPLETED)
+        pending.cancel()
+        yield "done", task.result(), sent
 
     # --- HTTP
 
@@ -872,14 +925,24 @@ class CaptureServer:
             chat.key = "key:" + idempotency if idempotency else hashlib.sha256(request.url.path.encode() + b"\0" + raw).hexdigest()
             # the SDKs mark their retries; an unmarked repeat is a new sample (an agent may sample twice on purpose)
             chat.retry = bool(idempotency) or request.headers.get("x-stainless-retry-count", "0") not in ("", "0")
-            result = await self.respond(session, chat)
+            if chat.stream:  # a refusal before the first token is still a plain error response
+                tokens = asyncio.Queue()
+                task = asyncio.ensure_future(self.respond(session, chat, tokens.put_nowait))
+                first = asyncio.ensure_future(tokens.get())
+                await asyncio.wait([first, task], return_when=asyncio.FIRST_COMPLETED)
+                if task.done() and task.exception():
+                    first.cancel()
+                    raise task.exception()
+            else:
+                result = await self.respond(session, chat)
         except RequestError as e:
             return error_response(protocol, e.status, e.message, e.param)
         except Exception as e:  # the engine failed: this request only
             print(f"capture: request on session {request.path_params['sid']} failed: {e!r}", file=sys.stderr)
             return error_response(protocol, 500, f"The engine failed on this request: {type(e).__name__}: {e}")
         if chat.stream:
-            return StreamingResponse(EVENTS[protocol](result, chat), media_type="text/event-stream")
+            return StreamingResponse(EVENTS[protocol](self.live(chat, tokens, first, task), chat),
+                                     media_type="text/event-stream")
         return JSONResponse(ANSWERS[protocol](result))
 
     async def http_count_tokens(self, request):
@@ -1001,17 +1064,29 @@ def openai_completion(result):
             "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1], "total_tokens": sum(usage)}}
 
 
-async def openai_events(result, request):
-    base = {"id": "chatcmpl-" + result["id"], "object": "chat.completion.chunk", "created": result["created"],
-            "model": result["model"]}
+def sse(name, data):
+    return (f"event: {name}\n" if name else "") + f"data: {json.dumps(dict(type=name, **data) if name else data)}\n\n"
+
+
+async def openai_events(items, request):
+    async for item in items:  # CaptureServer.live: the head, then text deltas as the engine samples, then the answer
+        if item[0] == "done":
+            break
+        if item[0] == "head":
+            base = {"id": "chatcmpl-" + item[1], "object": "chat.completion.chunk", "created": item[2], "model": item[3]}
+        delta = {"role": "assistant", "content": ""} if item[0] == "head" else {"content": item[1]}
+        yield sse(None, {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+    _, result, sent = item
     m = result["message"]
-    deltas = [{"role": "assistant", "content": ""}] + ([{"content": m["content"]}] if m["content"] else [])
+    deltas = [{"content": m["content"][len(sent):]}] if m["content"][len(sent):] else []
     deltas += [{"tool_calls": [dict(c, index=i)]} for i, c in enumerate(m.get("tool_calls", []))]
     for delta in deltas:
-        yield f"data: {json.dumps({**base, 'choices': [{'index': 0, 'delta': delta, 'finish_reason': None}]})}\n\n"
-    yield f"data: {json.dumps({**base, 'choices': [{'index': 0, 'delta': {}, 'finish_reason': result['finish_reason']}]})}\n\n"
+        yield sse(None, {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+    logprobs = result["logprobs"] and {"content": result["logprobs"]}
+    yield sse(None, {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": result["finish_reason"],
+                                          "logprobs": logprobs}]})
     if request.include_usage:
-        yield f"data: {json.dumps({**base, 'choices': [], 'usage': openai_completion(result)['usage']})}\n\n"
+        yield sse(None, {**base, "choices": [], "usage": openai_completion(result)["usage"]})
     yield "data: [DONE]\n\n"
 
 
@@ -1027,27 +1102,38 @@ def anthropic_message(result):
             "usage": {"input_tokens": result["prompt_tokens"], "output_tokens": result["completion_tokens"]}}
 
 
-async def anthropic_events(result, request=None):
+async def anthropic_events(items, request=None):
+    text = False  # a text block is open
+    async for item in items:
+        if item[0] == "done":
+            break
+        if item[0] == "head":
+            yield sse("message_start", {"message": {
+                "id": "msg_" + item[1], "type": "message", "role": "assistant", "model": item[3], "content": [],
+                "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": item[4], "output_tokens": 0}}})
+            continue
+        if not text:
+            yield sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+        text = True
+        yield sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": item[1]}})
+    _, result, sent = item
     message = anthropic_message(result)
-    start = dict(message, content=[], stop_reason=None, stop_sequence=None,
-                 usage={"input_tokens": result["prompt_tokens"], "output_tokens": 0})
-    events = [("message_start", {"message": start})]
     for i, block in enumerate(message["content"]):
         if block["type"] == "text":
-            events += [("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}}),
-                       ("content_block_delta", {"index": i, "delta": {"type": "text_delta", "text": block["text"]}})]
+            if not text:
+                yield sse("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}})
+            if block["text"][len(sent):]:
+                yield sse("content_block_delta", {"index": i, "delta": {"type": "text_delta",
+                                                                        "text": block["text"][len(sent):]}})
         else:
-            events += [("content_block_start", {"index": i, "content_block": dict(block, input={})}),
-                       ("content_block_delta", {"index": i, "delta": {"type": "input_json_delta",
-                                                                      "partial_json": json.dumps(block["input"])}})]
-        events.append(("content_block_stop", {"index": i}))
-    events += [("message_delta", {"delta": {"stop_reason": message["stop_reason"],
-                                            "stop_sequence": message["stop_sequence"]},
-                                  "usage": {"input_tokens": result["prompt_tokens"],
-                                            "output_tokens": result["completion_tokens"]}}),
-               ("message_stop", {})]
-    for name, data in events:
-        yield f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n"
+            yield sse("content_block_start", {"index": i, "content_block": dict(block, input={})})
+            yield sse("content_block_delta", {"index": i, "delta": {"type": "input_json_delta",
+                                                                    "partial_json": json.dumps(block["input"])}})
+        yield sse("content_block_stop", {"index": i})
+    yield sse("message_delta", {"delta": {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]},
+                                "usage": {"input_tokens": result["prompt_tokens"], "output_tokens": result["completion_tokens"]}})
+    yield sse("message_stop", {})
+
 
 def responses_object(result):
     m, output = result["message"], []
@@ -1067,31 +1153,47 @@ def responses_object(result):
                                    "total_tokens": sum(usage)}}
 
 
-async def responses_events(result, request=None):
-    """The Responses API's typed events for one answer, each with its sequence number."""
-    response, events = responses_object(result), []
-    start = dict(response, status="in_progress", output=[], usage=None, incomplete_details=None)
-    events += [("response.created", {"response": start}), ("response.in_progress", {"response": start})]
-    for i, item in enumerate(response["output"]):
-        at = {"output_index": i, "item_id": item["id"]}
-        if item["type"] == "message":
-            part, text = item["content"][0], {"content_index": 0, **at}
-            events += [("response.output_item.added", {"output_index": i, "item": dict(item, status="in_progress",
-                                                                                        content=[])}),
-                       ("response.content_part.added", {**text, "part": dict(part, text="", logprobs=[])}),
-                       ("response.output_text.delta", {**text, "delta": part["text"], "logprobs": part["logprobs"]}),
-                       ("response.output_text.done", {**text, "text": part["text"], "logprobs": part["logprobs"]}),
-                       ("response.content_part.done", {**text, "part": part})]
+async def responses_events(items, request=None):
+    """The Responses API's typed events, each with its sequence number."""
+    number, text = itertools.count(), False  # text: the message item and its text part are open
+
+    def event(name, **data):
+        return sse(name, {"sequence_number": next(number), **data})
+
+    def opened(item_id):
+        item = {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return (event("response.output_item.added", output_index=0, item=item) +
+                event("response.content_part.added", output_index=0, item_id=item_id, content_index=0, part=part))
+    async for item in items:
+        if item[0] == "done":
+            break
+        if item[0] == "head":
+            message_id, head = "msg_" + item[1], {"id": "resp_" + item[1], "object": "response", "created_at": item[2], "model": item[3],
+                    "status": "in_progress", "output": [], "error": None, "incomplete_details": None, "usage": None,
+                    "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
+            yield event("response.created", response=head) + event("response.in_progress", response=head)
+            continue
+        yield ("" if text else opened(message_id)) + event("response.output_text.delta", output_index=0,
+                                                           item_id=message_id, content_index=0, delta=item[1], logprobs=[])
+        text = True
+    _, result, sent = item
+    response = responses_object(result)
+    for i, out in enumerate(response["output"]):
+        at = {"output_index": i, "item_id": out["id"]}
+        if out["type"] == "message":
+            part = out["content"][0]
+            yield ("" if text else opened(out["id"])) + event(
+                "response.output_text.delta", **at, content_index=0, delta=part["text"][len(sent):],
+                logprobs=part["logprobs"]) + event("response.output_text.done", **at, content_index=0, text=part["text"],
+                                                   logprobs=part["logprobs"]) + event(
+                "response.content_part.done", **at, content_index=0, part=part)
         else:
-            events += [("response.output_item.added", {"output_index": i, "item": dict(item, arguments="",
-                                                                                        status="in_progress")}),
-                       ("response.function_call_arguments.delta", {**at, "delta": item["arguments"]}),
-                       ("response.function_call_arguments.done", {**at, "arguments": item["arguments"],
-                                                                  "name": item["name"]})]
-        events.append(("response.output_item.done", {"output_index": i, "item": item}))
-    events.append((f"response.{response['status']}", {"response": response}))
-    for n, (name, data) in enumerate(events):
-        yield f"event: {name}\ndata: {json.dumps({'type': name, 'sequence_number': n, **data})}\n\n"
+            yield event("response.output_item.added", output_index=i, item=dict(out, arguments="", status="in_progress")) + \
+                event("response.function_call_arguments.delta", **at, delta=out["arguments"]) + \
+                event("response.function_call_arguments.done", **at, arguments=out["arguments"], name=out["name"])
+        yield event("response.output_item.done", output_index=i, item=out)
+    yield event(f"response.{response['status']}", response=response)
 
 
 PARSERS = {"openai": parse_openai, "anthropic": parse_anthropic, "responses": parse_responses}

@@ -14,6 +14,7 @@ node); a batch is a list of light records (ref + attempt_id, group_id, reward, t
 driver splits across trainer ranks by tokens; each rank `ray.get`s its own refs.
 """
 import asyncio
+import contextlib
 import itertools
 import math
 import os
@@ -147,6 +148,19 @@ class Router:
             return i
 
     async def generate(self, prompt_token_ids, sampling, request_id, session_id=None, wait_for_engine_s=600.0):
+        async with self.serving(session_id, wait_for_engine_s) as engine:
+            return await engine.generate.remote(prompt_token_ids, sampling, request_id)
+
+    async def stream(self, prompt_token_ids, sampling, request_id, session_id=None, wait_for_engine_s=600.0):
+        """generate's turn while it is sampled (capture.Engine.stream), through a Ray streaming generator."""
+        async with self.serving(session_id, wait_for_engine_s) as engine:
+            async for ref in engine.stream.options(num_returns="streaming").remote(prompt_token_ids, sampling,
+                                                                                  request_id):
+                yield await ref
+
+    @contextlib.asynccontextmanager
+    async def serving(self, session_id, wait_for_engine_s):
+        """The session's engine for one request, once one is up; a request on an engine that dies fails."""
         deadline = time.monotonic() + wait_for_engine_s
         while (i := self.pick(session_id)) is None:  # every engine is restarting
             if time.monotonic() > deadline:
@@ -154,7 +168,7 @@ class Router:
             await asyncio.sleep(0.5)
         self._started(i)
         try:
-            return await self.engines[i].generate.remote(prompt_token_ids, sampling, request_id)
+            yield self.engines[i]
         except RayActorError:
             with self._lock:
                 self.failed_requests += 1

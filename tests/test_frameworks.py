@@ -41,6 +41,10 @@ class ActorEngine:
     async def generate(self, prompt, sampling, request_id, session_id=None):
         return await self.router.generate(prompt, sampling, request_id, session_id=session_id)
 
+    async def stream(self, prompt, sampling, request_id, session_id=None):
+        async for out in self.router.stream(prompt, sampling, request_id, session_id=session_id):
+            yield out
+
     async def prompt_logprobs(self, token_ids):
         return await self.actor.prompt_logprobs.remote(token_ids)
 
