@@ -1157,8 +1157,8 @@ async def responses_events(items, request=None):
     """The Responses API's typed events, each with its sequence number."""
     number, text = itertools.count(), False  # text: the message item and its text part are open
 
-    def event(name, **data):
-        return sse(name, {"sequence_number": next(number), **data})
+    def event(kind, **data):
+        return sse(kind, {"sequence_number": next(number), **data})
 
     def opened(item_id):
         item = {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}

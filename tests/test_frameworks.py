@@ -196,6 +196,29 @@ def test_logprobs_count_tokens_and_retries(stack):
     assert counted == len(recorder.of(session.id)[0]["prompt"]) == final.usage.input_tokens
 
 
+def test_streams_deliver_text_as_the_engine_samples(stack):
+    """Many deltas (one per engine step, not one at the end) in all three APIs; together they are the answer, which
+    ends where the recorded tokens end (also at a stop string)."""
+    server, recorder = stack
+    session = server.new_session()
+    oa = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+    an = anthropic.Anthropic(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+    ask = [{"role": "user", "content": "Tell me a story."}]
+    streams = {
+        "chat": [c.choices[0].delta.content for c in oa.chat.completions.create(
+            model="tiny", messages=ask, max_tokens=32, stream=True, stop=["7"]) if c.choices and c.choices[0].delta.content],
+        "messages": [e.delta.text for e in an.messages.create(model="tiny", max_tokens=32, messages=ask, stream=True)
+                     if e.type == "content_block_delta"],
+        "responses": [e.delta for e in oa.responses.create(model="tiny", input=ask, max_output_tokens=32, stream=True)
+                      if e.type == "response.output_text.delta" and e.delta]}
+    segments = finish(server, recorder, session, segments=3)
+    for (api, deltas), segment, call in zip(streams.items(), segments, recorder.of(session.id)):
+        ids = call["out"]["token_ids"]
+        ids = ids[:-1] if ids[-1] in server.end_ids else ids
+        assert len(deltas) >= 4, (api, deltas)
+        assert "".join(deltas) == server.tokenizer.decode(ids) and segment["token_ids"][-len(ids):] == ids
+
+
 # --- the Responses API
 
 
