@@ -1,6 +1,7 @@
 """
-The capture server. Agents are unchanged programs using the official OpenAI or Anthropic SDK; only their base URL
-points here. The server renders each request to token ids with the model's own tokenizer and chat template, asks a
+The capture server. Agents are unchanged programs using the official OpenAI or Anthropic SDK (or a framework on one:
+the OpenAI Agents SDK, LangChain, pydantic-ai, ...); only their base URL points here. It speaks chat completions, the
+Responses API and Anthropic Messages. The server renders each request to token ids with the model's own tokenizer and chat template, asks a
 vLLM engine for tokens (ids in, ids + sampling logprobs out), answers in the protocol the client spoke (tool calls
 parsed by vLLM's Hermes parser), and records the trajectory token-exactly (README, invariant 1).
 
@@ -22,7 +23,11 @@ segment's token ids. A request whose messages are that conversation followed by 
 exact recorded ids + the template's separator after our end-of-turn token + the tokens of every new message (all
 with action mask 0), so generated tokens are never re-tokenized. Any other request (compaction, an edited or
 dropped turn, changed tools, a template that rewrites earlier turns) seals the segment and opens a new one from a
-full render. Streaming requests get their SSE events once the turn is generated (backends return whole turns).
+full render. Streaming requests get text deltas as the engine samples them (with a backend that has `stream`).
+
+Forced tool calls put the template's call opening in the context (mask 0); structured output and tool_choice "none"
+sample under a mask, and the behavior logprob is the masked distribution's (constrained_tokens: "train" records them
+as generated tokens, "mask" as context). A stop string ends the answer and the recorded tokens at one place.
 """
 import asyncio
 import gc
@@ -458,7 +463,7 @@ def parse_anthropic(body, server, counting=False):
 RESPONSES_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
                     "temperature", "top_p", "stream", "previous_response_id", "store", "text", "include", "top_logprobs",
                     "truncation", "reasoning", "metadata", "user", "service_tier", "prompt_cache_key",
-                    "safety_identifier", "stream_options"}  # the last six do not change generation
+                    "safety_identifier", "stream_options", "seed"}  # seed: as in chat completions (an extension)
 RESPONSES_ITEMS = "message, function_call, function_call_output"
 
 
@@ -510,7 +515,7 @@ def parse_responses(body, server):
     if top_logprobs is not None and not 0 <= top_logprobs <= 20:
         raise RequestError(400, f"`top_logprobs` must be between 0 and 20, got {top_logprobs}.", "top_logprobs")
     sampling = sampling_of(server, field(body, "temperature", (int, float)), field(body, "top_p", (int, float)),
-                           field(body, "max_output_tokens", int), None, None, 2.0)
+                           field(body, "max_output_tokens", int), None, field(body, "seed", int), 2.0)
     sampling["structured"] = structured_of(field(field(body, "text", dict, {}), "format", dict, {"type": "text"},
                                                  where="text."), "text.format")
     request = ChatRequest("responses", messages, tools, True, sampling, field(body, "stream", bool, False), True,
@@ -855,6 +860,8 @@ class CaptureServer:
         """The text of a turn's tokens so far that is sure to begin its answer: none of a forced call, what comes
         before a tool call opens, and with stop strings only up to a token boundary at least the longest stop
         string away from the end (a stop string completing later cannot start before it; answer cuts there)."""
+        if request.forced is not None:
+            return ""
         parse = request.parse_tools and bool(request.tools)
         n, hold = len(ids) - (bool(ids) and ids[-1] in self.end_ids), max(map(len, request.sampling["stop"]), default=0)
         text = self.tokenizer.decode(ids[:n], skip_special_tokens=not parse)
@@ -863,7 +870,7 @@ class CaptureServer:
             n -= 1
             text = self.tokenizer.decode(ids[:n], skip_special_tokens=not parse)
         at = text.find(self.tool_parser.tool_call_start_token) if parse else -1
-        return "" if request.forced is not None else text[:at if at >= 0 else None].rstrip("\ufffd")  # no half chars
+        return text[:at if at >= 0 else None].rstrip("\ufffd")  # no half characters
 
     async def live(self, request, tokens, first, task):
         """A streamed turn for the protocols' event writers: ("head", id, created, model, prompt tokens), then
@@ -1104,6 +1111,10 @@ def anthropic_message(result):
 
 async def anthropic_events(items, request=None):
     text = False  # a text block is open
+
+    def block(i, kind, content, delta):  # a block's start (unless its text block is open) and one delta
+        start = "" if kind == "text" and text else sse("content_block_start", {"index": i, "content_block": content})
+        return start + (sse("content_block_delta", {"index": i, "delta": delta}) if delta else "")
     async for item in items:
         if item[0] == "done":
             break
@@ -1111,24 +1122,16 @@ async def anthropic_events(items, request=None):
             yield sse("message_start", {"message": {
                 "id": "msg_" + item[1], "type": "message", "role": "assistant", "model": item[3], "content": [],
                 "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": item[4], "output_tokens": 0}}})
-            continue
-        if not text:
-            yield sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-        text = True
-        yield sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": item[1]}})
+        else:
+            yield block(0, "text", {"type": "text", "text": ""}, {"type": "text_delta", "text": item[1]})
+            text = True
     _, result, sent = item
     message = anthropic_message(result)
-    for i, block in enumerate(message["content"]):
-        if block["type"] == "text":
-            if not text:
-                yield sse("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}})
-            if block["text"][len(sent):]:
-                yield sse("content_block_delta", {"index": i, "delta": {"type": "text_delta",
-                                                                        "text": block["text"][len(sent):]}})
-        else:
-            yield sse("content_block_start", {"index": i, "content_block": dict(block, input={})})
-            yield sse("content_block_delta", {"index": i, "delta": {"type": "input_json_delta",
-                                                                    "partial_json": json.dumps(block["input"])}})
+    for i, b in enumerate(message["content"]):
+        rest = b["type"] == "text" and b["text"][len(sent):]
+        yield block(i, "text", {"type": "text", "text": ""}, rest and {"type": "text_delta", "text": rest}) if b["type"] \
+            == "text" else block(i, "tool_use", dict(b, input={}), {"type": "input_json_delta",
+                                                                    "partial_json": json.dumps(b["input"])})
         yield sse("content_block_stop", {"index": i})
     yield sse("message_delta", {"delta": {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]},
                                 "usage": {"input_tokens": result["prompt_tokens"], "output_tokens": result["completion_tokens"]}})

@@ -17,18 +17,11 @@ from openai import AsyncOpenAI
 
 from agentrl import ChatAgent, Result
 from calculator import calculate, prompts, score  # noqa: F401 (prompts: the same arithmetic questions)
+from calculator import calculator as run_calculator
 
 MAX_TURNS = 4
 set_tracing_disabled(True)
-
-
-@function_tool
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression with + - * and parentheses."""
-    try:
-        return str(calculate(expression))
-    except ValueError as e:
-        return f"error: {e}"
+calculator = function_tool(run_calculator)  # named and described by the function
 
 
 class SDKCalculator(ChatAgent):

@@ -59,6 +59,14 @@ def calculate(expression):
         raise ValueError(f"not an arithmetic expression: {expression!r}") from None
 
 
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression with + - * and parentheses."""
+    try:
+        return str(calculate(expression))
+    except ValueError as e:  # the model wrote a bad expression: it reads why, as the tool's result
+        return f"error: {e}"
+
+
 def expression_of(message, fallback):
     """The expression of the model's first calculator call, if it made a valid one; else `fallback`."""
     import json

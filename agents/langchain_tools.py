@@ -15,17 +15,10 @@ from langchain_openai import ChatOpenAI
 
 from agentrl import ChatAgent, Result
 from calculator import calculate, prompts, score  # noqa: F401 (prompts: the same arithmetic questions)
+from calculator import calculator as run_calculator
 
 MAX_TURNS = 4
-
-
-@tool
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression with + - * and parentheses."""
-    try:
-        return str(calculate(expression))
-    except ValueError as e:
-        return f"error: {e}"
+calculator = tool(run_calculator)  # named and described by the function
 
 
 class LangChainCalculator(ChatAgent):

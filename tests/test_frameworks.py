@@ -13,6 +13,7 @@ forced text is the rest of the call.
 import asyncio
 import importlib.util
 import json
+import math
 import os
 
 import anthropic
@@ -152,7 +153,9 @@ def test_structured_output_records_the_masked_distributions_logprobs(stack, roll
     unmasked = ray.get(rollout_engine.prompt_logprobs.remote(call["prompt"] + call["out"]["token_ids"]))
     gaps = [q - p for q, p in zip(call["out"]["logprobs"], unmasked[len(call["prompt"]):])]
     assert min(gaps) > -0.02 and max(gaps) > 0.1, gaps
-    print(f"structured output: mean log q - log p = {sum(gaps) / len(gaps):.3f} nats over {len(gaps)} tokens")
+    k3 = [math.exp(-g) - 1 + g for g in gaps]  # the trainer's mismatch_kl estimator (log rho = log p - log q)
+    print(f"structured output, {len(gaps)} tokens: mismatch_kl {sum(k3) / len(k3):.3f}, "
+          f"mismatch_k1 {sum(gaps) / len(gaps):.3f}")
     # constrained_tokens="mask": the same kind of turn is recorded as context, out of the loss
     masked = capture.CaptureServer(recorder, server.tokenizer, max_model_len=MAX_MODEL_LEN, constrained_tokens="mask")
     session = masked.new_session()
