@@ -882,17 +882,20 @@ class CaptureServer:
         yield ("head", head["id"], head["created"], request.model or self.model_name,
                head["prompt_tokens"] or request.prompt_tokens)
         sent, pending = "", first
-        while not task.done() or pending.done():
-            if pending.done():
-                ids = pending.result()
-                while not tokens.empty():  # only the latest count: the ids are cumulative
-                    ids = tokens.get_nowait()
-                text, pending = self.streamable(ids, request), asyncio.ensure_future(tokens.get())
-                if len(text) > len(sent):
-                    yield "text", text[len(sent):]
-                    sent = text
-            await asyncio.wait([pending, task], return_when=asyncio.FIRST_COMPLETED)
-        pending.cancel()
+        try:
+            while not task.done() or pending.done():
+                if pending.done():
+                    ids = pending.result()
+                    while not tokens.empty():  # only the latest count: the ids are cumulative
+                        ids = tokens.get_nowait()
+                    text, pending = self.streamable(ids, request), asyncio.ensure_future(tokens.get())
+                    if len(text) > len(sent):
+                        yield "text", text[len(sent):]
+                        sent = text
+                await asyncio.wait([pending, task], return_when=asyncio.FIRST_COMPLETED)
+        finally:  # the client may have gone mid-stream: the engine aborts the turn, and it is not recorded
+            pending.cancel()
+            task.cancel()
         yield "done", task.result(), sent
 
     # --- HTTP

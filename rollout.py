@@ -154,9 +154,13 @@ class Router:
     async def stream(self, prompt_token_ids, sampling, request_id, session_id=None, wait_for_engine_s=600.0):
         """generate's turn while it is sampled (capture.Engine.stream), through a Ray streaming generator."""
         async with self.serving(session_id, wait_for_engine_s) as engine:
-            async for ref in engine.stream.options(num_returns="streaming").remote(prompt_token_ids, sampling,
-                                                                                  request_id):
-                yield await ref
+            turn = engine.stream.options(num_returns="streaming").remote(prompt_token_ids, sampling, request_id)
+            try:
+                async for ref in turn:
+                    yield await ref
+            except (asyncio.CancelledError, GeneratorExit):  # the client went away: the engine aborts the turn
+                ray.cancel(turn)
+                raise
 
     @contextlib.asynccontextmanager
     async def serving(self, session_id, wait_for_engine_s):

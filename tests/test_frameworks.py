@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import time
 
 import anthropic
 import httpx
@@ -201,7 +202,7 @@ def test_logprobs_count_tokens_and_retries(stack):
 
 def test_streams_deliver_text_as_the_engine_samples(stack):
     """Many deltas (one per engine step, not one at the end) in all three APIs; together they are the answer, which
-    ends where the recorded tokens end (also at a stop string)."""
+    ends where the recorded tokens end (held back from the end as far as a stop string could reach)."""
     server, recorder = stack
     session = server.new_session()
     oa = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
@@ -209,7 +210,7 @@ def test_streams_deliver_text_as_the_engine_samples(stack):
     ask = [{"role": "user", "content": "Tell me a story."}]
     streams = {
         "chat": [c.choices[0].delta.content for c in oa.chat.completions.create(
-            model="tiny", messages=ask, max_tokens=32, stream=True, stop=["7"]) if c.choices and c.choices[0].delta.content],
+            model="tiny", messages=ask, max_tokens=32, stream=True, stop=["zq"]) if c.choices and c.choices[0].delta.content],
         "messages": [e.delta.text for e in an.messages.create(model="tiny", max_tokens=32, messages=ask, stream=True)
                      if e.type == "content_block_delta"],
         "responses": [e.delta for e in oa.responses.create(model="tiny", input=ask, max_output_tokens=32, stream=True)
@@ -217,9 +218,27 @@ def test_streams_deliver_text_as_the_engine_samples(stack):
     segments = finish(server, recorder, session, segments=3)
     for (api, deltas), segment, call in zip(streams.items(), segments, recorder.of(session.id)):
         ids = call["out"]["token_ids"]
-        ids = ids[:-1] if ids[-1] in server.end_ids else ids
-        assert len(deltas) >= 4, (api, deltas)
-        assert "".join(deltas) == server.tokenizer.decode(ids) and segment["token_ids"][-len(ids):] == ids
+        assert len(deltas) >= 4 and segment["token_ids"][-len(ids):] == ids, (api, deltas)
+        assert "".join(deltas) == server.tokenizer.decode(ids[:-1] if ids[-1] in server.end_ids else ids)
+
+
+def test_a_stream_the_client_leaves_is_aborted_and_not_recorded(stack):
+    server, recorder = stack
+    session = server.new_session()
+    url, auth = session.base_url + "/chat/completions", {"authorization": f"Bearer {session.api_key}"}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Go on and on."}], "max_tokens": 600,
+            "stream": True, "temperature": 1.0}
+    with httpx.stream("POST", url, json=body, headers=auth) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")  # the stream has begun: then the client goes
+    deadline = time.monotonic() + 30
+    while session.lock.locked() and time.monotonic() < deadline:  # the aborted turn lets go of the session
+        time.sleep(0.05)
+    assert not session.lock.locked() and session.segment_dicts() == [] and recorder.of(session.id) == []
+    reply = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Still there?"}], max_tokens=4)
+    assert reply.usage.completion_tokens >= 1
+    finish(server, recorder, session)
 
 
 # --- the Responses API
