@@ -341,6 +341,22 @@ def test_langchain_bind_tools_and_structured_output(stack):
     finish(server, recorder, session, segments=2)  # the tool conversation, then the structured question
 
 
+@installed("langchain_anthropic")
+def test_langchain_anthropic_structured_output_and_token_count(stack):
+    from langchain_anthropic import ChatAnthropic
+    server, recorder = stack
+    session = server.new_session()
+    llm = ChatAnthropic(model="tiny", base_url=session.base_url, api_key=session.api_key, max_retries=0, max_tokens=24)
+    question = [("user", "Is 5 odd?")]
+    counted = llm.get_num_tokens_from_messages(llm._convert_input(question).to_messages())  # /v1/messages/count_tokens
+    recorder.forced[session.id] = [call_text("Verdict", {"odd": True}, "arguments")]  # its tool, named and forced
+    assert llm.with_structured_output(Verdict).invoke(question) == Verdict(odd=True)
+    (call,) = recorder.of(session.id)
+    opening = len(server.tokenizer('<tool_call>\n{"name": "Verdict", "arguments": ', add_special_tokens=False)["input_ids"])
+    assert counted > 0 and len(call["prompt"]) - opening > counted  # the forcing tool is in the prompt, not in the count
+    finish(server, recorder, session)
+
+
 @installed("pydantic_ai")
 def test_pydantic_ai_with_an_output_type(stack):
     from pydantic_ai import Agent
