@@ -1,9 +1,9 @@
 """
 The capture server. Agents are unchanged programs using the official OpenAI or Anthropic SDK (or a framework on one:
 the OpenAI Agents SDK, LangChain, pydantic-ai, ...); only their base URL points here. It speaks chat completions, the
-Responses API and Anthropic Messages. The server renders each request to token ids with the model's own tokenizer and chat template, asks a
-vLLM engine for tokens (ids in, ids + sampling logprobs out), answers in the protocol the client spoke (tool calls
-parsed by vLLM's Hermes parser), and records the trajectory token-exactly (README, invariant 1).
+Responses API and Anthropic Messages. The server renders each request to token ids with the model's own tokenizer
+and chat template, asks a vLLM engine for tokens (ids in, ids + sampling logprobs out), answers in the protocol the
+client spoke (tool calls parsed by vLLM's Hermes parser), and records the trajectory token-exactly (README, invariant 1).
 
     python capture.py                          # serve the tiny model on CPU; prints the address
     python capture.py --model DIR --port 8000  # any local HuggingFace model directory
@@ -101,15 +101,15 @@ class Engine:
         return out
 
     async def stream(self, prompt_token_ids, sampling, request_id, session_id=None, final_only=False):
-        """Sample one turn: {"token_ids": the tokens so far} per engine step, then the turn. `sampling` keys: temperature, top_p, max_tokens, stop, stop_token_ids, seed,
-        routed_experts_start (routes are returned for the tokens from there on: the caller has the earlier ones),
-        ignore_eos (benchmarks), structured (StructuredOutputsParams fields: json, json_object, ...), logit_bias,
-        top_logprobs (k: also return the k likeliest tokens per position). session_id is for routers that keep a
-        session on one engine; one engine ignores it."""
+        """Sample one turn: {"token_ids": the tokens so far} per engine step, then the turn. `sampling` keys:
+        temperature, top_p, max_tokens, stop, stop_token_ids, seed, routed_experts_start (routes are returned for the
+        tokens from there on: the caller has the earlier ones), ignore_eos (benchmarks), structured
+        (StructuredOutputsParams fields: json, json_object, ...), logit_bias, top_logprobs (k: also return the k
+        likeliest tokens per position). session_id is for routers that keep a session on one engine; one engine
+        ignores it."""
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import StructuredOutputsParams
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
         stop, structured, top = sampling.get("stop") or None, sampling.get("structured"), sampling.get("top_logprobs")
         params = SamplingParams(
             n=1, temperature=sampling.get("temperature", 1.0), top_p=sampling.get("top_p", 1.0),
@@ -227,6 +227,9 @@ def field(body, key, types, default=None, required=False, where=""):
     return value
 
 
+TEXT_PARTS = ("text", "input_text", "output_text")  # chat completions and Anthropic; the Responses API's
+
+
 def text_of(content, where):
     """A string, or a list of text parts/blocks joined; anything else (images, audio) is refused."""
     if content is None or isinstance(content, str):
@@ -234,7 +237,7 @@ def text_of(content, where):
     if not isinstance(content, list):
         raise RequestError(400, f"`{where}` must be a string or an array of text parts.", where)
     for i, part in enumerate(content):
-        if not (isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text") and isinstance(part.get("text"), str)):
+        if not (isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str)):
             raise RequestError(400, f"`{where}[{i}]` must be a text part {{\"type\": \"text\", \"text\": ...}}; "
                                     "only text content is supported.", f"{where}[{i}]")
     return "".join(part["text"] for part in content)
@@ -651,7 +654,8 @@ class CaptureServer:
         logging.getLogger("vllm.tool_parsers.hermes_tool_parser").setLevel(logging.CRITICAL)
         self.end_ids = end_token_ids(self.tokenizer)
         vocab = self.tokenizer.get_added_vocab()  # the call's tags as single tokens: None where the tokenizer lacks them
-        self.call_ids = [vocab.get(self.tool_parser.tool_call_start_token), vocab.get(self.tool_parser.tool_call_end_token)]
+        self.call_ids = [vocab.get(t) for t in (self.tool_parser.tool_call_start_token,
+                                                self.tool_parser.tool_call_end_token)]
         if constrained_tokens not in ("train", "mask"):
             raise ValueError(f"constrained_tokens must be 'train' or 'mask', got {constrained_tokens!r}")
         self.constrained_tokens = constrained_tokens
@@ -932,7 +936,8 @@ class CaptureServer:
             raw, body = await self.read_json(request)
             chat = PARSERS[protocol](body, self)
             idempotency = request.headers.get("idempotency-key")
-            chat.key = "key:" + idempotency if idempotency else hashlib.sha256(request.url.path.encode() + b"\0" + raw).hexdigest()
+            chat.key = "key:" + idempotency if idempotency else \
+                hashlib.sha256(request.url.path.encode() + b"\0" + raw).hexdigest()
             # the SDKs mark their retries; an unmarked repeat is a new sample (an agent may sample twice on purpose)
             chat.retry = bool(idempotency) or request.headers.get("x-stainless-retry-count", "0") not in ("", "0")
             if chat.stream:  # a refusal before the first token is still a plain error response
@@ -1136,8 +1141,8 @@ async def anthropic_events(items, request=None):
             == "text" else block(i, "tool_use", dict(b, input={}), {"type": "input_json_delta",
                                                                     "partial_json": json.dumps(b["input"])})
         yield sse("content_block_stop", {"index": i})
-    yield sse("message_delta", {"delta": {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]},
-                                "usage": {"input_tokens": result["prompt_tokens"], "output_tokens": result["completion_tokens"]}})
+    usage = {"input_tokens": result["prompt_tokens"], "output_tokens": result["completion_tokens"]}
+    yield sse("message_delta", {"delta": {k: message[k] for k in ("stop_reason", "stop_sequence")}, "usage": usage})
     yield sse("message_stop", {})
 
 
@@ -1175,7 +1180,8 @@ async def responses_events(items, request=None):
         if item[0] == "done":
             break
         if item[0] == "head":
-            message_id, head = "msg_" + item[1], {"id": "resp_" + item[1], "object": "response", "created_at": item[2], "model": item[3],
+            message_id = "msg_" + item[1]
+            head = {"id": "resp_" + item[1], "object": "response", "created_at": item[2], "model": item[3],
                     "status": "in_progress", "output": [], "error": None, "incomplete_details": None, "usage": None,
                     "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
             yield event("response.created", response=head) + event("response.in_progress", response=head)
@@ -1195,9 +1201,10 @@ async def responses_events(items, request=None):
                                                    logprobs=part["logprobs"]) + event(
                 "response.content_part.done", **at, content_index=0, part=part)
         else:
-            yield event("response.output_item.added", output_index=i, item=dict(out, arguments="", status="in_progress")) + \
-                event("response.function_call_arguments.delta", **at, delta=out["arguments"]) + \
-                event("response.function_call_arguments.done", **at, arguments=out["arguments"], name=out["name"])
+            added = dict(out, arguments="", status="in_progress")
+            yield event("response.output_item.added", output_index=i, item=added) + event(
+                "response.function_call_arguments.delta", **at, delta=out["arguments"]) + event(
+                "response.function_call_arguments.done", **at, arguments=out["arguments"], name=out["name"])
         yield event("response.output_item.done", output_index=i, item=out)
     yield event(f"response.{response['status']}", response=response)
 

@@ -120,7 +120,8 @@ def hostile_requests(rng, url, good, other, finished):
     """(method, url, headers, content) tuples, each certain to be refused."""
     oa, an, rs = good.base_url + "/chat/completions", good.base_url + "/v1/messages", good.base_url + "/responses"
     auth_oa, auth_an = {"authorization": f"Bearer {good.api_key}"}, {"x-api-key": good.api_key}
-    protocols = {"openai": (BAD_OPENAI, valid_openai, oa, auth_oa), "anthropic": (BAD_ANTHROPIC, valid_anthropic, an, auth_an),
+    protocols = {"openai": (BAD_OPENAI, valid_openai, oa, auth_oa),
+                 "anthropic": (BAD_ANTHROPIC, valid_anthropic, an, auth_an),
                  "responses": (BAD_RESPONSES, valid_responses, rs, auth_oa)}
     out = []
     for _ in range(270):  # one wrong field in an otherwise valid request

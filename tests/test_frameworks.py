@@ -160,7 +160,8 @@ def test_structured_output_records_the_masked_distributions_logprobs(stack, roll
     # constrained_tokens="mask": the same kind of turn is recorded as context, out of the loss
     masked = capture.CaptureServer(recorder, server.tokenizer, max_model_len=MAX_MODEL_LEN, constrained_tokens="mask")
     session = masked.new_session()
-    body = {"messages": [{"role": "user", "content": "Is 7 odd?"}], "max_tokens": 8, "response_format": {"type": "json_object"}}
+    body = {"messages": [{"role": "user", "content": "Is 7 odd?"}], "max_tokens": 8,
+            "response_format": {"type": "json_object"}}
     asyncio.run(masked.respond(session, capture.parse_openai(body, masked)))
     (segment,) = session.segment_dicts()
     assert sum(segment["action_mask"]) == 0 and len(segment["token_ids"]) > len(recorder.of(session.id)[0]["prompt"])
@@ -210,7 +211,8 @@ def test_streams_deliver_text_as_the_engine_samples(stack):
     ask = [{"role": "user", "content": "Tell me a story."}]
     streams = {
         "chat": [c.choices[0].delta.content for c in oa.chat.completions.create(
-            model="tiny", messages=ask, max_tokens=32, stream=True, stop=["zq"]) if c.choices and c.choices[0].delta.content],
+            model="tiny", messages=ask, max_tokens=32, stream=True, stop=["zq"])
+            if c.choices and c.choices[0].delta.content],
         "messages": [e.delta.text for e in an.messages.create(model="tiny", max_tokens=32, messages=ask, stream=True)
                      if e.type == "content_block_delta"],
         "responses": [e.delta for e in oa.responses.create(model="tiny", input=ask, max_output_tokens=32, stream=True)
@@ -255,7 +257,8 @@ def test_responses_api_with_tools_previous_response_id_and_stream(stack):
     (call,) = [item for item in first.output if item.type == "function_call"]
     assert call.name == "calculator" and json.loads(call.arguments) == {"expression": "2 + 3"}
     # the stateless way: the whole history, the model's items as received
-    history = [{"role": "user", "content": "What is 2 + 3?"}] + [item.model_dump(exclude_none=True) for item in first.output]
+    history = [{"role": "user", "content": "What is 2 + 3?"}]
+    history += [item.model_dump(exclude_none=True) for item in first.output]
     history.append({"type": "function_call_output", "call_id": call.call_id, "output": "5"})
     second = client.responses.create(model="tiny", instructions="You are a calculator.", input=history, tools=tools,
                                      max_output_tokens=8)
@@ -266,8 +269,9 @@ def test_responses_api_with_tools_previous_response_id_and_stream(stack):
     kinds, third = [event.type for event in events], events[-1].response
     assert [event.sequence_number for event in events] == list(range(len(events)))
     assert kinds[0] == "response.created" and kinds[-1] == "response." + third.status
-    assert "response.output_text.delta" in kinds and third.usage.output_tokens == len(recorder.of(session.id)[-1]["out"]["token_ids"])
-    assert third.output_text == "".join(part.text for item in third.output if item.type == "message" for part in item.content)
+    assert "response.output_text.delta" in kinds
+    assert third.usage.output_tokens == len(recorder.of(session.id)[-1]["out"]["token_ids"])
+    assert third.output_text == "".join(p.text for item in third.output if item.type == "message" for p in item.content)
     finish(server, recorder, session)
     # store=False: nothing to continue from
     session = server.new_session()
