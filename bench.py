@@ -287,7 +287,7 @@ def bench_async(*args):
     import rollout
     import train
     import weights_sync
-    from agents import as_run_function
+    from agentrl import as_run_function
     from model import ensure_tiny_model
     # tools like code execution or search answer in about a second, with a long tail: median 0.5 s, p99 ~16 s
     opt = _int_options(args, steps=8, group_size=4, groups_per_batch=4, groups_in_flight=8, max_tokens=16,
@@ -371,14 +371,16 @@ def bench_async(*args):
 
 def bench_capture(*args):
     """N agents run the same multi-turn workload on one tiny-model engine, in one process and one event loop,
-    four ways: calling Engine.generate directly with token ids they extend themselves (the baseline); through the
-    capture server with the async OpenAI SDK, as agents do; through the capture server with a bare HTTP client
+    five ways: calling Engine.generate directly with token ids they extend themselves (the baseline); through the
+    capture server with the async OpenAI SDK, as agents do (chat completions, and the Responses API with the output
+    items sent back as input, as the OpenAI Agents SDK does); through the capture server with a bare HTTP client
     (httpx, JSON bodies), which leaves out the SDK's own client-side work; and with the same SDK through vLLM's own
     OpenAI-compatible server on the same engine (what an SDK agent would call without us; it records nothing).
     Same prompts and seeds, so the engine does the same work (the generated token counts are printed per mode);
     prefix caching is off so that repeating a prompt costs the same; modes alternate. Clients
     are made and connected before timing (agent set-up, the same whatever the server). Prints generated tokens/s
-    of each, ratio = capture (SDK) / direct (target >= 0.95) and sdk_vs_vllm_server = capture (SDK) / vLLM's
+    of each, ratio = capture (SDK) / direct (target >= 0.95), responses_ratio the same for the Responses API, and
+    sdk_vs_vllm_server = capture (SDK) / vLLM's
     server (SDK). Added latency per request = the agent's wait minus
     the engine's time on that same request (timed around the backend call), so engine noise cancels; p50 and p99
     under the full load and with one agent alone (target <= 5 ms at p50). The loop is the one the server runs on
@@ -496,6 +498,18 @@ def bench_capture(*args):
                 messages += [r["choices"][0]["message"], {"role": "user", "content": user_text(agent, turn + 1)}]
             return generated
 
+        async def responses(agent, session, waits):
+            items, generated = [{"role": "user", "content": user_text(agent, 0)}], 0
+            for turn in range(opt["turns"]):
+                start = time.perf_counter()
+                r = await session.client.responses.create(model="tiny", input=items, extra_body={"seed": agent * 100 + turn},
+                                                          max_output_tokens=turn_tokens(agent, turn))
+                waits.append(time.perf_counter() - start)
+                generated += r.usage.output_tokens
+                items += [item.model_dump(exclude_none=True) for item in r.output]
+                items.append({"role": "user", "content": user_text(agent, turn + 1)})
+            return generated
+
         async def phase(name, agents):
             """Run the agents at once; returns (generated tokens, seconds, per-request added latencies)."""
             agent_fn = modes[name]
@@ -503,7 +517,7 @@ def bench_capture(*args):
             for s in sessions:
                 s.client = openai.AsyncOpenAI(base_url=vllm_url if name == "vllm" else s.base_url, api_key=s.api_key,
                                               max_retries=0)
-            if agent_fn is sdk:
+            if agent_fn in (sdk, responses):
                 await asyncio.gather(*[s.client.models.list() for s in sessions])
             waits = [[] for _ in agents]
             start = time.perf_counter()
@@ -511,19 +525,19 @@ def bench_capture(*args):
             seconds = time.perf_counter() - start
             added = []
             for s, w in zip(sessions, waits):
-                if name in ("sdk", "http"):  # vLLM's server calls the engine itself: not timed there
+                if name in ("sdk", "http", "responses"):  # vLLM's server calls the engine itself: not timed there
                     added += [a - b for a, b in zip(w, backend.seconds.pop(s.id))]
                 await s.client.close()
                 server.finish_session(s.id, 0.0)
                 server.drop_session(s.id)
             return tokens, seconds, added
 
-        modes = {"direct": direct, "sdk": sdk, "http": bare_http, "vllm": sdk}
+        modes = {"direct": direct, "sdk": sdk, "http": bare_http, "vllm": sdk, "responses": responses}
         for name in modes:  # warm-up: first requests pay for lazy imports and allocations
             await phase(name, range(4))
         totals = {name: [0, 0.0, [], []] for name in modes}
         for r in range(opt["rounds"]):
-            for name in list(modes)[r % 4:] + list(modes)[:r % 4]:
+            for name in list(modes)[r % len(modes):] + list(modes)[:r % len(modes)]:
                 tokens, seconds, added = await phase(name, range(opt["agents"]))
                 totals[name][0] += tokens
                 totals[name][1] += seconds
@@ -546,7 +560,7 @@ def bench_capture(*args):
     def percentiles(seconds):
         ms = sorted(x * 1000 for x in seconds)
         return round(statistics.median(ms), 3), round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 3)
-    for name in ("sdk", "http"):
+    for name in ("sdk", "http", "responses"):
         out[f"{name}_tokens_per_s"] = round(tput[name], 1)
         out[f"{name}_ratio"] = round(tput[name] / tput["direct"], 4)
         out[f"{name}_added_ms_p50"], out[f"{name}_added_ms_p99"] = percentiles(totals[name][2])
@@ -556,8 +570,9 @@ def bench_capture(*args):
     print(f"{opt['agents']} agents x {opt['turns']} turns x {opt['tokens']} tokens, {opt['rounds']} rounds: direct "
           f"{tput['direct']:.0f} tok/s; capture via the OpenAI SDK {tput['sdk']:.0f} tok/s (x{out['sdk_ratio']:.3f}), "
           f"via bare HTTP {tput['http']:.0f} tok/s (x{out['http_ratio']:.3f}); the SDK through vLLM's own server "
-          f"{tput['vllm']:.0f} tok/s (capture / vLLM's server: x{out['sdk_vs_vllm_server']:.3f})")
-    for name, label in (("sdk", "OpenAI SDK"), ("http", "bare HTTP")):
+          f"{tput['vllm']:.0f} tok/s (capture / vLLM's server: x{out['sdk_vs_vllm_server']:.3f}); the Responses API "
+          f"via the SDK {tput['responses']:.0f} tok/s (x{out['responses_ratio']:.3f})")
+    for name, label in (("sdk", "OpenAI SDK"), ("http", "bare HTTP"), ("responses", "Responses API")):
         print(f"added latency per request, {label}: p50 {out[f'{name}_added_ms_p50']:.2f} ms, p99 "
               f"{out[f'{name}_added_ms_p99']:.2f} ms under load; p50 {out[f'{name}_alone_added_ms_p50']:.2f} ms, "
               f"p99 {out[f'{name}_alone_added_ms_p99']:.2f} ms alone")

@@ -1,8 +1,9 @@
 """
-The capture server. Agents are unchanged programs using the official OpenAI or Anthropic SDK; only their base URL
-points here. The server renders each request to token ids with the model's own tokenizer and chat template, asks a
-vLLM engine for tokens (ids in, ids + sampling logprobs out), answers in the protocol the client spoke (tool calls
-parsed by vLLM's Hermes parser), and records the trajectory token-exactly (README, invariant 1).
+The capture server. Agents are unchanged programs using the official OpenAI or Anthropic SDK (or a framework on one:
+the OpenAI Agents SDK, LangChain, pydantic-ai, ...); only their base URL points here. It speaks chat completions, the
+Responses API and Anthropic Messages. The server renders each request to token ids with the model's own tokenizer
+and chat template, asks a vLLM engine for tokens (ids in, ids + sampling logprobs out), answers in the protocol the
+client spoke (tool calls parsed by vLLM's Hermes parser), and records the trajectory token-exactly (README, invariant 1).
 
     python capture.py                          # serve the tiny model on CPU; prints the address
     python capture.py --model DIR --port 8000  # any local HuggingFace model directory
@@ -22,13 +23,18 @@ segment's token ids. A request whose messages are that conversation followed by 
 exact recorded ids + the template's separator after our end-of-turn token + the tokens of every new message (all
 with action mask 0), so generated tokens are never re-tokenized. Any other request (compaction, an edited or
 dropped turn, changed tools, a template that rewrites earlier turns) seals the segment and opens a new one from a
-full render. Streaming requests get their SSE events once the turn is generated (backends return whole turns).
+full render. Streaming requests get text deltas as the engine samples them (with a backend that has `stream`).
+
+Forced tool calls put the template's call opening in the context (mask 0); structured output and tool_choice "none"
+sample under a mask, and the behavior logprob is the masked distribution's (constrained_tokens: "train" records them
+as generated tokens, "mask" as context). A stop string ends the answer and the recorded tokens at one place.
 """
 import asyncio
 import contextlib
 import gc
 import hashlib
 import importlib.util
+import itertools
 import json
 import logging
 import math
@@ -98,21 +104,34 @@ class Engine:
         await self.set_version(0)
 
     async def generate(self, prompt_token_ids, sampling, request_id, session_id=None):
-        """Sample one turn. `sampling` keys: temperature, top_p, max_tokens, stop, stop_token_ids, seed,
-        routed_experts_start (routes are returned for the tokens from there on: the caller has the earlier ones),
-        ignore_eos (benchmarks). session_id is for routers that keep a session on one engine; one engine ignores it."""
+        """One turn, as the last item of stream()."""
+        async for out in self.stream(prompt_token_ids, sampling, request_id, final_only=True):
+            pass
+        return out
+
+    async def stream(self, prompt_token_ids, sampling, request_id, session_id=None, final_only=False):
+        """Sample one turn: {"token_ids": the tokens so far} per engine step, then the turn. `sampling` keys:
+        temperature, top_p, max_tokens, stop, stop_token_ids, seed, routed_experts_start (routes are returned for the
+        tokens from there on: the caller has the earlier ones), ignore_eos (benchmarks), structured
+        (StructuredOutputsParams fields: json, json_object, ...), logit_bias, top_logprobs (k: also return the k
+        likeliest tokens per position). session_id is for routers that keep a session on one engine; one engine
+        ignores it."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        stop = sampling.get("stop") or None
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+        stop, structured, top = sampling.get("stop") or None, sampling.get("structured"), sampling.get("top_logprobs")
         params = SamplingParams(
             n=1, temperature=sampling.get("temperature", 1.0), top_p=sampling.get("top_p", 1.0),
             max_tokens=sampling.get("max_tokens"), stop=stop, stop_token_ids=sampling.get("stop_token_ids"),
-            seed=sampling.get("seed"), ignore_eos=sampling.get("ignore_eos", False), logprobs=0,
-            routed_experts_prompt_start=sampling.get("routed_experts_start", 0),
-            detokenize=stop is not None)  # text only for stop strings
-        out = None
+            seed=sampling.get("seed"), ignore_eos=sampling.get("ignore_eos", False), logprobs=top or 0,
+            routed_experts_prompt_start=sampling.get("routed_experts_start", 0), logit_bias=sampling.get("logit_bias"),
+            # grammar masks and biases act before sampling: processed logprobs are those of the masked distribution
+            structured_outputs=StructuredOutputsParams(**structured) if structured else None,
+            detokenize=stop is not None,  # text only for stop strings
+            output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE)
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id):
-            pass
+            if not out.finished:
+                yield {"token_ids": list(out.outputs[0].token_ids)}
         c = out.outputs[0]
         ids = list(c.token_ids)
         versions = [self.policy_version] * len(ids)
@@ -120,9 +139,13 @@ class Engine:
             v = 0 if span.version == "default" else int(span.version)
             versions[span.start:span.end] = [v] * (span.end - span.start)
         routes = c.routed_experts  # (T - routed_experts_start, L_moe, K) when enabled
-        return dict(token_ids=ids, logprobs=[c.logprobs[i][t].logprob for i, t in enumerate(ids)],
-                    token_versions=versions, routed_experts=None if routes is None else routes.tolist(),
-                    finish_reason=c.finish_reason, num_prompt_tokens=len(out.prompt_token_ids))
+        result = dict(token_ids=ids, logprobs=[c.logprobs[i][t].logprob for i, t in enumerate(ids)],
+                      token_versions=versions, routed_experts=None if routes is None else routes.tolist(),
+                      finish_reason=c.finish_reason, num_prompt_tokens=len(out.prompt_token_ids))
+        if top:  # per position, (token id, logprob) by rank; the sampled token's entry comes too when ranked lower
+            result["top_logprobs"] = [[(t, p.logprob) for t, p in sorted(d.items(), key=lambda x: x[1].rank)
+                                       if p.rank <= top] for d in c.logprobs]
+        yield result
 
     async def prompt_logprobs(self, token_ids):
         """The engine's logprob of each token given the ones before it (None for the first), at temperature 1."""
@@ -188,8 +211,12 @@ class ChatRequest:
     def __init__(self, protocol, messages, tools, parse_tools, sampling, stream, include_usage, model):
         self.protocol, self.messages, self.tools, self.parse_tools = protocol, messages, tools, parse_tools
         self.sampling, self.stream, self.include_usage, self.model = sampling, stream, include_usage, model
-        self.key = None  # hash of the raw body: a retry has the same key
-        self.body_bytes = 0  # its size: a large request renders off the event loop
+        self.key, self.retry = None, False  # the answer's key (Idempotency-Key or the raw body); whether a client retry
+        self.body_bytes = 0  # the body's size: a large request renders off the event loop
+        self.forced = None  # a forced tool call: "" (any tool) or the tool's name
+        self.parallel, self.top_logprobs, self.previous_response_id, self.store = True, None, None, True
+        self.instructions = 0  # Responses API: 1 when messages[0] holds this request's `instructions`
+        self.id, self.created, self.prompt_tokens = uuid.uuid4().hex[:24], int(time.time()), None  # its answer's
 
 
 TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
@@ -210,6 +237,9 @@ def field(body, key, types, default=None, required=False, where=""):
     return value
 
 
+TEXT_PARTS = ("text", "input_text", "output_text")  # chat completions and Anthropic; the Responses API's
+
+
 def text_of(content, where):
     """A string, or a list of text parts/blocks joined; anything else (images, audio) is refused."""
     if content is None or isinstance(content, str):
@@ -217,10 +247,36 @@ def text_of(content, where):
     if not isinstance(content, list):
         raise RequestError(400, f"`{where}` must be a string or an array of text parts.", where)
     for i, part in enumerate(content):
-        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+        if not (isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str)):
             raise RequestError(400, f"`{where}[{i}]` must be a text part {{\"type\": \"text\", \"text\": ...}}; "
                                     "only text content is supported.", f"{where}[{i}]")
     return "".join(part["text"] for part in content)
+
+
+def tool_choice_of(request, kind, name, parallel=True):
+    """Honour a tool choice: "auto", "none" (calls not parsed; the template's call opening is banned), "required" or
+    "function" (`name`): the call is forced, see CaptureServer.call_opening. parallel=False stops after one call."""
+    names = {t["function"]["name"] for t in request.tools}
+    if kind == "function" and (not isinstance(name, str) or name not in names):
+        raise RequestError(400, f"`tool_choice` names the tool {name!r}, which is not among `tools`.", "tool_choice")
+    if kind in ("required", "function") and not names:
+        raise RequestError(400, "`tool_choice` forces a tool call but `tools` is empty.", "tool_choice")
+    request.parse_tools = kind != "none"
+    request.forced = None if kind in ("auto", "none") else name or ""
+    request.parallel = parallel
+    return request
+
+
+def structured_of(fmt, where):
+    """A response format (json_schema / json_object / text) as vLLM's structured-output fields, or None."""
+    kind = fmt.get("type")
+    if kind == "json_schema":
+        schema = fmt.get("json_schema", fmt)  # chat completions nest it; the Responses API does not
+        return {"json": field(schema if isinstance(schema, dict) else {}, "schema", dict, required=True,
+                              where=where + ".json_schema.")}
+    if kind in ("json_object", "text"):
+        return {"json_object": True} if kind == "json_object" else None
+    raise RequestError(400, f"`{where}.type` must be text, json_object or json_schema, got {kind!r}.", where)
 
 
 def tool_call(call_id, name, arguments):
@@ -249,10 +305,9 @@ def sampling_of(server, temperature, top_p, max_tokens, stop, seed, max_temperat
 
 OPENAI_FIELDS = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens",
                  "max_completion_tokens", "stop", "seed", "stream", "stream_options", "n", "logprobs", "top_logprobs",
-                 "frequency_penalty", "presence_penalty", "parallel_tool_calls", "user", "metadata", "store",
-                 "service_tier"}  # the last four do not change generation
+                 "frequency_penalty", "presence_penalty", "parallel_tool_calls", "response_format", "user", "metadata",
+                 "store", "service_tier"}  # the last four do not change generation
 OPENAI_MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
-CONSTRAINED = "needs constrained decoding, which would make the recorded logprobs differ from the policy's; use \"auto\""
 
 
 def parse_openai(body, server):
@@ -264,15 +319,13 @@ def parse_openai(body, server):
     model = field(body, "model", str, "")
     if field(body, "n", int, 1) != 1:
         raise RequestError(400, "`n` must be 1: each request records one turn of one trajectory.", "n")
-    if field(body, "logprobs", bool, False) or field(body, "top_logprobs", int, 0):
-        raise RequestError(400, "logprobs are not returned to clients (the trajectory records them).", "logprobs")
+    top_logprobs = field(body, "top_logprobs", int, 0) if field(body, "logprobs", bool, False) else None
+    if top_logprobs is not None and not 0 <= top_logprobs <= 20:
+        raise RequestError(400, f"`top_logprobs` must be between 0 and 20, got {top_logprobs}.", "top_logprobs")
     for key in ("frequency_penalty", "presence_penalty"):
         if field(body, key, (int, float), 0) != 0:
             raise RequestError(400, f"`{key}` is not supported: the trainer could not reproduce the penalized "
                                     "distribution.", key)
-    if field(body, "parallel_tool_calls", bool, True) is False:
-        raise RequestError(400, "`parallel_tool_calls: false` cannot be honoured: the model may emit several calls.",
-                           "parallel_tool_calls")
     messages = []
     for i, m in enumerate(field(body, "messages", list, required=True)):
         w = f"messages[{i}]"
@@ -282,10 +335,11 @@ def parse_openai(body, server):
         if extra:
             raise RequestError(400, f"`{w}.{extra[0]}` is not supported.", f"{w}.{extra[0]}")
         role, content = m.get("role"), text_of(m.get("content"), f"{w}.content")
+        name = {"name": m["name"]} if field(m, "name", str, where=w + ".") else {}  # for templates that show it
         if role in ("system", "developer", "user"):
-            messages.append({"role": "user" if role == "user" else "system", "content": content})
+            messages.append({"role": "user" if role == "user" else "system", "content": content, **name})
         elif role == "assistant":
-            msg = {"role": "assistant", "content": content}
+            msg = {"role": "assistant", "content": content, **name}
             calls = field(m, "tool_calls", list, [], where=w + ".")
             for j, c in enumerate(calls):
                 wc = f"{w}.tool_calls[{j}]."
@@ -314,31 +368,37 @@ def parse_openai(body, server):
         spec["parameters"] = field(fn, "parameters", dict, {"type": "object", "properties": {}},
                                    where=f"tools[{i}].function.")
         tools.append({"type": "function", "function": spec})
-    choice = field(body, "tool_choice", (str, dict), "auto")
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
-        if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
-            raise RequestError(400, f"`tool_choice` names the function {name!r}, which is not among `tools`.",
-                               "tool_choice")
-        raise RequestError(400, f"`tool_choice` forcing a function {CONSTRAINED}.", "tool_choice")
-    if choice == "required":
-        raise RequestError(400, f"`tool_choice: \"required\"` {CONSTRAINED}.", "tool_choice")
-    if choice not in ("auto", "none"):
-        raise RequestError(400, f"`tool_choice` must be \"auto\", \"none\", \"required\" or a function, got {choice!r}.",
-                           "tool_choice")
     max_tokens = field(body, "max_completion_tokens", int, field(body, "max_tokens", int))
     sampling = sampling_of(server, field(body, "temperature", (int, float)), field(body, "top_p", (int, float)),
                            max_tokens, field(body, "stop", (str, list)), field(body, "seed", int), 2.0)
+    sampling["structured"] = structured_of(field(body, "response_format", dict, {"type": "text"}), "response_format")
     options = field(body, "stream_options", dict, {})
-    return ChatRequest("openai", messages, tools, choice == "auto", sampling, field(body, "stream", bool, False),
-                       bool(options.get("include_usage")), model)
+    request = ChatRequest("openai", messages, tools, True, sampling, field(body, "stream", bool, False),
+                          bool(options.get("include_usage")), model)
+    request.top_logprobs = top_logprobs
+    return tool_choice_of(request, *openai_choice(field(body, "tool_choice", (str, dict), "auto"), "function"),
+                          field(body, "parallel_tool_calls", bool, True))
+
+
+def openai_choice(choice, nested):
+    """An OpenAI tool_choice as (kind, name); chat completions nest the name under "function", Responses do not."""
+    if isinstance(choice, dict):
+        fn = choice.get("function") if nested == "function" else choice
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RequestError(400, "`tool_choice` must be \"auto\", \"none\", \"required\" or "
+                                    f"{{\"type\": \"function\", ...}} naming a function, got {choice!r}.", "tool_choice")
+        return "function", fn["name"]
+    if choice not in ("auto", "none", "required"):
+        raise RequestError(400, f"`tool_choice` must be \"auto\", \"none\", \"required\" or a function, got {choice!r}.",
+                           "tool_choice")
+    return choice, None
 
 
 ANTHROPIC_FIELDS = {"model", "messages", "max_tokens", "system", "tools", "tool_choice", "temperature", "top_p", "top_k",
                     "stop_sequences", "stream", "metadata", "thinking", "service_tier"}
 
 
-def parse_anthropic(body, server):
+def parse_anthropic(body, server, counting=False):
     if not isinstance(body, dict):
         raise RequestError(400, "The request body must be a JSON object.")
     unknown = sorted(set(body) - ANTHROPIC_FIELDS)
@@ -375,8 +435,10 @@ def parse_anthropic(body, server):
                 if text:  # text before a tool result stays in its own user turn, in order
                     messages.append({"role": "user", "content": "".join(text)})
                     text = []
+                # an error result reads as one to the model: chat templates have no field for it
+                error = "Error: " if field(b, "is_error", bool, False, where=wb) else ""
                 messages.append({"role": "tool", "tool_call_id": field(b, "tool_use_id", str, required=True, where=wb),
-                                 "content": text_of(b.get("content"), wb + "content")})
+                                 "content": error + text_of(b.get("content"), wb + "content")})
             else:
                 allowed = "text and tool_use" if role == "assistant" else "text and tool_result"
                 raise RequestError(400, f"`{wb}type` {kind!r} is not supported in {role} messages ({allowed} are).",
@@ -399,23 +461,85 @@ def parse_anthropic(body, server):
         spec["parameters"] = field(t, "input_schema", dict, required=True, where=f"tools[{i}].")
         tools.append({"type": "function", "function": spec})
     choice = field(body, "tool_choice", dict, {"type": "auto"})
-    kind = choice.get("type")
-    if kind == "tool" and (not isinstance(choice.get("name"), str)
-                           or choice["name"] not in {t["function"]["name"] for t in tools}):
-        raise RequestError(400, f"`tool_choice` names the tool {choice.get('name')!r}, which is not among `tools`.",
-                           "tool_choice")
-    if kind in ("any", "tool"):
-        raise RequestError(400, f"`tool_choice` of type {kind!r} {CONSTRAINED}.", "tool_choice")
-    if kind not in ("auto", "none"):
-        raise RequestError(400, f"`tool_choice.type` must be auto, any, tool or none, got {kind!r}.", "tool_choice")
-    if choice.get("disable_parallel_tool_use"):
-        raise RequestError(400, "`disable_parallel_tool_use` cannot be honoured: the model may emit several calls.",
+    kind = {"any": "required", "tool": "function"}.get(choice.get("type"), choice.get("type"))
+    if kind not in ("auto", "none", "required", "function"):
+        raise RequestError(400, f"`tool_choice.type` must be auto, any, tool or none, got {choice.get('type')!r}.",
                            "tool_choice")
     sampling = sampling_of(server, field(body, "temperature", (int, float)), field(body, "top_p", (int, float)),
-                           field(body, "max_tokens", int, required=True), field(body, "stop_sequences", list),
+                           field(body, "max_tokens", int, required=not counting), field(body, "stop_sequences", list),
                            None, 1.0)
-    return ChatRequest("anthropic", messages, tools, kind == "auto", sampling, field(body, "stream", bool, False),
-                       True, field(body, "model", str, ""))
+    request = ChatRequest("anthropic", messages, tools, True, sampling, field(body, "stream", bool, False), True,
+                          field(body, "model", str, ""))
+    return tool_choice_of(request, kind, choice.get("name"),
+                          not field(choice, "disable_parallel_tool_use", bool, False, where="tool_choice."))
+
+RESPONSES_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
+                    "temperature", "top_p", "stream", "previous_response_id", "store", "text", "include", "top_logprobs",
+                    "truncation", "reasoning", "metadata", "user", "service_tier", "prompt_cache_key",
+                    "safety_identifier", "stream_options", "seed"}  # seed: as in chat completions (an extension)
+RESPONSES_ITEMS = "message, function_call, function_call_output"
+
+
+def parse_responses(body, server):
+    """The Responses API: `input` (a string or items), `instructions`, function tools, text.format; the conversation
+    of `previous_response_id` is put in front by CaptureServer.respond."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "The request body must be a JSON object.")
+    unknown = sorted(set(body) - RESPONSES_FIELDS)
+    if unknown:
+        raise RequestError(400, f"Unsupported field `{unknown[0]}`: this server cannot honour it.", unknown[0])
+    if field(body, "truncation", str, "disabled") != "disabled" or field(body, "reasoning", dict, {}).get("effort"):
+        raise RequestError(400, "`truncation` and `reasoning` are not supported by this server.", "truncation")
+    instructions = field(body, "instructions", str)
+    messages = [{"role": "system", "content": instructions}] if instructions else []
+    items = field(body, "input", (str, list), required=True)
+    for i, item in enumerate([{"role": "user", "content": items}] if isinstance(items, str) else items):
+        w = f"input[{i}]."
+        item = item if isinstance(item, dict) else {"type": None}
+        kind = item.get("type", "message")
+        if kind == "message" and item.get("role") in ("system", "developer", "user", "assistant"):
+            role = {"developer": "system"}.get(item["role"], item["role"])
+            messages.append({"role": role, "content": text_of(item.get("content"), w + "content")})
+        elif kind == "function_call":
+            call = tool_call(field(item, "call_id", str, required=True, where=w), field(item, "name", str, required=True,
+                             where=w), field(item, "arguments", str, required=True, where=w))
+            if not (messages and messages[-1]["role"] == "assistant"):
+                messages.append({"role": "assistant", "content": ""})  # calls without text before them
+            messages[-1].setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            output = field(item, "output", (str, list), required=True, where=w)
+            messages.append({"role": "tool", "tool_call_id": field(item, "call_id", str, required=True, where=w),
+                             "content": text_of(output, w + "output")})
+        else:
+            raise RequestError(400, f"`{w}type` {kind!r} is not supported (items: {RESPONSES_ITEMS}; message roles "
+                                    "system, developer, user, assistant).", w + "type")
+    tools = []
+    for i, t in enumerate(field(body, "tools", list, [])):
+        t = t if isinstance(t, dict) else {}
+        if t.get("type") != "function":
+            raise RequestError(400, f"`tools[{i}].type` must be \"function\" (function tools only).", f"tools[{i}].type")
+        spec = {"name": field(t, "name", str, required=True, where=f"tools[{i}].")}
+        if field(t, "description", str, where=f"tools[{i}]."):
+            spec["description"] = t["description"]
+        spec["parameters"] = field(t, "parameters", dict, {"type": "object", "properties": {}}, where=f"tools[{i}].")
+        tools.append({"type": "function", "function": spec})
+    include = field(body, "include", list, [])
+    top_logprobs = field(body, "top_logprobs", int, 0) if "message.output_text.logprobs" in include else None
+    if top_logprobs is not None and not 0 <= top_logprobs <= 20:
+        raise RequestError(400, f"`top_logprobs` must be between 0 and 20, got {top_logprobs}.", "top_logprobs")
+    sampling = sampling_of(server, field(body, "temperature", (int, float)), field(body, "top_p", (int, float)),
+                           field(body, "max_output_tokens", int), None, field(body, "seed", int), 2.0)
+    sampling["structured"] = structured_of(field(field(body, "text", dict, {}), "format", dict, {"type": "text"},
+                                                 where="text."), "text.format")
+    request = ChatRequest("responses", messages, tools, True, sampling, field(body, "stream", bool, False), True,
+                          field(body, "model", str, ""))
+    request.top_logprobs, request.instructions = top_logprobs, int(bool(instructions))
+    request.previous_response_id = field(body, "previous_response_id", str)
+    request.store = field(body, "store", bool, True)
+    if not messages and request.previous_response_id is None:
+        raise RequestError(400, "`input` must not be empty.", "input")
+    return tool_choice_of(request, *openai_choice(field(body, "tool_choice", (str, dict), "auto"), "flat"),
+                          field(body, "parallel_tool_calls", bool, True))
 
 # -----------------------------------------------------------------------------
 # sessions and segments: the recorded trajectory
@@ -455,6 +579,7 @@ class Session:
         self.segments, self.finished, self.reward = [], False, None
         self.conversation, self.tools, self.last_generated = None, None, []  # what the open segment renders
         self.answers = OrderedDict()  # request key -> result, for client retries
+        self.responses = {}  # Responses API: response id -> the conversation it ended, for previous_response_id
         self.turns = 0
         self.last_used = time.monotonic()  # a session made over HTTP expires when idle
         self.lock = asyncio.Lock()  # serialises this session's requests
@@ -633,7 +758,8 @@ class CaptureServer:
 
     def __init__(self, backend, tokenizer, *, max_model_len=2048, importance_correction=False, host="127.0.0.1",
                  port=0, model_name=None, max_body_bytes=16 << 20, max_cached_answers=16, header_timeout_s=10.0,
-                 body_timeout_s=60.0, max_connections=4096, http_session_idle_s=1800.0, max_http_sessions=1024):
+                 body_timeout_s=60.0, max_connections=4096, http_session_idle_s=1800.0, max_http_sessions=1024,
+                 constrained_tokens="train"):
         from transformers import AutoTokenizer
         from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
         self.backend = backend
@@ -642,6 +768,12 @@ class CaptureServer:
         # a malformed tool call is the policy's output, not our error (its text goes back as content): no traceback
         logging.getLogger("vllm.tool_parsers.hermes_tool_parser").setLevel(logging.CRITICAL)
         self.end_ids = end_token_ids(self.tokenizer)
+        vocab = self.tokenizer.get_added_vocab()  # the call's tags as single tokens: None where the tokenizer lacks them
+        self.call_ids = [vocab.get(t) for t in (self.tool_parser.tool_call_start_token,
+                                                self.tool_parser.tool_call_end_token)]
+        if constrained_tokens not in ("train", "mask"):
+            raise ValueError(f"constrained_tokens must be 'train' or 'mask', got {constrained_tokens!r}")
+        self.constrained_tokens = constrained_tokens
         self.end_texts = [self.tokenizer.decode([i]) for i in self.end_ids]
         self.added_texts = tuple(self.tokenizer.get_added_vocab())
         # Message text is tokenized as text: added-token strings in it (a web page holding "<|im_end|>") become
@@ -673,7 +805,10 @@ class CaptureServer:
                   Route("/s/{sid}/v1/models", self.http_models, methods=["GET"]),
                   Route("/s/{sid}/v1/chat/completions", self.http_chat, methods=["POST"]),
                   Route("/s/{sid}/v1/messages", self.http_chat, methods=["POST"]),
-                  Route("/s/{sid}/v1/v1/messages", self.http_chat, methods=["POST"])]  # Anthropic SDK, same base_url
+                  Route("/s/{sid}/v1/v1/messages", self.http_chat, methods=["POST"]),  # Anthropic SDK, same base_url
+                  Route("/s/{sid}/v1/responses", self.http_chat, methods=["POST"])]
+        routes += [Route(f"/s/{{sid}}/v1{v}/messages/count_tokens", self.http_count_tokens, methods=["POST"])
+                   for v in ("", "/v1")]
         self.app = Starlette(routes=routes, exception_handlers={HTTPException: self.http_error})
 
     # --- the Python API of the rollout side
@@ -775,13 +910,21 @@ class CaptureServer:
             closing = closing[1:]  # the engine stopped on that very token
         return closing + self.tokenize(new_text), conversation
 
-    async def respond(self, session, request):
-        """Generate and record one turn (or return the answer already given to this exact request)."""
+    async def respond(self, session, request, on_tokens=None):
+        """Generate and record one turn (or, to a client's retry, return the answer already given). With on_tokens
+        and a backend that streams, on_tokens(the turn's token ids so far) is called as the engine samples."""
         async with session.lock:
             if session.finished:
                 raise RequestError(401, f"Session {session.id} has finished; its attempt is over.")
-            if request.key is not None and request.key in session.answers:
+            if request.retry and request.key in session.answers:
                 return session.answers[request.key]
+            if request.previous_response_id is not None:  # Responses API: the stored conversation goes first
+                if request.previous_response_id not in session.responses:
+                    raise RequestError(400, f"No stored response {request.previous_response_id!r} in this session "
+                                            "(unknown id, or answered with store: false).", "previous_response_id")
+                prior, had = session.responses[request.previous_response_id]  # its instructions are not carried over
+                k = request.instructions
+                request.messages = request.messages[:k] + prior[had:] + request.messages[k:]
 
             def prepare():
                 ext = self.extension(session, request.messages, request.tools)
@@ -796,20 +939,37 @@ class CaptureServer:
                     self.render_pool, prepare)
             else:
                 ext, appended, prompt, conversation = prepare()
+            opening = "" if request.forced is None else self.call_opening(request)
+            if opening:  # context (mask 0): the model writes the rest of the call itself
+                appended, prompt = appended + self.tokenize(opening), prompt + self.tokenize(opening)
             if len(prompt) >= self.max_model_len:
                 raise RequestError(400, f"The prompt is {len(prompt)} tokens; the model's context is "
                                         f"{self.max_model_len} tokens.", "messages")
             room = self.max_model_len - len(prompt)  # a longer max_tokens is cut to it (finish_reason "length")
             routes = (session.segments[-1].routed_experts or []) if ext is not None else []
-            sampling = dict(request.sampling, stop_token_ids=self.end_ids, routed_experts_start=len(routes),
-                            max_tokens=min(request.sampling["max_tokens"] or room, room))
+            sampling = dict(request.sampling, stop_token_ids=self.end_ids + [self.call_ids[1]] * (not request.parallel),
+                            routed_experts_start=len(routes), max_tokens=min(request.sampling["max_tokens"] or room, room),
+                            top_logprobs=request.top_logprobs)
+            refuse_calls = bool(request.tools) and not request.parse_tools  # tool_choice "none"
+            if None in self.call_ids and (refuse_calls or not request.parallel):
+                raise RequestError(400, "This tokenizer has no single tokens that open and close a tool call, so "
+                                        "tool_choice \"none\" and parallel_tool_calls false cannot be honoured.")
+            if refuse_calls:  # the model cannot open a call
+                sampling["logit_bias"] = {self.call_ids[0]: -100}
+            # sampled under a mask: recorded as context when the config keeps such tokens out of the loss
+            masked = self.constrained_tokens == "mask" and bool(sampling.get("structured") or sampling.get("logit_bias"))
             session.turns += 1
+            request.prompt_tokens, request_id = len(prompt), f"{session.id}-{session.turns}"
             try:
-                out = await self.backend.generate(prompt, sampling, f"{session.id}-{session.turns}",
-                                                  session_id=session.id)
+                if on_tokens is None or not hasattr(self.backend, "stream"):
+                    out = await self.backend.generate(prompt, sampling, request_id, session_id=session.id)
+                else:
+                    async for out in self.backend.stream(prompt, sampling, request_id, session_id=session.id):
+                        if "finish_reason" not in out:
+                            on_tokens(out["token_ids"])
             except ValueError as e:  # vLLM's input validation
                 raise RequestError(400, f"The engine refused the request: {e}")
-            result = self.answer(out, request, len(prompt))
+            result = self.answer(out, request, len(prompt), opening)
             try:  # the reply must be deliverable before it is recorded
                 json.dumps(result, ensure_ascii=False).encode()
             except (TypeError, ValueError) as e:
@@ -821,40 +981,114 @@ class CaptureServer:
                     session.segments.append(Segment(session.attempt_id, len(session.segments)))
                 segment = session.segments[-1]
                 segment.append(appended)
-                segment.append(out["token_ids"], out)
+                segment.append(out["token_ids"], None if masked else out)
                 if out.get("routed_experts") is not None:  # routes of the tokens the engine computed this turn
                     segment.routed_experts = routes + out["routed_experts"]
                 session.conversation = conversation + [result["message"]]
                 session.tools, session.last_generated = request.tools, out["token_ids"]
+                if request.protocol == "responses" and request.store:
+                    session.responses["resp_" + result["id"]] = session.conversation, request.instructions
             if request.key is not None:
                 session.answers[request.key] = result
                 if len(session.answers) > self.max_cached_answers:
                     session.answers.popitem(last=False)
             return result
 
-    def answer(self, out, request, num_prompt_tokens):
-        """The engine's tokens as an assistant message: decoded, cut at a stop string, tool calls parsed."""
-        ids = out["token_ids"]
-        ids = ids[:-1] if ids and ids[-1] in self.end_ids else ids
-        parse = request.parse_tools and bool(request.tools)
-        text = self.tokenizer.decode(ids, skip_special_tokens=not parse)  # tool tags may be special tokens
+    def call_opening(self, request):
+        """The template's text that opens a tool call, up to the name (tool_choice "required") or up to the arguments
+        (a named tool): what the template renders for such a call after the generation prompt."""
+        user = [{"role": "user", "content": "x"}]
+        call = {"role": "assistant", "content": "", "tool_calls": [tool_call("call_0", request.forced or "\0", "\1")]}
+        prompt = self.render_text(user, request.tools, True)
+        full = self.render_text(user + [call], request.tools, False)
+        cut = full.find("\1" if request.forced else "\0")
+        if not full.startswith(prompt) or cut < 0 or self.tool_parser.tool_call_start_token not in full[len(prompt):cut]:
+            raise RequestError(400, "This model's chat template does not show where a tool call opens, so the call "
+                                    "cannot be forced; use tool_choice \"auto\".", "tool_choice")
+        return full[len(prompt):cut]
+
+    def answer(self, out, request, num_prompt_tokens, opening=""):
+        """The engine's tokens as an assistant message: decoded after the forced call opening, tool calls parsed. At a
+        stop string the text ends at the last token boundary before it and the tokens past that leave `out`: the
+        trajectory holds exactly what the agent was shown."""
+        ids, parse = out["token_ids"], request.parse_tools and bool(request.tools)
+        n = len(ids) - (bool(ids) and ids[-1] in self.end_ids)
+
+        def decode(k):
+            return self.tokenizer.decode(ids[:k], skip_special_tokens=not parse)  # tool tags may be special tokens
+        text = decode(n)
         hits = [(text.find(s), s) for s in request.sampling["stop"] if s in text]
         stop_sequence = min(hits)[1] if hits else None
-        if stop_sequence is not None:
-            text = text[:min(hits)[0]]
+        if hits:
+            while n and len(decode(n)) > min(hits)[0]:  # drop the token where the stop string starts, and later ones
+                n -= 1
+            text, dropped = decode(n), len(ids) - n
+            out.update({k: out[k][:n] for k in ("token_ids", "logprobs", "token_versions", "top_logprobs") if k in out})
+            if out.get("routed_experts") is not None:
+                out["routed_experts"] = out["routed_experts"][:len(out["routed_experts"]) - dropped]
+        text = opening[opening.find(self.tool_parser.tool_call_start_token):] + text if opening else text
         calls = []
         if parse:
             info = self.tool_parser.extract_tool_calls(text, None)
             if info.tools_called:
-                prefix = "call_" if request.protocol == "openai" else "toolu_"
+                prefix = "toolu_" if request.protocol == "anthropic" else "call_"
                 text = info.content or ""
                 calls = [tool_call(prefix + uuid.uuid4().hex[:24], c.function.name, c.function.arguments)
                          for c in info.tool_calls]
         message = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
         finish = "tool_calls" if calls else "length" if out["finish_reason"] == "length" and not hits else "stop"
-        return dict(id=uuid.uuid4().hex[:24], created=int(time.time()), message=message, finish_reason=finish,
+        logprobs = None if request.top_logprobs is None else [
+            dict(self.token_logprob(t, lp), top_logprobs=[self.token_logprob(*x) for x in top])
+            for t, lp, top in zip(ids[:n], out["logprobs"], out.get("top_logprobs") or [[]] * n)]
+        return dict(id=request.id, created=request.created, message=message, finish_reason=finish,
                     stop_sequence=stop_sequence, prompt_tokens=num_prompt_tokens, completion_tokens=len(out["token_ids"]),
-                    model=request.model or self.model_name)
+                    model=request.model or self.model_name, logprobs=logprobs)
+
+    def token_logprob(self, token_id, logprob):
+        text = self.tokenizer.decode([token_id])
+        return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode())}  # -inf: masked
+
+    def streamable(self, ids, request):
+        """The text of a turn's tokens so far that is sure to begin its answer: none of a forced call, what comes
+        before a tool call opens, and with stop strings only up to a token boundary at least the longest stop
+        string away from the end (a stop string completing later cannot start before it; answer cuts there)."""
+        if request.forced is not None:
+            return ""
+        parse = request.parse_tools and bool(request.tools)
+        n, hold = len(ids) - (bool(ids) and ids[-1] in self.end_ids), max(map(len, request.sampling["stop"]), default=0)
+        text = self.tokenizer.decode(ids[:n], skip_special_tokens=not parse)
+        limit = len(text) - hold
+        while hold and n and len(text) > limit:
+            n -= 1
+            text = self.tokenizer.decode(ids[:n], skip_special_tokens=not parse)
+        at = text.find(self.tool_parser.tool_call_start_token) if parse else -1
+        return text[:at if at >= 0 else None].rstrip("\ufffd")  # no half characters
+
+    async def live(self, request, tokens, first, task):
+        """A streamed turn for the protocols' event writers: ("head", id, created, model, prompt tokens), then
+        ("text", delta) as the engine samples (`tokens`: a queue of token ids so far, `first` its first get), then
+        ("done", answer, the text already sent). `task` is the request's respond()."""
+        await asyncio.wait([first, task], return_when=asyncio.FIRST_COMPLETED)
+        done = task.done() and not task.exception()  # answered at once (a retry) or before any token came
+        head = task.result() if done else {"id": request.id, "created": request.created, "prompt_tokens": None}
+        yield ("head", head["id"], head["created"], request.model or self.model_name,
+               head["prompt_tokens"] or request.prompt_tokens)
+        sent, pending = "", first
+        try:
+            while not task.done() or pending.done():
+                if pending.done():
+                    ids = pending.result()
+                    while not tokens.empty():  # only the latest count: the ids are cumulative
+                        ids = tokens.get_nowait()
+                    text, pending = self.streamable(ids, request), asyncio.ensure_future(tokens.get())
+                    if len(text) > len(sent):
+                        yield "text", text[len(sent):]
+                        sent = text
+                await asyncio.wait([pending, task], return_when=asyncio.FIRST_COMPLETED)
+        finally:  # the client may have gone mid-stream: the engine aborts the turn, and it is not recorded
+            pending.cancel()
+            task.cancel()
+        yield "done", task.result(), sent
 
     # --- HTTP
 
@@ -916,38 +1150,61 @@ class CaptureServer:
         return work.result()
 
     async def http_chat(self, request):
-        protocol = "anthropic" if request.url.path.endswith("/messages") else "openai"
+        protocol = {"messages": "anthropic", "responses": "responses"}.get(request.url.path.rsplit("/", 1)[1], "openai")
         try:
             session = self.authorize(request)
             if session.finished:
                 raise RequestError(401, f"Session {session.id} has finished; its attempt is over.")
             raw, body = await self.read_json(request)
-            messages = body.get("messages") if isinstance(body, dict) else None
+            messages = body.get("input" if protocol == "responses" else "messages") if isinstance(body, dict) else None
             if isinstance(messages, list) and len(messages) > self.max_model_len:  # before reading each of them
-                raise RequestError(400, f"`messages` holds {len(messages)} messages, more than the model's context "
+                raise RequestError(400, f"The request holds {len(messages)} messages, more than the model's context "
                                         f"of {self.max_model_len} tokens can hold (each takes a token at least).",
-                                   "messages")
+                                   "input" if protocol == "responses" else "messages")
             try:
-                chat = (parse_anthropic if protocol == "anthropic" else parse_openai)(body, self)
+                chat = PARSERS[protocol](body, self)
             except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as e:  # a shape no check named
                 raise RequestError(400, f"The request is malformed: {type(e).__name__}: {str(e)[:200]}.")
+            idempotency = request.headers.get("idempotency-key")
             key = hashlib.sha256(request.url.path.encode() + b"\0")
-            if len(raw) > INLINE_RENDER_BYTES:  # ~3 ms per MiB
+            if idempotency:
+                key.update(b"key:" + idempotency.encode())
+            elif len(raw) > INLINE_RENDER_BYTES:  # ~3 ms per MiB
                 await asyncio.get_running_loop().run_in_executor(self.render_pool, key.update, raw)
             else:
                 key.update(raw)
             chat.key, chat.body_bytes = key.hexdigest(), len(raw)
-            result = await self.until_disconnected(request, self.respond(session, chat))
-            session.last_used = time.monotonic()  # idle time counts from the end of a request
+            # the SDKs mark their retries; an unmarked repeat is a new sample (an agent may sample twice on purpose)
+            chat.retry = bool(idempotency) or request.headers.get("x-stainless-retry-count", "0") not in ("", "0")
+            if chat.stream:  # a refusal before the first token is still a plain error response
+                tokens = asyncio.Queue()
+                task = asyncio.ensure_future(self.respond(session, chat, tokens.put_nowait))
+                first = asyncio.ensure_future(tokens.get())
+                await asyncio.wait([first, task], return_when=asyncio.FIRST_COMPLETED)
+                if task.done() and task.exception():
+                    first.cancel()
+                    raise task.exception()
+            else:
+                result = await self.until_disconnected(request, self.respond(session, chat))
+                session.last_used = time.monotonic()  # idle time counts from the end of a request
         except RequestError as e:
             return error_response(protocol, e.status, e.message, e.param)
         except Exception as e:  # the engine failed: this request only
             print(f"capture: request on session {request.path_params['sid']} failed: {e!r}", file=sys.stderr)
             return error_response(protocol, 500, f"The engine failed on this request: {type(e).__name__}: {e}")
         if chat.stream:
-            events = anthropic_events(result) if protocol == "anthropic" else openai_events(result, chat.include_usage)
-            return StreamingResponse(events, media_type="text/event-stream")
-        return JSONResponse(anthropic_message(result) if protocol == "anthropic" else openai_completion(result))
+            return StreamingResponse(EVENTS[protocol](self.live(chat, tokens, first, task), chat),
+                                     media_type="text/event-stream")
+        return JSONResponse(ANSWERS[protocol](result))
+
+    async def http_count_tokens(self, request):
+        """Anthropic's token count: the prompt as this server would render it for the request."""
+        try:
+            self.authorize(request)
+            chat = parse_anthropic((await self.read_json(request))[1], self, counting=True)
+        except RequestError as e:
+            return error_response("anthropic", e.status, e.message, e.param)
+        return JSONResponse({"input_tokens": len(self.render(chat.messages, chat.tools, True))})
 
     async def http_models(self, request):
         try:
@@ -1072,22 +1329,35 @@ def openai_completion(result):
         message["tool_calls"] = m["tool_calls"]
     usage = result["prompt_tokens"], result["completion_tokens"]
     return {"id": "chatcmpl-" + result["id"], "object": "chat.completion", "created": result["created"],
-            "model": result["model"], "choices": [{"index": 0, "message": message, "logprobs": None,
+            "model": result["model"], "choices": [{"index": 0, "message": message,
+                                                   "logprobs": result["logprobs"] and {"content": result["logprobs"]},
                                                    "finish_reason": result["finish_reason"]}],
             "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1], "total_tokens": sum(usage)}}
 
 
-async def openai_events(result, include_usage):
-    base = {"id": "chatcmpl-" + result["id"], "object": "chat.completion.chunk", "created": result["created"],
-            "model": result["model"]}
+def sse(name, data):
+    return (f"event: {name}\n" if name else "") + f"data: {json.dumps(dict(type=name, **data) if name else data)}\n\n"
+
+
+async def openai_events(items, request):
+    async for item in items:  # CaptureServer.live: the head, then text deltas as the engine samples, then the answer
+        if item[0] == "done":
+            break
+        if item[0] == "head":
+            base = {"id": "chatcmpl-" + item[1], "object": "chat.completion.chunk", "created": item[2], "model": item[3]}
+        delta = {"role": "assistant", "content": ""} if item[0] == "head" else {"content": item[1]}
+        yield sse(None, {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+    _, result, sent = item
     m = result["message"]
-    deltas = [{"role": "assistant", "content": ""}] + ([{"content": m["content"]}] if m["content"] else [])
+    deltas = [{"content": m["content"][len(sent):]}] if m["content"][len(sent):] else []
     deltas += [{"tool_calls": [dict(c, index=i)]} for i, c in enumerate(m.get("tool_calls", []))]
     for delta in deltas:
-        yield f"data: {json.dumps({**base, 'choices': [{'index': 0, 'delta': delta, 'finish_reason': None}]})}\n\n"
-    yield f"data: {json.dumps({**base, 'choices': [{'index': 0, 'delta': {}, 'finish_reason': result['finish_reason']}]})}\n\n"
-    if include_usage:
-        yield f"data: {json.dumps({**base, 'choices': [], 'usage': openai_completion(result)['usage']})}\n\n"
+        yield sse(None, {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+    logprobs = result["logprobs"] and {"content": result["logprobs"]}
+    yield sse(None, {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": result["finish_reason"],
+                                          "logprobs": logprobs}]})
+    if request.include_usage:
+        yield sse(None, {**base, "choices": [], "usage": openai_completion(result)["usage"]})
     yield "data: [DONE]\n\n"
 
 
@@ -1103,26 +1373,101 @@ def anthropic_message(result):
             "usage": {"input_tokens": result["prompt_tokens"], "output_tokens": result["completion_tokens"]}}
 
 
-async def anthropic_events(result):
-    message = anthropic_message(result)
-    start = dict(message, content=[], stop_reason=None, stop_sequence=None,
-                 usage={"input_tokens": result["prompt_tokens"], "output_tokens": 0})
-    events = [("message_start", {"message": start})]
-    for i, block in enumerate(message["content"]):
-        if block["type"] == "text":
-            events += [("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}}),
-                       ("content_block_delta", {"index": i, "delta": {"type": "text_delta", "text": block["text"]}})]
+async def anthropic_events(items, request=None):
+    text = False  # a text block is open
+
+    def block(i, kind, content, delta):  # a block's start (unless its text block is open) and one delta
+        start = "" if kind == "text" and text else sse("content_block_start", {"index": i, "content_block": content})
+        return start + (sse("content_block_delta", {"index": i, "delta": delta}) if delta else "")
+    async for item in items:
+        if item[0] == "done":
+            break
+        if item[0] == "head":
+            yield sse("message_start", {"message": {
+                "id": "msg_" + item[1], "type": "message", "role": "assistant", "model": item[3], "content": [],
+                "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": item[4], "output_tokens": 0}}})
         else:
-            events += [("content_block_start", {"index": i, "content_block": dict(block, input={})}),
-                       ("content_block_delta", {"index": i, "delta": {"type": "input_json_delta",
-                                                                      "partial_json": json.dumps(block["input"])}})]
-        events.append(("content_block_stop", {"index": i}))
-    events += [("message_delta", {"delta": {"stop_reason": message["stop_reason"],
-                                            "stop_sequence": message["stop_sequence"]},
-                                  "usage": {"output_tokens": result["completion_tokens"]}}),
-               ("message_stop", {})]
-    for name, data in events:
-        yield f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n"
+            yield block(0, "text", {"type": "text", "text": ""}, {"type": "text_delta", "text": item[1]})
+            text = True
+    _, result, sent = item
+    message = anthropic_message(result)
+    for i, b in enumerate(message["content"]):
+        rest = b["type"] == "text" and b["text"][len(sent):]
+        yield block(i, "text", {"type": "text", "text": ""}, rest and {"type": "text_delta", "text": rest}) if b["type"] \
+            == "text" else block(i, "tool_use", dict(b, input={}), {"type": "input_json_delta",
+                                                                    "partial_json": json.dumps(b["input"])})
+        yield sse("content_block_stop", {"index": i})
+    usage = {"input_tokens": result["prompt_tokens"], "output_tokens": result["completion_tokens"]}
+    yield sse("message_delta", {"delta": {k: message[k] for k in ("stop_reason", "stop_sequence")}, "usage": usage})
+    yield sse("message_stop", {})
+
+
+def responses_object(result):
+    m, output = result["message"], []
+    if m["content"] or "tool_calls" not in m:
+        part = {"type": "output_text", "text": m["content"], "annotations": [], "logprobs": result["logprobs"] or []}
+        output.append({"type": "message", "id": "msg_" + result["id"], "status": "completed", "role": "assistant",
+                       "content": [part]})
+    output += [{"type": "function_call", "id": "fc_" + c["id"], "call_id": c["id"], "name": c["function"]["name"],
+                "arguments": c["function"]["arguments"], "status": "completed"} for c in m.get("tool_calls", [])]
+    cut = result["finish_reason"] == "length"
+    usage = result["prompt_tokens"], result["completion_tokens"]
+    return {"id": "resp_" + result["id"], "object": "response", "created_at": result["created"], "model": result["model"],
+            "status": "incomplete" if cut else "completed", "incomplete_details": {"reason": "max_output_tokens"}
+            if cut else None, "error": None, "output": output, "parallel_tool_calls": True, "tool_choice": "auto",
+            "tools": [], "usage": {"input_tokens": usage[0], "input_tokens_details": {"cached_tokens": 0},
+                                   "output_tokens": usage[1], "output_tokens_details": {"reasoning_tokens": 0},
+                                   "total_tokens": sum(usage)}}
+
+
+async def responses_events(items, request=None):
+    """The Responses API's typed events, each with its sequence number."""
+    number, text = itertools.count(), False  # text: the message item and its text part are open
+
+    def event(kind, **data):
+        return sse(kind, {"sequence_number": next(number), **data})
+
+    def opened(item_id):
+        item = {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return (event("response.output_item.added", output_index=0, item=item) +
+                event("response.content_part.added", output_index=0, item_id=item_id, content_index=0, part=part))
+    async for item in items:
+        if item[0] == "done":
+            break
+        if item[0] == "head":
+            message_id = "msg_" + item[1]
+            head = {"id": "resp_" + item[1], "object": "response", "created_at": item[2], "model": item[3],
+                    "status": "in_progress", "output": [], "error": None, "incomplete_details": None, "usage": None,
+                    "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
+            yield event("response.created", response=head) + event("response.in_progress", response=head)
+            continue
+        yield ("" if text else opened(message_id)) + event("response.output_text.delta", output_index=0,
+                                                           item_id=message_id, content_index=0, delta=item[1], logprobs=[])
+        text = True
+    _, result, sent = item
+    response = responses_object(result)
+    for i, out in enumerate(response["output"]):
+        at = {"output_index": i, "item_id": out["id"]}
+        if out["type"] == "message":
+            part = out["content"][0]
+            yield ("" if text else opened(out["id"])) + event(
+                "response.output_text.delta", **at, content_index=0, delta=part["text"][len(sent):],
+                logprobs=part["logprobs"]) + event("response.output_text.done", **at, content_index=0, text=part["text"],
+                                                   logprobs=part["logprobs"]) + event(
+                "response.content_part.done", **at, content_index=0, part=part)
+        else:
+            added = dict(out, arguments="", status="in_progress")
+            yield event("response.output_item.added", output_index=i, item=added) + event(
+                "response.function_call_arguments.delta", **at, delta=out["arguments"]) + event(
+                "response.function_call_arguments.done", **at, arguments=out["arguments"], name=out["name"])
+        yield event("response.output_item.done", output_index=i, item=out)
+    yield event(f"response.{response['status']}", response=response)
+
+
+PARSERS = {"openai": parse_openai, "anthropic": parse_anthropic, "responses": parse_responses}
+ANSWERS = {"openai": openai_completion, "anthropic": anthropic_message, "responses": responses_object}
+EVENTS = {"openai": openai_events, "anthropic": anthropic_events, "responses": responses_events}
 
 # -----------------------------------------------------------------------------
 # inspection

@@ -44,7 +44,8 @@ RANGES = {
     (lambda v: 0 < v <= 1, "in (0, 1]"): ("top_p", "engine_memory_fraction"),
     (lambda v: 0 <= v < 1, "in [0, 1)"): ("beta1", "beta2"),
 }
-CHOICES = {"failed_group_rule": ("drop", "complete"), "param_dtype": ("float32", "bfloat16")}
+CHOICES = {"failed_group_rule": ("drop", "complete"), "param_dtype": ("float32", "bfloat16"),
+           "constrained_tokens": ("train", "mask")}
 
 
 def loss_config(cfg):

@@ -14,13 +14,13 @@ node); a batch is a list of light records (ref + attempt_id, group_id, reward, t
 driver splits across trainer ranks by tokens; each rank `ray.get`s its own refs.
 """
 import asyncio
+import contextlib
 import itertools
 import math
 import os
 import threading
 import time
 import traceback
-import uuid
 from collections import OrderedDict
 
 import numpy as np
@@ -30,7 +30,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import capture
-from agents import Context
+from agentrl import Context
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -147,18 +147,36 @@ class Router:
             return i
 
     async def generate(self, prompt_token_ids, sampling, request_id, session_id=None, wait_for_engine_s=600.0):
+        async with self.serving(session_id, wait_for_engine_s) as engine:
+            ref = engine.generate.remote(prompt_token_ids, sampling, request_id)
+            try:
+                return await ref
+            except asyncio.CancelledError:  # the client went away: the actor's coroutine is cancelled, vLLM aborts
+                ray.cancel(ref)
+                raise
+
+    async def stream(self, prompt_token_ids, sampling, request_id, session_id=None, wait_for_engine_s=600.0):
+        """generate's turn while it is sampled (capture.Engine.stream), through a Ray streaming generator."""
+        async with self.serving(session_id, wait_for_engine_s) as engine:
+            turn = engine.stream.options(num_returns="streaming").remote(prompt_token_ids, sampling, request_id)
+            try:
+                async for ref in turn:
+                    yield await ref
+            except (asyncio.CancelledError, GeneratorExit):  # the client went away: the engine aborts the turn
+                ray.cancel(turn)
+                raise
+
+    @contextlib.asynccontextmanager
+    async def serving(self, session_id, wait_for_engine_s):
+        """The session's engine for one request, once one is up; a request on an engine that dies fails."""
         deadline = time.monotonic() + wait_for_engine_s
         while (i := self.pick(session_id)) is None:  # every engine is restarting
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no rollout engine came back within {wait_for_engine_s:.0f}s")
             await asyncio.sleep(0.5)
         self._started(i)
-        ref = self.engines[i].generate.remote(prompt_token_ids, sampling, request_id)
         try:
-            return await ref
-        except asyncio.CancelledError:  # the client went away: the actor's coroutine is cancelled, vLLM aborts
-            ray.cancel(ref)
-            raise
+            yield self.engines[i]
         except RayActorError:
             with self._lock:
                 self.failed_requests += 1

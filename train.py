@@ -76,6 +76,9 @@ groups_in_flight = 12      # queue depth: groups running at once; more than grou
 temperature = 1.0
 top_p = 1.0
 max_tokens = 48            # per model turn
+constrained_tokens = "train"  # tokens sampled under a grammar or bias (response_format, tool_choice "none"): "train"
+                              # them (their behavior logprob is the masked distribution's; importance correction sees
+                              # the gap) or "mask" them out of the loss (recorded as context)
 attempt_timeout_s = 60.0
 failed_group_rule = "drop"  # "drop" a group with a failed attempt, or "complete" it with reward 0 for the failure
 max_failed_rounds = 3      # the run stops, with the last error, when this many x groups_in_flight x group_size
@@ -319,7 +322,7 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
     background thread, and the rollout pool for the agent module and its prompts (train() starts it)."""
     import capture
     import rollout
-    from agents import load_agent, read_prompts, setup_agent
+    from agentrl import load_agent, read_prompts, setup_agent
     placement = []
     if engines is None:
         placement.append(rollout.reserve_trainer_gpus(trainer_gpus))  # torchrun's GPUs, unknown to Ray
@@ -333,7 +336,8 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
     router = rollout.Router(engines)
     router.mark_connected([])  # the first weight sync forms the weight group
     server = capture.CaptureServer(router, cfg["model_path"], max_model_len=cfg["engine_max_model_len"],
-                                   importance_correction=cfg["is_level"] != "none")
+                                   importance_correction=cfg["is_level"] != "none",
+                                   constrained_tokens=cfg["constrained_tokens"])
     server.start_in_thread()
     run_agent, agent_prompts = load_agent(cfg["agent"])
     cleanup = setup_agent(run_agent, cfg)  # what the agent needs beside the policy (a judge's engine, ...)

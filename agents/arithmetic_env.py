@@ -1,6 +1,6 @@
 """
 An `Env` example: a short arithmetic quiz, played Gymnasium-style. The framework drives the model through the capture
-server (agents.base.run_env): `reset` gives the opening messages, each model reply goes to `step`, which returns the
+server (agentrl.run_env): `reset` gives the opening messages, each model reply goes to `step`, which returns the
 next observation, the step's reward and whether the episode is over. The attempt's reward is the sum.
 
     python train.py --agent=agents/arithmetic_env.py
@@ -12,8 +12,8 @@ environment says whether it was right and asks the next problem.
 import random
 import re
 
-from agents.base import Env
-from agents.calculator import calculate
+from agentrl import Env
+from calculator import calculate
 
 
 def prompts(seed=0):

@@ -24,7 +24,7 @@ from collections import Counter
 
 from openai import AsyncOpenAI
 
-from agents.base import ChatAgent, Result
+from agentrl import ChatAgent, Result
 
 TOOLS = [{"type": "function", "function": {
     "name": "calculator",
@@ -57,6 +57,14 @@ def calculate(expression):
         return walk(ast.parse(expression, mode="eval").body)
     except SyntaxError:
         raise ValueError(f"not an arithmetic expression: {expression!r}") from None
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression with + - * and parentheses."""
+    try:
+        return str(calculate(expression))
+    except ValueError as e:  # the model wrote a bad expression: it reads why, as the tool's result
+        return f"error: {e}"
 
 
 def expression_of(message, fallback):

@@ -20,8 +20,8 @@ import re
 
 from openai import AsyncOpenAI
 
-from agents.base import ChatAgent, Result
-from agents.sandbox import run_python
+from agentrl import ChatAgent, Result
+from sandbox import run_python
 
 TOOLS = [{"type": "function", "function": {
     "name": "python", "description": "Run a Python 3 program and return what it prints (stdout and stderr).",

@@ -21,7 +21,7 @@ import re
 
 from openai import AsyncOpenAI
 
-from agents.base import ChatAgent, Result
+from agentrl import ChatAgent, Result
 
 NUMBERS, COMPACT_EVERY = 6, 2
 SUMMARISE = "Summarise the game so far in one line: the numbers you were told and the running total."

@@ -28,8 +28,8 @@ import random
 import httpx
 from openai import AsyncOpenAI
 
-from agents.base import ChatAgent, Result
-from agents.frozen import FrozenModel
+from agentrl import ChatAgent, Result
+from frozen import FrozenModel
 
 TEACHER_MODEL = ""  # an HF model directory with the student's tokenizer; "" = the policy's starting weights
 TOPICS = ["the sea", "a lighthouse", "autumn leaves", "a train at night", "bread", "an old map", "snow", "a violin"]
@@ -67,7 +67,7 @@ class Distill(ChatAgent):
     async def run(self, ctx):
         if teacher is None:
             raise RuntimeError("the teacher is not running: the framework calls this module's setup(cfg) before the "
-                               "first attempt (agents.setup_agent)")
+                               "first attempt (agentrl.setup_agent)")
         async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
             await client.chat.completions.create(model=ctx.model, messages=ctx.messages, **ctx.sampling)
         teacher_logprobs, log_ratio = [], []

@@ -9,7 +9,7 @@ server, served from a background thread so that agent code on any event loop can
     judge.close()
 
 Weight sync reaches only the rollout engines, so this one keeps the weights it loaded. A recipe starts it in its
-`setup(cfg)` (called once per run in the process that runs the attempts; see agents/__init__.py) and returns
+`setup(cfg)` (called once per run in the process that runs the attempts; see agentrl.py) and returns
 `close` as the clean-up. Where the engine runs (`placement`):
     "local"  a capture.Engine in this process (vLLM's engine core in a child process): the CPU default
     "ray"    an engine actor on a placement-group bundle of its own (rollout.start_engines): with GPUs, this keeps

@@ -18,8 +18,8 @@ import re
 
 from openai import AsyncOpenAI
 
-from agents.base import ChatAgent, Result
-from agents.frozen import FrozenModel
+from agentrl import ChatAgent, Result
+from frozen import FrozenModel
 
 JUDGE_MODEL = ""  # an HF model directory; "" = the policy's starting weights
 JUDGE_MAX_TOKENS = 16
@@ -69,7 +69,7 @@ class JudgedAnswer(ChatAgent):
     async def run(self, ctx):
         if judge is None:
             raise RuntimeError("the judge is not running: the framework calls this module's setup(cfg) before the "
-                               "first attempt (agents.setup_agent)")
+                               "first attempt (agentrl.setup_agent)")
         async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
             response = await client.chat.completions.create(model=ctx.model, messages=ctx.messages, **ctx.sampling)
         answer = response.choices[0].message.content or ""

@@ -9,9 +9,9 @@ max_tokens on every request and caps temperature at 1.0. Task, tools and reward:
 """
 from anthropic import AsyncAnthropic
 
-from agents.base import ChatAgent, Result
-from agents.tool_use_openai import MAX_TURNS, prompts, run_tool, score  # noqa: F401 (prompts: the same shop task)
-from agents.tool_use_openai import TOOLS as OPENAI_TOOLS
+from agentrl import ChatAgent, Result
+from tool_use_openai import MAX_TURNS, prompts, run_tool, score  # noqa: F401 (prompts: the same shop task)
+from tool_use_openai import TOOLS as OPENAI_TOOLS
 
 TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
           "input_schema": t["function"]["parameters"]} for t in OPENAI_TOOLS]

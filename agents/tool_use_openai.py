@@ -18,8 +18,8 @@ import re
 
 from openai import AsyncOpenAI
 
-from agents.base import ChatAgent, Result
-from agents.calculator import calculate
+from agentrl import ChatAgent, Result
+from calculator import calculate
 
 MAX_TURNS = 4
 PRICES = {"apple": 3, "pear": 5, "banana": 2, "mango": 7, "lemon": 4}

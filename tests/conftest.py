@@ -8,6 +8,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(1, os.path.join(ROOT, "agents"))  # as agentrl.load_agent does: the recipes import each other by name
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -63,6 +64,16 @@ class RecordingBackend:
             out = await self.engine.generate(prompt, sampling, request_id, session_id=session_id)
         self.calls.append(dict(session_id=session_id, prompt=list(prompt), out=out, start=start, end=time.monotonic()))
         return out
+
+    async def stream(self, prompt, sampling, request_id, session_id=None):
+        """generate's turn as the engine streams it; a forced or failing turn comes whole."""
+        if self.forced.get(session_id) or session_id in self.fail:
+            yield await self.generate(prompt, sampling, request_id, session_id)
+            return
+        start = time.monotonic()
+        async for out in self.engine.stream(prompt, sampling, request_id, session_id=session_id):
+            yield out
+        self.calls.append(dict(session_id=session_id, prompt=list(prompt), out=out, start=start, end=time.monotonic()))
 
     def of(self, session_id):
         return [c for c in self.calls if c["session_id"] == session_id]

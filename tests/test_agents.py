@@ -3,7 +3,7 @@ openai / anthropic SDKs, real sandboxed subprocesses, real frozen judge and teac
 
     .venv/bin/python -m pytest tests/test_agents.py -q        # ~3 minutes on 2 cores (seven engine starts)
 
-Two levels. First each recipe, loaded the way the trainer loads it (agents.load_agent, setup_agent), plays whole
+Two levels. First each recipe, loaded the way the trainer loads it (agentrl.load_agent, setup_agent), plays whole
 attempts against an in-process engine behind the capture server; the recorded segments are checked for token
 identity (every mask-1 run is exactly what the engine returned). Then each recipe trains one optimizer step through
 the real loop (train.py's driver: the rollout engine actor shared with the rollout and loop tests, router, pool,
@@ -13,6 +13,7 @@ sees the policy's own numbers); every other turn is sampled.
 """
 import asyncio
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -25,8 +26,7 @@ import capture
 from conftest import RecordingBackend
 import loss
 import train
-from agents import Context, load_agent, setup_agent
-from agents.data import load_prompts
+from agentrl import Context, load_agent, load_prompts, setup_agent
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_MODEL_LEN = 2048
@@ -116,7 +116,7 @@ def test_tool_use_answers_every_parallel_call_then_samples_on(stack, name):
     result, segments, calls = play(stack, run, item, forced)
     assert result.info["tool_calls"] >= 2 and result.info["turns"] >= 2
     assert not calls[1]["out"].get("forced")  # the turn after the tool results is the model's own
-    from agents.tool_use_openai import PRICES
+    from tool_use_openai import PRICES
     text = text_of(stack, segments[0])
     prices = "\n".join(f"<tool_response>\n{PRICES[i]}\n</tool_response>" for i in items)
     assert prices in text  # both results, in call order, in the turn after the calls
@@ -147,8 +147,8 @@ def test_tool_use_sampled_attempt(stack, name):
 
 
 def test_code_exec_reports_runaways_as_tool_results_and_carries_on(stack):
-    from agents.code_exec import CodeExec
-    from agents import as_run_function
+    from code_exec import CodeExec
+    from agentrl import as_run_function
     run = as_run_function(CodeExec(max_turns=4, time_limit_s=1.5, memory_mb=200))
     _, prompts = recipe("code_exec")
     forced = [tool_turn(("python", {"code": "while True:\n    pass"})),
@@ -180,7 +180,7 @@ def test_code_exec_rewards_a_computed_answer(stack):
 
 
 def test_parse_score():
-    from agents.judge import parse_score
+    from judge import parse_score
     assert parse_score("Score: 7") == (0.7, True)
     assert parse_score("score = 3/4, because") == (0.75, True)
     assert parse_score("I give it 12 out of 10. Score: 10") == (1.0, True)
@@ -203,7 +203,7 @@ class Recording:
 
 
 def test_judge_scores_with_its_own_frozen_engine(stack, cfg):
-    from agents.judge import parse_score
+    from judge import parse_score
     run, prompts = recipe("judge")
     cleanup = setup_agent(run, cfg)
     try:
@@ -258,7 +258,7 @@ def test_distill_returns_teacher_logprobs_aligned_with_the_segments(stack, cfg):
 
 def test_compaction_segments_share_the_attempt_and_count_once(stack):
     run, prompts = recipe("compaction")
-    from agents.compaction import COMPACT_EVERY, NUMBERS
+    from compaction import COMPACT_EVERY, NUMBERS
     item = next(prompts())
     attempts = []
     for seed in range(1, 9):  # seeded samples until the group has rewards that differ: something to learn
@@ -333,6 +333,22 @@ def test_setup_agent_hook(tmp_path):
     with pytest.raises(TypeError, match="plain function"):
         setup_agent(load_agent(str(bad))[0], {})
 
+
+
+def test_an_agent_file_imports_its_neighbours_and_the_agents_sdk(tmp_path):
+    """The agent file is loaded as a script: the files beside it import by name, and `import agents` is the OpenAI
+    Agents SDK (an optional extra), not this project's folder of recipes."""
+    import importlib.util
+    (tmp_path / "helper_for_agent.py").write_text("BONUS = 0.5\n")
+    sdk = importlib.util.find_spec("agents")
+    uses_sdk = sdk is not None and sdk.origin is not None  # the SDK is a regular package; our folder is not
+    (tmp_path / "sdk_user.py").write_text(
+        "from helper_for_agent import BONUS\n" + ("from agents import Agent, Runner, function_tool\n" if uses_sdk else "")
+        + "async def agent(ctx):\n    return BONUS" + (" + float(callable(Runner.run))" if uses_sdk else "") + "\n")
+    run, _ = load_agent(str(tmp_path / "sdk_user.py"))
+    assert asyncio.run(run(Context(base_url="", api_key="", model=""))).reward == (1.5 if uses_sdk else 0.5)
+    import agents
+    assert not uses_sdk or os.path.dirname(agents.__file__) != os.path.join(ROOT, "agents")
 
 def test_load_prompts_jsonl(tmp_path):
     path = tmp_path / "train.jsonl"
@@ -472,7 +488,7 @@ def test_recipe_trains_one_step(tmp_path, tiny_model_path, rollout_engine, devic
 
 @pytest.mark.parametrize("name", ["tool_use_openai", "tool_use_anthropic"])
 def test_tool_use_trains_one_step(tmp_path, tiny_model_path, rollout_engine, device, name):
-    from agents.tool_use_openai import PRICES
+    from tool_use_openai import PRICES
     tokenizer = capture.CaptureServer(None, tiny_model_path).tokenizer
     engine = ForcedFirstTurn(rollout_engine, tool_turn(*[("get_price", {"item": i}) for i in PRICES]), tokenizer)
     row, attempts = train_one_step(tmp_path, tiny_model_path, engine, device, name)
@@ -480,6 +496,16 @@ def test_tool_use_trains_one_step(tmp_path, tiny_model_path, rollout_engine, dev
     for (segment,) in attempts.values():
         assert results in segment["text"]  # five calls in one turn, five results before the next turn
     assert row["reward_mean"] >= 0.3  # every price looked up
+
+
+@pytest.mark.skipif(importlib.util.find_spec("agents") is None, reason="openai-agents is an optional extra")
+def test_agents_sdk_recipe_trains_one_step(tmp_path, tiny_model_path, rollout_engine, device):
+    """The OpenAI Agents SDK on its Responses path, loaded by train.py unchanged: the first turn calls the tool."""
+    tokenizer = capture.CaptureServer(None, tiny_model_path).tokenizer
+    engine = ForcedFirstTurn(rollout_engine, tool_turn(("calculator", {"expression": "2 + 3"})), tokenizer)
+    row, attempts = train_one_step(tmp_path, tiny_model_path, engine, device, "agents_sdk")
+    for (segment,) in attempts.values():  # the tool ran on the model's call; its result is context of the next turn
+        assert "<tool_response>\n5\n</tool_response>" in segment["text"] and len(segment["generated"]) == 2
 
 
 def test_code_exec_trains_one_step_through_runaway_programs(tmp_path, tiny_model_path, rollout_engine, device):
@@ -512,7 +538,7 @@ def test_recipe_with_a_frozen_engine_trains_one_step(tmp_path, tiny_model_path, 
 def test_frozen_model_as_an_engine_actor(tiny_model_path, rollout_engine):
     """placement="ray": the frozen model on an engine actor of its own, beside the rollout engine (what a GPU run
     uses to keep a judge or teacher off the trainer's GPUs; here on a CPU bundle)."""
-    from agents.frozen import FrozenModel
+    from frozen import FrozenModel
     frozen = FrozenModel(tiny_model_path, max_model_len=1024, memory_fraction=0.3, placement="ray").start()
     try:
         async def use():

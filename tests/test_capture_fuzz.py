@@ -44,6 +44,11 @@ def valid_openai(rng):
             "tools": [CALC], "max_tokens": 8, "temperature": 0.7}
 
 
+def valid_responses(rng):
+    return {"model": "tiny", "instructions": "Be brief.", "input": "hello " + str(rng.randint(0, 9)),
+            "tools": [dict(type="function", **CALC["function"])], "max_output_tokens": 8}
+
+
 def valid_anthropic(rng):
     return {"model": "tiny", "max_tokens": 8, "system": "Be brief.", "tools": [
         {"name": "calculator", "input_schema": CALC["function"]["parameters"]}],
@@ -60,8 +65,8 @@ BAD_OPENAI = {
                 [{"role": "assistant", "tool_calls": "call"}], [{"role": "user", "content": "word " * 2000}]],
     "tools": ["calculator", 5, [5], [{"type": "function"}], [{"function": {"name": 5}}],
               [{"function": {"name": "f", "parameters": "schema"}}]],
-    "tool_choice": ["sometimes", 5, [], "required", {"type": "function", "function": {"name": "nope"}},
-                    {"type": "function", "function": {"name": "calculator"}}],
+    "tool_choice": ["sometimes", 5, [], {"type": "function", "function": {"name": "nope"}}, {"type": "function"},
+                    {"type": "function", "name": "calculator"}],
     "temperature": ["hot", -1, 2.5, [], True, float("inf")],
     "top_p": ["all", 0, 1.5, -0.1, {}],
     "max_tokens": ["8", 0, -5, 1.5, True],
@@ -70,12 +75,12 @@ BAD_OPENAI = {
     "seed": ["x", -1, 2**70, 1.5],
     "stream": ["yes", 1, []],
     "n": [2, 0, "1"],
-    "logprobs": [True, "yes"],
-    "top_logprobs": [3],
+    "logprobs": ["yes", 1],
     "frequency_penalty": [0.5, "x"],
     "presence_penalty": [-1],
-    "parallel_tool_calls": [False, "no"],
-    "response_format": [{"type": "json_object"}],
+    "parallel_tool_calls": ["no", 0],
+    "response_format": [{"type": "xml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": 5}},
+                        "json"],
     "functions": [[{"name": "f"}]],
     "stream_options": ["x", 5],
 }
@@ -90,8 +95,8 @@ BAD_ANTHROPIC = {
     "max_tokens": [None, "8", 0, -1, 2.5],
     "system": [5, [{"type": "image"}], {"text": "x"}],
     "tools": [5, [{"name": "f"}], [{"input_schema": {}}], [{"type": "web_search_20250305", "name": "web_search"}]],
-    "tool_choice": ["auto", {"type": "any"}, {"type": "tool", "name": "nope"}, {"type": "sometimes"},
-                   {"type": "auto", "disable_parallel_tool_use": True}],
+    "tool_choice": ["auto", {"type": "tool", "name": "nope"}, {"type": "sometimes"}, {"type": "tool"},
+                   {"type": "auto", "disable_parallel_tool_use": "yes"}],
     "temperature": [1.5, "x", -0.5],
     "top_p": [0, 2],
     "top_k": [5],
@@ -100,25 +105,47 @@ BAD_ANTHROPIC = {
     "stream": ["yes"],
     "n": [2],
 }
+BAD_RESPONSES = {
+    "input": [None, 5, [5], [{"type": "image", "image_url": "x"}], [{"role": "bot", "content": "x"}],
+              [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
+              [{"type": "function_call", "name": "f", "arguments": "{}"}], [{"type": "function_call_output", "output": "x"}],
+              [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}], [{"type": "reasoning"}],
+              "word " * 2000, []],
+    "instructions": [5, ["x"]],
+    "tools": [5, [{"type": "web_search"}], [{"type": "function"}], [{"type": "function", "name": "f", "parameters": 5}],
+              [{"type": "function", "function": {"name": "f"}}]],
+    "tool_choice": ["sometimes", {"type": "function"}, {"type": "function", "name": "nope"}, {"type": "mcp"}],
+    "max_output_tokens": [0, "8", 1.5],
+    "temperature": [3, "x"],
+    "text": [5, {"format": {"type": "xml"}}, {"format": {"type": "json_schema"}}, {"format": "json"}],
+    "previous_response_id": ["resp_nope", 5],
+    "include": ["x"],
+    "truncation": ["auto"],
+    "reasoning": [{"effort": "high"}],
+    "store": ["yes"],
+    "conversation": ["conv_1"],
+    "background": [True],
+}
 
 
 def hostile_requests(rng, url, good, other, finished):
     """(method, url, headers, content) tuples, each certain to be refused."""
-    oa, an = good.base_url + "/chat/completions", good.base_url + "/v1/messages"
+    oa, an, rs = good.base_url + "/chat/completions", good.base_url + "/v1/messages", good.base_url + "/responses"
     auth_oa, auth_an = {"authorization": f"Bearer {good.api_key}"}, {"x-api-key": good.api_key}
+    protocols = {"openai": (BAD_OPENAI, valid_openai, oa, auth_oa),
+                 "anthropic": (BAD_ANTHROPIC, valid_anthropic, an, auth_an),
+                 "responses": (BAD_RESPONSES, valid_responses, rs, auth_oa)}
     out = []
-    for _ in range(180):  # one wrong field in an otherwise valid request
-        protocol = rng.choice(["openai", "anthropic"])
-        bad = BAD_OPENAI if protocol == "openai" else BAD_ANTHROPIC
-        body = (valid_openai if protocol == "openai" else valid_anthropic)(rng)
+    for _ in range(270):  # one wrong field in an otherwise valid request
+        bad, valid, target, auth = protocols[rng.choice(sorted(protocols))]
+        body = valid(rng)
         key = rng.choice(sorted(bad))
         body[key] = rng.choice(bad[key])
         if body[key] is None:
             del body[key]
-        out.append(("POST", oa if protocol == "openai" else an, auth_oa if protocol == "openai" else auth_an,
-                    json.dumps(body).encode()))
+        out.append(("POST", target, auth, json.dumps(body).encode()))
     for _ in range(80):  # broken bytes
-        target, headers = rng.choice([(oa, auth_oa), (an, auth_an)])
+        target, headers = rng.choice([(oa, auth_oa), (an, auth_an), (rs, auth_oa)])
         valid = json.dumps(valid_openai(rng)).encode()
         content = rng.choice([valid[:rng.randint(0, len(valid) - 1)], bytes(rng.getrandbits(8) for _ in range(64)),
                               b"\xff\xfe" + valid, b"[" * 100000, b"null", b"[]", b"42", b'"text"',
@@ -129,12 +156,17 @@ def hostile_requests(rng, url, good, other, finished):
                                 (finished.base_url, finished.api_key), (good.base_url, ""),
                                 (f"{url}/s/nosuchsession/v1", good.api_key), (good.base_url, good.api_key + "x"),
                                 (good.base_url, "é" * 10)])
-        path, header = rng.choice([("/chat/completions", "authorization"), ("/v1/messages", "x-api-key")])
+        path, header = rng.choice([("/chat/completions", "authorization"), ("/v1/messages", "x-api-key"),
+                                   ("/responses", "authorization")])
         value = f"Bearer {key}".strip() if header == "authorization" else key
         out.append(("POST", base + path, {header: value.encode()}, json.dumps(valid_openai(rng)).encode()))
         sid = base.split("/s/")[1].split("/")[0]
         if key != finished.api_key:  # a finished session stays readable with its own key
             out.append(("GET", f"{url}/sessions/{sid}", {"x-api-key": key.encode()}, b""))
+    for _ in range(30):  # token counting gets the Messages API's checks (max_tokens aside)
+        body, key = valid_anthropic(rng), rng.choice(sorted(set(BAD_ANTHROPIC) - {"max_tokens"}))
+        body[key] = rng.choice([v for v in BAD_ANTHROPIC[key] if "word " * 2000 not in json.dumps(v)])  # long is fine
+        out.append(("POST", an + "/count_tokens", auth_an, json.dumps(body).encode()))
     for _ in range(20):  # too large, declared or real
         target, headers = rng.choice([(oa, auth_oa), (an, auth_an)])
         out.append(("POST", target, headers, b'{"messages": "' + b"x" * (MAX_BODY + 10) + b'"}'))
@@ -152,7 +184,7 @@ def hostile_requests(rng, url, good, other, finished):
 def check_error(response, url):
     assert 400 <= response.status_code < 500, (url, response.status_code, response.text[:300])
     body = response.json()
-    if url.endswith("/messages"):
+    if "/messages" in url:
         assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
     else:
         assert set(body["error"]) == {"message", "type", "param", "code"}

@@ -235,7 +235,7 @@ async def run_sequence(server, seed):
                     "stop_sequences": rng.choice([[], ["gamma"]]), **({"system": system} if system else {})}
         raw = json.dumps(body).encode()
         request = (capture.parse_openai if protocol == "openai" else capture.parse_anthropic)(json.loads(raw), server)
-        request.key = hashlib.sha256(raw).hexdigest()
+        request.key, request.retry = hashlib.sha256(raw).hexdigest(), True  # a resend stands for a client retry
         if protocol == "anthropic":  # both protocols normalise the same conversation the same way
             assert request.messages == [internal(m) for m in messages]
         n_calls, before = len(backend.calls), session.segment_dicts()
@@ -346,21 +346,25 @@ def test_tool_calls_are_parsed_by_vllms_hermes_parser(server):
     assert result["message"]["content"] == text and "tool_calls" not in result["message"]
 
 
-def test_stop_string_and_length_keep_every_generated_token(server):
+def test_stop_string_ends_the_recorded_tokens_where_the_text_ends(server):
     tok = server.tokenizer
     body = {"messages": [{"role": "user", "content": "go"}], "stop": ["STOP"]}
     result, session = asyncio.run(answer(server, body, forced=("one two STOP", [], "stop")))
     assert result["message"]["content"] == "one two " and result["finish_reason"] == "stop"
     assert capture.anthropic_message(result)["stop_reason"] == "stop_sequence"
-    # the client sees the text before the stop string; the trajectory keeps every token the engine produced, and
-    # the next turn closes our turn with the template's end-of-turn token and separator (context, mask 0)
+    # the client sees the text before the stop string and the trajectory holds exactly those tokens; the next turn
+    # closes our turn with the template's end-of-turn token and separator (context, mask 0)
     segment = session.segments[0]
-    assert tok.decode(segment.token_ids).endswith("<|im_start|>assistant\none two STOP")
+    assert tok.decode(segment.token_ids).endswith("<|im_start|>assistant\none two ") and segment.action_mask[-1] == 1
     follow = {"messages": body["messages"] + [{"role": "assistant", "content": "one two "},
                                               {"role": "user", "content": "more"}]}
     asyncio.run(server.respond(session, capture.parse_openai(follow, server)))
     text = tok.decode(session.segments[0].token_ids)
-    assert len(session.segments) == 1 and "one two STOP<|im_end|>\n<|im_start|>user\nmore<|im_end|>" in text
+    assert len(session.segments) == 1 and "one two <|im_end|>\n<|im_start|>user\nmore<|im_end|>" in text
+    # a token that holds text before the stop string and the stop string's start goes too: the text ends where the
+    # last kept token ends, a little before the stop string
+    result, session = asyncio.run(answer(server, dict(body, stop=["wo"]), forced=("one two", [], "stop")))  # " two"
+    assert result["message"]["content"] == "one" and session.segments[0].token_ids[-2:] == tok("one")["input_ids"]
     result, _ = asyncio.run(answer(server, {"messages": body["messages"]}, forced=("cut short", [], "length")))
     assert result["finish_reason"] == "length"
     assert capture.anthropic_message(result)["stop_reason"] == "max_tokens"

@@ -95,7 +95,7 @@ def questions(path, first_line=0):
 
 
 def test_sigkill_mid_step_then_resume(tmp_path, tiny_model_path):
-    from agents import read_prompts
+    from agentrl import read_prompts
     prompts = tmp_path / "prompts.jsonl"
     with open(prompts, "w") as f:  # every question distinct, so that a question tells its place in the stream
         for a in range(20):

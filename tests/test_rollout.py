@@ -70,7 +70,7 @@ def groups_of(records):
 
 
 def as_result(fn):
-    from agents import as_run_function
+    from agentrl import as_run_function
     return as_run_function(fn)
 
 

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from agents.sandbox import namespace_command, network_isolation, run_python
+from sandbox import namespace_command, network_isolation, run_python
 
 ISOLATIONS = ["audit-hook"] + (["namespace"] if namespace_command() is not None else [])
 

@@ -1,0 +1,407 @@
+"""Agents as people write them, against the real capture server and the shared vLLM engine actor: the Responses API,
+forced tool calls, structured output, logprobs, token counting, retries, and the agent frameworks (the OpenAI Agents
+SDK, LangChain, pydantic-ai, smolagents) as installed from requirements-extras.txt (their tests skip without them).
+
+    .venv/bin/python -m pytest tests/test_frameworks.py -q      # ~1-2 minutes on 2 cores (one engine, shared)
+
+Every test checks the recorded trajectory: each mask-1 run is exactly what the engine returned (token identity),
+and a conversation that extends the recorded one stays one segment. The random tiny model almost never writes a
+valid tool call, so where a test needs one the wrapper forces the text of that turn (scored by the engine's own
+prompt logprobs); with a forced tool_choice the server has already put the call's opening in the context, and the
+forced text is the rest of the call.
+"""
+import asyncio
+import importlib.util
+import json
+import math
+import os
+import time
+
+import anthropic
+import httpx
+import openai
+import pydantic
+import pytest
+import ray
+
+import capture
+import rollout
+from agentrl import Context, load_agent
+from conftest import RecordingBackend
+from test_capture import TOOLS, check_token_identity
+
+MAX_MODEL_LEN = 1024
+
+
+class ActorEngine:
+    """The shared engine actor with the in-process Engine's interface that RecordingBackend wraps."""
+
+    def __init__(self, actor):
+        self.router, self.actor = rollout.Router([actor]), actor
+        self.policy_version = ray.get(actor.__ray_call__.remote(lambda engine: engine.policy_version))
+
+    async def generate(self, prompt, sampling, request_id, session_id=None):
+        return await self.router.generate(prompt, sampling, request_id, session_id=session_id)
+
+    async def stream(self, prompt, sampling, request_id, session_id=None):
+        async for out in self.router.stream(prompt, sampling, request_id, session_id=session_id):
+            yield out
+
+    async def prompt_logprobs(self, token_ids):
+        return await self.actor.prompt_logprobs.remote(token_ids)
+
+
+@pytest.fixture(scope="module")
+def stack(rollout_engine, tiny_model_path):
+    server = capture.CaptureServer(None, tiny_model_path, max_model_len=MAX_MODEL_LEN)
+    server.backend = recorder = RecordingBackend(ActorEngine(rollout_engine), server.tokenizer)
+    server.start_in_thread()
+    yield server, recorder
+    server.stop_thread()
+
+
+def finish(server, recorder, session, segments=1):
+    """End the attempt; check token identity and the number of segments; return the segments."""
+    recorded = server.finish_session(session.id, 1.0)
+    check_token_identity(recorded, recorder.of(session.id))
+    assert len(recorded) == segments, [s["segment_index"] for s in recorded]
+    return recorded
+
+
+def call_text(name, arguments, opened=None):
+    """The Hermes text of one call; `opened`: the part after the opening the server forced ("name" or "arguments")."""
+    text = '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (name, json.dumps(arguments))
+    return {None: text, "name": text.split('"name": "', 1)[1], "arguments": text.split('"arguments": ', 1)[1]}[opened]
+
+
+def installed(name):
+    return pytest.mark.skipif(importlib.util.find_spec(name) is None, reason=f"{name} is an optional extra "
+                                                                            "(pip install -r requirements-extras.txt)")
+
+
+# --- the protocols: forced calls, structured output, logprobs, counting, retries
+
+
+def test_forced_tool_calls_put_the_opening_in_context(stack):
+    server, recorder = stack
+    session = server.new_session()
+    client = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    recorder.forced[session.id] = [call_text("calculator", {"expression": "2 + 3"}, "arguments")]
+    reply = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=16,
+                                           tool_choice={"type": "function", "function": {"name": "calculator"}},
+                                           parallel_tool_calls=False)
+    (call,) = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and json.loads(call.function.arguments) == {"expression": "2 + 3"}
+    messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    # "required": the model itself names the tool after the opening (sampled here: any text it writes comes back)
+    client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=8, tool_choice="required")
+    (segment,) = finish(server, recorder, session)
+    tok = server.tokenizer
+    first, second = recorder.of(session.id)
+    assert tok.decode(first["prompt"]).endswith('<|im_start|>assistant\n<tool_call>\n{"name": "calculator", "arguments": ')
+    assert tok.decode(second["prompt"]).endswith('<|im_start|>assistant\n<tool_call>\n{"name": "')
+    opening = len(tok('<tool_call>\n{"name": "', add_special_tokens=False)["input_ids"])
+    assert segment["action_mask"][len(second["prompt"]) - opening:len(second["prompt"])] == [0] * opening
+    # Anthropic: {"type": "any"} and {"type": "tool"}, the same way
+    session = server.new_session()
+    client = anthropic.Anthropic(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+    recorder.forced[session.id] = [call_text("calculator", {"expression": "4 * 5"}, "name")]
+    tools = [{"name": "calculator", "input_schema": TOOLS[0]["function"]["parameters"]}]
+    reply = client.messages.create(model="tiny", max_tokens=16, tools=tools, tool_choice={"type": "any"},
+                                   messages=[{"role": "user", "content": "4 * 5?"}])
+    assert reply.stop_reason == "tool_use" and reply.content[-1].input == {"expression": "4 * 5"}
+    follow = [{"role": "user", "content": "4 * 5?"}, {"role": "assistant", "content": reply.content},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": reply.content[-1].id, "content": "oops",
+                                            "is_error": True}]}]
+    client.messages.create(model="tiny", max_tokens=6, tools=tools, messages=follow,
+                           tool_choice={"type": "tool", "name": "calculator"})
+    (segment,) = finish(server, recorder, session)
+    assert "<tool_response>\nError: oops\n</tool_response>" in tok.decode(segment["token_ids"])
+
+
+def test_tool_choice_none_and_parallel_false_reach_the_engine(tiny_model_path):
+    from test_capture_segmenter import CALC, FakeBackend
+    server = capture.CaptureServer(None, tiny_model_path)
+    server.backend = FakeBackend(server.tokenizer)
+    start, end = server.tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [CALC]}
+    for extra, bias, stops in [({}, None, False), ({"tool_choice": "none"}, {start: -100}, False),
+                               ({"parallel_tool_calls": False}, None, True)]:
+        asyncio.run(server.respond(server.new_session(), capture.parse_openai(dict(body, **extra), server)))
+        sampling = server.backend.calls[-1]["sampling"]
+        assert sampling.get("logit_bias") == bias and (end in sampling["stop_token_ids"]) == stops
+    asyncio.run(server.stop())
+
+
+SCHEMA = {"type": "object", "properties": {"odd": {"type": "boolean"}}, "required": ["odd"], "additionalProperties": False}
+
+
+def test_structured_output_records_the_masked_distributions_logprobs(stack, rollout_engine):
+    server, recorder = stack
+    session = server.new_session()
+    client = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+    reply = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Is 5 odd?"}], max_tokens=48, seed=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA, "strict": True}})
+    if reply.choices[0].finish_reason == "stop":
+        assert set(json.loads(reply.choices[0].message.content)) == {"odd"}
+    (segment,) = finish(server, recorder, session)
+    (call,) = recorder.of(session.id)
+    # at temperature 1 the grammar only removes mass: log q(x) = log p(x) - log Z >= log p(x), the engine's own
+    # unmasked logprob of the same token
+    unmasked = ray.get(rollout_engine.prompt_logprobs.remote(call["prompt"] + call["out"]["token_ids"]))
+    gaps = [q - p for q, p in zip(call["out"]["logprobs"], unmasked[len(call["prompt"]):])]
+    assert min(gaps) > -0.02 and max(gaps) > 0.1, gaps
+    k3 = [math.exp(-g) - 1 + g for g in gaps]  # the trainer's mismatch_kl estimator (log rho = log p - log q)
+    print(f"structured output, {len(gaps)} tokens: mismatch_kl {sum(k3) / len(k3):.3f}, "
+          f"mismatch_k1 {sum(gaps) / len(gaps):.3f}")
+    # constrained_tokens="mask": the same kind of turn is recorded as context, out of the loss
+    masked = capture.CaptureServer(recorder, server.tokenizer, max_model_len=MAX_MODEL_LEN, constrained_tokens="mask")
+    session = masked.new_session()
+    body = {"messages": [{"role": "user", "content": "Is 7 odd?"}], "max_tokens": 8,
+            "response_format": {"type": "json_object"}}
+    asyncio.run(masked.respond(session, capture.parse_openai(body, masked)))
+    (segment,) = session.segment_dicts()
+    assert sum(segment["action_mask"]) == 0 and len(segment["token_ids"]) > len(recorder.of(session.id)[0]["prompt"])
+    asyncio.run(masked.stop())
+
+
+def test_logprobs_count_tokens_and_retries(stack):
+    server, recorder = stack
+    session = server.new_session()
+    client = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+    messages = [{"role": "user", "content": "Say something."}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, logprobs=True, top_logprobs=3)
+    (call,) = recorder.of(session.id)
+    content = reply.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(call["out"]["logprobs"][:len(content)])
+    for c in content:
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-6
+        assert [t.logprob for t in c.top_logprobs] == sorted([t.logprob for t in c.top_logprobs], reverse=True)
+    # a client retry (marked by the SDKs) gets the stored answer; an unmarked repeat samples again (a new segment)
+    url, auth = session.base_url + "/chat/completions", {"authorization": f"Bearer {session.api_key}"}
+    body = {"model": "tiny", "messages": messages, "max_tokens": 6}  # unseeded: a repeat is a fresh sample
+    first = httpx.post(url, json=body, headers={**auth, "x-stainless-retry-count": "0"}).json()
+    assert httpx.post(url, json=body, headers={**auth, "x-stainless-retry-count": "1"}).json() == first
+    repeat = httpx.post(url, json=body, headers=auth).json()
+    assert repeat["id"] != first["id"] and len(recorder.of(session.id)) == 3
+    keyed = {**auth, "idempotency-key": "k1"}
+    assert httpx.post(url, json=body, headers=keyed).json() == httpx.post(url, json=body, headers=keyed).json()
+    finish(server, recorder, session, segments=4)
+    # Anthropic token counting: the prompt the same request generates on
+    session = server.new_session()
+    client = anthropic.Anthropic(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+    kw = dict(model="tiny", system="Be brief.", messages=[{"role": "user", "content": "Count me."}],
+              tools=[{"name": "calculator", "input_schema": TOOLS[0]["function"]["parameters"]}])
+    counted = client.messages.count_tokens(**kw).input_tokens
+    with client.messages.stream(max_tokens=4, **kw) as stream:
+        final = stream.get_final_message()
+    assert counted == len(recorder.of(session.id)[0]["prompt"]) == final.usage.input_tokens
+
+
+def test_streams_deliver_text_as_the_engine_samples(stack):
+    """Many deltas (one per engine step, not one at the end) in all three APIs; together they are the answer, which
+    ends where the recorded tokens end (held back from the end as far as a stop string could reach)."""
+    server, recorder = stack
+    session = server.new_session()
+    oa = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+    an = anthropic.Anthropic(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+    ask = [{"role": "user", "content": "Tell me a story."}]
+    streams = {
+        "chat": [c.choices[0].delta.content for c in oa.chat.completions.create(
+            model="tiny", messages=ask, max_tokens=32, stream=True, stop=["zq"])
+            if c.choices and c.choices[0].delta.content],
+        "messages": [e.delta.text for e in an.messages.create(model="tiny", max_tokens=32, messages=ask, stream=True)
+                     if e.type == "content_block_delta"],
+        "responses": [e.delta for e in oa.responses.create(model="tiny", input=ask, max_output_tokens=32, stream=True)
+                      if e.type == "response.output_text.delta" and e.delta]}
+    segments = finish(server, recorder, session, segments=3)
+    for (api, deltas), segment, call in zip(streams.items(), segments, recorder.of(session.id)):
+        ids = call["out"]["token_ids"]
+        assert len(deltas) >= 4 and segment["token_ids"][-len(ids):] == ids, (api, deltas)
+        assert "".join(deltas) == server.tokenizer.decode(ids[:-1] if ids[-1] in server.end_ids else ids)
+
+
+def test_a_stream_the_client_leaves_is_aborted_and_not_recorded(stack):
+    server, recorder = stack
+    session = server.new_session()
+    url, auth = session.base_url + "/chat/completions", {"authorization": f"Bearer {session.api_key}"}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Go on and on."}], "max_tokens": 600,
+            "stream": True, "temperature": 1.0}
+    with httpx.stream("POST", url, json=body, headers=auth) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")  # the stream has begun: then the client goes
+    deadline = time.monotonic() + 30
+    while session.lock.locked() and time.monotonic() < deadline:  # the aborted turn lets go of the session
+        time.sleep(0.05)
+    assert not session.lock.locked() and session.segment_dicts() == [] and recorder.of(session.id) == []
+    reply = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Still there?"}], max_tokens=4)
+    assert reply.usage.completion_tokens >= 1
+    finish(server, recorder, session)
+
+
+# --- the Responses API
+
+
+def test_responses_api_with_tools_previous_response_id_and_stream(stack):
+    server, recorder = stack
+    session = server.new_session()
+    client = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+    tools = [dict(type="function", **TOOLS[0]["function"], strict=True)]
+    recorder.forced[session.id] = [call_text("calculator", {"expression": "2 + 3"})]
+    first = client.responses.create(model="tiny", instructions="You are a calculator.", input="What is 2 + 3?",
+                                    tools=tools, max_output_tokens=24)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "calculator" and json.loads(call.arguments) == {"expression": "2 + 3"}
+    # the stateless way: the whole history, the model's items as received
+    history = [{"role": "user", "content": "What is 2 + 3?"}]
+    history += [item.model_dump(exclude_none=True) for item in first.output]
+    history.append({"type": "function_call_output", "call_id": call.call_id, "output": "5"})
+    second = client.responses.create(model="tiny", instructions="You are a calculator.", input=history, tools=tools,
+                                     max_output_tokens=8)
+    # the stateful way: previous_response_id, streamed (the last event holds the response, completed or incomplete)
+    events = list(client.responses.create(model="tiny", instructions="You are a calculator.", tools=tools, stream=True,
+                                          max_output_tokens=8, previous_response_id=second.id,
+                                          input=[{"role": "user", "content": "And 6 - 1?"}]))
+    kinds, third = [event.type for event in events], events[-1].response
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert kinds[0] == "response.created" and kinds[-1] == "response." + third.status
+    assert "response.output_text.delta" in kinds
+    assert third.usage.output_tokens == len(recorder.of(session.id)[-1]["out"]["token_ids"])
+    assert third.output_text == "".join(p.text for item in third.output if item.type == "message" for p in item.content)
+    finish(server, recorder, session)
+    # store=False: nothing to continue from
+    session = server.new_session()
+    client = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+    unstored = client.responses.create(model="tiny", input="hi", max_output_tokens=4, store=False)
+    with pytest.raises(openai.BadRequestError, match="store: false"):
+        client.responses.create(model="tiny", input="again", max_output_tokens=4, previous_response_id=unstored.id)
+
+
+# --- the frameworks
+
+
+@installed("agents")
+@pytest.mark.parametrize("streamed", [False, True])
+def test_openai_agents_sdk_runner_with_a_function_tool(stack, streamed):
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    set_tracing_disabled(True)
+    server, recorder = stack
+    session = server.new_session()
+
+    @function_tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0) as client:
+            agent = Agent(name="adder", instructions="Add with the tool.", tools=[add],
+                          model=OpenAIResponsesModel(model="tiny", openai_client=client),
+                          model_settings=ModelSettings(max_tokens=12))
+            if not streamed:
+                return await Runner.run(agent, "What is 2 + 3?", max_turns=3)
+            result = Runner.run_streamed(agent, "What is 2 + 3?", max_turns=3)
+            async for _ in result.stream_events():
+                pass
+            return result
+    # both turns forced: the SDK fails a run whose turn ends at max_tokens ("incomplete"), as the random model's do
+    recorder.forced[session.id] = [call_text("add", {"a": 2, "b": 3}), "It is 5."]
+    result = asyncio.run(run())
+    assert any(getattr(item, "output", None) == 5 for item in result.new_items)  # the tool ran on the model's call
+    assert result.final_output == "It is 5."
+    segment, = finish(server, recorder, session)
+    assert len(recorder.of(session.id)) == 2 and "<tool_response>\n5\n</tool_response>" in server.tokenizer.decode(
+        segment["token_ids"])
+
+
+class Verdict(pydantic.BaseModel):
+    odd: bool
+
+
+@installed("langchain_openai")
+def test_langchain_bind_tools_and_structured_output(stack):
+    from langchain_core.messages import ToolMessage
+    from langchain_openai import ChatOpenAI
+    server, recorder = stack
+    session = server.new_session()
+    llm = ChatOpenAI(model="tiny", base_url=session.base_url, api_key=session.api_key, max_retries=0, max_tokens=48)
+
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression."""
+        return str(eval(expression))
+    recorder.forced[session.id] = [call_text("calculator", {"expression": "2 + 3"})]
+    bound = llm.bind_tools([calculator])
+    messages = [("user", "What is 2 + 3?")]
+    ai = bound.invoke(messages)
+    assert ai.tool_calls[0]["name"] == "calculator" and ai.tool_calls[0]["args"] == {"expression": "2 + 3"}
+    messages += [ai, ToolMessage(content="5", tool_call_id=ai.tool_calls[0]["id"])]
+    bound.invoke(messages)
+    verdict = llm.with_structured_output(Verdict, include_raw=True).invoke("Is 5 odd?")  # json_schema, constrained
+    assert verdict["parsed"] is not None or verdict["raw"].response_metadata["finish_reason"] == "length"
+    finish(server, recorder, session, segments=2)  # the tool conversation, then the structured question
+
+
+@installed("langchain_anthropic")
+def test_langchain_anthropic_structured_output_and_token_count(stack):
+    from langchain_anthropic import ChatAnthropic
+    server, recorder = stack
+    session = server.new_session()
+    llm = ChatAnthropic(model="tiny", base_url=session.base_url, api_key=session.api_key, max_retries=0, max_tokens=24)
+    question = [("user", "Is 5 odd?")]
+    counted = llm.get_num_tokens_from_messages(llm._convert_input(question).to_messages())  # /v1/messages/count_tokens
+    recorder.forced[session.id] = [call_text("Verdict", {"odd": True}, "arguments")]  # its tool, named and forced
+    assert llm.with_structured_output(Verdict).invoke(question) == Verdict(odd=True)
+    (call,) = recorder.of(session.id)
+    opening = len(server.tokenizer('<tool_call>\n{"name": "Verdict", "arguments": ', add_special_tokens=False)["input_ids"])
+    assert counted > 0 and len(call["prompt"]) - opening > counted  # the forcing tool is in the prompt, not in the count
+    finish(server, recorder, session)
+
+
+@installed("pydantic_ai")
+def test_pydantic_ai_with_an_output_type(stack):
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    server, recorder = stack
+    session = server.new_session()
+    model = OpenAIChatModel("tiny", provider=OpenAIProvider(base_url=session.base_url, api_key=session.api_key))
+    agent = Agent(model, output_type=Verdict)
+    recorder.forced[session.id] = [call_text("final_result", {"odd": True}, "name")]  # its output tool, forced
+    result = agent.run_sync("Is 5 odd?", model_settings={"max_tokens": 16})
+    assert result.output == Verdict(odd=True)
+    finish(server, recorder, session)
+
+
+@installed("smolagents")
+def test_smolagents_tool_calling_agent_defaults(stack):
+    from smolagents import OpenAIServerModel, ToolCallingAgent
+    server, recorder = stack
+    session = server.new_session()
+    model = OpenAIServerModel(model_id="tiny", api_base=session.base_url, api_key=session.api_key, max_tokens=24)
+    agent = ToolCallingAgent(tools=[], model=model, max_steps=2, verbosity_level=0)
+    agent.prompt_templates["system_prompt"] = "Call final_answer with the answer."  # the default fills 2,000 tokens
+    recorder.forced[session.id] = [call_text("final_answer", {"answer": "5"}, "name")]  # it sends "required"
+    assert str(agent.run("What is 2 + 3?")) == "5"
+    finish(server, recorder, session)
+
+
+@pytest.mark.parametrize("name,package", [("agents_sdk", "agents"), ("langchain_tools", "langchain_openai")])
+def test_framework_recipes_play_an_attempt(stack, name, package):
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is an optional extra")
+    server, recorder = stack
+    run, prompts = load_agent(os.path.join(os.path.dirname(os.path.dirname(__file__)), "agents", name + ".py"))
+    item = next(prompts())
+    session = server.new_session()
+    answer = str(eval(item["label"]))
+    recorder.forced[session.id] = [call_text("calculator", {"expression": item["label"]}), answer]
+    result = asyncio.run(run(Context(base_url=session.base_url, api_key=session.api_key, model="tiny",
+                                     prompt=item["prompt"], label=item["label"],
+                                     sampling=dict(temperature=1.0, top_p=1.0, max_tokens=24))))
+    assert result.reward == 1.0 and result.info["tool_calls"] == 1
+    (segment,) = finish(server, recorder, session)
+    assert f"<tool_response>\n{answer}\n</tool_response>" in server.tokenizer.decode(segment["token_ids"])
