@@ -194,11 +194,12 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_cos_sin(T, head_dim, theta, device, dtype):
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
-    t = torch.arange(T, device=device, dtype=torch.float32)
-    freqs = torch.outer(t, inv_freq)  # (T, hd/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+def rope_inv_freq(dim, theta, device):
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, device=device).float() / dim))  # (dim/2,)
+
+
+def rope_cos_sin(freqs, dtype):
+    emb = torch.cat((freqs, freqs), dim=-1)  # (..., hd): the "rotate half" layout
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -591,14 +592,13 @@ class VisionModel(nn.Module):
         pos, rows_cols = [], []
         for t, h, w in grids:
             pe = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0].permute(1, 2, 0)
-            rc = torch.stack(torch.meshgrid(torch.arange(h, device=dev), torch.arange(w, device=dev), indexing="ij"), -1)
+            rc = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1).to(dev)
             pos.append(merge_order(pe, m).repeat(t, 1))
             rows_cols.append(merge_order(rc, m).repeat(t, 1))
         x = x + torch.cat(pos)
-        hd = vc.hidden_size // vc.num_heads  # RoPE: a quarter of the head's frequencies for the row, one for the column
-        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, hd // 2, 2, device=dev).float() / (hd // 2)))
-        freqs = (torch.cat(rows_cols)[..., None] * inv_freq).flatten(1)  # (N, hd/2)
-        cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()  # (N, hd)
+        # 2-D RoPE: a quarter of each head's frequencies turn with the patch's row, a quarter with its column
+        inv_freq = rope_inv_freq(vc.hidden_size // vc.num_heads // 2, 10000.0, dev)
+        cos, sin = rope_cos_sin((torch.cat(rows_cols)[..., None] * inv_freq).flatten(1), torch.float32)  # (N, hd)
         lengths = [h * w for t, h, w in grids for _ in range(t)]
         deepstack = []
         for i, block in enumerate(self.blocks):
@@ -630,12 +630,10 @@ def mrope_cos_sin(pos, cfg, dtype):
     """Interleaved M-RoPE: frequency j of the head rotates with the t, h or w position (t, h, w, t, h, w, ... as
     mrope_section allots them, the rest t). pos (3, B, T) -> cos, sin (B, 1, T, hd)."""
     hd, (_, s_h, s_w) = cfg.head_dim, cfg.mrope_section
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=pos.device).float() / hd))
     axis = torch.zeros(hd // 2, dtype=torch.long, device=pos.device)
     axis[1:3 * s_h:3], axis[2:3 * s_w:3] = 1, 2
-    freqs = pos[axis].permute(1, 2, 0).float() * inv_freq  # (B, T, hd/2)
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    freqs = pos[axis].permute(1, 2, 0).float() * rope_inv_freq(hd, cfg.rope_theta, pos.device)  # (B, T, hd/2)
+    return rope_cos_sin(freqs[:, None], dtype)
 
 
 def embed_images(model, input_ids, x, pixel_values, image_grid_thw):
@@ -682,7 +680,8 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(input_ids)  # (B, T, D)
         deepstack = []
         if pixel_values is None:  # text: M-RoPE with t = h = w is plain RoPE
-            cos, sin = rope_cos_sin(T, self.config.head_dim, self.config.rope_theta, x.device, x.dtype)
+            inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, x.device)
+            cos, sin = rope_cos_sin(torch.outer(torch.arange(T, device=x.device).float(), inv_freq), x.dtype)  # (T, hd)
         else:
             x, cos, sin, image_tokens, deepstack = embed_images(self, input_ids, x, pixel_values, image_grid_thw)
         routes, m = [], 0
@@ -829,19 +828,11 @@ def ours_to_hf(sd, cfg):
 def fuse_vl_experts(hf_sd, cfg):
     """Per-expert HF names -> the layout of published Qwen3-VL-MoE checkpoints, the one vLLM's and transformers'
     loaders read: per layer `experts.gate_up_proj` (E, D, 2H) and `experts.down_proj` (E, H, D)."""
-    out, experts = {}, {}
-    for name, t in hf_sd.items():
-        if ".mlp.experts." in name:
-            prefix, rest = name.split(".mlp.experts.")
-            e, proj, _ = rest.split(".")
-            experts.setdefault(prefix, {})[int(e), proj] = t
-        else:
-            out[name] = t
-    for prefix, w in experts.items():
-        E = range(cfg.num_experts)
-        out[f"{prefix}.mlp.experts.gate_up_proj"] = torch.stack([torch.cat([w[e, "gate_proj"], w[e, "up_proj"]]).T
-                                                                 for e in E])
-        out[f"{prefix}.mlp.experts.down_proj"] = torch.stack([w[e, "down_proj"].T for e in E])
+    out = {k: v for k, v in hf_sd.items() if ".mlp.experts." not in k}
+    for layer in {k.split(".mlp.experts.")[0] + ".mlp.experts." for k in hf_sd if ".mlp.experts." in k}:
+        w = [[hf_sd[f"{layer}{e}.{p}.weight"].T for p in EXPERT_PROJS] for e in range(cfg.num_experts)]
+        out[layer + "gate_up_proj"] = torch.stack([torch.cat([g, u], dim=1) for g, u, _ in w])
+        out[layer + "down_proj"] = torch.stack([d for _, _, d in w])
     return out
 
 
@@ -890,7 +881,8 @@ TINY_CONFIG = ModelConfig(
 # The tiny VLM: the same text model with Qwen3-VL's M-RoPE, and a 3-layer vision tower. moe_intermediate_size is
 # neither hidden_size nor half of it: transformers decides whether to transpose fused experts by their shape.
 TINY_VL_CONFIG = replace(TINY_CONFIG, moe_intermediate_size=192, mrope_section=[12, 10, 10], vision=VisionConfig(
-    depth=3, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, deepstack_visual_indexes=[0, 1]))
+    depth=3, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, deepstack_visual_indexes=[0, 1],
+    vision_start_token_id=3, vision_end_token_id=4, image_token_id=5, video_token_id=6))  # VISION_TOKENS' ids
 TINY_MODELS = {"tiny-qwen3-moe": TINY_CONFIG, "tiny-qwen3-vl-moe": TINY_VL_CONFIG}  # by directory name in .cache
 
 
@@ -961,14 +953,12 @@ CHAT_TEMPLATE = r"""
 
 # The VLM's template: the same, with each message's content rendered as Qwen3-VL does (text parts, and an image part
 # as <|vision_start|><|image_pad|><|vision_end|>, which the processor expands to the image's tokens).
-VL_CHAT_TEMPLATE = """{%- macro render(content) %}
-    {%- if content is string %}{{- content }}
-    {%- elif content %}{%- for part in content %}
-        {%- if 'image' in part or 'image_url' in part or part.type == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}
-        {%- elif 'text' in part %}{{- part.text }}{%- endif %}
-    {%- endfor %}{%- endif %}
-{%- endmacro %}
-""" + CHAT_TEMPLATE.replace("messages[0].content", "render(messages[0].content)").replace(
+VL_CHAT_TEMPLATE = (
+    "{%- macro render(content) %}{%- if content is string %}{{- content }}{%- elif content %}{%- for part in content %}"
+    "{%- if 'image' in part or 'image_url' in part or part.type == 'image' %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}{%- elif 'text' in part %}{{- part.text }}{%- endif %}"
+    "{%- endfor %}{%- endif %}{%- endmacro %}\n") + CHAT_TEMPLATE.replace(
+    "messages[0].content", "render(messages[0].content)").replace(
     "message.content is string and not(message.content.startswith(", "not(render(message.content).startswith(").replace(
     "message.content if message.content is string else ''", "render(message.content)")
 
@@ -1027,8 +1017,6 @@ def ensure_tiny_model(path=TINY_MODEL_PATH, cfg=None, seed=0):
     tok = build_tokenizer(tmp, cfg.vocab_size, vision=cfg.vision is not None)
     eos, pad = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
     if cfg.vision is not None:
-        cfg = replace(cfg, vision=replace(cfg.vision, **{k: tok.token_to_id(t) for k, t in zip(VL_TOKEN_IDS, (
-            "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"))}))
         save_image_processor(tmp, cfg.vision)
     torch.manual_seed(seed)
     model = Transformer(cfg)
@@ -1073,15 +1061,10 @@ def num_params(cfg, active=False):
         else:
             total += attn + 3 * D * cfg.intermediate_size
     emb = cfg.vocab_size * D
-    return total + emb + D + (0 if cfg.tie_word_embeddings else emb) + (vision_params(cfg.vision) if cfg.vision else 0)
-
-
-def vision_params(vc):
-    Dv, I, H = vc.hidden_size, vc.intermediate_size, vc.hidden_size * vc.spatial_merge_size ** 2
-    patch = Dv * vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2 + Dv + vc.num_position_embeddings * Dv
-    block = 4 * Dv + 4 * Dv * Dv + 4 * Dv + 2 * Dv * I + I + Dv  # 2 LayerNorms, qkv + proj, the MLP (with biases)
-    merger = H * H + H + H * vc.out_hidden_size + vc.out_hidden_size  # + its LayerNorm, over Dv or H
-    return patch + vc.depth * block + merger + 2 * Dv + len(vc.deepstack_visual_indexes) * (merger + 2 * H)
+    if cfg.vision is not None:  # the vision tower, counted on the meta device (no memory)
+        with torch.device("meta"):
+            total += sum(p.numel() for p in VisionModel(cfg.vision).parameters())
+    return total + emb + D + (0 if cfg.tie_word_embeddings else emb)
 
 
 if __name__ == "__main__":
