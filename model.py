@@ -681,7 +681,8 @@ class Transformer(nn.Module):
         deepstack = []
         if pixel_values is None:  # text: M-RoPE with t = h = w is plain RoPE
             inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, x.device)
-            cos, sin = rope_cos_sin(torch.outer(torch.arange(T, device=x.device).float(), inv_freq), x.dtype)  # (T, hd)
+            t = torch.arange(T, device=x.device, dtype=torch.float32)
+            cos, sin = rope_cos_sin(torch.outer(t, inv_freq), x.dtype)  # (T, hd)
         else:
             x, cos, sin, image_tokens, deepstack = embed_images(self, input_ids, x, pixel_values, image_grid_thw)
         routes, m = [], 0
