@@ -221,7 +221,7 @@ def test_tiny_vlm_renders_processes_and_matches_transformers(tiny_vl_path):
 
 
 def test_tiny_vlm_build_is_deterministic(tiny_vl_path, tmp_path):
-    again = ensure_tiny_model(str(tmp_path / "tiny-qwen3-vl-moe"))
+    again = ensure_tiny_model(str(tmp_path / "tiny-qwen3-vl-moe"), TINY_VL_CONFIG)
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json",
                  "preprocessor_config.json"):
         digest = [hashlib.sha256(open(os.path.join(p, name), "rb").read()).hexdigest() for p in (tiny_vl_path, again)]
