@@ -829,8 +829,8 @@ def ours_to_hf(sd, cfg):
 def fuse_vl_experts(hf_sd, cfg):
     """Per-expert HF names -> the layout of published Qwen3-VL-MoE checkpoints, the one vLLM's and transformers'
     loaders read: per layer `experts.gate_up_proj` (E, D, 2H) and `experts.down_proj` (E, H, D)."""
-    out = {k: v for k, v in hf_sd.items() if ".mlp.experts." not in k}
-    for layer in {k.split(".mlp.experts.")[0] + ".mlp.experts." for k in hf_sd if ".mlp.experts." in k}:
+    out = {k: v for k, v in hf_sd.items() if not is_stacked_experts(k)}
+    for layer in {k.split(".mlp.experts.")[0] + ".mlp.experts." for k in hf_sd if is_stacked_experts(k)}:
         w = [[hf_sd[f"{layer}{e}.{p}.weight"].T for p in EXPERT_PROJS] for e in range(cfg.num_experts)]
         out[layer + "gate_up_proj"] = torch.stack([torch.cat([g, u], dim=1) for g, u, _ in w])
         out[layer + "down_proj"] = torch.stack([d for _, _, d in w])
@@ -896,6 +896,7 @@ def tiny_model_config(path):
 
 def is_tiny_model(path):
     return tiny_model_config(path) is not None
+
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]  # special, as in Qwen3-VL

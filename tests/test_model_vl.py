@@ -17,7 +17,7 @@ VISION = VisionConfig(depth=3, hidden_size=64, intermediate_size=96, num_heads=2
                       video_token_id=501, vision_start_token_id=502, vision_end_token_id=503)
 TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, rope_theta=10000.0, vision=VISION, mrope_section=[2, 3, 3])
-DENSE_VL = ModelConfig(**TEXT)
+DENSE_VL = ModelConfig(**TEXT, tie_word_embeddings=True)  # as the small Qwen3-VL models
 # moe_intermediate_size neither hidden_size nor half of it: transformers transposes fused experts by their shape
 MOE_VL = ModelConfig(**TEXT, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=[1])
 # several images per sequence, of several sizes (in patches): non-square, one merged token, beyond the 8x8 learned grid
