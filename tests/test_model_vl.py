@@ -182,7 +182,7 @@ def tiny_vl_path():
 
 
 def test_tiny_vlm_renders_processes_and_matches_transformers(tiny_vl_path):
-    from PIL import Image
+    from PIL import Image, ImageDraw
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny_vl_path)
     vc = TINY_VL_CONFIG.vision
@@ -200,12 +200,17 @@ def test_tiny_vlm_renders_processes_and_matches_transformers(tiny_vl_path):
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert f"<|im_start|>user\nAngle?{image}<|im_end|>" in text
     assert f"<tool_response>\n{image}zoomed\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
-    processor = AutoImageProcessor.from_pretrained(tiny_vl_path)
-    assert type(processor).__name__ == "Qwen2VLImageProcessorPil"  # no torchvision needed
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    processor = Qwen2VLImageProcessorPil.from_pretrained(tiny_vl_path)  # needs no torchvision
     with open(os.path.join(tiny_vl_path, "processor_config.json")) as f:
         assert json.load(f)["processor_class"] == "Qwen3VLProcessor"
     images = [Image.new("RGB", (96, 64), (200, 30, 30)), Image.new("RGB", (301, 170), (30, 200, 30))]
+    ImageDraw.Draw(images[1]).line([(0, 0), (300, 169)], fill="black", width=5)
     out = processor(images=images, return_tensors="pt")
+    # the processor transformers picks: this one without torchvision, its torchvision twin beside it (what vLLM runs)
+    auto = AutoImageProcessor.from_pretrained(tiny_vl_path)(images=images, return_tensors="pt")
+    # resizing may round a pixel to the next 8-bit level: 2/255 after the [-1, 1] normalization
+    torch.testing.assert_close(auto["pixel_values"], out["pixel_values"], atol=2 / 255 + 1e-6, rtol=0)
     assert out["image_grid_thw"].tolist() == [[1, 4, 6], [1, 10, 18]]
     n = (out["image_grid_thw"].prod(-1) // vc.spatial_merge_size ** 2).tolist()
     parts = text.split("<|image_pad|>")  # the image tokens expanded, as the capture server does
