@@ -1,24 +1,28 @@
 """
-Qwen3 (dense) and Qwen3-MoE transformer with HuggingFace parameter names.
+Qwen3 (dense), Qwen3-MoE and Qwen3-VL (dense or MoE: a vision tower, M-RoPE, deepstack) with HuggingFace names.
 
-A real Qwen3-4B or Qwen3-30B-A3B checkpoint directory loads unchanged (`Transformer.from_pretrained(dir)`),
-and `save_pretrained` writes a directory that vLLM and transformers load. MoE experts are stored stacked
-(E, ...) and computed with grouped GEMM on CUDA (`torch._grouped_mm`), with a plain loop over experts as
-the readable reference used on CPU. Routing replay: pass the engine's expert ids per token and layer and
-the router uses them instead of its own top-k (the gate weights still come from the router, so it trains).
+A real Qwen3-4B, Qwen3-30B-A3B or Qwen3-VL-30B-A3B checkpoint directory loads unchanged
+(`Transformer.from_pretrained(dir)`), and `save_pretrained` writes a directory that vLLM and transformers load.
+MoE experts are stored stacked (E, ...) and computed with grouped GEMM on CUDA (`torch._grouped_mm`), with a plain
+loop over experts as the readable reference used on CPU. Routing replay: pass the engine's expert ids per token and
+layer and the router uses them instead of its own top-k (the gate weights still come from the router, so it trains).
+Images: pass `pixel_values` and `image_grid_thw` as the model's image processor makes them; without them a
+Qwen3-VL model runs the text path unchanged.
 
-This file imports nothing of ours. The tiny model used by tests and the CPU default run is built here too
+This file imports nothing of ours. The tiny models used by tests and the CPU runs are built here too
 (`ensure_tiny_model`): a byte-level BPE tokenizer trained on generated text, a Qwen3-style chat template
-with Hermes `<tool_call>` tool calls, and a random-init Qwen3-MoE.
+with Hermes `<tool_call>` tool calls, and a random-init Qwen3-MoE; the tiny VLM adds Qwen3-VL's vision tokens,
+image parts in the template, a 3-layer vision tower and its image processor.
 
-    python model.py                       # builds .cache/tiny-qwen3-moe if missing and prints it
+    python model.py                            # builds .cache/tiny-qwen3-moe if missing and prints it
+    python model.py .cache/tiny-qwen3-vl-moe   # the tiny Qwen3-VL-MoE
 """
 
 import functools
 import json
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.nn as nn
@@ -37,8 +41,33 @@ except ImportError:
 
 
 @dataclass
+class VisionConfig:
+    # the fields of HF's Qwen3VLVisionConfig, and the top-level token ids of its Qwen3VLConfig
+    depth: int = 27
+    hidden_size: int = 1152
+    intermediate_size: int = 4304
+    num_heads: int = 16
+    hidden_act: str = "gelu_pytorch_tanh"
+    in_channels: int = 3
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    out_hidden_size: int = 2048
+    num_position_embeddings: int = 2304
+    deepstack_visual_indexes: list = field(default_factory=lambda: [8, 16, 24])
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+
+
+VL_TOKEN_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+@dataclass
 class ModelConfig:
-    # the fields of HF's Qwen3Config / Qwen3MoeConfig that change the function the model computes
+    # the fields of HF's Qwen3Config / Qwen3MoeConfig (or a Qwen3VL(Moe)Config's text_config) that change the
+    # function the model computes
     vocab_size: int = 151936
     hidden_size: int = 4096
     intermediate_size: int = 12288
@@ -58,6 +87,9 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: list = field(default_factory=list)
+    # Qwen3-VL: the vision tower (None: a text model) and M-RoPE's frequencies per t/h/w axis (sum head_dim / 2)
+    vision: VisionConfig = None
+    mrope_section: list = field(default_factory=lambda: [24, 20, 20])
 
     @property
     def is_moe(self):
@@ -72,21 +104,29 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf):
-        """From a config.json dict of model_type qwen3 or qwen3_moe."""
-        if hf.get("model_type") not in ("qwen3", "qwen3_moe"):
-            raise ValueError(f"model_type {hf.get('model_type')!r} is not a Qwen3 or Qwen3-MoE model "
-                             "(expected 'qwen3' or 'qwen3_moe' in config.json)")
-        names = {f.name for f in fields(cls)}
-        kw = {k: v for k, v in hf.items() if k in names and v is not None}
-        if "rope_theta" not in kw:  # transformers 5 nests it under rope_parameters
-            kw["rope_theta"] = (hf.get("rope_parameters") or {}).get("rope_theta", cls.rope_theta)
-        if hf["model_type"] == "qwen3":
+        """From a config.json dict of model_type qwen3, qwen3_moe, qwen3_vl or qwen3_vl_moe."""
+        mt = hf.get("model_type")
+        if mt not in ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe"):
+            raise ValueError(f"model_type {mt!r} is not a Qwen3, Qwen3-MoE or Qwen3-VL model "
+                             "(expected 'qwen3', 'qwen3_moe', 'qwen3_vl' or 'qwen3_vl_moe' in config.json)")
+        vl = mt.startswith("qwen3_vl")
+        text = {**hf["text_config"], "tie_word_embeddings": hf.get("tie_word_embeddings", False)} if vl else hf
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}  # transformers 5 nests rope_theta here
+        names = {f.name for f in fields(cls)} - {"vision", "mrope_section"}
+        kw = {k: v for k, v in text.items() if k in names and v is not None}
+        kw.setdefault("rope_theta", rope.get("rope_theta", cls.rope_theta))
+        if mt in ("qwen3", "qwen3_vl"):
             kw["num_experts"] = 0
-        kw.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
+        kw.setdefault("head_dim", text["hidden_size"] // text["num_attention_heads"])
+        if vl:
+            v = {k: x for k, x in hf["vision_config"].items() if k in {f.name for f in fields(VisionConfig)}}
+            v.update({k: hf[k] for k in VL_TOKEN_IDS if k in hf})  # top-level in HF's config
+            kw["vision"] = VisionConfig(**v)
+            kw["mrope_section"] = list(rope.get("mrope_section", cls().mrope_section))
         return cls(**kw)
 
     def to_hf(self):
-        hf = {k: getattr(self, k) for k in (f.name for f in fields(self))}
+        hf = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("vision", "mrope_section")}
         hf.update(model_type="qwen3_moe" if self.is_moe else "qwen3",
                   architectures=["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"],
                   hidden_act="silu", torch_dtype="bfloat16", attention_dropout=0.0,
@@ -97,7 +137,21 @@ class ModelConfig:
             for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                       "decoder_sparse_step", "mlp_only_layers", "output_router_logits", "router_aux_loss_coef"):
                 hf.pop(k)
-        return hf
+        if self.vision is None:
+            return hf
+        # Qwen3-VL: the text model nested under text_config with interleaved M-RoPE, the tower under vision_config
+        mt = "qwen3_vl_moe" if self.is_moe else "qwen3_vl"
+        for k in ("architectures", "rope_scaling", "rope_theta", "use_sliding_window", "sliding_window",
+                  "max_window_layers"):
+            hf.pop(k)
+        hf.update(model_type=mt + "_text", rope_parameters=dict(
+            rope_type="default", rope_theta=self.rope_theta, mrope_section=self.mrope_section, mrope_interleaved=True))
+        v = {f.name: getattr(self.vision, f.name) for f in fields(self.vision)}
+        tokens = {k: v.pop(k) for k in VL_TOKEN_IDS}
+        return dict(model_type=mt, architectures=["Qwen3VLMoeForConditionalGeneration" if self.is_moe else
+                                                  "Qwen3VLForConditionalGeneration"],
+                    text_config=hf, vision_config={**v, "model_type": mt, "initializer_range": 0.02}, **tokens,
+                    tie_word_embeddings=self.tie_word_embeddings, torch_dtype="bfloat16")
 
 # -----------------------------------------------------------------------------
 # layers
@@ -140,11 +194,12 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_cos_sin(T, head_dim, theta, device, dtype):
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
-    t = torch.arange(T, device=device, dtype=torch.float32)
-    freqs = torch.outer(t, inv_freq)  # (T, hd/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+def rope_inv_freq(dim, theta, device):
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, device=device).float() / dim))  # (dim/2,)
+
+
+def rope_cos_sin(freqs, dtype):
+    emb = torch.cat((freqs, freqs), dim=-1)  # (..., hd): the "rotate half" layout
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -443,6 +498,159 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 # -----------------------------------------------------------------------------
+# vision (Qwen3-VL): the vision tower, and the image tokens' place in the text model (M-RoPE, deepstack)
+
+
+class VisionMLP(nn.Module):
+    """linear_fc1 -> GELU -> linear_fc2, with biases: the tower's MLP, and the patch mergers' projection."""
+
+    def __init__(self, D_in, H, D_out, approximate="none"):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(D_in, H)
+        self.linear_fc2 = nn.Linear(H, D_out)
+        self.approximate = approximate
+
+    def forward(self, x):
+        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate=self.approximate))
+
+
+class PatchMerger(VisionMLP):
+    """Each merge x merge block of neighbouring patches (adjacent rows of x) -> one token of the text model's width.
+    The deepstack mergers normalize the concatenated block (postshuffle), the final merger each patch before."""
+
+    def __init__(self, vc, postshuffle):
+        H = vc.hidden_size * vc.spatial_merge_size ** 2
+        super().__init__(H, H, vc.out_hidden_size)
+        self.norm = nn.LayerNorm(H if postshuffle else vc.hidden_size, eps=1e-6)
+        self.postshuffle = postshuffle
+
+    def forward(self, x):
+        H = self.linear_fc1.in_features
+        return super().forward(self.norm(x.view(-1, H) if self.postshuffle else x).view(-1, H))
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, vc):
+        super().__init__()
+        self.n_head = vc.num_heads
+        self.qkv = nn.Linear(vc.hidden_size, 3 * vc.hidden_size)
+        self.proj = nn.Linear(vc.hidden_size, vc.hidden_size)
+
+    def forward(self, x, cos, sin, lengths):
+        N, D = x.shape
+        q, k, v = self.qkv(x).view(N, 3, self.n_head, -1).permute(1, 2, 0, 3).unbind(0)  # each (nh, N, hd)
+        q, k = (apply_rope(t.float(), cos, sin).to(v.dtype) for t in (q, k))  # 2-D RoPE in fp32, as HF does
+        # full (not causal) attention within each image: one call per image keeps memory at one image's scores
+        y = torch.cat([F.scaled_dot_product_attention(*qkv) for qkv in
+                       zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1))], dim=1)  # (nh, N, hd)
+        return self.proj(y.transpose(0, 1).reshape(N, D))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, vc):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(vc.hidden_size, eps=1e-6)
+        self.attn = VisionAttention(vc)
+        self.norm2 = nn.LayerNorm(vc.hidden_size, eps=1e-6)
+        approximate = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}[vc.hidden_act]
+        self.mlp = VisionMLP(vc.hidden_size, vc.intermediate_size, vc.hidden_size, approximate)
+
+    def forward(self, x, cos, sin, lengths):
+        x = x + self.attn(self.norm1(x), cos, sin, lengths)
+        return x + self.mlp(self.norm2(x))
+
+
+def merge_order(x, m):
+    """(h, w, ...) -> (h * w, ...) in the processor's patch order: the m x m patches of one merged token adjacent."""
+    h, w = x.shape[:2]
+    return x.reshape(h // m, m, w // m, m, *x.shape[2:]).transpose(1, 2).reshape(h * w, *x.shape[2:])
+
+
+class VisionModel(nn.Module):
+    """Qwen3-VL's vision tower. pixel_values (N, C*T*P*P): the patches of all images, as the image processor
+    flattens them; grid_thw (I, 3): each image's (t, h, w) in patches. Returns the image tokens (N / m^2, D), one
+    per m x m block, and the deepstack features (same shape) of the layers in deepstack_visual_indexes."""
+
+    def __init__(self, vc):
+        super().__init__()
+        self.config = vc
+        k = (vc.temporal_patch_size, vc.patch_size, vc.patch_size)
+        self.patch_embed = nn.ModuleDict(dict(proj=nn.Conv3d(vc.in_channels, vc.hidden_size, k, stride=k)))
+        self.pos_embed = nn.Embedding(vc.num_position_embeddings, vc.hidden_size)  # a square grid, interpolated
+        self.blocks = nn.ModuleList(VisionBlock(vc) for _ in range(vc.depth))
+        self.merger = PatchMerger(vc, postshuffle=False)
+        self.deepstack_merger_list = nn.ModuleList(PatchMerger(vc, True) for _ in vc.deepstack_visual_indexes)
+
+    def forward(self, pixel_values, grid_thw):
+        vc, m, dev = self.config, self.config.spatial_merge_size, pixel_values.device
+        proj = self.patch_embed.proj
+        # a convolution with stride = kernel over one patch is a linear map of the flattened patch
+        x = F.linear(pixel_values.to(proj.weight.dtype), proj.weight.flatten(1), proj.bias)  # (N, Dv)
+        S = math.isqrt(vc.num_position_embeddings)
+        table = self.pos_embed.weight.view(S, S, -1).permute(2, 0, 1)[None]  # (1, Dv, S, S)
+        grids = grid_thw.tolist()  # NOTE: a device-to-host sync when grid_thw is on the GPU
+        pos, rows_cols = [], []
+        for t, h, w in grids:
+            pe = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0].permute(1, 2, 0)
+            rc = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1).to(dev)
+            pos.append(merge_order(pe, m).repeat(t, 1))
+            rows_cols.append(merge_order(rc, m).repeat(t, 1))
+        x = x + torch.cat(pos)
+        # 2-D RoPE: a quarter of each head's frequencies turn with the patch's row, a quarter with its column
+        inv_freq = rope_inv_freq(vc.hidden_size // vc.num_heads // 2, 10000.0, dev)
+        cos, sin = rope_cos_sin((torch.cat(rows_cols)[..., None] * inv_freq).flatten(1), torch.float32)  # (N, hd)
+        lengths = [h * w for t, h, w in grids for _ in range(t)]
+        deepstack = []
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, lengths)
+            if i in vc.deepstack_visual_indexes:
+                deepstack.append(self.deepstack_merger_list[vc.deepstack_visual_indexes.index(i)](x))
+        return self.merger(x), deepstack
+
+
+def mrope_positions(input_ids, image_grid_thw, vc):
+    """(3, B, T) t/h/w positions of Qwen3-VL's M-RoPE. Text tokens count up on all three axes; the tokens of an
+    image (its t x h x w merged grid, in order) sit at start + (t, h, w) index, and the text after it resumes at
+    start + max(h, w). Images are matched to runs of image tokens in order, row by row."""
+    m = vc.spatial_merge_size
+    grid = image_grid_thw.to(input_ids.device).long() // torch.tensor([1, m, m], device=input_ids.device)  # (I, 3)
+    n = grid.prod(-1)  # tokens per image
+    img = torch.repeat_interleave(torch.arange(len(n), device=n.device), n)  # the image of each image token
+    k = torch.arange(len(img), device=n.device) - (n.cumsum(0) - n)[img]  # its index within the image
+    t, h, w = grid[img].unbind(-1)
+    mask = input_ids == vc.image_token_id
+    step = (~mask).long()  # how far each token moves the next position: text 1, an image max(h, w) at its end
+    step[mask] = torch.where(k == n[img] - 1, torch.maximum(h, w), 0)
+    pos = (step.cumsum(-1) - step).expand(3, -1, -1).clone()
+    pos[:, mask] += torch.stack([k // (h * w), k // w % h, k % w])
+    return pos
+
+
+def mrope_cos_sin(pos, cfg, dtype):
+    """Interleaved M-RoPE: frequency j of the head rotates with the t, h or w position (t, h, w, t, h, w, ... as
+    mrope_section allots them, the rest t). pos (3, B, T) -> cos, sin (B, 1, T, hd)."""
+    hd, (_, s_h, s_w) = cfg.head_dim, cfg.mrope_section
+    axis = torch.zeros(hd // 2, dtype=torch.long, device=pos.device)
+    axis[1:3 * s_h:3], axis[2:3 * s_w:3] = 1, 2
+    freqs = pos[axis].permute(1, 2, 0).float() * rope_inv_freq(hd, cfg.rope_theta, pos.device)  # (B, T, hd/2)
+    return rope_cos_sin(freqs[:, None], dtype)
+
+
+def embed_images(model, input_ids, x, pixel_values, image_grid_thw):
+    """The text embeddings x (B, T, D) with the image tokens replaced by the tower's output; M-RoPE's cos and sin;
+    the image tokens' (row, column) indices, and the deepstack features the first decoder layers add there."""
+    image_tokens, deepstack = model.visual(pixel_values, image_grid_thw)
+    where = (input_ids == model.config.vision.image_token_id).nonzero(as_tuple=True)  # NOTE: a device-to-host sync
+    if where[0].numel() != image_tokens.shape[0]:
+        raise ValueError(f"input_ids hold {where[0].numel()} image tokens but the images (image_grid_thw "
+                         f"{image_grid_thw.tolist()}) make {image_tokens.shape[0]}: expand each image to its "
+                         "t*h*w/merge_size^2 tokens, as this model's processor does")
+    x = x.index_put(where, image_tokens.to(x.dtype))
+    cos, sin = mrope_cos_sin(mrope_positions(input_ids, image_grid_thw, model.config.vision), model.config, x.dtype)
+    return x, cos, sin, where, [d.to(x.dtype) for d in deepstack]
+
+
+# -----------------------------------------------------------------------------
 # the model
 
 
@@ -456,19 +664,29 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.visual = VisionModel(cfg.vision) if cfg.vision is not None else None  # Qwen3-VL's vision tower
         self.activation_checkpointing = False
 
-    def hidden_states(self, input_ids, routed_experts=None, return_routes=False):
+    def hidden_states(self, input_ids, routed_experts=None, return_routes=False, pixel_values=None,
+                      image_grid_thw=None):
         """input_ids (B, T) -> final-normed hidden states (B, T, D).
 
         routed_experts (B, T, L_moe, K): expert ids per token and MoE layer (routing replay), or None.
         return_routes: also return the expert ids used, (B, T, L_moe, K), for recording and replay.
+        pixel_values, image_grid_thw: a Qwen3-VL model's images, as its image processor makes them, for the image
+        tokens of input_ids in order (each image's tokens in one row); None for text alone.
         """
         B, T = input_ids.shape
         x = self.model.embed_tokens(input_ids)  # (B, T, D)
-        cos, sin = rope_cos_sin(T, self.config.head_dim, self.config.rope_theta, x.device, x.dtype)
+        deepstack = []
+        if pixel_values is None:  # text: M-RoPE with t = h = w is plain RoPE
+            inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, x.device)
+            t = torch.arange(T, device=x.device, dtype=torch.float32)
+            cos, sin = rope_cos_sin(torch.outer(t, inv_freq), x.dtype)  # (T, hd)
+        else:
+            x, cos, sin, image_tokens, deepstack = embed_images(self, input_ids, x, pixel_values, image_grid_thw)
         routes, m = [], 0
-        for block in self.model.layers:
+        for i, block in enumerate(self.model.layers):
             replay = None
             if block.is_moe and routed_experts is not None:
                 replay = routed_experts[:, :, m]
@@ -480,14 +698,17 @@ class Transformer(nn.Module):
             if block.is_moe:
                 routes.append(ids)
                 m += 1
+            if i < len(deepstack):  # Qwen3-VL's deepstack: the tower's early features join the first layers
+                x = x.index_put(image_tokens, deepstack[i], accumulate=True)
         x = self.model.norm(x)
         if return_routes:
             return x, (torch.stack(routes, dim=2) if routes else None)
         return x
 
-    def forward(self, input_ids, routed_experts=None):
+    def forward(self, input_ids, routed_experts=None, pixel_values=None, image_grid_thw=None):
         """input_ids (B, T) -> logits (B, T, V). The trainer uses hidden_states + chunked logprobs instead."""
-        return self.lm_head(self.hidden_states(input_ids, routed_experts))
+        return self.lm_head(self.hidden_states(input_ids, routed_experts, pixel_values=pixel_values,
+                                               image_grid_thw=image_grid_thw))
 
     def init_weights(self, seed=0, std=0.02):
         init_parameters(self.named_parameters(), std, torch.Generator().manual_seed(seed))
@@ -515,8 +736,8 @@ def init_parameters(named_tensors, std, generator):
     """The init rule: norm weights 1, every other weight N(0, std^2), drawn from `generator` on the tensor's device
     (the trainer calls it on each rank's shards)."""
     for name, t in named_tensors:
-        if name.endswith("norm.weight"):
-            t.fill_(1.0)
+        if "norm" in name.rsplit(".", 2)[-2]:  # RMSNorm and LayerNorm: identity
+            t.fill_(1.0 if name.endswith("weight") else 0.0)
         else:
             t.copy_(torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) * std)
 
@@ -561,9 +782,14 @@ def is_stacked_experts(name):
 def hf_to_ours(sd, cfg):
     """HF names -> our state dict: per-expert `experts.{e}.P.weight` are stacked into `experts.P` (E, ...)."""
     out, experts = {}, {}
+    if cfg.vision is not None:  # Qwen3-VL: model.language_model.* and model.visual.* are our model.* and visual.*
+        sd = {k.replace("model.language_model.", "model.", 1).replace("model.visual.", "visual.", 1): v
+              for k, v in sd.items()}
     for name, t in sd.items():
         if is_stacked_experts(name):
             prefix, rest = name.split(".mlp.experts.")
+            if cfg.vision is not None and rest in ("gate_up_proj", "down_proj"):
+                t = t.transpose(1, 2)  # Qwen3-VL-MoE checkpoints stack experts as (E, in, out)
             if rest.startswith("gate_up_proj"):  # transformers 5's fused layout (E, 2H, D)
                 g, u = t.chunk(2, dim=1)
                 out[f"{prefix}.mlp.experts.gate_proj"], out[f"{prefix}.mlp.experts.up_proj"] = g, u
@@ -594,12 +820,28 @@ def ours_to_hf(sd, cfg):
                 out[f"{prefix}.mlp.experts.{e}.{proj}.weight"] = t[e]
         elif not (cfg.tie_word_embeddings and name == "lm_head.weight"):
             out[name] = t
+    if cfg.vision is not None:
+        out = {("model.language_model." + k[6:] if k.startswith("model.") else
+                "model." + k if k.startswith("visual.") else k): v for k, v in out.items()}
+    return out
+
+
+def fuse_vl_experts(hf_sd, cfg):
+    """Per-expert HF names -> the layout of published Qwen3-VL-MoE checkpoints, the one vLLM's and transformers'
+    loaders read: per layer `experts.gate_up_proj` (E, D, 2H) and `experts.down_proj` (E, H, D)."""
+    out = {k: v for k, v in hf_sd.items() if not is_stacked_experts(k)}
+    for layer in {k.split(".mlp.experts.")[0] + ".mlp.experts." for k in hf_sd if is_stacked_experts(k)}:
+        w = [[hf_sd[f"{layer}{e}.{p}.weight"].T for p in EXPERT_PROJS] for e in range(cfg.num_experts)]
+        out[layer + "gate_up_proj"] = torch.stack([torch.cat([g, u], dim=1) for g, u, _ in w])
+        out[layer + "down_proj"] = torch.stack([d for _, _, d in w])
     return out
 
 
 def save_hf_checkpoint(path, hf_sd, cfg, max_shard_bytes=5 * 2**30, dtype=None):
     """Write config.json + model.safetensors (or shards + index) from HF-named tensors."""
     os.makedirs(path, exist_ok=True)
+    if cfg.vision is not None and cfg.is_moe:
+        hf_sd = fuse_vl_experts(hf_sd, cfg)
     hf_sd = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu() for k, v in hf_sd.items()}
     hf = cfg.to_hf()
     if dtype is not None:
@@ -632,18 +874,32 @@ def save_hf_checkpoint(path, hf_sd, cfg, max_shard_bytes=5 * 2**30, dtype=None):
 TINY_MODEL_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "tiny-qwen3-moe")
 
 
-def is_tiny_model(path):
-    """True when `path` names the tiny model's directory, however it is written (relative, absolute, trailing /):
-    the run builds it there when it is missing."""
-    return os.path.abspath(path).endswith(os.sep + os.path.join(".cache", "tiny-qwen3-moe"))
-
-
 TINY_CONFIG = ModelConfig(
     vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, rope_theta=10000.0,
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True)
 
+# The tiny VLM: the same text model with Qwen3-VL's M-RoPE, and a 3-layer vision tower. moe_intermediate_size is
+# neither hidden_size nor half of it: transformers decides whether to transpose fused experts by their shape.
+TINY_VL_CONFIG = replace(TINY_CONFIG, moe_intermediate_size=192, mrope_section=[12, 10, 10], vision=VisionConfig(
+    depth=3, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, deepstack_visual_indexes=[0, 1],
+    vision_start_token_id=3, vision_end_token_id=4, image_token_id=5, video_token_id=6))  # VISION_TOKENS' ids
+TINY_MODELS = {"tiny-qwen3-moe": TINY_CONFIG, "tiny-qwen3-vl-moe": TINY_VL_CONFIG}  # by directory name in .cache
+
+
+def tiny_model_config(path):
+    """The config of the tiny model whose directory `path` names, however it is written (relative, absolute,
+    trailing /), or None: the run builds it there when it is missing."""
+    head, name = os.path.split(os.path.abspath(path))
+    return TINY_MODELS.get(name) if os.path.basename(head) == ".cache" else None
+
+
+def is_tiny_model(path):
+    return tiny_model_config(path) is not None
+
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]  # special, as in Qwen3-VL
 # like Qwen3, tool-call and reasoning tags are single added (non-special) tokens: decode keeps them
 ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 
@@ -697,6 +953,18 @@ CHAT_TEMPLATE = r"""
 """.strip()
 
 
+# The VLM's template: the same, with each message's content rendered as Qwen3-VL does (text parts, and an image part
+# as <|vision_start|><|image_pad|><|vision_end|>, which the processor expands to the image's tokens).
+VL_CHAT_TEMPLATE = (
+    "{%- macro render(content) %}{%- if content is string %}{{- content }}{%- elif content %}{%- for part in content %}"
+    "{%- if 'image' in part or 'image_url' in part or part.type == 'image' %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}{%- elif 'text' in part %}{{- part.text }}{%- endif %}"
+    "{%- endfor %}{%- endif %}{%- endmacro %}\n") + CHAT_TEMPLATE.replace(
+    "messages[0].content", "render(messages[0].content)").replace(
+    "message.content is string and not(message.content.startswith(", "not(render(message.content).startswith(").replace(
+    "message.content if message.content is string else ''", "render(message.content)")
+
+
 def tiny_corpus(n=4000, seed=0):
     """Deterministic text for the tokenizer: digits, arithmetic, JSON tool calls, chat markup."""
     import random
@@ -718,12 +986,13 @@ def tiny_corpus(n=4000, seed=0):
     return lines
 
 
-def build_tokenizer(path, vocab_size):
+def build_tokenizer(path, vocab_size, vision=False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers, AddedToken
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(ADDED_TOKENS), special_tokens=SPECIAL_TOKENS,
+    special = SPECIAL_TOKENS + (VISION_TOKENS if vision else [])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(ADDED_TOKENS), special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(tiny_corpus(), trainer=trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
@@ -731,7 +1000,7 @@ def build_tokenizer(path, vocab_size):
     tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096,
                "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
                "unk_token": None, "add_bos_token": False, "clean_up_tokenization_spaces": False,
-               "chat_template": CHAT_TEMPLATE}
+               "chat_template": VL_CHAT_TEMPLATE if vision else CHAT_TEMPLATE}
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump(tok_cfg, f, indent=2)
     with open(os.path.join(path, "special_tokens_map.json"), "w") as f:
@@ -739,14 +1008,18 @@ def build_tokenizer(path, vocab_size):
     return tok
 
 
-def ensure_tiny_model(path=TINY_MODEL_PATH, cfg=TINY_CONFIG, seed=0):
-    """Build the tiny model directory once (a few seconds); later calls return at once. Returns the path."""
+def ensure_tiny_model(path=TINY_MODEL_PATH, cfg=None, seed=0):
+    """Build the tiny model directory once (a few seconds); later calls return at once. Returns the path.
+    cfg None: the tiny model the directory's name says (TINY_MODELS), else the tiny Qwen3-MoE."""
     if os.path.isfile(os.path.join(path, "model.safetensors")):
         return path
+    cfg = cfg or tiny_model_config(path) or TINY_CONFIG
     tmp = f"{path}.tmp{os.getpid()}"  # build aside, then rename: concurrent builders never see a half model
     os.makedirs(tmp, exist_ok=True)
-    tok = build_tokenizer(tmp, cfg.vocab_size)
+    tok = build_tokenizer(tmp, cfg.vocab_size, vision=cfg.vision is not None)
     eos, pad = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    if cfg.vision is not None:
+        save_image_processor(tmp, cfg.vision)
     torch.manual_seed(seed)
     model = Transformer(cfg)
     model.init_weights(seed)
@@ -766,6 +1039,18 @@ def ensure_tiny_model(path=TINY_MODEL_PATH, cfg=TINY_CONFIG, seed=0):
     return path
 
 
+def save_image_processor(path, vc, min_pixels=32 * 32, max_pixels=448 * 448):
+    """Qwen3-VL's image processor settings for the tower vc, in the files vLLM and transformers read. The PIL
+    processor needs no torchvision; it resizes each image to a multiple of patch_size * merge_size within
+    [min_pixels, max_pixels] and normalizes to [-1, 1]."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    Qwen2VLImageProcessorPil(patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size,
+                             merge_size=vc.spatial_merge_size, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                             min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(path)
+    with open(os.path.join(path, "processor_config.json"), "w") as f:
+        json.dump({"processor_class": "Qwen3VLProcessor"}, f, indent=2)
+
+
 def num_params(cfg, active=False):
     """Parameter count from the config alone (active=True counts top-k experts only), for FLOPs and plans."""
     D, hd = cfg.hidden_size, cfg.head_dim
@@ -778,6 +1063,9 @@ def num_params(cfg, active=False):
         else:
             total += attn + 3 * D * cfg.intermediate_size
     emb = cfg.vocab_size * D
+    if cfg.vision is not None:  # the vision tower, counted on the meta device (no memory)
+        with torch.device("meta"):
+            total += sum(p.numel() for p in VisionModel(cfg.vision).parameters())
     return total + emb + D + (0 if cfg.tie_word_embeddings else emb)
 
 

@@ -20,7 +20,7 @@ import sys
 import torch
 
 import loss
-from model import TINY_CONFIG, ModelConfig, is_stacked_experts, is_tiny_model, load_config, num_params
+from model import ModelConfig, is_stacked_experts, load_config, num_params, tiny_model_config
 
 
 class ConfigError(ValueError):
@@ -106,8 +106,8 @@ def planned_model_config(cfg):
     path = cfg["model_path"]
     if os.path.isfile(os.path.join(path, "config.json")):
         return load_config(path)
-    if is_tiny_model(path):
-        return TINY_CONFIG
+    if tiny_model_config(path):
+        return tiny_model_config(path)
     if cfg["dry_run"] and cfg["model_config"]:
         try:
             return ModelConfig.from_hf(cfg["model_config"])
