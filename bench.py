@@ -168,7 +168,8 @@ def _sync_rank(rank, opt, results):
 
     import torch
     import torch.distributed as dist
-    from model import TINY_CONFIG, ModelConfig, Transformer, ours_to_hf
+    from model import ModelConfig, Transformer, ours_to_hf
+    from tiny import TINY_CONFIG
     from weights_sync import BucketReceiver, WeightSender, free_port, stateless_process_group
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if cuda else torch.device("cpu")
@@ -288,7 +289,7 @@ def bench_async(*args):
     import train
     import weights_sync
     from agentrl import as_run_function
-    from model import ensure_tiny_model
+    from tiny import ensure_tiny_model
     # tools like code execution or search answer in about a second, with a long tail: median 0.5 s, p99 ~16 s
     opt = _int_options(args, steps=8, group_size=4, groups_per_batch=4, groups_in_flight=8, max_tokens=16,
                        tool_median_ms=500, tool_sigma_pct=150, seed=0)
@@ -405,7 +406,7 @@ def bench_capture(*args):
     import openai
 
     import capture
-    from model import ensure_tiny_model
+    from tiny import ensure_tiny_model
     opt = _int_options(args, agents=16, turns=4, tokens=48, rounds=6, spread=0, threads=0)
     path = ensure_tiny_model()
 

@@ -9,20 +9,16 @@ layer and the router uses them instead of its own top-k (the gate weights still 
 Images: pass `pixel_values` and `image_grid_thw` as the model's image processor makes them; without them a
 Qwen3-VL model runs the text path unchanged.
 
-This file imports nothing of ours. The tiny models used by tests and the CPU runs are built here too
-(`ensure_tiny_model`): a byte-level BPE tokenizer trained on generated text, a Qwen3-style chat template
-with Hermes `<tool_call>` tool calls, and a random-init Qwen3-MoE; the tiny VLM adds Qwen3-VL's vision tokens,
-image parts in the template, a 3-layer vision tower and its image processor.
+This file imports nothing of ours. The tiny models the tests and the CPU runs use are built by tiny.py.
 
-    python model.py                            # builds .cache/tiny-qwen3-moe if missing and prints it
-    python model.py .cache/tiny-qwen3-vl-moe   # the tiny Qwen3-VL-MoE
+    .venv/bin/python -m pytest tests/test_model.py tests/test_model_vl.py -q
 """
 
 import functools
 import json
 import math
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -868,189 +864,6 @@ def save_hf_checkpoint(path, hf_sd, cfg, max_shard_bytes=5 * 2**30, dtype=None):
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
-# -----------------------------------------------------------------------------
-# the tiny model: built locally and deterministically (no model hub on the machines we test on)
-
-TINY_MODEL_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "tiny-qwen3-moe")
-
-
-TINY_CONFIG = ModelConfig(
-    vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, rope_theta=10000.0,
-    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True)
-
-# The tiny VLM: the same text model with Qwen3-VL's M-RoPE, and a 3-layer vision tower. moe_intermediate_size is
-# neither hidden_size nor half of it: transformers decides whether to transpose fused experts by their shape.
-TINY_VL_CONFIG = replace(TINY_CONFIG, moe_intermediate_size=192, mrope_section=[12, 10, 10], vision=VisionConfig(
-    depth=3, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, deepstack_visual_indexes=[0, 1],
-    vision_start_token_id=3, vision_end_token_id=4, image_token_id=5, video_token_id=6))  # VISION_TOKENS' ids
-TINY_MODELS = {"tiny-qwen3-moe": TINY_CONFIG, "tiny-qwen3-vl-moe": TINY_VL_CONFIG}  # by directory name in .cache
-
-
-def tiny_model_config(path):
-    """The config of the tiny model whose directory `path` names, however it is written (relative, absolute,
-    trailing /), or None: the run builds it there when it is missing."""
-    head, name = os.path.split(os.path.abspath(path))
-    return TINY_MODELS.get(name) if os.path.basename(head) == ".cache" else None
-
-
-def is_tiny_model(path):
-    return tiny_model_config(path) is not None
-
-
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]  # special, as in Qwen3-VL
-# like Qwen3, tool-call and reasoning tags are single added (non-special) tokens: decode keeps them
-ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
-
-# Qwen3-style chat template: tools in the system turn, Hermes <tool_call> JSON in assistant turns, tool results
-# as <tool_response> inside a user turn, and (as Qwen3 does) reasoning dropped from turns before the last query.
-CHAT_TEMPLATE = r"""
-{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
-    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- elif messages[0].role == 'system' %}
-    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-{%- endif %}
-{%- set ns = namespace(last_query_index=messages|length - 1) %}
-{%- for message in messages[::-1] %}
-    {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>')) %}
-        {%- set ns.last_query_index = index %}{%- break %}
-    {%- endif %}
-{%- endfor %}
-{%- for message in messages %}
-    {%- set content = message.content if message.content is string else '' %}
-    {%- if message.role == "user" or (message.role == "system" and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {%- set reasoning_content = message.reasoning_content if message.reasoning_content is string else '' %}
-        {%- if loop.index0 > ns.last_query_index and reasoning_content %}
-            {{- '<|im_start|>assistant\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
-        {%- else %}
-            {{- '<|im_start|>assistant\n' + content }}
-        {%- endif %}
-        {%- if message.tool_calls %}
-            {%- for tool_call in message.tool_calls %}
-                {%- if (loop.first and content) or (not loop.first) %}{{- '\n' }}{%- endif %}
-                {%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}
-                {{- '<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
-                {%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
-                {{- '}\n</tool_call>' }}
-            {%- endfor %}
-        {%- endif %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}{{- '<|im_start|>user' }}{%- endif %}
-        {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\n' }}{%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
-""".strip()
-
-
-# The VLM's template: the same, with each message's content rendered as Qwen3-VL does (text parts, and an image part
-# as <|vision_start|><|image_pad|><|vision_end|>, which the processor expands to the image's tokens).
-VL_CHAT_TEMPLATE = (
-    "{%- macro render(content) %}{%- if content is string %}{{- content }}{%- elif content %}{%- for part in content %}"
-    "{%- if 'image' in part or 'image_url' in part or part.type == 'image' %}"
-    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}{%- elif 'text' in part %}{{- part.text }}{%- endif %}"
-    "{%- endfor %}{%- endif %}{%- endmacro %}\n") + CHAT_TEMPLATE.replace(
-    "messages[0].content", "render(messages[0].content)").replace(
-    "message.content is string and not(message.content.startswith(", "not(render(message.content).startswith(").replace(
-    "message.content if message.content is string else ''", "render(message.content)")
-
-
-def tiny_corpus(n=4000, seed=0):
-    """Deterministic text for the tokenizer: digits, arithmetic, JSON tool calls, chat markup."""
-    import random
-    rng = random.Random(seed)
-    words = ("the of and to in is you that it he was for on are as with his they at be this have from or one "
-             "had by word but not what all were we when your can said there use an each which she do how their "
-             "if will up other about out many then them these so some her would make like him into time has look "
-             "two more write go see number no way could people my than first water been call who oil its now find "
-             "answer add sum result tool function name arguments calculator compute question user assistant system "
-             "think final please what is plus minus times equals value expression").split()
-    lines = []
-    for _ in range(n):
-        a, b = rng.randint(0, 999), rng.randint(0, 999)
-        op = rng.choice("+-*")
-        sentence = " ".join(rng.choice(words) for _ in range(rng.randint(3, 12)))
-        lines.append(f"{sentence.capitalize()}. What is {a} {op} {b}? The answer is {eval(f'{a}{op}{b}')}.")
-        lines.append('{"name": "calculator", "arguments": {"expression": "%d %s %d"}}' % (a, op, b))
-        lines.append(f"Final answer: {rng.randint(0, 99999)}")
-    return lines
-
-
-def build_tokenizer(path, vocab_size, vision=False):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers, AddedToken
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    special = SPECIAL_TOKENS + (VISION_TOKENS if vision else [])
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(ADDED_TOKENS), special_tokens=special,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(tiny_corpus(), trainer=trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
-    tok.save(os.path.join(path, "tokenizer.json"))
-    tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096,
-               "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-               "unk_token": None, "add_bos_token": False, "clean_up_tokenization_spaces": False,
-               "chat_template": VL_CHAT_TEMPLATE if vision else CHAT_TEMPLATE}
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump(tok_cfg, f, indent=2)
-    with open(os.path.join(path, "special_tokens_map.json"), "w") as f:
-        json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, f, indent=2)
-    return tok
-
-
-def ensure_tiny_model(path=TINY_MODEL_PATH, cfg=None, seed=0):
-    """Build the tiny model directory once (a few seconds); later calls return at once. Returns the path.
-    cfg None: the tiny model the directory's name says (TINY_MODELS), else the tiny Qwen3-MoE."""
-    if os.path.isfile(os.path.join(path, "model.safetensors")):
-        return path
-    cfg = cfg or tiny_model_config(path) or TINY_CONFIG
-    tmp = f"{path}.tmp{os.getpid()}"  # build aside, then rename: concurrent builders never see a half model
-    os.makedirs(tmp, exist_ok=True)
-    tok = build_tokenizer(tmp, cfg.vocab_size, vision=cfg.vision is not None)
-    eos, pad = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
-    if cfg.vision is not None:
-        save_image_processor(tmp, cfg.vision)
-    torch.manual_seed(seed)
-    model = Transformer(cfg)
-    model.init_weights(seed)
-    model.save_pretrained(tmp, dtype=torch.bfloat16)  # what the engine runs; the trainer upcasts
-    with open(os.path.join(tmp, "config.json")) as f:
-        hf = json.load(f)
-    hf.update(eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
-    with open(os.path.join(tmp, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": [eos, pad], "pad_token_id": pad}, f, indent=2)
-    try:
-        os.rename(tmp, path)
-    except OSError:  # another process finished first
-        import shutil
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
-def save_image_processor(path, vc, min_pixels=32 * 32, max_pixels=448 * 448):
-    """Qwen3-VL's image processor settings for the tower vc, in the files vLLM and transformers read. The PIL
-    processor needs no torchvision; it resizes each image to a multiple of patch_size * merge_size within
-    [min_pixels, max_pixels] and normalizes to [-1, 1]."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    Qwen2VLImageProcessorPil(patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size,
-                             merge_size=vc.spatial_merge_size, image_mean=[0.5] * 3, image_std=[0.5] * 3,
-                             min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(path)
-    with open(os.path.join(path, "processor_config.json"), "w") as f:
-        json.dump({"processor_class": "Qwen3VLProcessor"}, f, indent=2)
-
-
 def num_params(cfg, active=False):
     """Parameter count from the config alone (active=True counts top-k experts only), for FLOPs and plans."""
     D, hd = cfg.hidden_size, cfg.head_dim
@@ -1067,10 +880,3 @@ def num_params(cfg, active=False):
         with torch.device("meta"):
             total += sum(p.numel() for p in VisionModel(cfg.vision).parameters())
     return total + emb + D + (0 if cfg.tie_word_embeddings else emb)
-
-
-if __name__ == "__main__":
-    import sys
-    p = ensure_tiny_model(sys.argv[1] if len(sys.argv) > 1 else TINY_MODEL_PATH)
-    m = Transformer.from_pretrained(p)
-    print(f"{p}: {sum(t.numel() for t in m.parameters()) / 1e6:.2f}M parameters, {m.config}")

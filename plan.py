@@ -20,7 +20,8 @@ import sys
 import torch
 
 import loss
-from model import ModelConfig, is_stacked_experts, load_config, num_params, tiny_model_config
+from model import ModelConfig, is_stacked_experts, load_config, num_params
+from tiny import tiny_model_config
 
 
 class ConfigError(ValueError):

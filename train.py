@@ -40,9 +40,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 import loss
 import plan
-from model import (EXPERT_PROJS, GatherRows, SumRows, Transformer, count_ids, ensure_tiny_model, init_parameters,
-                   is_stacked_experts, is_tiny_model, load_config, ours_to_hf, save_hf_checkpoint, slot_positions,
-                   to_contiguous, weight_files)
+from model import EXPERT_PROJS, GatherRows, SumRows, Transformer, count_ids, init_parameters, is_stacked_experts, load_config, ours_to_hf, save_hf_checkpoint, slot_positions, to_contiguous, weight_files
+from tiny import ensure_tiny_model, is_tiny_model
 from plan import ConfigError, check_config, loss_config
 from weights_sync import free_port
 

@@ -105,7 +105,7 @@ def no_leaked_rendezvous():
 @pytest.fixture(scope="session")
 def tiny_model_path():
     """The tiny Qwen3-MoE directory, built once (deterministically) the first time any test needs it."""
-    from model import ensure_tiny_model
+    from tiny import ensure_tiny_model
     return ensure_tiny_model()
 
 

@@ -22,6 +22,7 @@ import pytest
 import ray
 
 import capture
+import protocols
 import rollout
 from conftest import RecordingBackend
 from test_capture_segmenter import CALC, FakeBackend
@@ -432,7 +433,7 @@ def test_special_token_text_in_every_field_is_tokenized_as_text(real):
     with httpx.Client(timeout=120) as client:
         for protocol, make, fields in (("openai", openai_body, OPENAI_FIELDS),
                                        ("anthropic", anthropic_body, ANTHROPIC_FIELDS)):
-            plain = (capture.parse_openai if protocol == "openai" else capture.parse_anthropic)(make({}), real)
+            plain = (protocols.parse_openai if protocol == "openai" else protocols.parse_anthropic)(make({}), real)
             markup = [t for t in real.render(plain.messages, plain.tools, True) if t in added_ids]
             for name in fields:
                 text = inject_special if name in ("assistant", "reasoning") else inject

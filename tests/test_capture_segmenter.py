@@ -17,6 +17,7 @@ import random
 import pytest
 
 import capture
+import protocols
 
 WORDS = "alpha beta gamma delta one two three plus minus result answer value tool check".split()
 CALC = {"type": "function", "function": {"name": "calculator", "description": "Evaluate an expression.",
@@ -119,8 +120,8 @@ def to_anthropic(messages):
 def client_reply(result, protocol):
     """The assistant message exactly as the client received it, in OpenAI format."""
     if protocol == "openai":
-        return capture.openai_completion(result)["choices"][0]["message"]
-    blocks = capture.anthropic_message(result)["content"]
+        return protocols.openai_completion(result)["choices"][0]["message"]
+    blocks = protocols.anthropic_message(result)["content"]
     message = {"role": "assistant", "content": "".join(b["text"] for b in blocks if b["type"] == "text")}
     calls = [{"id": b["id"], "type": "function", "function": {"name": b["name"], "arguments": json.dumps(b["input"])}}
              for b in blocks if b["type"] == "tool_use"]
@@ -234,7 +235,7 @@ async def run_sequence(server, seed):
                                "input_schema": t["function"]["parameters"]} for t in tools],
                     "stop_sequences": rng.choice([[], ["gamma"]]), **({"system": system} if system else {})}
         raw = json.dumps(body).encode()
-        request = (capture.parse_openai if protocol == "openai" else capture.parse_anthropic)(json.loads(raw), server)
+        request = (protocols.parse_openai if protocol == "openai" else protocols.parse_anthropic)(json.loads(raw), server)
         request.key, request.retry = hashlib.sha256(raw).hexdigest(), True  # a resend stands for a client retry
         if protocol == "anthropic":  # both protocols normalise the same conversation the same way
             assert request.messages == [internal(m) for m in messages]
@@ -302,7 +303,7 @@ def test_routed_experts_line_up_with_tokens(server):
         messages = [{"role": "user", "content": "route me"}]
         for turn in range(4):
             body = {"messages": messages, "max_tokens": 20, "seed": turn}
-            result = asyncio.run(server.respond(session, capture.parse_openai(body, server)))
+            result = asyncio.run(server.respond(session, protocols.parse_openai(body, server)))
             messages = messages + [client_reply(result, "openai"), {"role": "user", "content": f"next {turn}"}]
     finally:
         server.backend.routes = False
@@ -320,7 +321,7 @@ async def answer(server, body, protocol="openai", forced=None):
     session = server.new_session()
     server.backend.forced = forced
     try:
-        request = (capture.parse_openai if protocol == "openai" else capture.parse_anthropic)(body, server)
+        request = (protocols.parse_openai if protocol == "openai" else protocols.parse_anthropic)(body, server)
         return await server.respond(session, request), session
     finally:
         server.backend.forced = None
@@ -330,14 +331,14 @@ def test_tool_calls_are_parsed_by_vllms_hermes_parser(server):
     text = 'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 1"}}\n</tool_call>'
     body = {"messages": [{"role": "user", "content": "1 + 1?"}], "tools": [CALC]}
     result, _ = asyncio.run(answer(server, body, forced=(text, [server.backend.im_end], "stop")))
-    message = capture.openai_completion(result)["choices"][0]
+    message = protocols.openai_completion(result)["choices"][0]
     assert message["finish_reason"] == "tool_calls" and message["message"]["content"] == "Let me compute.\n"
     assert message["message"]["tool_calls"][0]["function"] == {"name": "calculator",
                                                               "arguments": '{"expression": "1 + 1"}'}
     anthropic_body = {"max_tokens": 50, "messages": [{"role": "user", "content": "1 + 1?"}],
                       "tools": [{"name": "calculator", "input_schema": CALC["function"]["parameters"]}]}
     result, _ = asyncio.run(answer(server, anthropic_body, "anthropic", forced=(text, [server.backend.im_end], "stop")))
-    message = capture.anthropic_message(result)
+    message = protocols.anthropic_message(result)
     assert message["stop_reason"] == "tool_use" and message["content"][1]["input"] == {"expression": "1 + 1"}
     assert message["content"][1]["id"].startswith("toolu_")
     # tool_choice "none": the model's text comes back as it is
@@ -351,14 +352,14 @@ def test_stop_string_ends_the_recorded_tokens_where_the_text_ends(server):
     body = {"messages": [{"role": "user", "content": "go"}], "stop": ["STOP"]}
     result, session = asyncio.run(answer(server, body, forced=("one two STOP", [], "stop")))
     assert result["message"]["content"] == "one two " and result["finish_reason"] == "stop"
-    assert capture.anthropic_message(result)["stop_reason"] == "stop_sequence"
+    assert protocols.anthropic_message(result)["stop_reason"] == "stop_sequence"
     # the client sees the text before the stop string and the trajectory holds exactly those tokens; the next turn
     # closes our turn with the template's end-of-turn token and separator (context, mask 0)
     segment = session.segments[0]
     assert tok.decode(segment.token_ids).endswith("<|im_start|>assistant\none two ") and segment.action_mask[-1] == 1
     follow = {"messages": body["messages"] + [{"role": "assistant", "content": "one two "},
                                               {"role": "user", "content": "more"}]}
-    asyncio.run(server.respond(session, capture.parse_openai(follow, server)))
+    asyncio.run(server.respond(session, protocols.parse_openai(follow, server)))
     text = tok.decode(session.segments[0].token_ids)
     assert len(session.segments) == 1 and "one two <|im_end|>\n<|im_start|>user\nmore<|im_end|>" in text
     # a token that holds text before the stop string and the stop string's start goes too: the text ends where the
@@ -367,19 +368,19 @@ def test_stop_string_ends_the_recorded_tokens_where_the_text_ends(server):
     assert result["message"]["content"] == "one" and session.segments[0].token_ids[-2:] == tok("one")["input_ids"]
     result, _ = asyncio.run(answer(server, {"messages": body["messages"]}, forced=("cut short", [], "length")))
     assert result["finish_reason"] == "length"
-    assert capture.anthropic_message(result)["stop_reason"] == "max_tokens"
+    assert protocols.anthropic_message(result)["stop_reason"] == "max_tokens"
 
 
 def test_top_p_is_refused_only_under_importance_correction(tiny_model_path):
     strict = capture.CaptureServer(None, tiny_model_path, importance_correction=True)
     body = {"messages": [{"role": "user", "content": "x"}], "top_p": 0.9}
-    with pytest.raises(capture.RequestError, match="importance correction") as e:
-        capture.parse_openai(body, strict)
+    with pytest.raises(protocols.RequestError, match="importance correction") as e:
+        protocols.parse_openai(body, strict)
     assert e.value.status == 400
-    with pytest.raises(capture.RequestError, match="importance correction"):
-        capture.parse_anthropic(dict(body, max_tokens=5), strict)
-    assert capture.parse_openai(dict(body, top_p=1.0), strict).sampling["top_p"] == 1.0
+    with pytest.raises(protocols.RequestError, match="importance correction"):
+        protocols.parse_anthropic(dict(body, max_tokens=5), strict)
+    assert protocols.parse_openai(dict(body, top_p=1.0), strict).sampling["top_p"] == 1.0
     lenient = capture.CaptureServer(None, tiny_model_path)
-    assert capture.parse_openai(body, lenient).sampling["top_p"] == 0.9
+    assert protocols.parse_openai(body, lenient).sampling["top_p"] == 0.9
     asyncio.run(strict.stop())
     asyncio.run(lenient.stop())

@@ -167,7 +167,7 @@ def tiny_cfg(**overrides):
     (dict(max_failed_rounds=-1), r"max_failed_rounds=-1 is not accepted: it must be >= 0 \(0 never stops\)"),
 ])
 def test_check_config(overrides, msg):
-    from model import TINY_CONFIG
+    from tiny import TINY_CONFIG
     mcfg = dataclasses.replace(TINY_CONFIG, num_experts=overrides.pop("num_experts", TINY_CONFIG.num_experts))
     with pytest.raises(ConfigError, match=msg):
         plan.check_config(tiny_cfg(**overrides), mcfg)

@@ -25,6 +25,7 @@ import pytest
 import ray
 
 import capture
+import protocols
 import rollout
 from agentrl import Context, load_agent
 from conftest import RecordingBackend
@@ -129,7 +130,7 @@ def test_tool_choice_none_and_parallel_false_reach_the_engine(tiny_model_path):
     body = {"messages": [{"role": "user", "content": "x"}], "tools": [CALC]}
     for extra, bias, stops in [({}, None, False), ({"tool_choice": "none"}, {start: -100}, False),
                                ({"parallel_tool_calls": False}, None, True)]:
-        asyncio.run(server.respond(server.new_session(), capture.parse_openai(dict(body, **extra), server)))
+        asyncio.run(server.respond(server.new_session(), protocols.parse_openai(dict(body, **extra), server)))
         sampling = server.backend.calls[-1]["sampling"]
         assert sampling.get("logit_bias") == bias and (end in sampling["stop_token_ids"]) == stops
     asyncio.run(server.stop())
@@ -162,7 +163,7 @@ def test_structured_output_records_the_masked_distributions_logprobs(stack, roll
     session = masked.new_session()
     body = {"messages": [{"role": "user", "content": "Is 7 odd?"}], "max_tokens": 8,
             "response_format": {"type": "json_object"}}
-    asyncio.run(masked.respond(session, capture.parse_openai(body, masked)))
+    asyncio.run(masked.respond(session, protocols.parse_openai(body, masked)))
     (segment,) = session.segment_dicts()
     assert sum(segment["action_mask"]) == 0 and len(segment["token_ids"]) > len(recorder.of(session.id)[0]["prompt"])
     asyncio.run(masked.stop())

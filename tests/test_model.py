@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import (ModelConfig, Transformer, TINY_CONFIG, experts_grouped_mm, experts_loop, hf_to_ours,
-                   ours_to_hf, read_safetensors, num_params)
+from model import ModelConfig, Transformer, experts_grouped_mm, experts_loop, hf_to_ours, ours_to_hf, read_safetensors, num_params
+from tiny import TINY_CONFIG
 
 DENSE = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True)

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from model import (ModelConfig, Transformer, TINY_VL_CONFIG, VisionConfig, ensure_tiny_model, hf_to_ours,
-                   mrope_positions, num_params, ours_to_hf, read_safetensors)
+from model import ModelConfig, Transformer, VisionConfig, hf_to_ours, mrope_positions, num_params, ours_to_hf, read_safetensors
+from tiny import TINY_VL_CONFIG, ensure_tiny_model
 
 VISION = VisionConfig(depth=3, hidden_size=64, intermediate_size=96, num_heads=2, out_hidden_size=64, patch_size=4,
                       num_position_embeddings=64, deepstack_visual_indexes=[0, 2], image_token_id=500,

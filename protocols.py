@@ -1,0 +1,531 @@
+"""
+The three wire protocols of the capture server: OpenAI chat completions, the OpenAI Responses API and Anthropic
+Messages. Requests become one internal ChatRequest (OpenAI-style messages, as chat templates expect), with a
+RequestError (a 4xx in that protocol's error format) for anything malformed or not honoured; answers and SSE event
+streams are written back in the protocol the client spoke. Pure functions on JSON; imports nothing of ours.
+
+    .venv/bin/python -m pytest tests/test_capture_fuzz.py tests/test_frameworks.py -q
+"""
+import itertools
+import json
+import time
+import uuid
+
+from starlette.responses import JSONResponse
+
+
+# -----------------------------------------------------------------------------
+# request parsing: both protocols become one internal request (OpenAI-style messages, as chat templates expect)
+
+
+class RequestError(Exception):
+    """A bad request: the HTTP status and one sentence naming what is wrong."""
+
+    def __init__(self, status, message, param=None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+class ChatRequest:
+    def __init__(self, protocol, messages, tools, parse_tools, sampling, stream, include_usage, model):
+        self.protocol, self.messages, self.tools, self.parse_tools = protocol, messages, tools, parse_tools
+        self.sampling, self.stream, self.include_usage, self.model = sampling, stream, include_usage, model
+        self.key, self.retry = None, False  # the answer's key (Idempotency-Key or the raw body); whether a client retry
+        self.body_bytes = 0  # the body's size: a large request renders off the event loop
+        self.forced = None  # a forced tool call: "" (any tool) or the tool's name
+        self.parallel, self.top_logprobs, self.previous_response_id, self.store = True, None, None, True
+        self.instructions = 0  # Responses API: 1 when messages[0] holds this request's `instructions`
+        self.id, self.created, self.prompt_tokens = uuid.uuid4().hex[:24], int(time.time()), None  # its answer's
+
+
+TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
+              dict: "an object"}
+
+
+def field(body, key, types, default=None, required=False, where=""):
+    types = types if isinstance(types, tuple) else (types,)
+    value = body.get(key)
+    if value is None:
+        if required:
+            raise RequestError(400, f"`{where}{key}` is required.", where + key)
+        return default
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        names = ["a number"] if types == (int, float) else [TYPE_NAMES[t] for t in types]
+        raise RequestError(400, f"`{where}{key}` must be {' or '.join(names)}, "
+                                f"got {type(value).__name__}.", where + key)
+    return value
+
+
+TEXT_PARTS = ("text", "input_text", "output_text")  # chat completions and Anthropic; the Responses API's
+
+
+def text_of(content, where):
+    """A string, or a list of text parts/blocks joined; anything else (images, audio) is refused."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise RequestError(400, f"`{where}` must be a string or an array of text parts.", where)
+    for i, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str)):
+            raise RequestError(400, f"`{where}[{i}]` must be a text part {{\"type\": \"text\", \"text\": ...}}; "
+                                    "only text content is supported.", f"{where}[{i}]")
+    return "".join(part["text"] for part in content)
+
+
+def tool_choice_of(request, kind, name, parallel=True):
+    """Honour a tool choice: "auto", "none" (calls not parsed; the template's call opening is banned), "required" or
+    "function" (`name`): the call is forced, see CaptureServer.call_opening. parallel=False stops after one call."""
+    names = {t["function"]["name"] for t in request.tools}
+    if kind == "function" and (not isinstance(name, str) or name not in names):
+        raise RequestError(400, f"`tool_choice` names the tool {name!r}, which is not among `tools`.", "tool_choice")
+    if kind in ("required", "function") and not names:
+        raise RequestError(400, "`tool_choice` forces a tool call but `tools` is empty.", "tool_choice")
+    request.parse_tools = kind != "none"
+    request.forced = None if kind in ("auto", "none") else name or ""
+    request.parallel = parallel
+    return request
+
+
+def structured_of(fmt, where):
+    """A response format (json_schema / json_object / text) as vLLM's structured-output fields, or None."""
+    kind = fmt.get("type")
+    if kind == "json_schema":
+        schema = fmt.get("json_schema", fmt)  # chat completions nest it; the Responses API does not
+        return {"json": field(schema if isinstance(schema, dict) else {}, "schema", dict, required=True,
+                              where=where + ".json_schema.")}
+    if kind in ("json_object", "text"):
+        return {"json_object": True} if kind == "json_object" else None
+    raise RequestError(400, f"`{where}.type` must be text, json_object or json_schema, got {kind!r}.", where)
+
+
+def tool_call(call_id, name, arguments):
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def sampling_of(server, temperature, top_p, max_tokens, stop, seed, max_temperature):
+    if temperature is not None and not 0 <= temperature <= max_temperature:
+        raise RequestError(400, f"`temperature` must be between 0 and {max_temperature}, got {temperature}.",
+                           "temperature")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise RequestError(400, f"`top_p` must be in (0, 1], got {top_p}.", "top_p")
+    if top_p is not None and top_p < 1 and server.importance_correction:
+        raise RequestError(400, "`top_p` < 1 is refused: importance correction is on and the trainer's logprobs "
+                                "cover the full vocabulary, not the nucleus.", "top_p")
+    if max_tokens is not None and max_tokens < 1:
+        raise RequestError(400, f"`max_tokens` must be at least 1, got {max_tokens}.", "max_tokens")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise RequestError(400, f"`seed` must be in [0, 2**63), got {seed}.", "seed")
+    stop = [stop] if isinstance(stop, str) else (stop or [])
+    if len(stop) > 16 or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(400, "stop sequences must be at most 16 non-empty strings.", "stop")
+    return dict(temperature=1.0 if temperature is None else float(temperature),
+                top_p=1.0 if top_p is None else float(top_p), max_tokens=max_tokens, stop=stop, seed=seed)
+
+
+OPENAI_FIELDS = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens",
+                 "max_completion_tokens", "stop", "seed", "stream", "stream_options", "n", "logprobs", "top_logprobs",
+                 "frequency_penalty", "presence_penalty", "parallel_tool_calls", "response_format", "user", "metadata",
+                 "store", "service_tier"}  # the last four do not change generation
+OPENAI_MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
+
+
+def parse_openai(body, server):
+    if not isinstance(body, dict):
+        raise RequestError(400, "The request body must be a JSON object.")
+    unknown = sorted(set(body) - OPENAI_FIELDS)
+    if unknown:
+        raise RequestError(400, f"Unsupported field `{unknown[0]}`: this server cannot honour it.", unknown[0])
+    model = field(body, "model", str, "")
+    if field(body, "n", int, 1) != 1:
+        raise RequestError(400, "`n` must be 1: each request records one turn of one trajectory.", "n")
+    top_logprobs = field(body, "top_logprobs", int, 0) if field(body, "logprobs", bool, False) else None
+    if top_logprobs is not None and not 0 <= top_logprobs <= 20:
+        raise RequestError(400, f"`top_logprobs` must be between 0 and 20, got {top_logprobs}.", "top_logprobs")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if field(body, key, (int, float), 0) != 0:
+            raise RequestError(400, f"`{key}` is not supported: the trainer could not reproduce the penalized "
+                                    "distribution.", key)
+    messages = []
+    for i, m in enumerate(field(body, "messages", list, required=True)):
+        w = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(400, f"`{w}` must be an object.", w)
+        extra = [k for k, v in m.items() if k not in OPENAI_MESSAGE_FIELDS and v not in (None, [], {}, "")]
+        if extra:
+            raise RequestError(400, f"`{w}.{extra[0]}` is not supported.", f"{w}.{extra[0]}")
+        role, content = m.get("role"), text_of(m.get("content"), f"{w}.content")
+        name = {"name": m["name"]} if field(m, "name", str, where=w + ".") else {}  # for templates that show it
+        if role in ("system", "developer", "user"):
+            messages.append({"role": "user" if role == "user" else "system", "content": content, **name})
+        elif role == "assistant":
+            msg = {"role": "assistant", "content": content, **name}
+            calls = field(m, "tool_calls", list, [], where=w + ".")
+            for j, c in enumerate(calls):
+                wc = f"{w}.tool_calls[{j}]."
+                fn = field(c if isinstance(c, dict) else {}, "function", dict, required=True, where=wc)
+                calls[j] = tool_call(field(c, "id", str, "", where=wc), field(fn, "name", str, required=True, where=wc),
+                                     field(fn, "arguments", str, "{}", where=wc))
+            if calls:
+                msg["tool_calls"] = calls
+            if field(m, "reasoning_content", str, where=w + "."):
+                msg["reasoning_content"] = m["reasoning_content"]
+            messages.append(msg)
+        elif role == "tool":
+            messages.append({"role": "tool", "content": content,
+                             "tool_call_id": field(m, "tool_call_id", str, required=True, where=w + ".")})
+        else:
+            raise RequestError(400, f"`{w}.role` must be one of system, developer, user, assistant, tool; got {role!r}.",
+                               f"{w}.role")
+    if not messages:
+        raise RequestError(400, "`messages` must not be empty.", "messages")
+    tools = []
+    for i, t in enumerate(field(body, "tools", list, [])):
+        fn = field(t if isinstance(t, dict) else {}, "function", dict, required=True, where=f"tools[{i}].")
+        spec = {"name": field(fn, "name", str, required=True, where=f"tools[{i}].function.")}
+        if field(fn, "description", str, where=f"tools[{i}].function."):
+            spec["description"] = fn["description"]
+        spec["parameters"] = field(fn, "parameters", dict, {"type": "object", "properties": {}},
+                                   where=f"tools[{i}].function.")
+        tools.append({"type": "function", "function": spec})
+    max_tokens = field(body, "max_completion_tokens", int, field(body, "max_tokens", int))
+    sampling = sampling_of(server, field(body, "temperature", (int, float)), field(body, "top_p", (int, float)),
+                           max_tokens, field(body, "stop", (str, list)), field(body, "seed", int), 2.0)
+    sampling["structured"] = structured_of(field(body, "response_format", dict, {"type": "text"}), "response_format")
+    options = field(body, "stream_options", dict, {})
+    request = ChatRequest("openai", messages, tools, True, sampling, field(body, "stream", bool, False),
+                          bool(options.get("include_usage")), model)
+    request.top_logprobs = top_logprobs
+    return tool_choice_of(request, *openai_choice(field(body, "tool_choice", (str, dict), "auto"), "function"),
+                          field(body, "parallel_tool_calls", bool, True))
+
+
+def openai_choice(choice, nested):
+    """An OpenAI tool_choice as (kind, name); chat completions nest the name under "function", Responses do not."""
+    if isinstance(choice, dict):
+        fn = choice.get("function") if nested == "function" else choice
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RequestError(400, "`tool_choice` must be \"auto\", \"none\", \"required\" or "
+                                    f"{{\"type\": \"function\", ...}} naming a function, got {choice!r}.", "tool_choice")
+        return "function", fn["name"]
+    if choice not in ("auto", "none", "required"):
+        raise RequestError(400, f"`tool_choice` must be \"auto\", \"none\", \"required\" or a function, got {choice!r}.",
+                           "tool_choice")
+    return choice, None
+
+
+ANTHROPIC_FIELDS = {"model", "messages", "max_tokens", "system", "tools", "tool_choice", "temperature", "top_p", "top_k",
+                    "stop_sequences", "stream", "metadata", "thinking", "service_tier"}
+
+
+def parse_anthropic(body, server, counting=False):
+    if not isinstance(body, dict):
+        raise RequestError(400, "The request body must be a JSON object.")
+    unknown = sorted(set(body) - ANTHROPIC_FIELDS)
+    if unknown:
+        raise RequestError(400, f"Unsupported field `{unknown[0]}`: this server cannot honour it.", unknown[0])
+    if field(body, "top_k", int) is not None:
+        raise RequestError(400, "`top_k` is not supported: the trainer's logprobs cover the full vocabulary.", "top_k")
+    thinking = field(body, "thinking", dict)
+    if thinking and thinking.get("type") != "disabled":
+        raise RequestError(400, "extended `thinking` is not supported by this server.", "thinking")
+    system = body.get("system")
+    messages = [] if system is None else [{"role": "system", "content": text_of(system, "system")}]
+    for i, m in enumerate(field(body, "messages", list, required=True)):
+        w = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(400, f"`{w}` must be an object.", w)
+        role, content = m.get("role"), m.get("content")
+        if role not in ("user", "assistant"):
+            raise RequestError(400, f"`{w}.role` must be \"user\" or \"assistant\", got {role!r}.", f"{w}.role")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(blocks, list):
+            raise RequestError(400, f"`{w}.content` must be a string or an array of content blocks.", f"{w}.content")
+        text, calls = [], []
+        for j, b in enumerate(blocks):
+            wb = f"{w}.content[{j}]."
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "text":
+                text.append(field(b, "text", str, required=True, where=wb))
+            elif kind == "tool_use" and role == "assistant":
+                calls.append(tool_call(field(b, "id", str, required=True, where=wb),
+                                       field(b, "name", str, required=True, where=wb),
+                                       json.dumps(field(b, "input", dict, {}, where=wb), ensure_ascii=False)))
+            elif kind == "tool_result" and role == "user":
+                if text:  # text before a tool result stays in its own user turn, in order
+                    messages.append({"role": "user", "content": "".join(text)})
+                    text = []
+                # an error result reads as one to the model: chat templates have no field for it
+                error = "Error: " if field(b, "is_error", bool, False, where=wb) else ""
+                messages.append({"role": "tool", "tool_call_id": field(b, "tool_use_id", str, required=True, where=wb),
+                                 "content": error + text_of(b.get("content"), wb + "content")})
+            else:
+                allowed = "text and tool_use" if role == "assistant" else "text and tool_result"
+                raise RequestError(400, f"`{wb}type` {kind!r} is not supported in {role} messages ({allowed} are).",
+                                   wb + "type")
+        if role == "assistant":
+            messages.append({"role": "assistant", "content": "".join(text), **({"tool_calls": calls} if calls else {})})
+        elif text or not blocks:
+            messages.append({"role": "user", "content": "".join(text)})
+    if len(messages) == (system is not None):
+        raise RequestError(400, "`messages` must not be empty.", "messages")
+    tools = []
+    for i, t in enumerate(field(body, "tools", list, [])):
+        t = t if isinstance(t, dict) else {}
+        if t.get("type") not in (None, "custom"):
+            raise RequestError(400, f"`tools[{i}].type` {t.get('type')!r} is not supported (client tools only).",
+                               f"tools[{i}].type")
+        spec = {"name": field(t, "name", str, required=True, where=f"tools[{i}].")}
+        if field(t, "description", str, where=f"tools[{i}]."):
+            spec["description"] = t["description"]
+        spec["parameters"] = field(t, "input_schema", dict, required=True, where=f"tools[{i}].")
+        tools.append({"type": "function", "function": spec})
+    choice = field(body, "tool_choice", dict, {"type": "auto"})
+    kind = {"any": "required", "tool": "function"}.get(choice.get("type"), choice.get("type"))
+    if kind not in ("auto", "none", "required", "function"):
+        raise RequestError(400, f"`tool_choice.type` must be auto, any, tool or none, got {choice.get('type')!r}.",
+                           "tool_choice")
+    sampling = sampling_of(server, field(body, "temperature", (int, float)), field(body, "top_p", (int, float)),
+                           field(body, "max_tokens", int, required=not counting), field(body, "stop_sequences", list),
+                           None, 1.0)
+    request = ChatRequest("anthropic", messages, tools, True, sampling, field(body, "stream", bool, False), True,
+                          field(body, "model", str, ""))
+    return tool_choice_of(request, kind, choice.get("name"),
+                          not field(choice, "disable_parallel_tool_use", bool, False, where="tool_choice."))
+
+RESPONSES_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
+                    "temperature", "top_p", "stream", "previous_response_id", "store", "text", "include", "top_logprobs",
+                    "truncation", "reasoning", "metadata", "user", "service_tier", "prompt_cache_key",
+                    "safety_identifier", "stream_options", "seed"}  # seed: as in chat completions (an extension)
+RESPONSES_ITEMS = "message, function_call, function_call_output"
+
+
+def parse_responses(body, server):
+    """The Responses API: `input` (a string or items), `instructions`, function tools, text.format; the conversation
+    of `previous_response_id` is put in front by CaptureServer.respond."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "The request body must be a JSON object.")
+    unknown = sorted(set(body) - RESPONSES_FIELDS)
+    if unknown:
+        raise RequestError(400, f"Unsupported field `{unknown[0]}`: this server cannot honour it.", unknown[0])
+    if field(body, "truncation", str, "disabled") != "disabled" or field(body, "reasoning", dict, {}).get("effort"):
+        raise RequestError(400, "`truncation` and `reasoning` are not supported by this server.", "truncation")
+    instructions = field(body, "instructions", str)
+    messages = [{"role": "system", "content": instructions}] if instructions else []
+    items = field(body, "input", (str, list), required=True)
+    for i, item in enumerate([{"role": "user", "content": items}] if isinstance(items, str) else items):
+        w = f"input[{i}]."
+        item = item if isinstance(item, dict) else {"type": None}
+        kind = item.get("type", "message")
+        if kind == "message" and item.get("role") in ("system", "developer", "user", "assistant"):
+            role = {"developer": "system"}.get(item["role"], item["role"])
+            messages.append({"role": role, "content": text_of(item.get("content"), w + "content")})
+        elif kind == "function_call":
+            call = tool_call(field(item, "call_id", str, required=True, where=w), field(item, "name", str, required=True,
+                             where=w), field(item, "arguments", str, required=True, where=w))
+            if not (messages and messages[-1]["role"] == "assistant"):
+                messages.append({"role": "assistant", "content": ""})  # calls without text before them
+            messages[-1].setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            output = field(item, "output", (str, list), required=True, where=w)
+            messages.append({"role": "tool", "tool_call_id": field(item, "call_id", str, required=True, where=w),
+                             "content": text_of(output, w + "output")})
+        else:
+            raise RequestError(400, f"`{w}type` {kind!r} is not supported (items: {RESPONSES_ITEMS}; message roles "
+                                    "system, developer, user, assistant).", w + "type")
+    tools = []
+    for i, t in enumerate(field(body, "tools", list, [])):
+        t = t if isinstance(t, dict) else {}
+        if t.get("type") != "function":
+            raise RequestError(400, f"`tools[{i}].type` must be \"function\" (function tools only).", f"tools[{i}].type")
+        spec = {"name": field(t, "name", str, required=True, where=f"tools[{i}].")}
+        if field(t, "description", str, where=f"tools[{i}]."):
+            spec["description"] = t["description"]
+        spec["parameters"] = field(t, "parameters", dict, {"type": "object", "properties": {}}, where=f"tools[{i}].")
+        tools.append({"type": "function", "function": spec})
+    include = field(body, "include", list, [])
+    top_logprobs = field(body, "top_logprobs", int, 0) if "message.output_text.logprobs" in include else None
+    if top_logprobs is not None and not 0 <= top_logprobs <= 20:
+        raise RequestError(400, f"`top_logprobs` must be between 0 and 20, got {top_logprobs}.", "top_logprobs")
+    sampling = sampling_of(server, field(body, "temperature", (int, float)), field(body, "top_p", (int, float)),
+                           field(body, "max_output_tokens", int), None, field(body, "seed", int), 2.0)
+    sampling["structured"] = structured_of(field(field(body, "text", dict, {}), "format", dict, {"type": "text"},
+                                                 where="text."), "text.format")
+    request = ChatRequest("responses", messages, tools, True, sampling, field(body, "stream", bool, False), True,
+                          field(body, "model", str, ""))
+    request.top_logprobs, request.instructions = top_logprobs, int(bool(instructions))
+    request.previous_response_id = field(body, "previous_response_id", str)
+    request.store = field(body, "store", bool, True)
+    if not messages and request.previous_response_id is None:
+        raise RequestError(400, "`input` must not be empty.", "input")
+    return tool_choice_of(request, *openai_choice(field(body, "tool_choice", (str, dict), "auto"), "flat"),
+                          field(body, "parallel_tool_calls", bool, True))
+
+
+# -----------------------------------------------------------------------------
+# wire formats of the answers
+
+
+def error_body(protocol, status, message, param=None):
+    if protocol == "anthropic":
+        kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
+                429: "rate_limit_error", 503: "overloaded_error"}.get(
+            status, "api_error" if status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(
+        status, "server_error" if status >= 500 else "invalid_request_error")
+    code = {401: "invalid_api_key", 413: "request_too_large"}.get(status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(protocol, status, message, param=None):
+    # a client stalled mid-body may never finish it: close its connection (uvicorn discards the rest of a 413's)
+    headers = {"connection": "close"} if status == 408 else None
+    return JSONResponse(error_body(protocol, status, message, param), status_code=status, headers=headers)
+
+
+def openai_completion(result):
+    m = result["message"]
+    message = {"role": "assistant", "content": m["content"] if m["content"] or "tool_calls" not in m else None}
+    if "tool_calls" in m:
+        message["tool_calls"] = m["tool_calls"]
+    usage = result["prompt_tokens"], result["completion_tokens"]
+    return {"id": "chatcmpl-" + result["id"], "object": "chat.completion", "created": result["created"],
+            "model": result["model"], "choices": [{"index": 0, "message": message,
+                                                   "logprobs": result["logprobs"] and {"content": result["logprobs"]},
+                                                   "finish_reason": result["finish_reason"]}],
+            "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1], "total_tokens": sum(usage)}}
+
+
+def sse(name, data):
+    return (f"event: {name}\n" if name else "") + f"data: {json.dumps(dict(type=name, **data) if name else data)}\n\n"
+
+
+async def openai_events(items, request):
+    async for item in items:  # CaptureServer.live: the head, then text deltas as the engine samples, then the answer
+        if item[0] == "done":
+            break
+        if item[0] == "head":
+            base = {"id": "chatcmpl-" + item[1], "object": "chat.completion.chunk", "created": item[2], "model": item[3]}
+        delta = {"role": "assistant", "content": ""} if item[0] == "head" else {"content": item[1]}
+        yield sse(None, {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+    _, result, sent = item
+    m = result["message"]
+    deltas = [{"content": m["content"][len(sent):]}] if m["content"][len(sent):] else []
+    deltas += [{"tool_calls": [dict(c, index=i)]} for i, c in enumerate(m.get("tool_calls", []))]
+    for delta in deltas:
+        yield sse(None, {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+    logprobs = result["logprobs"] and {"content": result["logprobs"]}
+    yield sse(None, {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": result["finish_reason"],
+                                          "logprobs": logprobs}]})
+    if request.include_usage:
+        yield sse(None, {**base, "choices": [], "usage": openai_completion(result)["usage"]})
+    yield "data: [DONE]\n\n"
+
+
+def anthropic_message(result):
+    m = result["message"]
+    content = [{"type": "text", "text": m["content"]}] if m["content"] else []
+    content += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                 "input": json.loads(c["function"]["arguments"])} for c in m.get("tool_calls", [])]
+    stop_reason = {"tool_calls": "tool_use", "length": "max_tokens"}.get(
+        result["finish_reason"], "stop_sequence" if result["stop_sequence"] else "end_turn")
+    return {"id": "msg_" + result["id"], "type": "message", "role": "assistant", "model": result["model"],
+            "content": content, "stop_reason": stop_reason, "stop_sequence": result["stop_sequence"],
+            "usage": {"input_tokens": result["prompt_tokens"], "output_tokens": result["completion_tokens"]}}
+
+
+async def anthropic_events(items, request=None):
+    text = False  # a text block is open
+
+    def block(i, kind, content, delta):  # a block's start (unless its text block is open) and one delta
+        start = "" if kind == "text" and text else sse("content_block_start", {"index": i, "content_block": content})
+        return start + (sse("content_block_delta", {"index": i, "delta": delta}) if delta else "")
+    async for item in items:
+        if item[0] == "done":
+            break
+        if item[0] == "head":
+            yield sse("message_start", {"message": {
+                "id": "msg_" + item[1], "type": "message", "role": "assistant", "model": item[3], "content": [],
+                "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": item[4], "output_tokens": 0}}})
+        else:
+            yield block(0, "text", {"type": "text", "text": ""}, {"type": "text_delta", "text": item[1]})
+            text = True
+    _, result, sent = item
+    message = anthropic_message(result)
+    for i, b in enumerate(message["content"]):
+        rest = b["type"] == "text" and b["text"][len(sent):]
+        yield block(i, "text", {"type": "text", "text": ""}, rest and {"type": "text_delta", "text": rest}) if b["type"] \
+            == "text" else block(i, "tool_use", dict(b, input={}), {"type": "input_json_delta",
+                                                                    "partial_json": json.dumps(b["input"])})
+        yield sse("content_block_stop", {"index": i})
+    usage = {"input_tokens": result["prompt_tokens"], "output_tokens": result["completion_tokens"]}
+    yield sse("message_delta", {"delta": {k: message[k] for k in ("stop_reason", "stop_sequence")}, "usage": usage})
+    yield sse("message_stop", {})
+
+
+def responses_object(result):
+    m, output = result["message"], []
+    if m["content"] or "tool_calls" not in m:
+        part = {"type": "output_text", "text": m["content"], "annotations": [], "logprobs": result["logprobs"] or []}
+        output.append({"type": "message", "id": "msg_" + result["id"], "status": "completed", "role": "assistant",
+                       "content": [part]})
+    output += [{"type": "function_call", "id": "fc_" + c["id"], "call_id": c["id"], "name": c["function"]["name"],
+                "arguments": c["function"]["arguments"], "status": "completed"} for c in m.get("tool_calls", [])]
+    cut = result["finish_reason"] == "length"
+    usage = result["prompt_tokens"], result["completion_tokens"]
+    return {"id": "resp_" + result["id"], "object": "response", "created_at": result["created"], "model": result["model"],
+            "status": "incomplete" if cut else "completed", "incomplete_details": {"reason": "max_output_tokens"}
+            if cut else None, "error": None, "output": output, "parallel_tool_calls": True, "tool_choice": "auto",
+            "tools": [], "usage": {"input_tokens": usage[0], "input_tokens_details": {"cached_tokens": 0},
+                                   "output_tokens": usage[1], "output_tokens_details": {"reasoning_tokens": 0},
+                                   "total_tokens": sum(usage)}}
+
+
+async def responses_events(items, request=None):
+    """The Responses API's typed events, each with its sequence number."""
+    number, text = itertools.count(), False  # text: the message item and its text part are open
+
+    def event(kind, **data):
+        return sse(kind, {"sequence_number": next(number), **data})
+
+    def opened(item_id):
+        item = {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return (event("response.output_item.added", output_index=0, item=item) +
+                event("response.content_part.added", output_index=0, item_id=item_id, content_index=0, part=part))
+    async for item in items:
+        if item[0] == "done":
+            break
+        if item[0] == "head":
+            message_id = "msg_" + item[1]
+            head = {"id": "resp_" + item[1], "object": "response", "created_at": item[2], "model": item[3],
+                    "status": "in_progress", "output": [], "error": None, "incomplete_details": None, "usage": None,
+                    "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
+            yield event("response.created", response=head) + event("response.in_progress", response=head)
+            continue
+        yield ("" if text else opened(message_id)) + event("response.output_text.delta", output_index=0,
+                                                           item_id=message_id, content_index=0, delta=item[1], logprobs=[])
+        text = True
+    _, result, sent = item
+    response = responses_object(result)
+    for i, out in enumerate(response["output"]):
+        at = {"output_index": i, "item_id": out["id"]}
+        if out["type"] == "message":
+            part = out["content"][0]
+            yield ("" if text else opened(out["id"])) + event(
+                "response.output_text.delta", **at, content_index=0, delta=part["text"][len(sent):],
+                logprobs=part["logprobs"]) + event("response.output_text.done", **at, content_index=0, text=part["text"],
+                                                   logprobs=part["logprobs"]) + event(
+                "response.content_part.done", **at, content_index=0, part=part)
+        else:
+            added = dict(out, arguments="", status="in_progress")
+            yield event("response.output_item.added", output_index=i, item=added) + event(
+                "response.function_call_arguments.delta", **at, delta=out["arguments"]) + event(
+                "response.function_call_arguments.done", **at, arguments=out["arguments"], name=out["name"])
+        yield event("response.output_item.done", output_index=i, item=out)
+    yield event(f"response.{response['status']}", response=response)
+
+
+PARSERS = {"openai": parse_openai, "anthropic": parse_anthropic, "responses": parse_responses}
+ANSWERS = {"openai": openai_completion, "anthropic": anthropic_message, "responses": responses_object}
+EVENTS = {"openai": openai_events, "anthropic": anthropic_events, "responses": responses_events}
