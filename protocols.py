@@ -280,7 +280,8 @@ def parse_anthropic(body, server, counting=False):
         spec["parameters"] = field(t, "input_schema", dict, required=True, where=f"tools[{i}].")
         tools.append({"type": "function", "function": spec})
     choice = field(body, "tool_choice", dict, {"type": "auto"})
-    kind = {"any": "required", "tool": "function"}.get(choice.get("type"), choice.get("type"))
+    kind = choice.get("type")
+    kind = {"any": "required", "tool": "function"}.get(kind, kind) if isinstance(kind, str) else kind
     if kind not in ("auto", "none", "required", "function"):
         raise RequestError(400, f"`tool_choice.type` must be auto, any, tool or none, got {choice.get('type')!r}.",
                            "tool_choice")
@@ -355,7 +356,7 @@ def parse_responses(body, server):
     request.top_logprobs, request.instructions = top_logprobs, int(bool(instructions))
     request.previous_response_id = field(body, "previous_response_id", str)
     request.store = field(body, "store", bool, True)
-    if not messages and request.previous_response_id is None:
+    if not items:
         raise RequestError(400, "`input` must not be empty.", "input")
     return tool_choice_of(request, *openai_choice(field(body, "tool_choice", (str, dict), "auto"), "flat"),
                           field(body, "parallel_tool_calls", bool, True))
