@@ -1,5 +1,6 @@
 """Shared fixtures and the `stack` marker. Run the suite with `make test` (or `.venv/bin/python -m pytest tests -q`);
-the unit tests alone (no vLLM engine, no Ray) with `.venv/bin/python -m pytest tests -q -m "not stack"`."""
+the unit tests alone (in-process: no vLLM engine, no Ray, no rank processes) with
+`.venv/bin/python -m pytest tests -q -m "not stack"`."""
 import os
 import sys
 import time
@@ -79,12 +80,13 @@ class RecordingBackend:
         return [c for c in self.calls if c["session_id"] == session_id]
 
 
-# a test that asks for one of these fixtures runs a real engine or Ray; so do the tests marked `stack` by hand
+# a test that asks for one of these fixtures runs a real engine or Ray; tests that start processes are marked by hand
 STACK_FIXTURES = {"ray_cluster", "rollout_engine", "stack", "served", "server", "engine"}
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "stack: runs a vLLM engine or Ray (deselect with -m 'not stack')")
+    config.addinivalue_line("markers", "stack: runs a vLLM engine, Ray, rank processes (gloo) or train.py / bench.py as a "
+                                       "process (deselect with -m 'not stack')")
 
 
 def pytest_collection_modifyitems(items):

@@ -53,6 +53,7 @@ def test_bad_key_in_config_file(tmp_path):
         configure(["--config", str(f)])
 
 
+@pytest.mark.stack
 def test_bad_config_stops_the_run_before_any_work(tmp_path):
     r = subprocess.run([sys.executable, "train.py", "--max_steps=x", f"--out_dir={tmp_path}/o"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
@@ -102,6 +103,7 @@ def test_every_bad_value_stops_before_any_work(override, sentence, tmp_path, mon
     assert not os.path.exists(f"{tmp_path}/o")
 
 
+@pytest.mark.stack
 def test_bad_value_exit_status_and_no_ray(tmp_path):
     """The real process: exit status 1, the sentence on stderr, no Ray session or engine started."""
     env = dict(os.environ, RAY_TMPDIR=str(tmp_path / "ray"))

@@ -46,6 +46,7 @@ def gib(out, row):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.stack
 def test_dry_run_of_every_config(name):
     out = dry_run_output(name)
     for row in ("parameters", "gradients", "optimizer", "all-gather", "activations", "total"):
@@ -62,6 +63,7 @@ def test_dry_run_of_every_config(name):
     assert ("note: an engine's" not in out) == one_node  # moe_700b's TP16 engines need 16-GPU nodes
 
 
+@pytest.mark.stack
 def test_readme_table_holds_the_dry_run_figures():
     with open(os.path.join(ROOT, "README.md")) as f:
         rows = {line.split("|")[1].strip(" `"): line for line in f if line.startswith("| `")}
@@ -71,6 +73,7 @@ def test_readme_table_holds_the_dry_run_figures():
             assert f"{gib(out, row) / GiB:.2f} GiB" in rows[name], (name, row)
 
 
+@pytest.mark.stack
 def test_qwen3_30b_a3b_memory_matches_hand_computation():
     out = dry_run_output("qwen3_30b_a3b")
     cfg = configure(["--config", os.path.join(ROOT, "configs", "qwen3_30b_a3b.py")])
@@ -95,6 +98,7 @@ def test_qwen3_30b_a3b_memory_matches_hand_computation():
     assert gib(out, "all-gather") == pytest.approx(4 * (2 * V * D) + 4 * block + 6 * block, rel=0.05)
 
 
+@pytest.mark.stack
 def test_cpu_offload_takes_the_sharded_state_off_the_gpu():
     on_gpu = dry_run_output("qwen3_30b_a3b")
     r = run_train("--config", "configs/qwen3_30b_a3b.py", "--dry_run=True", "--cpu_offload_optimizer=True")
@@ -142,6 +146,7 @@ def test_activation_estimate_matches_what_autograd_saves():
     (["--speculative_config={'method': 'mtp', 'num_speculative_tokens': 1}"], {},
      r"vLLM refuses engine option speculative_config=\{'method': 'mtp', 'num_speculative_tokens': 1\}"),
 ])
+@pytest.mark.stack
 def test_impossible_or_inconsistent_config_fails_with_one_sentence(args, env, msg):
     r = run_train(*args, "--dry_run=True", env=env)
     assert r.returncode == 1
@@ -217,6 +222,7 @@ def test_real_engine_start_refuses_the_same_option(tiny_model_path):
     assert str(started.value).splitlines()[0] in str(checked.value)
 
 
+@pytest.mark.stack
 def test_torchrun_sh_launches_and_the_world_size_check_sees_torchrun():
     env = {"NPROC_PER_NODE": "1", "MASTER_PORT": str(free_port())}
     r = subprocess.run(["./torchrun.sh", "--dry_run=True"], cwd=ROOT, capture_output=True, text=True, timeout=300,

@@ -4,15 +4,17 @@ a per-microbatch mean, or a per-rank denominator, does not.
 
     .venv/bin/python -m pytest tests/test_loss_dist.py -q
 """
-import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import end_rank
+from weights_sync import free_port
 from loss import LossConfig, count_window_tokens, kept_token_mask, policy_loss, reduce_metrics, token_logprobs
 
+pytestmark = pytest.mark.stack  # four rank processes
 D, V = 8, 32
 POLICY_VERSION = 5
 MICROBATCH_SHAPES = [(2, 5), (3, 9), (1, 13), (2, 6)]  # (B, T): the window's 4 microbatches
@@ -94,12 +96,6 @@ def worker(rank, port, out_prefix):
     torch.save(results, f"{out_prefix}.{rank}")
     dist.destroy_process_group()
     end_rank()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_window_split_over_ranks_and_microbatches_gives_same_loss_and_grads(tmp_path):

@@ -202,6 +202,7 @@ def run_steps(rank, world, cfg, weights, wins, out, first_step=0, steps=STEPS, c
     (4, 4, {"activation_checkpointing": True}, CFG),
     (4, 2, {}, CFG6),
 ], ids=["world2-ep2", "world4-ep2-fsdp2", "world4-ep4-ac", "world4-ep2-fsdp2-experts-cut-on-dim1"])
+@pytest.mark.stack
 def test_matches_single_process(tmp_path, world, ep, extra, mcfg):
     weights = make_weights(str(tmp_path / "weights"), mcfg)
     cfg = trainer_config(ep_size=ep, **extra)
@@ -221,6 +222,7 @@ def test_matches_single_process(tmp_path, world, ep, extra, mcfg):
 
 
 @pytest.mark.parametrize("mcfg", [CFG, CFG6], ids=["experts-cut-on-dim0", "experts-cut-on-dim1"])
+@pytest.mark.stack
 def test_checkpoint_from_4_ranks_resumes_on_2_and_exports_to_transformers(tmp_path, mcfg):
     from transformers import AutoModelForCausalLM
     weights = make_weights(str(tmp_path / "weights"), mcfg)
@@ -268,6 +270,7 @@ def nonfinite(rank, world, cfg, weights, out):
                         adam_state=len(opt.state)), out)
 
 
+@pytest.mark.stack
 def test_non_finite_gradient_skips_the_step(tmp_path, capfd):
     weights = make_weights(str(tmp_path / "weights"))
     spawn(2, "nonfinite", trainer_config(ep_size=2, cpu_offload_optimizer=True), weights, str(tmp_path / "out.pt"))
@@ -301,6 +304,7 @@ def replay(rank, world, cfg, weights, x, routes, out):
                f"{out}.{rank}")
 
 
+@pytest.mark.stack
 def test_routing_replay_under_expert_parallelism(tmp_path):
     weights = make_weights(str(tmp_path / "weights"))
     g = torch.Generator().manual_seed(3)
@@ -353,6 +357,7 @@ def test_ep_size_must_divide_world():
         train.build_meshes(4, 3, "cpu")
 
 
+@pytest.mark.stack
 def test_bench_train_smoke_runs_both_trainers():
     """The GPU benchmark's code paths (ours and transformers under FSDP2) at a tiny shape on CPU."""
     out = subprocess.run([sys.executable, "bench.py", "train", "--smoke"], cwd=ROOT, capture_output=True, text=True,
@@ -380,6 +385,7 @@ def grouped_vs_loop(rank, world, cfg, weights, out):
         torch.save(results, out)
 
 
+@pytest.mark.stack
 def test_grouped_gemm_experts_match_the_loop_under_expert_parallelism_in_bf16(tmp_path):
     weights = make_weights(str(tmp_path / "weights"))
     spawn(2, "grouped_vs_loop", trainer_config(ep_size=2, param_dtype="bfloat16"), weights, str(tmp_path / "out.pt"))
