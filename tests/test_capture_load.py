@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.stack  # engines, in processes of their own
 HEADER_TIMEOUT_S = 10.0  # capture.py's defaults
 # The bound: a well-behaved session's p99 under attack <= SLOWDOWN x its idle p99 + SLACK_S. On 2 cores shared with
-# other jobs (README) idle p99 was 0.09-0.13 s and under attack 1.0-1.5 s: the attack's own CPU competes with the
+# other jobs (README) idle p99 was 0.06-0.13 s and under attack 0.33-1.5 s: the attack's own CPU competes with the
 # engine there; before the limits one 15 MiB request stalled every session for up to 16 s (three: 53 s).
 SLOWDOWN, SLACK_S = 10.0, 2.0
 RSS_GROWTH_MIB = 16  # over 5,000 created-and-finished sessions (measured +0-1 MiB; unbounded it was +4.2 KiB each)
