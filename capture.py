@@ -67,6 +67,10 @@ from protocols import ANSWERS, EVENTS, PARSERS, RequestError, error_body, error_
 WORKER_EXTENSION = "weights_sync.WeightSyncWorker"
 
 
+class EngineNotStarted(RuntimeError):
+    """A request reached an engine whose actor Ray restarted but nobody started yet (the router then starts it)."""
+
+
 class Engine:
     """One vLLM AsyncLLM: token ids in; token ids, sampling logprobs, policy versions (and routes) out."""
 
@@ -117,6 +121,8 @@ class Engine:
         (StructuredOutputsParams fields: json, json_object, ...), logit_bias, top_logprobs (k: also return the k
         likeliest tokens per position). session_id is for routers that keep a session on one engine; one engine
         ignores it."""
+        if self.llm is None:  # a Ray actor restarted after its process died is a fresh Engine, not started
+            raise EngineNotStarted("this engine's process was restarted and has not started its engine yet")
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams

@@ -177,7 +177,7 @@ class Router:
         self._started(i)
         try:
             yield self.engines[i]
-        except RayActorError:
+        except (RayActorError, capture.EngineNotStarted):  # dead, or restarted unstarted
             with self._lock:
                 self.failed_requests += 1
             self.revive(i)
