@@ -42,7 +42,7 @@ RANGES = {
     (lambda v: v >= 0, ">= 0 (0: no evaluation)"): ("eval_every",),
     (lambda v: v >= 0, ">= 0 (0 never stops)"): ("max_failed_rounds",),
     (lambda v: v >= 0, ">= 0 (0 never clips)"): ("grad_clip",),
-    (lambda v: v > 0, "> 0"): ("learning_rate", "attempt_timeout_s", "gpu_memory_gib"),
+    (lambda v: v > 0, "> 0"): ("learning_rate", "adam_eps", "attempt_timeout_s", "gpu_memory_gib"),
     (lambda v: v > 0, "> 0 (the trainer divides logits by it, as the engine samples)"): ("temperature",),
     (lambda v: 0 < v <= 1, "in (0, 1]"): ("top_p", "engine_memory_fraction"),
     (lambda v: 0 <= v < 1, "in [0, 1)"): ("beta1", "beta2"),

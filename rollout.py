@@ -498,7 +498,9 @@ class RolloutPool:
         in the object store or counted: they never reach the trainer. Each item's result is appended to results_path
         as a JSON line: reward, success (the agent's Result.info["success"], else its reward), failed, error,
         generated tokens, the policy versions that generated them and the decoded segments. Returns the means:
-        eval/success, eval/reward, eval/generated_tokens."""
+        eval/success, eval/reward, eval/generated_tokens, and the seconds it took (eval_s)."""
+        t0 = time.perf_counter()
+
         async def one(item):
             played = await self._play(-1, item, sampling)
             versions = [v for s in played["segments"] for m, v in zip(s["action_mask"], s["token_versions"]) if m]
@@ -514,5 +516,5 @@ class RolloutPool:
         if results_path is not None:
             with open(results_path, "a") as f:
                 f.writelines(json.dumps(r, default=str) + "\n" for r in results)
-        return {f"eval/{k}": sum(r[k] for r in results) / max(len(results), 1)
-                for k in ("success", "reward", "generated_tokens")}
+        return {**{f"eval/{k}": sum(r[k] for r in results) / max(len(results), 1)
+                   for k in ("success", "reward", "generated_tokens")}, "eval_s": time.perf_counter() - t0}

@@ -32,8 +32,8 @@ TINY_VL_CONFIG = replace(TINY_CONFIG, moe_intermediate_size=192, mrope_section=[
 # task, which train.py builds with its own trainer and loss (warm_start_tiny) and rebuilds when WARM_START changes.
 # Short on purpose: the model learns the conversation's shape and starts to copy numbers; RL takes it from there.
 TINY_SFT = "tiny-qwen3-moe-sft"
-WARM_START = dict(transcripts=4096, max_steps=200, learning_rate=3e-3, min_lr=3e-4, warmup_steps=2,
-                  groups_per_batch=8, group_size=2, seed=0)  # train.py config keys (but transcripts: how many)
+WARM_START = dict(transcripts=4096, untold=0.4, untold_tool=0.25, max_steps=200, learning_rate=3e-3, min_lr=3e-4, warmup_steps=2,
+                  groups_per_batch=8, group_size=2, seed=0)  # train.py config keys; transcripts(n, direct=)
 TINY_MODELS = {"tiny-qwen3-moe": TINY_CONFIG, "tiny-qwen3-vl-moe": TINY_VL_CONFIG, TINY_SFT: TINY_CONFIG}  # by name
 
 
@@ -207,11 +207,12 @@ def ensure_warm_start(path):
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     data = os.path.join(work, "transcripts.jsonl")
-    rows = runpy.run_path(os.path.join(root, "agents", "calculator.py"))["transcripts"](WARM_START["transcripts"], seed=1)
+    rows = runpy.run_path(os.path.join(root, "agents", "calculator.py"))["transcripts"](
+        WARM_START["transcripts"], seed=1, untold=WARM_START["untold"], untold_tool=WARM_START["untold_tool"])
     with open(data, "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
     print(f"building {path}: the tiny model's warm start, {WARM_START}", flush=True)
-    keys = [f"--{k}={v}" for k, v in WARM_START.items() if k != "transcripts"]
+    keys = [f"--{k}={v}" for k, v in WARM_START.items() if k not in ("transcripts", "untold", "untold_tool")]
     rendezvous = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
     subprocess.run([sys.executable, os.path.join(root, "train.py"), f"--model_path={base}", f"--sft_data={data}",
                     f"--out_dir={work}", "--checkpoint_every=1000000", *keys], check=True,

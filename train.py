@@ -99,6 +99,7 @@ warmup_steps = 2
 weight_decay = 0.0
 beta1 = 0.9
 beta2 = 0.95
+adam_eps = 1e-8            # RL from a trained model: larger (1e-5) keeps tokens with tiny gradients where they are
 grad_clip = 1.0
 microbatch_tokens = 4096   # tokens per forward/backward on one rank
 logprob_chunk_size = 1024  # tokens per chunk of the lm_head + log-softmax
@@ -208,9 +209,8 @@ def main(argv):
 
     if rank == 0:
         stop_rollout(run)
-        first, last = min(evals, default=0), max(evals, default=0)
-        held_out = (f"held-out eval/success {evals[first]['eval/success']:.3f} (policy version {first}) -> "
-                    f"{evals[last]['eval/success']:.3f} (version {last}); " if evals else "")
+        held_out = "".join(f"held-out eval/success {evals[v]['eval/success']:.3f} at policy version {v}; "
+                           for v in sorted(evals)[:1] + sorted(evals)[1:][-1:])  # the first and the last
         print(f"done: {held_out}{cfg['out_dir']}/metrics.jsonl, {cfg['out_dir']}/curves.png, "
               f"checkpoint {latest_checkpoint(cfg['out_dir'])}")
     ray.shutdown()
@@ -267,8 +267,7 @@ def train(cfg, model, optimizer, run, step, rank, world):
             log_step(out_dir, row, writer)
             run["router"].reset_idle_clock()
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", step_s=f"{step_time:.1f}",
-                            stale=f"{row['staleness']:.2f}", tok_s=f"{row['tokens_per_s']:.0f}",
-                            **{"eval": f"{evals[max(evals)]['eval/success']:.2f}"} if evals else {}, refresh=False)
+                            stale=f"{row['staleness']:.2f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
         bar.update(1)
         if (step + 1) % cfg["checkpoint_every"] == 0 or step + 1 == cfg["max_steps"]:
             position = run["pool"].prompts_drawn if rank == 0 else 0  # prompts drawn so far (rank 0 draws them)
@@ -283,18 +282,15 @@ def train(cfg, model, optimizer, run, step, rank, world):
     return evals
 
 
-def evaluate(run, cfg, policy_version, evals):
-    """Rank 0, when evaluation is due at this version (0, every eval_every, the last): the held-out prompts through
-    the rollout pool at eval_temperature, on the weights the engines hold (the driver waits, so no weight sync runs
-    meanwhile). Per prompt results go to out_dir/eval_results.jsonl; the means (and eval_s) to evals and back."""
-    v, every = policy_version, cfg["eval_every"]
-    if not (every and run["eval_prompts"] and (v % every == 0 or v == cfg["max_steps"])):
-        return {}
-    t0 = time.perf_counter()
-    evals[v] = run["pool"].evaluate(run["eval_prompts"], dict(run["pool"].sampling, temperature=cfg["eval_temperature"]),
-                                    os.path.join(cfg["out_dir"], "eval_results.jsonl"), v)
-    evals[v]["eval_s"] = time.perf_counter() - t0
-    return evals[v]
+def evaluate(run, cfg, v, evals):
+    """Rank 0, when evaluation is due at policy version v (0, every eval_every, the last): the held-out prompts
+    through the rollout pool at eval_temperature, on the weights the engines hold (the driver waits: no weight sync
+    meanwhile). Results per prompt go to out_dir/eval_results.jsonl; the means to evals[v], and back ({}: not due)."""
+    if cfg["eval_every"] and run["eval_prompts"] and (v % cfg["eval_every"] == 0 or v == cfg["max_steps"]):
+        evals[v] = run["pool"].evaluate(run["eval_prompts"], dict(run["pool"].sampling, temperature=cfg[
+            "eval_temperature"]), os.path.join(cfg["out_dir"], "eval_results.jsonl"), v)
+        return evals[v]
+    return {}
 
 
 def sft(cfg, model, optimizer, step, rank, world):
@@ -323,6 +319,19 @@ def sft(cfg, model, optimizer, step, rank, world):
     if rank == 0:
         plot_metrics(cfg["out_dir"])
     return export_hf(model, os.path.join(cfg["out_dir"], "hf"), source_dir=cfg["model_path"])
+
+
+def build_trainer(cfg, world, device):
+    """The sharded model and its optimizer, from the last checkpoint in out_dir when cfg["resume"]. Returns
+    (model, optimizer, step, extra): extra is what save_checkpoint recorded beside the step ({} for a fresh run)."""
+    model = build_model(cfg, build_meshes(world, cfg["ep_size"], device.type), device, weights_path=cfg["model_path"])
+    optimizer = build_optimizer(model, cfg)
+    if not cfg["resume"]:
+        return model, optimizer, 0, {}
+    path = latest_checkpoint(cfg["out_dir"])
+    step, extra = load_checkpoint(path, model, optimizer)
+    print0(f"resumed from {path} at step {step}")
+    return model, optimizer, step, extra
 
 
 # -----------------------------------------------------------------------------
@@ -518,15 +527,13 @@ def log_step(out_dir, row, writer=None):
 
 
 def tensorboard_writer(cfg, rank):
-    if rank != 0 or not cfg["tensorboard_dir"]:
-        return None
-    from torch.utils.tensorboard import SummaryWriter  # the tensorboard package: plan.check_config asks for it
-    return SummaryWriter(cfg["tensorboard_dir"])
+    if rank == 0 and cfg["tensorboard_dir"]:  # else None
+        from torch.utils.tensorboard import SummaryWriter  # the tensorboard package: plan.check_config asks for it
+        return SummaryWriter(cfg["tensorboard_dir"])
 
 
-PANELS = (("reward_mean", "train reward"), ("eval/success", "held-out success (eval)"), ("mismatch_kl",
-          "engine/trainer KL"), ("response_tokens", "generated tokens per attempt"), ("tokens_per_s", "generated "
-          "tokens/s"), ("loss", "loss"))
+PANELS = {"reward_mean": "train reward", "eval/success": "held-out success (eval)", "mismatch_kl": "engine/trainer KL",
+          "response_tokens": "generated tokens per attempt", "tokens_per_s": "generated tokens/s", "loss": "loss"}
 
 
 def plot_metrics(out_dir):
@@ -537,9 +544,8 @@ def plot_metrics(out_dir):
     import matplotlib.pyplot as plt
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    panels = [(key, title) for key, title in PANELS if any(r.get(key) is not None for r in rows)]
-    cols = (len(panels) + 1) // 2
-    fig, axes = plt.subplots(2, cols, figsize=(4 * cols, 5.6), squeeze=False)
+    panels = [(key, title) for key, title in PANELS.items() if any(r.get(key) is not None for r in rows)]
+    fig, axes = plt.subplots(2, 3, figsize=(12, 5.6))
     for ax, (key, title) in zip(axes.flat, panels):
         ax.plot(*zip(*[(r["step"], r[key]) for r in rows if r.get(key) is not None]), marker=".")
         ax.set(title=title, xlabel="step")
@@ -564,7 +570,7 @@ def build_optimizer(model, cfg):
     dense = [p for n, p in model.named_parameters() if not is_stacked_experts(n)]
     groups = [{"params": dense}] + ([{"params": experts}] if experts else [])
     # fused: one kernel per group, on the GPU and on the CPU (offloaded state); it also takes the clipping factor
-    return torch.optim.AdamW(groups, lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
+    return torch.optim.AdamW(groups, lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["adam_eps"],
                              weight_decay=cfg["weight_decay"], fused=True)
 
 

@@ -26,6 +26,7 @@ import itertools
 import json
 import operator
 import random
+import re
 import zlib
 from collections import Counter
 
@@ -44,13 +45,14 @@ def held_out(expression):
     return zlib.crc32(expression.encode()) % 8 == 0
 
 
-def prompts(seed=0, split="train"):
-    """Endless arithmetic questions of one split ("train" or "eval"); the label is the expression."""
+def prompts(seed=0, split="train", told=False):
+    """Endless arithmetic questions of one split ("train" or "eval"); the label is the expression. told=True: the
+    question says to use the calculator (the warm start's examples); RL and evaluation ask without saying."""
     rng = random.Random(seed)
     while True:
         expression = f"{rng.randint(0, MAX_OPERAND)} {rng.choice('+-*')} {rng.randint(0, MAX_OPERAND)}"
         if held_out(expression) == (split == "eval"):
-            yield {"prompt": f"What is {expression}? Use the calculator.", "label": expression}
+            yield {"prompt": f"{'Use the calculator. ' if told else ''}What is {expression}?", "label": expression}
 
 
 def eval_prompts():
@@ -61,17 +63,24 @@ def eval_prompts():
     return list(every.values())
 
 
-def transcripts(n, seed=0):
-    """n worked examples of the task from the training split (question, tool call, tool result, answer), as chat
-    rows for supervised fine-tuning: the tiny model's warm start."""
-    rows = []
+def transcripts(n, seed=0, untold=0.0, untold_tool=0.0):
+    """n worked examples from the training split, as chat rows for supervised fine-tuning (the tiny model's warm
+    start). A question that says to use the calculator gets the tool's route: tool call, tool result, answer. An
+    `untold` fraction of the questions do not say it; of those, an `untold_tool` fraction still take the tool, the
+    others get the right answer at once ("The answer is 56."): a strong model's mental arithmetic, which a tiny one
+    cannot follow on questions it has not seen."""
+    rows, rng = [], random.Random(seed)
     for p in itertools.islice(prompts(seed=seed), n):
+        told = rng.random() >= untold
         call = {"id": "call_0", "type": "function",
                 "function": {"name": "calculator", "arguments": json.dumps({"expression": p["label"]})}}
         result = str(calculate(p["label"]))
-        rows.append({"tools": TOOLS, "messages": [
-            {"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "call_0", "content": result}, {"role": "assistant", "content": result}]})
+        turns = [{"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": "call_0", "content": result}, {"role": "assistant", "content": result}]
+        if not told and rng.random() >= untold_tool:
+            turns = [{"role": "assistant", "content": f"The answer is {result}."}]
+        question = f"Use the calculator. {p['prompt']}" if told else p["prompt"]
+        rows.append({"tools": TOOLS, "messages": [{"role": "user", "content": question}] + turns})
     return rows
 
 
@@ -142,7 +151,8 @@ class Calculator(ChatAgent):
                 reply = (await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS,
                                                               **ctx.sampling)).choices[0].message
         answer = (reply.content or "").strip()
-        success = float(answer == str(calculate(ctx.label)))
+        numbers = re.findall(r"-?\d+", answer)  # the answer's last number is what it claims
+        success = float(bool(numbers) and numbers[-1] == str(calculate(ctx.label)))
         return Result(success, {"success": success, "tool_called": float(expression is not None),
                                 "answer_chars": len(answer)})
 
