@@ -21,7 +21,9 @@ returns `(observation, reward, done, info)`. The attempt's reward is the sum of 
 
 An agent module exports `agent`: a ChatAgent instance or subclass, an Env subclass (a fresh one per attempt), or a
 plain `async def agent(ctx)`. It may also export `prompts()`, an iterator of dicts with `prompt` (or `messages`),
-`label` and optional `tools`: the data source when the config names no prompt file. And it may export a plain
+`label` and optional `tools`: the data source when the config names no prompt file; and `eval_prompts()`, a list of
+such dicts held out from training (evaluated every eval_every steps; an agent's Result.info["success"], when it
+gives one, is the success rate evaluation reports, else its reward). And it may export a plain
 `setup(cfg)`: called once per run (setup_agent) before the first attempt, in the process that runs the attempts, to
 start what the agent needs beside the policy (a judge's or a teacher's engine, see agents/frozen.py); it may return
 a clean-up function, called when the run ends. The file is loaded as Python runs a script: its folder comes first on
@@ -32,7 +34,8 @@ Prompt files (read_prompts, load_prompts): JSONL (one object per line), or Parqu
 is an object with `prompt` (a string) or `messages` (a list of chat messages, each with a `role` and a string or
 text-parts `content`), and optionally `label` (anything JSON holds: an answer, test cases, a rubric) and `tools`
 (OpenAI-format function specs). Other keys travel along untouched. A malformed row stops the load with one error
-naming the file and the line (for Parquet, the row number, counting from 1).
+naming the file and the line (for Parquet, the row number, counting from 1). A transcript file (`sft_data`,
+load_transcripts) holds such rows whose `messages` include the assistant turns to learn.
 """
 import importlib.util
 import inspect
@@ -158,6 +161,7 @@ def load_agent(path):
         raise AttributeError(f"agent module {path!r} exports no `agent` (a ChatAgent, an Env subclass or an async function)")
     run = as_run_function(module.agent, path)
     run.setup = getattr(module, "setup", None)  # for setup_agent: the same module object the agent lives in
+    run.eval_prompts = getattr(module, "eval_prompts", None)
     return run, getattr(module, "prompts", None)
 
 
@@ -299,3 +303,41 @@ def row_problem(row):
             if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
                 return f"`tools[{i}]` must look like {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"
     return None
+
+
+def load_transcripts(path):
+    """Chat transcripts for supervised fine-tuning (the `sft_data` config key): rows as load_prompts checks them,
+    each with `messages` holding at least one assistant turn (the tokens to learn). Returns the list of rows."""
+    rows = list(load_prompts(path))
+    for i, row in enumerate(rows, 1):
+        if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in row.get("messages") or []):
+            raise ValueError(f"{path}: transcript {i} has no assistant message in `messages`, nothing to learn from")
+    return rows
+
+
+def transcript_tokens(row, tokenizer):
+    """A transcript rendered with the tokenizer's chat template turn by turn, as the capture server records a
+    conversation the model extends: (token_ids, mask), mask 1 on each assistant turn's tokens through its end-of-turn
+    token (what the model would generate), 0 on everything else."""
+    messages, tools = row["messages"], row.get("tools") or None
+
+    def render(n, add_generation_prompt):
+        return tokenizer.apply_chat_template(messages[:n], tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    ids, mask, done, eos = [], [], "", tokenizer.eos_token
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt, full = render(i, True), render(i + 1, False)
+        if not (prompt.startswith(done) and full.startswith(prompt)):
+            raise ValueError("the chat template renders an earlier turn differently once later turns follow (it "
+                             "rewrites history), so the transcript's turns cannot be cut apart: split it into one "
+                             "transcript per assistant turn")
+        reply = full[len(prompt):]
+        end = reply.find(eos) + len(eos) if eos in reply else len(reply)
+        for text, learn in ((prompt[len(done):], 0), (reply[:end], 1), (reply[end:], 0)):
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+            ids += piece
+            mask += [learn] * len(piece)
+        done = full
+    return ids, mask

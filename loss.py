@@ -1,7 +1,7 @@
 """
 The RL objective: token logprobs without full logits, advantage estimators, and the policy loss with importance
-correction and window normalization. Pure functions on tensors; imports torch (and model.py's compile-on-CUDA
-wrapper) only.
+correction and window normalization; and the supervised objective (sft_loss) under the same normalization. Pure
+functions on tensors; imports torch (and model.py's compile-on-CUDA wrapper) only.
 
     .venv/bin/python -m pytest tests/test_loss.py tests/test_loss_dist.py -q   # tests
     .venv/bin/python bench.py logprobs                                       # chunked vs naive peak memory
@@ -481,6 +481,22 @@ def policy_loss(logprobs, old_logprobs, behavior_logprobs, advantages, mask, tok
     return loss, metrics
 
 
+def sft_loss(logprobs, mask, window_tokens, dp_world_size=1):
+    """Supervised next-token loss of one microbatch, window-normalized like policy_loss:
+        loss = dp_world_size * sum_t m_t * (-logp_t) / window_tokens
+    logprobs (B, T) the trainer's logprob of each target, mask (B, T) 1 on the tokens to learn (a transcript's
+    assistant turns), window_tokens the mask's sum over the whole window (count_window_tokens). Summed over the
+    window's microbatches and ranks it is the mean NLL of the window's assistant tokens. Metrics as policy_loss's,
+    for reduce_metrics (loss: that mean NLL)."""
+    if logprobs.dim() != 2 or mask.shape != logprobs.shape:
+        raise ValueError(f"logprobs and mask must both be (B, T), got {tuple(logprobs.shape)} and {tuple(mask.shape)}")
+    kept = mask.bool()
+    loss_sum = torch.where(kept, -logprobs.float(), 0.0).sum()  # where(): padding may hold any logprob
+    loss = loss_sum * (dp_world_size / torch.as_tensor(window_tokens, device=loss_sum.device).float().clamp(min=1))
+    tokens = kept.sum(dtype=torch.float64)
+    return loss, dict(action_tokens=tokens, kept_tokens=tokens, loss_sum=loss_sum.detach().double())
+
+
 def reduce_metrics(metrics_list, group=None):
     """Combine policy_loss metrics of this rank's microbatches and all-reduce them over `group` (three
     collectives, one host sync). Returns floats: token counts, fractions of action tokens, and means over kept
@@ -491,12 +507,17 @@ def reduce_metrics(metrics_list, group=None):
     maxes = [k for k in keys if k.endswith("_max")]
     sums = [k for k in keys if k not in mins and k not in maxes]
     stacked = {k: torch.stack([m[k] for m in metrics_list]) for k in keys}
-    reduced = [torch.stack([stacked[k].sum() for k in sums]), torch.stack([stacked[k].min() for k in mins]),
-               torch.stack([stacked[k].max() for k in maxes])]
+    like = stacked[keys[0]]
+    reduced = [torch.stack(xs) if xs else like.new_zeros(0) for xs in  # sft_loss's metrics have no mins or maxes
+               ([stacked[k].sum() for k in sums], [stacked[k].min() for k in mins], [stacked[k].max() for k in maxes])]
     if dist.is_available() and dist.is_initialized():
         for tensor, op in zip(reduced, (dist.ReduceOp.SUM, dist.ReduceOp.MIN, dist.ReduceOp.MAX)):
-            dist.all_reduce(tensor, op=op, group=group)
+            if tensor.numel():
+                dist.all_reduce(tensor, op=op, group=group)
     values = dict(zip(sums + mins + maxes, torch.cat(reduced).tolist()))  # the one device-to-host sync
+    if "fresh_tokens" not in values:  # sft_loss's: token counts and the mean NLL
+        return dict(action_tokens=values["action_tokens"], kept_tokens=values["kept_tokens"],
+                    loss=values["loss_sum"] / max(values["kept_tokens"], 1.0))
     action, kept, fresh = (max(values[k], 1.0) for k in ("action_tokens", "kept_tokens", "fresh_tokens"))
     adv_mean = values["advantage_sum"] / kept
     out = dict(

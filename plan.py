@@ -12,6 +12,7 @@ of every parameter: its figures are the per-GPU maximum. No memory is allocated.
 """
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -37,10 +38,11 @@ RANGES = {
                                  "groups_per_batch", "groups_in_flight", "max_tokens", "max_steps", "microbatch_tokens",
                                  "logprob_chunk_size", "train_world_size", "ep_size", "gpus_per_node"),
     (lambda v: v >= 2, ">= 2"): ("engine_max_model_len",),
-    (lambda v: v >= 0, ">= 0"): ("warmup_steps", "min_lr", "weight_decay"),
+    (lambda v: v >= 0, ">= 0"): ("warmup_steps", "min_lr", "weight_decay", "eval_temperature"),
+    (lambda v: v >= 0, ">= 0 (0: no evaluation)"): ("eval_every",),
     (lambda v: v >= 0, ">= 0 (0 never stops)"): ("max_failed_rounds",),
     (lambda v: v >= 0, ">= 0 (0 never clips)"): ("grad_clip",),
-    (lambda v: v > 0, "> 0"): ("learning_rate", "attempt_timeout_s", "gpu_memory_gib"),
+    (lambda v: v > 0, "> 0"): ("learning_rate", "adam_eps", "attempt_timeout_s", "gpu_memory_gib"),
     (lambda v: v > 0, "> 0 (the trainer divides logits by it, as the engine samples)"): ("temperature",),
     (lambda v: 0 < v <= 1, "in (0, 1]"): ("top_p", "engine_memory_fraction"),
     (lambda v: 0 <= v < 1, "in [0, 1)"): ("beta1", "beta2"),
@@ -74,6 +76,12 @@ def check_config(cfg, mcfg=None, world_size=None):
                           "agents/calculator.py)")
     if cfg["prompts"] and not os.path.isfile(cfg["prompts"]):
         raise ConfigError(f"prompts={cfg['prompts']!r}: no such file (JSONL or Parquet; \"\" lets the agent generate them)")
+    for key in ("sft_data", "eval_prompts"):
+        if cfg[key] and not os.path.isfile(cfg[key]):
+            raise ConfigError(f"{key}={cfg[key]!r}: no such file (JSONL or Parquet)")
+    if cfg["tensorboard_dir"] and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("tensorboard_dir is set, but the tensorboard package is missing: pip install tensorboard, or "
+                          "leave tensorboard_dir empty")
     mcfg = mcfg or planned_model_config(cfg)
     W, ep = cfg["train_world_size"], cfg["ep_size"]
     if world_size is not None and world_size != W:

@@ -16,6 +16,7 @@ driver splits across trainer ranks by tokens; each rank `ray.get`s its own refs.
 import asyncio
 import contextlib
 import itertools
+import json
 import math
 import os
 import threading
@@ -83,9 +84,9 @@ def check_engine_fits_a_node(tensor_parallel_size, nodes):
 
 
 def start_engines(model_path, num_engines=1, tensor_parallel_size=1, *, max_restarts=3, ready_timeout_s=600,
-                  **engine_kwargs):
-    """Start `num_engines` capture.Engine actors (one vLLM AsyncLLM each) and wait until they serve, at weight
-    version 0. On GPU each engine gets tensor_parallel_size GPUs of one node; on CPU one logical CPU. Ray restarts a
+                  seed=0, **engine_kwargs):
+    """Start `num_engines` capture.Engine actors (one vLLM AsyncLLM each, sampling seed seed + i) and wait until they
+    serve, at weight version 0. On GPU each engine gets tensor_parallel_size GPUs of one node; on CPU one logical CPU. Ray restarts a
     killed engine up to max_restarts times (the Router starts it again). Returns (engines, placement group)."""
     on_gpu = ray.cluster_resources().get("GPU", 0) > 0
     if on_gpu:
@@ -104,7 +105,7 @@ def start_engines(model_path, num_engines=1, tensor_parallel_size=1, *, max_rest
     engines = [actor.options(num_cpus=1, num_gpus=bundle.get("GPU", 0), max_restarts=max_restarts,
                              max_task_retries=0, max_concurrency=100_000, runtime_env={"env_vars": env},
                              scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
-               .remote(model_path, tensor_parallel_size=tensor_parallel_size, seed=i, **engine_kwargs)
+               .remote(model_path, tensor_parallel_size=tensor_parallel_size, seed=seed + i, **engine_kwargs)
                for i in range(num_engines)]
     ray.get([e.start.remote() for e in engines], timeout=ready_timeout_s)  # each starts at weight version 0
     return engines, pg
@@ -428,39 +429,19 @@ class RolloutPool:
         self._changed.set()
 
     async def _run_attempt(self, group_id, item):
-        session = self.server.new_session()  # its id is the attempt id
-        prompt = item.get("prompt")
-        messages = item.get("messages") or ([{"role": "user", "content": prompt}] if prompt is not None else [])
-        ctx = Context(base_url=session.base_url, api_key=session.api_key, model=self.model_name, prompt=prompt,
-                      messages=[dict(m) for m in messages], tools=item.get("tools"), label=item.get("label"),
-                      sampling=dict(self.sampling), attempt_id=session.attempt_id, group_id=group_id)
-        reward, failed, error, teacher, info = 0.0, False, None, None, {}
-        try:
-            result = await asyncio.wait_for(self.run_agent(ctx), self.attempt_timeout_s)
-            reward = result.reward
-            teacher = result.info.get("teacher_logprobs")  # on-policy distillation: one list per segment
-            # the numbers the agent reports (Result.info) are logged per step, averaged over attempts
-            info = {k: float(v) for k, v in result.info.items()
-                    if isinstance(v, (int, float)) and math.isfinite(v)}
-        except asyncio.TimeoutError:
-            failed, error = True, f"attempt timed out after {self.attempt_timeout_s}s"
-            self.counters["timed_out_attempts"] += 1
-        except Exception as e:  # the agent's own error, or an engine's: recorded, the run goes on
-            failed, error = True, f"{type(e).__name__}: {e}"
-            traceback.clear_frames(e.__traceback__)
-        # sealed: a request of this attempt still generating is refused when it lands
-        segments = [dict(s, group_id=group_id, failed=failed, error=error)
-                    for s in self.server.finish_session(session.id, reward)]
+        played = await self._play(group_id, item, self.sampling)
+        reward, failed, error, segments = played["reward"], played["failed"], played["error"], played["segments"]
+        teacher = played["info"].get("teacher_logprobs")  # on-policy distillation: one list per segment
+        # the numbers the agent reports (Result.info) are logged per step, averaged over attempts
+        info = {k: float(v) for k, v in played["info"].items() if isinstance(v, (int, float)) and math.isfinite(v)}
         if teacher is not None:
             if len(teacher) != len(segments):
                 failed, error = True, f"the agent gave teacher_logprobs for {len(teacher)} of {len(segments)} segments"
             for s in segments:
                 s["teacher_logprobs"] = None if failed else teacher[s["segment_index"]]
-        self.server.drop_session(session.id)
-        if hasattr(self.server.backend, "forget"):
-            self.server.backend.forget(session.id)
         self.counters["attempts"] += 1
         self.counters["failed_attempts"] += failed
+        self.counters["timed_out_attempts"] += played["timed_out"]
         self.counters["reward_sum"] += reward
         if failed:
             self.errors = (self.errors + [error])[-20:]
@@ -476,9 +457,64 @@ class RolloutPool:
             self.trajectory_writer(segments)
         records = [put_experience(seg, reward, group_id, failed, error) for seg in segments]
         if not records:  # an attempt that never reached the model still counts in its group's statistics
-            records = [dict(ref=None, attempt_id=session.attempt_id, segment_index=-1, group_id=group_id, reward=reward,
-                            num_tokens=0, action_tokens=0, min_version=-1, max_version=-1, failed=failed, error=error)]
+            records = [dict(ref=None, attempt_id=played["attempt_id"], segment_index=-1, group_id=group_id,
+                            reward=reward, num_tokens=0, action_tokens=0, min_version=-1, max_version=-1,
+                            failed=failed, error=error)]
         for r in records:
             r["info"] = info
         self.counters["generated_tokens"] += sum(r["action_tokens"] for r in records)
-        return dict(attempt_id=session.attempt_id, reward=reward, failed=failed, error=error, segments=records)
+        return dict(attempt_id=played["attempt_id"], reward=reward, failed=failed, error=error, segments=records)
+
+    async def _play(self, group_id, item, sampling):
+        """One attempt of the agent on `item` with `sampling`, on its own capture session (sealed and dropped at the
+        end). Returns its attempt_id, reward, info, failed, timed_out, error and recorded segments."""
+        session = self.server.new_session()  # its id is the attempt id
+        prompt = item.get("prompt")
+        messages = item.get("messages") or ([{"role": "user", "content": prompt}] if prompt is not None else [])
+        ctx = Context(base_url=session.base_url, api_key=session.api_key, model=self.model_name, prompt=prompt,
+                      messages=[dict(m) for m in messages], tools=item.get("tools"), label=item.get("label"),
+                      sampling=dict(sampling), attempt_id=session.attempt_id, group_id=group_id)
+        reward, info, failed, timed_out, error = 0.0, {}, False, False, None
+        try:
+            result = await asyncio.wait_for(self.run_agent(ctx), self.attempt_timeout_s)
+            reward, info = result.reward, result.info
+        except asyncio.TimeoutError:
+            failed, timed_out, error = True, True, f"attempt timed out after {self.attempt_timeout_s}s"
+        except Exception as e:  # the agent's own error, or an engine's: recorded, the run goes on
+            failed, error = True, f"{type(e).__name__}: {e}"
+            traceback.clear_frames(e.__traceback__)
+        # sealed: a request of this attempt still generating is refused when it lands
+        segments = [dict(s, group_id=group_id, failed=failed, error=error)
+                    for s in self.server.finish_session(session.id, reward)]
+        self.server.drop_session(session.id)
+        if hasattr(self.server.backend, "forget"):
+            self.server.backend.forget(session.id)
+        return dict(attempt_id=session.attempt_id, reward=reward, info=info, failed=failed, timed_out=timed_out,
+                    error=error, segments=segments)
+
+    def evaluate(self, items, sampling, results_path=None, policy_version=None, timeout=None):
+        """One attempt per item with `sampling` (evaluation: greedy), through the same agent, capture server and
+        engines as training, beside the training attempts (which go on meanwhile). Nothing of these attempts is put
+        in the object store or counted: they never reach the trainer. Each item's result is appended to results_path
+        as a JSON line: reward, success (the agent's Result.info["success"], else its reward), failed, error,
+        generated tokens, the policy versions that generated them and the decoded segments. Returns the means:
+        eval/success, eval/reward, eval/generated_tokens, and the seconds it took (eval_s)."""
+        t0 = time.perf_counter()
+
+        async def one(item):
+            played = await self._play(-1, item, sampling)
+            versions = [v for s in played["segments"] for m, v in zip(s["action_mask"], s["token_versions"]) if m]
+            return dict(policy_version=policy_version, prompt=item.get("prompt", item.get("messages")),
+                        label=item.get("label"), reward=played["reward"],
+                        success=float(played["info"].get("success", played["reward"])), failed=played["failed"],
+                        error=played["error"], generated_tokens=len(versions), policy_versions=sorted(set(versions)),
+                        text=[self.server.tokenizer.decode(s["token_ids"]) for s in played["segments"]])
+
+        async def run():
+            return await asyncio.gather(*(one(item) for item in items))
+        results = asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout)
+        if results_path is not None:
+            with open(results_path, "a") as f:
+                f.writelines(json.dumps(r, default=str) + "\n" for r in results)
+        return {**{f"eval/{k}": sum(r[k] for r in results) / max(len(results), 1)
+                   for k in ("success", "reward", "generated_tokens")}, "eval_s": time.perf_counter() - t0}

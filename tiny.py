@@ -28,7 +28,13 @@ TINY_CONFIG = ModelConfig(
 TINY_VL_CONFIG = replace(TINY_CONFIG, moe_intermediate_size=192, mrope_section=[12, 10, 10], vision=VisionConfig(
     depth=3, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, deepstack_visual_indexes=[0, 1],
     vision_start_token_id=3, vision_end_token_id=4, image_token_id=5, video_token_id=6))  # VISION_TOKENS' ids
-TINY_MODELS = {"tiny-qwen3-moe": TINY_CONFIG, "tiny-qwen3-vl-moe": TINY_VL_CONFIG}  # by directory name in .cache
+# The default model_path: the tiny Qwen3-MoE after a short supervised warm start on worked examples of the calculator
+# task, which train.py builds with its own trainer and loss (warm_start_tiny) and rebuilds when WARM_START changes.
+# Short on purpose: the model learns the conversation's shape and starts to copy numbers; RL takes it from there.
+TINY_SFT = "tiny-qwen3-moe-sft"
+WARM_START = dict(transcripts=4096, untold=0.4, untold_tool=0.25, max_steps=200, learning_rate=3e-3, min_lr=3e-4, warmup_steps=2,
+                  groups_per_batch=8, group_size=2, seed=0)  # train.py config keys; transcripts(n, direct=)
+TINY_MODELS = {"tiny-qwen3-moe": TINY_CONFIG, "tiny-qwen3-vl-moe": TINY_VL_CONFIG, TINY_SFT: TINY_CONFIG}  # by name
 
 
 def tiny_model_config(path):
@@ -155,6 +161,8 @@ def build_tokenizer(path, vocab_size, vision=False):
 def ensure_tiny_model(path=TINY_MODEL_PATH, cfg=None, seed=0):
     """Build the tiny model directory once (a few seconds); later calls return at once. Returns the path.
     cfg None: the tiny model the directory's name says (TINY_MODELS), else the tiny Qwen3-MoE."""
+    if os.path.basename(os.path.abspath(path)) == TINY_SFT:
+        return ensure_warm_start(path)
     if os.path.isfile(os.path.join(path, "model.safetensors")):
         return path
     cfg = cfg or tiny_model_config(path) or TINY_CONFIG
@@ -180,6 +188,39 @@ def ensure_tiny_model(path=TINY_MODEL_PATH, cfg=None, seed=0):
     except OSError:  # another process finished first
         import shutil
         shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def ensure_warm_start(path):
+    """The default model (TINY_SFT), built once and again when WARM_START changes: the random-init tiny Qwen3-MoE
+    after `python train.py --sft_data=FILE`, a supervised run on worked examples of the calculator task
+    (agents/calculator.py: transcripts). Returns the path."""
+    import runpy
+    import shutil
+    import subprocess
+    import sys
+    path, root = os.path.abspath(path), os.path.dirname(os.path.abspath(__file__))
+    recipe = os.path.join(path, "warm_start.json")
+    if os.path.isfile(recipe) and json.load(open(recipe)) == WARM_START:
+        return path
+    base, work = ensure_tiny_model(os.path.join(os.path.dirname(path), "tiny-qwen3-moe")), path + ".build"
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    data = os.path.join(work, "transcripts.jsonl")
+    rows = runpy.run_path(os.path.join(root, "agents", "calculator.py"))["transcripts"](
+        WARM_START["transcripts"], seed=1, untold=WARM_START["untold"], untold_tool=WARM_START["untold_tool"])
+    with open(data, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    print(f"building {path}: the tiny model's warm start, {WARM_START}", flush=True)
+    keys = [f"--{k}={v}" for k, v in WARM_START.items() if k not in ("transcripts", "untold", "untold_tool")]
+    rendezvous = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+    subprocess.run([sys.executable, os.path.join(root, "train.py"), f"--model_path={base}", f"--sft_data={data}",
+                    f"--out_dir={work}", "--checkpoint_every=1000000", *keys], check=True,
+                   env={k: v for k, v in os.environ.items() if k not in rendezvous})  # a run of its own, one rank
+    with open(os.path.join(work, "hf", "warm_start.json"), "w") as f:
+        json.dump(WARM_START, f)
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(os.path.join(work, "hf"), path)
     return path
 
 

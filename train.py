@@ -18,6 +18,7 @@ import ast
 import asyncio
 import dataclasses
 import datetime
+import inspect
 import json
 import math
 import os
@@ -49,7 +50,7 @@ from weights_sync import free_port
 # default config values: the tiny CPU run. configs/*.py and --key=value override them.
 # I/O
 out_dir = "out/tiny"
-model_path = ".cache/tiny-qwen3-moe"  # HF-format Qwen3 / Qwen3-MoE directory; the tiny one is built if missing
+model_path = ".cache/tiny-qwen3-moe-sft"  # HF-format Qwen3 / Qwen3-MoE directory; a tiny one is built if missing
 model_config = {}          # config.json fields a dry run plans from when model_path has none (not downloaded yet)
 resume = False             # continue from the last checkpoint in out_dir
 checkpoint_every = 10      # optimizer steps between checkpoints (and at the end)
@@ -60,6 +61,11 @@ export_hf_dir = ""         # a directory: write out_dir's last checkpoint there 
 # agent and data
 agent = "agents/calculator.py"  # a module exporting `agent` (a ChatAgent or an Env)
 prompts = ""               # JSONL/Parquet of prompts and labels; "" lets the agent module generate them
+sft_data = ""              # JSONL/Parquet of chat transcripts: a supervised run of max_steps steps on them, no rollout
+eval_every = 10            # held-out evaluation every this many steps, at the start and at the end (0: none)
+eval_prompts = ""          # JSONL/Parquet of held-out prompts; "" takes the agent module's eval_prompts(), if any
+eval_temperature = 0.0     # the evaluation's sampling (0: greedy)
+tensorboard_dir = ""       # also write every logged number there as TensorBoard scalars (pip install tensorboard)
 # rollout
 num_engines = 1
 tensor_parallel_size = 1
@@ -93,6 +99,7 @@ warmup_steps = 2
 weight_decay = 0.0
 beta1 = 0.9
 beta2 = 0.95
+adam_eps = 1e-8            # RL from a trained model: larger (1e-5) keeps tokens with tiny gradients where they are
 grad_clip = 1.0
 microbatch_tokens = 4096   # tokens per forward/backward on one rank
 logprob_chunk_size = 1024  # tokens per chunk of the lm_head + log-softmax
@@ -172,7 +179,7 @@ def main(argv):
     if rank == 0:
         print(json.dumps(cfg, indent=1))
         os.makedirs(cfg["out_dir"], exist_ok=True)
-        if is_tiny_model(cfg["model_path"]):
+        if is_tiny_model(cfg["model_path"]):  # the default one after its warm start (an SFT run of this file)
             ensure_tiny_model(cfg["model_path"])
         if not cfg["resume"] and not cfg["export_hf_dir"] and os.path.exists(os.path.join(cfg["out_dir"], "metrics.jsonl")):
             os.remove(os.path.join(cfg["out_dir"], "metrics.jsonl"))  # a fresh run starts a fresh log
@@ -183,6 +190,9 @@ def main(argv):
     if cfg["export_hf_dir"]:  # no rollout: the checkpoint as an HF directory that vLLM and transformers load
         export_hf(model, cfg["export_hf_dir"], source_dir=cfg["model_path"])
         print0(f"exported step {step} of {cfg['out_dir']} to {cfg['export_hf_dir']}")
+        return dist.destroy_process_group()
+    if cfg["sft_data"]:  # a supervised run: no rollout
+        print0(f"done: {sft(cfg, model, optimizer, step, rank, world)} (HF), {cfg['out_dir']}/metrics.jsonl")
         return dist.destroy_process_group()
 
     # the rollout side, on rank 0: engines, router, capture server, pool
@@ -195,11 +205,13 @@ def main(argv):
     # a resumed run's pool continues the prompt stream after the prompts its earlier life drew
     run = start_rollout(cfg, trainer_gpus=gpus, data_position=extra.get("data_position", 0)) if rank == 0 else None
 
-    train(cfg, model, optimizer, run, step, rank, world)
+    evals = train(cfg, model, optimizer, run, step, rank, world)
 
     if rank == 0:
         stop_rollout(run)
-        print(f"done: {cfg['out_dir']}/metrics.jsonl, {cfg['out_dir']}/reward.png, "
+        held_out = "".join(f"held-out eval/success {evals[v]['eval/success']:.3f} at policy version {v}; "
+                           for v in sorted(evals)[:1] + sorted(evals)[1:][-1:])  # the first and the last
+        print(f"done: {held_out}{cfg['out_dir']}/metrics.jsonl, {cfg['out_dir']}/curves.png, "
               f"checkpoint {latest_checkpoint(cfg['out_dir'])}")
     ray.shutdown()
     dist.destroy_process_group()
@@ -207,17 +219,21 @@ def main(argv):
 
 def train(cfg, model, optimizer, run, step, rank, world):
     """The loop, from `step` to max_steps: batch -> advantages -> each rank's refs -> train step -> weight sync ->
-    log -> checkpoint. Rank 0 drives (run: start_rollout's dict); the others follow through collectives."""
+    held-out evaluation (every eval_every steps) -> log -> checkpoint. Rank 0 drives (run: start_rollout's dict);
+    the others follow through collectives. Returns rank 0's evaluations, {policy_version: metrics}."""
     import weights_sync
     from tqdm import tqdm
     out_dir = cfg["out_dir"]
     loop = asyncio.new_event_loop()  # runs the weight-sync coroutines of this thread
     sender = weights_sync.WeightSender()
+    writer, evals = tensorboard_writer(cfg, rank), {}
     policy_version = step  # one optimizer step = one policy version; the engines start at version 0
     # the engines get the trainer's weights first: a resumed run's, or whatever they were started or left with
     push_weights(run, loop, sender, model, policy_version, rank, world)
     if rank == 0:
         run["pool"].start()  # after that sync, so that no attempt samples from the base weights
+        if policy_version == 0 and evaluate(run, cfg, 0, evals):
+            log_step(out_dir, dict(step=0, policy_version=0, **evals[0]), writer)
         run["router"].reset_idle_clock()
     bar = tqdm(total=cfg["max_steps"], initial=step, disable=rank != 0, dynamic_ncols=True)
     for step in range(step, cfg["max_steps"]):
@@ -241,13 +257,14 @@ def train(cfg, model, optimizer, run, step, rank, world):
                        failed_attempts=pool["failed_attempts"], timed_out_attempts=pool["timed_out_attempts"],
                        dropped_groups=pool["dropped_groups"], engine_restarts=run["router"].restarts,
                        tokens_per_s=sum(r["action_tokens"] for r in records) / step_time, step_time_s=step_time,
+                       response_tokens=sum(r["action_tokens"] for r in records) / max(len(rewards), 1),
                        batch_wait_s=t_batch - t0, sync_s=sync_s, engine_idle=run["router"].idle_fraction(),
                        # versions between the policy that sampled a segment's oldest token and the one training on it
                        staleness=sum(policy_version - 1 - r["min_version"] for r in generated) / max(len(generated), 1),
                        loss=m["loss"], grad_norm=m["grad_norm"], lr=m["lr"], kept_tokens=m["kept_tokens"],
                        clip_frac=m["clip_frac"], attempts=len(rewards), segments=len(records))
-            row.update(info_means(records))
-            log_step(out_dir, row)
+            row.update(info_means(records), **evaluate(run, cfg, policy_version, evals))  # after step_time: eval_s
+            log_step(out_dir, row, writer)
             run["router"].reset_idle_clock()
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", step_s=f"{step_time:.1f}",
                             stale=f"{row['staleness']:.2f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
@@ -260,7 +277,48 @@ def train(cfg, model, optimizer, run, step, rank, world):
     sender.close()
     loop.close()
     if rank == 0:
-        plot_rewards(out_dir)
+        plot_metrics(out_dir)
+        writer and writer.close()
+    return evals
+
+
+def evaluate(run, cfg, v, evals):
+    """Rank 0, when evaluation is due at policy version v (0, every eval_every, the last): the held-out prompts
+    through the rollout pool at eval_temperature, on the weights the engines hold (the driver waits: no weight sync
+    meanwhile). Results per prompt go to out_dir/eval_results.jsonl; the means to evals[v], and back ({}: not due)."""
+    if cfg["eval_every"] and run["eval_prompts"] and (v % cfg["eval_every"] == 0 or v == cfg["max_steps"]):
+        evals[v] = run["pool"].evaluate(run["eval_prompts"], dict(run["pool"].sampling, temperature=cfg[
+            "eval_temperature"]), os.path.join(cfg["out_dir"], "eval_results.jsonl"), v)
+        return evals[v]
+    return {}
+
+
+def sft(cfg, model, optimizer, step, rank, world):
+    """A supervised run: max_steps optimizer steps of loss.sft_loss on sft_data's transcripts (their assistant turns),
+    groups_per_batch x group_size transcripts a step in one seeded order, again each epoch (every rank renders them
+    all and trains on its share). Returns out_dir/hf, an HF directory for a later run's model_path."""
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+    from agentrl import load_transcripts, transcript_tokens
+    tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
+    rows = [transcript_tokens(r, tokenizer) for r in load_transcripts(cfg["sft_data"])]
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg["seed"])).tolist()
+    batch, writer = cfg["groups_per_batch"] * cfg["group_size"], tensorboard_writer(cfg, rank)
+    for step in tqdm(range(step, cfg["max_steps"]), initial=step, total=cfg["max_steps"], disable=rank != 0):
+        t0 = time.perf_counter()
+        picks = [rows[order[(step * batch + i) % len(rows)]] for i in range(batch)][rank::world]
+        segments = [dict(token_ids=ids, action_mask=mask, behavior_logprobs=[0.0] * len(ids),
+                         token_versions=[0] * len(ids), routed_experts=None) for ids, mask in picks]
+        m = train_step(model, optimizer, pack_microbatches(segments, [0.0] * len(segments), cfg["microbatch_tokens"]),
+                       cfg, step, step, sft=True)
+        if rank == 0:
+            log_step(cfg["out_dir"], dict(step=step + 1, loss=m["loss"], grad_norm=m["grad_norm"], lr=m["lr"],
+                                          kept_tokens=m["kept_tokens"], step_time_s=time.perf_counter() - t0), writer)
+        if (step + 1) % cfg["checkpoint_every"] == 0 or step + 1 == cfg["max_steps"]:
+            save_checkpoint(cfg["out_dir"], model, optimizer, step + 1, cfg)
+    if rank == 0:
+        plot_metrics(cfg["out_dir"])
+    return export_hf(model, os.path.join(cfg["out_dir"], "hf"), source_dir=cfg["model_path"])
 
 
 def build_trainer(cfg, world, device):
@@ -321,7 +379,7 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
     background thread, and the rollout pool for the agent module and its prompts (train() starts it)."""
     import capture
     import rollout
-    from agentrl import load_agent, read_prompts, setup_agent
+    from agentrl import load_agent, load_prompts, read_prompts, setup_agent
     placement = []
     if engines is None:
         placement.append(rollout.reserve_trainer_gpus(trainer_gpus))  # torchrun's GPUs, unknown to Ray
@@ -329,7 +387,7 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
         # routing replay (README, invariant 3): the engine returns each token's experts for the trainer's router to reuse;
         # vLLM returns them on GPU only (Model Runner V2), so a CPU run trains on the trainer's own routing
         options["enable_return_routed_experts"] = torch.cuda.is_available() and plan.planned_model_config(cfg).is_moe
-        engines, engine_pg = rollout.start_engines(cfg["model_path"], cfg["num_engines"], **options)
+        engines, engine_pg = rollout.start_engines(cfg["model_path"], cfg["num_engines"], seed=cfg["seed"], **options)
         placement.append(engine_pg)
         rollout.check_engine_gpus(engines, trainer_gpus)
     router = rollout.Router(engines)
@@ -342,10 +400,12 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
     cleanup = setup_agent(run_agent, cfg)  # what the agent needs beside the policy (a judge's engine, ...)
     if cfg["prompts"]:
         prompts = read_prompts(cfg["prompts"], seed=cfg["seed"])
-    elif agent_prompts is not None:
-        prompts = agent_prompts()
+    elif agent_prompts is not None:  # seeded, when it takes a seed
+        prompts = agent_prompts(**{"seed": cfg["seed"]} if "seed" in inspect.signature(agent_prompts).parameters else {})
     else:
         raise ConfigError(f"no prompts: set `prompts` to a JSONL file, or export prompts() from {cfg['agent']}")
+    # held out: a file of its own, or the agent module's split that prompts() never yields
+    held_out = list(load_prompts(cfg["eval_prompts"])) if cfg["eval_prompts"] else (run_agent.eval_prompts or list)()
     writer = None
     if cfg["save_trajectories"]:
         path = os.path.join(cfg["out_dir"], "trajectories.jsonl")
@@ -358,7 +418,8 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
         model_name=server.model_name, trajectory_writer=writer,
         first_prompt=data_position,
         sampling=dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_tokens=cfg["max_tokens"]))
-    return dict(engines=engines, router=router, server=server, pool=pool, placement=placement, cleanup=cleanup)
+    return dict(engines=engines, router=router, server=server, pool=pool, placement=placement, cleanup=cleanup,
+                eval_prompts=held_out if cfg["eval_every"] else [])
 
 
 def stop_rollout(run):
@@ -456,26 +517,43 @@ def info_means(records):
             sum(k in info for info in per_attempt.values()) for k in keys}
 
 
-def log_step(out_dir, row):
+def log_step(out_dir, row, writer=None):
+    """A row of out_dir/metrics.jsonl; with tensorboard_dir, its numbers as TensorBoard scalars at its step too."""
     with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
+    for key, value in row.items() if writer else ():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+            writer.add_scalar(key, value, row["step"])
 
 
-def plot_rewards(out_dir):
-    """out_dir/reward.png from metrics.jsonl (all steps, including those before a resume)."""
+def tensorboard_writer(cfg, rank):
+    if rank == 0 and cfg["tensorboard_dir"]:  # else None
+        from torch.utils.tensorboard import SummaryWriter  # the tensorboard package: plan.check_config asks for it
+        return SummaryWriter(cfg["tensorboard_dir"])
+
+
+PANELS = {"reward_mean": "train reward", "eval/success": "held-out success (eval)", "mismatch_kl": "engine/trainer KL",
+          "response_tokens": "generated tokens per attempt", "tokens_per_s": "generated tokens/s", "loss": "loss"}
+
+
+def plot_metrics(out_dir):
+    """out_dir/curves.png from metrics.jsonl (all steps, including those before a resume): a grid of the PANELS
+    that the log has."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in rows], [r["reward_mean"] for r in rows], marker=".")
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean reward")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
+    panels = [(key, title) for key, title in PANELS.items() if any(r.get(key) is not None for r in rows)]
+    fig, axes = plt.subplots(2, 3, figsize=(12, 5.6))
+    for ax, (key, title) in zip(axes.flat, panels):
+        ax.plot(*zip(*[(r["step"], r[key]) for r in rows if r.get(key) is not None]), marker=".")
+        ax.set(title=title, xlabel="step")
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "reward.png"), dpi=100)
+    fig.savefig(os.path.join(out_dir, "curves.png"), dpi=80)
     plt.close(fig)
 
 
@@ -492,7 +570,7 @@ def build_optimizer(model, cfg):
     dense = [p for n, p in model.named_parameters() if not is_stacked_experts(n)]
     groups = [{"params": dense}] + ([{"params": experts}] if experts else [])
     # fused: one kernel per group, on the GPU and on the CPU (offloaded state); it also takes the clipping factor
-    return torch.optim.AdamW(groups, lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
+    return torch.optim.AdamW(groups, lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["adam_eps"],
                              weight_decay=cfg["weight_decay"], fused=True)
 
 
@@ -581,8 +659,9 @@ def clip_grad_norm(model, max_norm, device, optimizer=None):
     return norm
 
 
-def train_step(model, optimizer, microbatches, cfg, policy_version, step=None):
+def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, sft=False):
     """One optimizer step over this rank's microbatches of the window. Returns metrics (floats, same on all ranks).
+    sft=True: the supervised objective (loss.sft_loss: the mean NLL of the action-mask tokens, at temperature 1).
 
     microbatches: dicts of right-padded tensors (B, T): input_ids, targets (input_ids shifted by one), action_mask,
     behavior_logprobs, token_versions, advantages (B,) or (B, T), optional ref_logprobs, and routed_experts
@@ -605,20 +684,21 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None):
 
     model.train()
     old_logprobs = [None] * len(microbatches)
-    if lcfg.is_mode == "mask" and lcfg.is_level != "none":  # rejection needs the trainer's logprobs first
+    if lcfg.is_mode == "mask" and lcfg.is_level != "none" and not sft:  # rejection needs the trainer's logprobs first
         with torch.no_grad():
             old_logprobs = [microbatch_logprobs(model, mb, cfg)[0] for mb in microbatches]
-    kept = [loss.kept_token_mask(old, mb["behavior_logprobs"], mb["action_mask"], mb["token_versions"],
-                                 policy_version, lcfg) for old, mb in zip(old_logprobs, microbatches)]
+    kept = [mb["action_mask"].bool() if sft else loss.kept_token_mask(old, mb["behavior_logprobs"], mb["action_mask"],
+            mb["token_versions"], policy_version, lcfg) for old, mb in zip(old_logprobs, microbatches)]
     window_tokens = loss.count_window_tokens(kept)  # one all-reduce, before the first backward
 
     metrics = []
     for old, mb in zip(old_logprobs, microbatches):
-        logprobs, entropy = microbatch_logprobs(model, mb, cfg, with_entropy=lcfg.entropy_coef > 0)
-        mb_loss, mb_metrics = loss.policy_loss(logprobs, old, mb["behavior_logprobs"], mb["advantages"],
-                                               mb["action_mask"], mb["token_versions"], policy_version, lcfg,
-                                               window_tokens, dp_world_size=1,  # gradients are summed over ranks
-                                               ref_logprobs=mb.get("ref_logprobs"), entropy=entropy)
+        logprobs, entropy = microbatch_logprobs(model, mb, dict(cfg, temperature=1.0) if sft else cfg,
+                                                with_entropy=lcfg.entropy_coef > 0 and not sft)
+        mb_loss, mb_metrics = loss.sft_loss(logprobs, mb["action_mask"], window_tokens) if sft else loss.policy_loss(
+            logprobs, old, mb["behavior_logprobs"], mb["advantages"], mb["action_mask"], mb["token_versions"],
+            policy_version, lcfg, window_tokens, dp_world_size=1,  # gradients are summed over ranks
+            ref_logprobs=mb.get("ref_logprobs"), entropy=entropy)
         mb_loss.backward()
         metrics.append(mb_metrics)
 

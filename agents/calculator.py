@@ -1,25 +1,33 @@
 """
-The tiny default task: a two-turn calculator agent written with the official OpenAI SDK.
+The tiny default task: a calculator agent written with the official OpenAI SDK.
 
     python train.py            # trains the tiny model on this agent (agent = "agents/calculator.py")
 
-Turn 1: the model gets an arithmetic question and a `calculator` tool. Turn 2: the agent runs the tool and sends
-its result back as a `tool` message; the model answers. The tool runs on the model's own tool call when it made a
-valid one, else on the question's expression: a random-init model almost never writes a valid call, and this keeps
-the conversation shape (model turn, tool result, model turn) the same from the first step on.
+The model gets an arithmetic question and a `calculator` tool. When its reply is a valid calculator call, the agent
+runs the tool on the model's own expression and sends the result back as a `tool` message, and the model answers
+(two model turns); any other reply is taken as the final answer (one turn). The tool never runs on anything the
+model did not write.
 
-Reward in [0, 1], on the final answer only:
-    1.0                                   the answer is exactly the tool's result
-    else 0.4 * concise + 0.3 * stopped + 0.3 * digits
-  concise  1 - len(answer) / (4 * max_tokens), 0 for an empty answer (4 characters is about the longest token)
-  stopped  1 if the model ended its turn itself (finish_reason "stop"), 0 if max_tokens cut it off
-  digits   how many of the result's digits the answer holds (multiset overlap / the longer digit count)
-A random-init model earns ~0.1 (long noise cut off by max_tokens); it learns within a few dozen steps to answer
-briefly and stop (~0.5-0.7). Getting the number right, the last 0.3, takes a model that can copy from context.
+Reward: 1.0 when the final answer is exactly the question's result, else 0.0; Result.info["success"] is the same
+number, the task's success that evaluation reports. Nothing else is rewarded: whether the model made a valid call
+is logged (info "tool_called"), never paid for. Getting it right takes copying: the question's numbers into the call
+(the first one as another token: " 7" in the question, "7" after the JSON's quote) and the tool's result into the
+answer. A random-init model never gets there by sampling; the tiny model's warm start (train.py) is a short SFT on
+`transcripts`, worked examples of the task, that leaves it mostly wrong, and RL raises the held-out success (README).
+
+Prompts come in two splits that never share an expression: `prompts()` (training, endless) and `eval_prompts()`
+(held out, fixed): an expression is held out when its CRC-32 is divisible by 8.
+
+`score` is a shaped reward (answer briefly, stop, share digits) that the framework recipes use (agents_sdk.py,
+langchain_tools.py); this agent does not.
 """
 import ast
+import itertools
+import json
 import operator
 import random
+import re
+import zlib
 from collections import Counter
 
 from openai import AsyncOpenAI
@@ -30,14 +38,50 @@ TOOLS = [{"type": "function", "function": {
     "name": "calculator",
     "description": "Evaluate an arithmetic expression with + - * and parentheses.",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+MAX_OPERAND = 9  # single digits: the tiny model learns to copy them within its warm start (two digits take ~3x longer)
 
 
-def prompts(seed=0):
-    """Endless arithmetic questions; the label is the expression (the tool computes the answer)."""
+def held_out(expression):
+    return zlib.crc32(expression.encode()) % 8 == 0
+
+
+def prompts(seed=0, split="train", told=False):
+    """Endless arithmetic questions of one split ("train" or "eval"); the label is the expression. told=True: the
+    question says to use the calculator (the warm start's examples); RL and evaluation ask without saying."""
     rng = random.Random(seed)
     while True:
-        expression = f"{rng.randint(0, 99)} {rng.choice('+-*')} {rng.randint(0, 99)}"
-        yield {"prompt": f"What is {expression}? Use the calculator.", "label": expression}
+        expression = f"{rng.randint(0, MAX_OPERAND)} {rng.choice('+-*')} {rng.randint(0, MAX_OPERAND)}"
+        if held_out(expression) == (split == "eval"):
+            yield {"prompt": f"{'Use the calculator. ' if told else ''}What is {expression}?", "label": expression}
+
+
+def eval_prompts():
+    """The held-out questions evaluation runs: every expression of the eval split once (40), in a fixed order."""
+    every = {}
+    for p in itertools.islice(prompts(seed=0, split="eval"), 20_000):  # draws enough to see each one
+        every.setdefault(p["label"], p)
+    return list(every.values())
+
+
+def transcripts(n, seed=0, untold=0.0, untold_tool=0.0):
+    """n worked examples from the training split, as chat rows for supervised fine-tuning (the tiny model's warm
+    start). A question that says to use the calculator gets the tool's route: tool call, tool result, answer. An
+    `untold` fraction of the questions do not say it; of those, an `untold_tool` fraction still take the tool, the
+    others get the right answer at once ("The answer is 56."): a strong model's mental arithmetic, which a tiny one
+    cannot follow on questions it has not seen."""
+    rows, rng = [], random.Random(seed)
+    for p in itertools.islice(prompts(seed=seed), n):
+        told = rng.random() >= untold
+        call = {"id": "call_0", "type": "function",
+                "function": {"name": "calculator", "arguments": json.dumps({"expression": p["label"]})}}
+        result = str(calculate(p["label"]))
+        turns = [{"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": "call_0", "content": result}, {"role": "assistant", "content": result}]
+        if not told and rng.random() >= untold_tool:
+            turns = [{"role": "assistant", "content": f"The answer is {result}."}]
+        question = f"Use the calculator. {p['prompt']}" if told else p["prompt"]
+        rows.append({"tools": TOOLS, "messages": [{"role": "user", "content": question}] + turns})
+    return rows
 
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.USub: operator.neg}
@@ -55,7 +99,7 @@ def calculate(expression):
         raise ValueError(f"not an arithmetic expression: {expression!r}")
     try:
         return walk(ast.parse(expression, mode="eval").body)
-    except SyntaxError:
+    except (SyntaxError, RecursionError):
         raise ValueError(f"not an arithmetic expression: {expression!r}") from None
 
 
@@ -67,21 +111,22 @@ def calculator(expression: str) -> str:
         return f"error: {e}"
 
 
-def expression_of(message, fallback):
-    """The expression of the model's first calculator call, if it made a valid one; else `fallback`."""
-    import json
+def expression_of(message):
+    """The expression of the model's first valid calculator call and that call's id, or (None, None)."""
     for call in message.tool_calls or []:
         try:
             expression = json.loads(call.function.arguments)["expression"]
             calculate(expression)
-            return expression, True
-        except (ValueError, KeyError, TypeError, RecursionError):
+            return expression, call.id
+        except (ValueError, KeyError, TypeError):
             continue
-    return fallback, False
+    return None, None
 
 
 def score(answer, stopped, result, max_tokens):
-    """The reward of a final answer (see the module docstring)."""
+    """A shaped reward: 1.0 for exactly `result`, else 0.4 * concise + 0.3 * stopped + 0.3 * shared digits, where
+    concise = 1 - len(answer) / (4 * max_tokens) (0 for an empty answer) and shared digits = the multiset overlap of
+    the answer's and the result's digits over the longer digit count."""
     answer = answer.strip()
     if answer == result:
         return 1.0
@@ -96,21 +141,20 @@ class Calculator(ChatAgent):
     async def run(self, ctx):
         async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
             messages = [{"role": "user", "content": ctx.prompt}]
-            first = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS,
-                                                         **ctx.sampling)
-            reply = first.choices[0].message
-            expression, called = expression_of(reply, ctx.label)
-            result = str(calculate(expression))
-            # the reply goes back exactly as received, so the capture server sees the conversation extend its tokens
-            messages.append(reply.model_dump(exclude_none=True))
-            call_id = reply.tool_calls[0].id if called else "call_0"
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
-            second = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS,
-                                                          **ctx.sampling)
-        choice = second.choices[0]
-        reward = score(choice.message.content or "", choice.finish_reason == "stop", result,
-                       ctx.sampling.get("max_tokens", 48))
-        return Result(reward, {"tool_called": float(called), "answer_chars": len((choice.message.content or "").strip())})
+            reply = (await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS,
+                                                          **ctx.sampling)).choices[0].message
+            expression, call_id = expression_of(reply)
+            if expression is not None:
+                # the reply goes back exactly as received, so the capture server sees the conversation extend its tokens
+                messages += [reply.model_dump(exclude_none=True),
+                             {"role": "tool", "tool_call_id": call_id, "content": calculator(expression)}]
+                reply = (await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS,
+                                                              **ctx.sampling)).choices[0].message
+        answer = (reply.content or "").strip()
+        numbers = re.findall(r"-?\d+", answer)  # the answer's last number is what it claims
+        success = float(bool(numbers) and numbers[-1] == str(calculate(ctx.label)))
+        return Result(success, {"success": success, "tool_called": float(expression is not None),
+                                "answer_chars": len(answer)})
 
 
 agent = Calculator()

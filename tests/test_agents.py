@@ -393,6 +393,27 @@ def test_load_prompts_parquet(tmp_path):
         list(load_prompts(path))
 
 
+
+def test_transcript_tokens_mask_exactly_the_assistant_turns(tiny_model_path, tmp_path):
+    """A calculator transcript (tool call, tool result, answer): the pieces rendered turn by turn are the full
+    render's tokens, and the mask covers the two assistant turns through their end-of-turn token, nothing else."""
+    import runpy
+    from transformers import AutoTokenizer
+    from agentrl import load_transcripts, transcript_tokens
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    row = runpy.run_path("agents/calculator.py")["transcripts"](1, seed=5)[0]
+    ids, mask = transcript_tokens(row, tokenizer)
+    full = tokenizer.apply_chat_template(row["messages"], tools=row["tools"], tokenize=False)
+    assert ids == tokenizer(full, add_special_tokens=False)["input_ids"] and len(mask) == len(ids)
+    call = row["messages"][1]["tool_calls"][0]["function"]
+    learned = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    assert learned == ('<tool_call>\n{"name": "calculator", "arguments": %s}\n</tool_call><|im_end|>%s<|im_end|>'
+                       % (call["arguments"], row["messages"][3]["content"]))
+    path = tmp_path / "sft.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(ValueError, match="transcript 2 has no assistant message"):
+        load_transcripts(str(path))
+
 def test_readme_agent_runs(stack, tmp_path):
     """The "Writing an agent" example of README.md, as printed there, plays an attempt."""
     with open(os.path.join(ROOT, "README.md")) as f:

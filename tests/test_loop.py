@@ -1,13 +1,16 @@
 """
 The whole loop on the tiny default: the calculator agent through the OpenAI SDK -> capture server -> router -> a
 real vLLM engine actor -> experiences in the Ray object store -> the FSDP2 trainer (gloo, one rank) -> weight sync.
-Then resuming from the checkpoint, an off-policy run that drops stale tokens, and a run that survives a failing
-agent, a hanging tool and a killed engine. The engine is shared with test_rollout.py (tests/conftest.py).
+Then resuming from the checkpoint, an off-policy run that drops stale tokens, held-out evaluation in the loop (never
+trained on), and a run that survives a failing agent, a hanging tool and a killed engine. The engine is shared with
+test_rollout.py (tests/conftest.py).
 
     .venv/bin/python -m pytest tests/test_loop.py -q
 """
+import itertools
 import json
 import os
+import sys
 import threading
 import time
 
@@ -52,7 +55,7 @@ def device():
 def loop_config(out_dir, model_path, **overrides):
     cfg = train.configure([])
     cfg.update(model_path=model_path, out_dir=str(out_dir), max_steps=2, group_size=2, groups_per_batch=2,
-               groups_in_flight=3, engine_max_model_len=1024, checkpoint_every=100, warmup_steps=0)
+               groups_in_flight=3, engine_max_model_len=1024, checkpoint_every=100, warmup_steps=0, eval_every=0)
     cfg.update(overrides)
     return cfg
 
@@ -92,7 +95,7 @@ def test_tiny_default_end_to_end_then_resume(tmp_path, tiny_model_path, rollout_
     assert rows[0]["mismatch_kl"] < 1e-3  # the first batch: engine and trainer hold the same weights
     # tokens sampled with the weights the trainer holds (KV recomputed at each sync): rounding alone
     assert all(r["mismatch_kl_current"] is None or r["mismatch_kl_current"] < 1e-3 for r in rows)
-    assert os.path.getsize(tmp_path / "reward.png") > 0
+    assert os.path.getsize(tmp_path / "curves.png") > 0
     assert train.latest_checkpoint(str(tmp_path)).endswith("step_000002")
 
     # the engine now runs the trained weights, at the policy version of the last step
@@ -107,14 +110,15 @@ def test_tiny_default_end_to_end_then_resume(tmp_path, tiny_model_path, rollout_
     assert len(segments) >= 2 * cfg["group_size"] * cfg["groups_per_batch"]
     for seg in segments:
         calls = recorder.calls[seg["attempt_id"]]
-        assert len(calls) == 2 and seg["segment_index"] == 0  # the calculator: two model turns, one segment
+        # the calculator: one segment of one model turn, or two after a valid calculator call
+        assert len(calls) in (1, 2) and seg["segment_index"] == 0
         generated = set()
         for prompt, out in calls:
             n = len(prompt)
             assert seg["token_ids"][:n] == prompt and seg["token_ids"][n:n + len(out)] == out
             generated.update(range(n, n + len(out)))
         assert {i for i, m in enumerate(seg["action_mask"]) if m} == generated
-        assert len(seg["generated"]) == 2  # the two turns, decoded
+        assert len(seg["generated"]) == len(calls)  # the turns, decoded
 
     # resume: a fresh trainer loads step 2 and goes on to step 4, off-policy (4 groups in flight for batches of
     # 2) with max_staleness 0, so that tokens sampled one version back are dropped from the loss
@@ -124,6 +128,46 @@ def test_tiny_default_end_to_end_then_resume(tmp_path, tiny_model_path, rollout_
     assert engine_version(rollout_engine) == 4
     assert sum(r["stale_dropped"] for r in rows[2:]) > 0
     assert train.latest_checkpoint(str(tmp_path)).endswith("step_000004")
+
+
+def test_held_out_evaluation_runs_through_the_pool_and_never_reaches_the_trainer(tmp_path, tiny_model_path,
+                                                                              rollout_engine, device, monkeypatch):
+    """eval_every=1 on three of the calculator's held-out questions: evaluated greedily at versions 0, 1 and 2 through
+    the real agent, capture server and engine (the engine saw them), logged, kept per prompt, and absent from every
+    sequence the trainer trained on; the training stream never yields a held-out question."""
+    from agentrl import load_agent
+    from transformers import AutoTokenizer
+    _, prompts = load_agent("agents/calculator.py")
+    held_out = sys.modules["agent_calculator"].eval_prompts()
+    assert len(held_out) == 40 and not {p["label"] for p in held_out} & {
+        p["label"] for p in itertools.islice(prompts(seed=1337), 20_000)}
+    eval_file = tmp_path / "held_out.jsonl"
+    eval_file.write_text("".join(json.dumps(p) + "\n" for p in held_out[:3]))
+    trained = []  # every token sequence train_step gets
+    real_train_step = train.train_step
+    def recording_train_step(model, optimizer, microbatches, *args, **kwargs):
+        trained.extend(row.tolist() for mb in microbatches for row in mb["input_ids"])
+        return real_train_step(model, optimizer, microbatches, *args, **kwargs)
+    monkeypatch.setattr(train, "train_step", recording_train_step)
+    recorder = RecordingEngine(rollout_engine)
+    cfg = loop_config(tmp_path, tiny_model_path, eval_every=1, eval_prompts=str(eval_file))
+    rows, _ = run_loop(cfg, device, [recorder])
+
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(0 <= r["eval/success"] <= 1 for r in rows)
+    assert all(r["eval/generated_tokens"] > 0 and r["eval_s"] > 0 for r in rows)
+    with open(tmp_path / "eval_results.jsonl") as f:
+        results = [json.loads(line) for line in f]
+    assert [(r["policy_version"], r["prompt"]) for r in results] == [
+        (v, p["prompt"]) for v in (0, 1, 2) for p in held_out[:3]]
+    assert all(r["policy_versions"] == [r["policy_version"]] and not r["failed"] for r in results)
+    assert all(r["success"] == r["reward"] and p["prompt"] in r["text"][0] for r, p in zip(results, held_out[:3] * 3))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    seen = [tokenizer.decode(prompt) for calls in recorder.calls.values() for prompt, _ in calls]
+    texts = [tokenizer.decode(ids) for ids in trained]
+    assert len(texts) >= 2 * cfg["groups_per_batch"] * cfg["group_size"]
+    for p in held_out[:3]:
+        assert sum(p["prompt"] in t for t in seen) >= 3  # each evaluation asked the engine
+        assert not any(p["prompt"] in t for t in texts)
 
 
 FLAKY_AGENT = '''

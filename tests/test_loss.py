@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from loss import (LossConfig, compute_advantages, count_window_tokens, distill_token_rewards, kept_token_mask,
-                  naive_token_logprobs, policy_loss, reduce_metrics, segment_advantages, token_logprobs,
+                  naive_token_logprobs, policy_loss, reduce_metrics, segment_advantages, sft_loss, token_logprobs,
                   _ChunkedTokenLogprobs)
 
 # -----------------------------------------------------------------------------
@@ -415,3 +415,45 @@ def test_policy_loss_input_errors():
         policy_loss(logprobs, old, behavior, torch.ones(3), mask, versions, 5, LossConfig(), 5)
     with pytest.raises(ValueError, match="ref_logprobs"):
         policy_loss(logprobs, old, behavior, adv, mask, versions, 5, LossConfig(kl_coef=0.1), 5)
+
+
+# -----------------------------------------------------------------------------
+# the supervised objective
+
+
+def test_sft_loss_is_the_mean_next_token_nll_of_assistant_tokens_over_the_window():
+    """Two microbatches of different shapes (padding, prompt tokens, several assistant turns): the window-normalized
+    losses and their gradients add up to cross-entropy averaged over the window's assistant tokens alone."""
+    torch.manual_seed(0)
+    D, V = 8, 31
+    weight = torch.randn(V, D, requires_grad=True)
+    hidden = [torch.randn(2, 7, D), torch.randn(3, 4, D)]
+    targets = [torch.randint(0, V, (2, 7)), torch.randint(0, V, (3, 4))]
+    masks = [torch.tensor([[0, 0, 1, 1, 0, 1, 1], [0, 1, 1, 0, 0, 0, 0]]),  # row 2: padding after 3 tokens
+             torch.tensor([[0, 0, 0, 1], [1, 1, 1, 1], [0, 0, 0, 0]])]     # a row with nothing to learn
+    window_tokens = count_window_tokens([m.bool() for m in masks])
+    assert window_tokens == 11
+    total, metrics = 0.0, []
+    for h, t, m in zip(hidden, targets, masks):
+        logprobs, _ = token_logprobs(h, weight, t, chunk_size=3)
+        mb_loss, mb_metrics = sft_loss(logprobs, m, window_tokens)
+        mb_loss.backward()
+        total += mb_loss.item()
+        metrics.append(mb_metrics)
+    grad = weight.grad.clone()
+    weight.grad = None
+    picked_hidden = torch.cat([h[m.bool()] for h, m in zip(hidden, masks)])  # (11, D)
+    picked_targets = torch.cat([t[m.bool()] for t, m in zip(targets, masks)])
+    reference = torch.nn.functional.cross_entropy(picked_hidden @ weight.T, picked_targets)
+    reference.backward()
+    assert total == pytest.approx(reference.item(), rel=1e-6)
+    torch.testing.assert_close(grad, weight.grad, rtol=1e-5, atol=1e-6)
+    summary = reduce_metrics(metrics)
+    assert summary["loss"] == pytest.approx(reference.item(), rel=1e-6) and summary["kept_tokens"] == 11
+    # padding may hold any logprob, even -inf: it neither enters the loss nor poisons the gradient
+    logprobs = torch.tensor([[-1.0, -float("inf")]], requires_grad=True)
+    loss, _ = sft_loss(logprobs, torch.tensor([[1, 0]]), 1)
+    loss.backward()
+    assert loss.item() == 1.0 and logprobs.grad.tolist() == [[-1.0, 0.0]]
+    with pytest.raises(ValueError, match="must both be"):
+        sft_loss(torch.zeros(2, 3), torch.zeros(2, 4), 1)

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 import loss
 import train
-from conftest import end_rank
+from conftest import child_env, end_rank
 import model
 from model import ModelConfig, Transformer, is_stacked_experts
 
@@ -367,6 +367,32 @@ def test_bench_train_smoke_runs_both_trainers():
     assert result["ratio"] > 0 and "transformers_error" not in result
     assert result["ours"]["skipped_steps"] == 0 and result["ours"]["tokens_per_s"] > 0
     assert result["transformers"]["tokens_per_s"] > 0
+
+
+@pytest.mark.stack
+def test_sft_run_learns_assistant_turns_and_exports_hf(tmp_path, tiny_model_path):
+    """`python train.py --sft_data=FILE`: a supervised run through train_step and loss.sft_loss on eight calculator
+    transcripts, eight a step: the window counts the transcripts' assistant tokens, the loss falls, and out_dir/hf
+    is an HF directory (weights and tokenizer) that the model and transformers load."""
+    import runpy
+    from transformers import AutoTokenizer
+    from agentrl import transcript_tokens
+    rows = runpy.run_path(os.path.join(ROOT, "agents", "calculator.py"))["transcripts"](8, seed=3)
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "train.py", f"--model_path={tiny_model_path}", f"--sft_data={data}",
+                          f"--out_dir={out_dir}", "--max_steps=6", "--groups_per_batch=4", "--group_size=2",
+                          "--warmup_steps=1"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(out_dir / "metrics.jsonl") as f:
+        log = [json.loads(line) for line in f]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    assistant_tokens = sum(sum(transcript_tokens(r, tokenizer)[1]) for r in rows)
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6] and all(r["kept_tokens"] == assistant_tokens for r in log)
+    assert log[-1]["loss"] < 0.7 * log[0]["loss"] and os.path.getsize(out_dir / "curves.png") > 0
+    model = Transformer.from_pretrained(str(out_dir / "hf"))
+    assert model.config.num_experts == 8 and AutoTokenizer.from_pretrained(str(out_dir / "hf")).eos_token == "<|im_end|>"
 
 
 def grouped_vs_loop(rank, world, cfg, weights, out):
