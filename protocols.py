@@ -574,13 +574,14 @@ async def responses_events(items, request=None):
         yield event("response.failed", response=dict(head, status="failed", error=error))
         return
     response = responses_object(item[1])
-    final = response["output"]
-    for i in range(max(len(output) - 1, 0), max(len(output), len(final))):  # the open item, then any not streamed
-        if i == len(output):
-            yield add(final[i])
-        if i < len(final) and final[i]["type"] == output[i]["type"]:
-            output[i] = final[i]  # as the answer holds it (with its logprobs)
-        yield close(i)
+    streamed = [out["id"] for out in output]
+    for out in response["output"]:  # as the answer holds them (with the logprobs)
+        if out["id"] in streamed:
+            output[streamed.index(out["id"])] = out
+    yield close(len(output) - 1) if output else ""
+    for out in response["output"]:  # not streamed: an empty answer's message (or a malformed call's text)
+        if out["id"] not in streamed:
+            yield add(out) + close(len(output) - 1)
     yield event(f"response.{response['status']}", response=response)
 
 

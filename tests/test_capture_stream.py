@@ -50,7 +50,7 @@ class ScriptedEngine:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_path):
+def scripted(tiny_model_path):
     server = capture.CaptureServer(None, tiny_model_path, max_model_len=4096)
     server.backend = engine = ScriptedEngine(server.tokenizer)
     server.start_in_thread()
@@ -116,10 +116,10 @@ TURNS = {"chat": chat_turn, "messages": messages_turn, "responses": responses_tu
 
 
 @pytest.mark.parametrize("api", TURNS)
-def test_streamed_tool_calls_add_up_to_the_answer(served, api):
+def test_streamed_tool_calls_add_up_to_the_answer(scripted, api):
     """Text, then each call's name and its arguments in many pieces, exactly the non-streamed answer's: the
     arguments as the model wrote them (odd spacing and escapes kept); the same trajectory either way."""
-    server, _ = served
+    server, _ = scripted
     (plain, oa, an), (streamed, oa_s, an_s) = clients(server), clients(server)
     text, calls, _ = TURNS[api](oa, an, False)
     s_text, s_calls, deltas = TURNS[api](oa_s, an_s, True)
@@ -137,10 +137,10 @@ def test_streamed_tool_calls_add_up_to_the_answer(served, api):
         [{k: s[k] for k in ("token_ids", "action_mask", "behavior_logprobs", "token_versions")} for s in b]
 
 
-def test_a_forced_call_streams_its_name_first(served):
+def test_a_forced_call_streams_its_name_first(scripted):
     """tool_choice names the tool: its opening is context, so the name comes in the first delta, the arguments
     after it in pieces (chat completions, raw chunks)."""
-    server, engine = served
+    server, engine = scripted
     session, oa, _ = clients(server)
     engine.script = '{"expression": "1 + 2 + 3 + 4 + 5 + 6"}}\n</tool_call>'  # the rest after the forced opening
     try:
@@ -157,10 +157,10 @@ def test_a_forced_call_streams_its_name_first(served):
     server.finish_session(session.id, 0.0)
 
 
-def test_an_engine_failure_mid_stream_ends_each_stream_with_its_error_event(served):
+def test_an_engine_failure_mid_stream_ends_each_stream_with_its_error_event(scripted):
     """The text so far has gone out; then chat completions sends an error chunk (the SDK raises it), Messages an
     `error` event (the SDK raises it), Responses `response.failed`; nothing is recorded and the session goes on."""
-    server, engine = served
+    server, engine = scripted
     session, oa, an = clients(server)
     engine.fail_after = 6
     try:
@@ -194,3 +194,26 @@ def test_stream_deltas_never_take_back_what_was_sent():
         ("args", 0, ': 1}'), ("call", 1, "c1", "g"), ("args", 1, "{}")]
     assert list(protocols.stream_deltas(sent, "Hi there", [("c0", "f", '{"a": 12}'), ("c1", "g", "{}")])) == []
     assert sent == ["Hi there", [["c0", "f", '{"a": 1}'], ["c1", "g", "{}"]]]
+
+
+def test_a_call_that_turns_out_malformed_was_streamed_as_far_as_it_went(scripted):
+    """A stream cannot take back a call it began: the client got the call and its arguments so far, the answer (what
+    the session records, and a non-streamed answer) holds the text; the events stay well-formed in each API."""
+    server, engine = scripted
+    session, oa, an = clients(server)
+    engine.script = bad = '<tool_call>\n{"name": "calculator", "arguments": {"expression": 2 + 3}}\n</tool_call>'
+    try:
+        chunks = [c.choices[0].delta for c in oa.chat.completions.create(
+            model="tiny", messages=ASK, tools=[CALC], stream=True) if c.choices]
+        with an.messages.stream(model="tiny", max_tokens=64, messages=ASK, tools=ANTHROPIC_TOOLS[:1]) as s:
+            blocks = [e.content_block.type for e in s if e.type == "content_block_start"]
+        events = list(oa.responses.create(model="tiny", input=ASK, tools=RESPONSES_TOOLS[:1], stream=True))
+    finally:
+        engine.script = SCRIPT
+    streamed = "".join(d.tool_calls[0].function.arguments for d in chunks if d.tool_calls)
+    assert streamed.startswith('{"expression": 2 + 3}') and not any(d.content for d in chunks)
+    assert blocks == ["tool_use"]
+    assert [e.item.type for e in events if e.type == "response.output_item.added"] == ["function_call", "message"]
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == bad
+    assert server.sessions[session.id].conversation[-1] == {"role": "assistant", "content": bad}
+    server.finish_session(session.id, 0.0)
