@@ -23,7 +23,8 @@ segment's token ids. A request whose messages are that conversation followed by 
 exact recorded ids + the template's separator after our end-of-turn token + the tokens of every new message (all
 with action mask 0), so generated tokens are never re-tokenized. Any other request (compaction, an edited or
 dropped turn, changed tools, a template that rewrites earlier turns) seals the segment and opens a new one from a
-full render. Streaming requests get text deltas as the engine samples them (with a backend that has `stream`).
+full render. Streaming requests get text and tool-call deltas as the engine samples them (with a backend that has
+`stream`; the calls read by vLLM's streaming Hermes parser).
 
 Forced tool calls put the template's call opening in the context (mask 0); structured output and tool_choice "none"
 sample under a mask, and the behavior logprob is the masked distribution's (constrained_tokens: "train" records them

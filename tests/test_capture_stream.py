@@ -75,7 +75,7 @@ def chat_turn(oa, an, stream, **kw):
     deltas = {}
     with oa.chat.completions.stream(model="tiny", messages=ASK, tools=[CALC, SEARCH], **kw) as s:
         for event in s:
-            if event.type == "tool_calls.function.arguments.delta":
+            if event.type == "tool_calls.function.arguments.delta" and event.arguments_delta:  # not the call's head
                 deltas.setdefault(event.index, []).append(event.arguments_delta)
         m = s.get_final_completion().choices[0].message
     return m.content or "", [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []], deltas
@@ -217,3 +217,15 @@ def test_a_call_that_turns_out_malformed_was_streamed_as_far_as_it_went(scripted
     assert events[-1].type == "response.completed" and events[-1].response.output_text == bad
     assert server.sessions[session.id].conversation[-1] == {"role": "assistant", "content": bad}
     server.finish_session(session.id, 0.0)
+
+
+def test_a_streamed_retry_gets_the_stored_answer_whole(scripted):
+    """A client's retry (x-stainless-retry-count) of a streamed turn: the stored answer, the same calls and ids, in
+    the same events; nothing more is recorded."""
+    server, _ = scripted
+    session, oa, an = clients(server)
+    first = chat_turn(oa, an, True)
+    again = chat_turn(oa, an, True, extra_headers={"x-stainless-retry-count": "1"})
+    assert first[:2] == again[:2] and [c[1:] for c in first[1]] == CALLS
+    assert [len(d) for d in again[2].values()] == [1, 1]  # each call's arguments in one piece: nothing to sample
+    assert len(server.finish_session(session.id, 1.0)) == 1
