@@ -260,7 +260,8 @@ def forced_call(server, recorder, api, stream):
                   tool_choice={"type": "function", "function": {"name": "calculator"}})
         if stream:
             with oa.chat.completions.stream(**kw) as s:
-                pieces = [e.arguments_delta for e in s if e.type == "tool_calls.function.arguments.delta" and e.arguments_delta]
+                pieces = [e.arguments_delta for e in s
+                          if e.type == "tool_calls.function.arguments.delta" and e.arguments_delta]
                 (c,) = s.get_final_completion().choices[0].message.tool_calls
         else:
             (c,) = oa.chat.completions.create(**kw).choices[0].message.tool_calls
