@@ -410,8 +410,8 @@ def sse(name, data):
 def stream_deltas(sent, content, calls):
     """The stream items that extend what was sent (sent: [text, [[id, name, arguments], ...]], updated) to `content`
     and `calls` ([(id, name, arguments), ...]): ("text", delta), ("call", index, id, name), ("args", index, delta).
-    Only where they extend it, as a stream cannot take anything back: no text once a call began (a call's text
-    comes after the text before it), arguments only for the latest call (the earlier ones ended)."""
+    Only where they extend it, as a stream cannot take anything back: no text once a call began (an answer's text
+    comes before its calls), arguments only for the latest call (the earlier ones ended)."""
     if content.startswith(sent[0]) and len(content) > len(sent[0]) and not sent[1]:
         yield "text", content[len(sent[0]):]
         sent[0] = content
