@@ -61,7 +61,7 @@ from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from protocols import (ANSWERS, EVENTS, PARSERS, RequestError, call_id, error_body, error_response, field,
-                       parse_anthropic, stream_deltas, tool_call)
+                       parse_anthropic, read_calls, same_json, stream_deltas, tool_call)
 
 # -----------------------------------------------------------------------------
 # the engine: one vLLM AsyncLLM (rollout.py wraps it as a Ray actor)
@@ -265,13 +265,6 @@ def same_message(a, b):
             calls.append((c["function"]["name"], args))
         return (m["role"], m.get("content") or "", calls, m.get("tool_call_id"), m.get("reasoning_content") or "")
     return canonical(a) == canonical(b)
-
-
-def same_json(a, b):
-    try:
-        return json.loads(a) == json.loads(b)
-    except (ValueError, RecursionError):
-        return False
 
 
 def failure(e, session_id):
@@ -709,7 +702,7 @@ class CaptureServer:
         if parse:
             info = self.tool_parser.extract_tool_calls(text, None)
             if info.tools_called:  # the arguments as the model wrote them (as a stream sends them) where they parse
-                text, written = info.content or "", self.read_calls(type(self.tool_parser)(self.tokenizer), "", text)[1]
+                text, written = info.content or "", read_calls(type(self.tool_parser)(self.tokenizer), "", text)[1]
                 calls = [tool_call(call_id(request.protocol, request.id, i), c.function.name, written[i][1]
                                    if i < len(written) and same_json(written[i][1], c.function.arguments)
                                    else c.function.arguments) for i, c in enumerate(info.tool_calls)]
@@ -739,14 +732,6 @@ class CaptureServer:
             text = self.tokenizer.decode(ids[:n], skip_special_tokens=not parse)
         return request.opening + text.rstrip("\ufffd")
 
-    @staticmethod
-    def read_calls(parser, previous, text):
-        """vLLM's streaming Hermes parser reads a turn's text so far (`previous` the text it read last): the new text
-        before any call opens, and the calls begun, as (name, the arguments as written so far)."""
-        delta = parser.extract_tool_calls_streaming(previous, text, text[len(previous):], [], [], [], None)
-        return (delta and delta.content) or "", [(c["name"], arguments) for c, arguments in zip(
-            parser.prev_tool_call_arr, parser.streamed_args_for_tool) if "name" in c]
-
     async def live(self, request, tokens, first, task, session_id):
         """A streamed turn for the protocols' event writers (protocols.py): the head; text, call and argument deltas
         as the engine samples (`tokens`: a queue of the token ids so far, `first` its first get; the calls read by
@@ -767,7 +752,7 @@ class CaptureServer:
                         ids = tokens.get_nowait()
                     previous, text, pending = text, self.stream_text(ids, request), asyncio.ensure_future(tokens.get())
                     # the parser gives each piece of text once (and none of a call's)
-                    new, calls = self.read_calls(parser, previous, text) if parser else (text[len(sent[0]):], [])
+                    new, calls = read_calls(parser, previous, text) if parser else (text[len(sent[0]):], [])
                     for item in stream_deltas(sent, sent[0] + new, [(call_id(request.protocol, request.id, i), *c)
                                                                     for i, c in enumerate(calls)]):
                         yield item

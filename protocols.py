@@ -407,6 +407,22 @@ def sse(name, data):
     return (f"event: {name}\n" if name else "") + f"data: {json.dumps(dict(type=name, **data) if name else data)}\n\n"
 
 
+def read_calls(parser, previous, text):
+    """A streaming tool parser of vLLM's (a fresh one per turn: it holds the turn's state) reads the turn's text so far
+    (`previous`: the text it read last): the new text before any call opens, and the calls begun, as (name, the
+    arguments as written so far)."""
+    delta = parser.extract_tool_calls_streaming(previous, text, text[len(previous):], [], [], [], None)
+    return (delta and delta.content) or "", [(c["name"], arguments) for c, arguments in zip(
+        parser.prev_tool_call_arr, parser.streamed_args_for_tool) if "name" in c]
+
+
+def same_json(a, b):
+    try:
+        return json.loads(a) == json.loads(b)
+    except (ValueError, RecursionError):
+        return False
+
+
 def stream_deltas(sent, content, calls):
     """The stream items that extend what was sent (sent: [text, [[id, name, arguments], ...]], updated) to `content`
     and `calls` ([(id, name, arguments), ...]): ("text", delta), ("call", index, id, name), ("args", index, delta).
