@@ -23,7 +23,8 @@ segment's token ids. A request whose messages are that conversation followed by 
 exact recorded ids + the template's separator after our end-of-turn token + the tokens of every new message (all
 with action mask 0), so generated tokens are never re-tokenized. Any other request (compaction, an edited or
 dropped turn, changed tools, a template that rewrites earlier turns) seals the segment and opens a new one from a
-full render. Streaming requests get text deltas as the engine samples them (with a backend that has `stream`).
+full render. Streaming requests get text and tool-call deltas as the engine samples them (with a backend that has
+`stream`; the calls read by vLLM's streaming Hermes parser).
 
 Forced tool calls put the template's call opening in the context (mask 0); structured output and tool_choice "none"
 sample under a mask, and the behavior logprob is the masked distribution's (constrained_tokens: "train" records them
@@ -59,7 +60,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from protocols import ANSWERS, EVENTS, PARSERS, RequestError, error_body, error_response, field, parse_anthropic, tool_call
+from protocols import (ANSWERS, EVENTS, PARSERS, RequestError, call_id, error_body, error_response, field,
+                       parse_anthropic, read_calls, same_json, stream_deltas, tool_call)
 
 # -----------------------------------------------------------------------------
 # the engine: one vLLM AsyncLLM (rollout.py wraps it as a Ray actor)
@@ -263,6 +265,14 @@ def same_message(a, b):
             calls.append((c["function"]["name"], args))
         return (m["role"], m.get("content") or "", calls, m.get("tool_call_id"), m.get("reasoning_content") or "")
     return canonical(a) == canonical(b)
+
+
+def failure(e, session_id):
+    """(status, message, param) of a failed request: a RequestError's own, else the engine's failure (logged)."""
+    if isinstance(e, RequestError):
+        return e.status, e.message, e.param
+    print(f"capture: request on session {session_id} failed: {e!r}", file=sys.stderr)
+    return 500, f"The engine failed on this request: {type(e).__name__}: {e}", None
 
 
 def end_token_ids(tokenizer):
@@ -603,6 +613,7 @@ class CaptureServer:
             opening = "" if request.forced is None else self.call_opening(request)
             if opening:  # context (mask 0): the model writes the rest of the call itself
                 appended, prompt = appended + self.tokenize(opening), prompt + self.tokenize(opening)
+                request.opening = opening[opening.find(self.tool_parser.tool_call_start_token):]
             if len(prompt) >= self.max_model_len:
                 raise RequestError(400, f"The prompt is {len(prompt)} tokens; the model's context is "
                                         f"{self.max_model_len} tokens.", "messages")
@@ -630,7 +641,7 @@ class CaptureServer:
                             on_tokens(out["token_ids"])
             except ValueError as e:  # vLLM's input validation
                 raise RequestError(400, f"The engine refused the request: {e}")
-            result = self.answer(out, request, len(prompt), opening)
+            result = self.answer(out, request, len(prompt))
             try:  # the reply must be deliverable before it is recorded
                 json.dumps(result, ensure_ascii=False).encode()
             except (TypeError, ValueError) as e:
@@ -668,7 +679,7 @@ class CaptureServer:
                                     "cannot be forced; use tool_choice \"auto\".", "tool_choice")
         return full[len(prompt):cut]
 
-    def answer(self, out, request, num_prompt_tokens, opening=""):
+    def answer(self, out, request, num_prompt_tokens):
         """The engine's tokens as an assistant message: decoded after the forced call opening, tool calls parsed. At a
         stop string the text ends at the last token boundary before it and the tokens past that leave `out`: the
         trajectory holds exactly what the agent was shown."""
@@ -687,15 +698,14 @@ class CaptureServer:
             out.update({k: out[k][:n] for k in ("token_ids", "logprobs", "token_versions", "top_logprobs") if k in out})
             if out.get("routed_experts") is not None:
                 out["routed_experts"] = out["routed_experts"][:len(out["routed_experts"]) - dropped]
-        text = opening[opening.find(self.tool_parser.tool_call_start_token):] + text if opening else text
-        calls = []
+        text, calls = request.opening + text, []
         if parse:
             info = self.tool_parser.extract_tool_calls(text, None)
-            if info.tools_called:
-                prefix = "toolu_" if request.protocol == "anthropic" else "call_"
-                text = info.content or ""
-                calls = [tool_call(prefix + uuid.uuid4().hex[:24], c.function.name, c.function.arguments)
-                         for c in info.tool_calls]
+            if info.tools_called:  # the arguments as the model wrote them (as a stream sends them) where they parse
+                text, written = info.content or "", read_calls(type(self.tool_parser)(self.tokenizer), "", text)[1]
+                calls = [tool_call(call_id(request.protocol, request.id, i), c.function.name, written[i][1]
+                                   if i < len(written) and same_json(written[i][1], c.function.arguments)
+                                   else c.function.arguments) for i, c in enumerate(info.tool_calls)]
         message = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
         finish = "tool_calls" if calls else "length" if out["finish_reason"] == "length" and not hits else "stop"
         logprobs = None if request.top_logprobs is None else [
@@ -709,12 +719,10 @@ class CaptureServer:
         text = self.tokenizer.decode([token_id])
         return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode())}  # -inf: masked
 
-    def streamable(self, ids, request):
-        """The text of a turn's tokens so far that is sure to begin its answer: none of a forced call, what comes
-        before a tool call opens, and with stop strings only up to a token boundary at least the longest stop
-        string away from the end (a stop string completing later cannot start before it; answer cuts there)."""
-        if request.forced is not None:
-            return ""
+    def stream_text(self, ids, request):
+        """The text of a turn's tokens so far that is sure to begin the text answer() parses: the forced call's
+        opening, then with stop strings only up to a token boundary at least the longest stop string away from the
+        end (a stop string completing later cannot start before it; answer cuts there); no half characters."""
         parse = request.parse_tools and bool(request.tools)
         n, hold = len(ids) - (bool(ids) and ids[-1] in self.end_ids), max(map(len, request.sampling["stop"]), default=0)
         text = self.tokenizer.decode(ids[:n], skip_special_tokens=not parse)
@@ -722,34 +730,46 @@ class CaptureServer:
         while hold and n and len(text) > limit:
             n -= 1
             text = self.tokenizer.decode(ids[:n], skip_special_tokens=not parse)
-        at = text.find(self.tool_parser.tool_call_start_token) if parse else -1
-        return text[:at if at >= 0 else None].rstrip("\ufffd")  # no half characters
+        return request.opening + text.rstrip("\ufffd")
 
-    async def live(self, request, tokens, first, task):
-        """A streamed turn for the protocols' event writers: ("head", id, created, model, prompt tokens), then
-        ("text", delta) as the engine samples (`tokens`: a queue of token ids so far, `first` its first get), then
-        ("done", answer, the text already sent). `task` is the request's respond()."""
+    async def live(self, request, tokens, first, task, session_id):
+        """A streamed turn for the protocols' event writers (protocols.py): the head; text, call and argument deltas
+        as the engine samples (`tokens`: a queue of the token ids so far, `first` its first get; the calls read by
+        vLLM's streaming Hermes parser); what the answer holds beyond what was sent; then the answer, or the error
+        that ended the turn. `task` is the request's respond()."""
         await asyncio.wait([first, task], return_when=asyncio.FIRST_COMPLETED)
         done = task.done() and not task.exception()  # answered at once (a retry) or before any token came
         head = task.result() if done else {"id": request.id, "created": request.created, "prompt_tokens": None}
         yield ("head", head["id"], head["created"], request.model or self.model_name,
                head["prompt_tokens"] or request.prompt_tokens)
-        sent, pending = "", first
+        parser = type(self.tool_parser)(self.tokenizer) if request.parse_tools and request.tools else None
+        sent, text, pending = ["", []], "", first  # a streaming parser holds one turn's state
         try:
             while not task.done() or pending.done():
                 if pending.done():
                     ids = pending.result()
                     while not tokens.empty():  # only the latest count: the ids are cumulative
                         ids = tokens.get_nowait()
-                    text, pending = self.streamable(ids, request), asyncio.ensure_future(tokens.get())
-                    if len(text) > len(sent):
-                        yield "text", text[len(sent):]
-                        sent = text
+                    previous, text, pending = text, self.stream_text(ids, request), asyncio.ensure_future(tokens.get())
+                    # the parser gives each piece of text once (and none of a call's)
+                    new, calls = read_calls(parser, previous, text) if parser else (text[len(sent[0]):], [])
+                    for item in stream_deltas(sent, sent[0] + new, [(call_id(request.protocol, request.id, i), *c)
+                                                                    for i, c in enumerate(calls)]):
+                        yield item
                 await asyncio.wait([pending, task], return_when=asyncio.FIRST_COMPLETED)
         finally:  # the client may have gone mid-stream: the engine aborts the turn, and it is not recorded
             pending.cancel()
             task.cancel()
-        yield "done", task.result(), sent
+        try:
+            result = task.result()
+        except Exception as e:  # after the first token: the protocol's error event ends the stream
+            yield ("error", *failure(e, session_id)[:2])
+            return
+        m = result["message"]
+        for item in stream_deltas(sent, m["content"], [(c["id"], c["function"]["name"], c["function"]["arguments"])
+                                                       for c in m.get("tool_calls", [])]):
+            yield item
+        yield "done", result
 
     # --- HTTP
 
@@ -848,13 +868,10 @@ class CaptureServer:
             else:
                 result = await self.until_disconnected(request, self.respond(session, chat))
                 session.last_used = time.monotonic()  # idle time counts from the end of a request
-        except RequestError as e:
-            return error_response(protocol, e.status, e.message, e.param)
-        except Exception as e:  # the engine failed: this request only
-            print(f"capture: request on session {request.path_params['sid']} failed: {e!r}", file=sys.stderr)
-            return error_response(protocol, 500, f"The engine failed on this request: {type(e).__name__}: {e}")
+        except Exception as e:  # a RequestError, or the engine failed: this request only
+            return error_response(protocol, *failure(e, request.path_params["sid"]))
         if chat.stream:
-            return StreamingResponse(EVENTS[protocol](self.live(chat, tokens, first, task), chat),
+            return StreamingResponse(EVENTS[protocol](self.live(chat, tokens, first, task, session.id), chat),
                                      media_type="text/event-stream")
         return JSONResponse(ANSWERS[protocol](result))
 

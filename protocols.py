@@ -33,6 +33,7 @@ class ChatRequest:
         self.key, self.retry = None, False  # the answer's key (Idempotency-Key or the raw body); whether a client retry
         self.body_bytes = 0  # the body's size: a large request renders off the event loop
         self.forced = None  # a forced tool call: "" (any tool) or the tool's name
+        self.opening = ""  # a forced call's opening from the call tag on: the text the tool parser reads first
         self.parallel, self.top_logprobs, self.previous_response_id, self.store = True, None, None, True
         self.instructions = 0  # Responses API: 1 when messages[0] holds this request's `instructions`
         self.id, self.created, self.prompt_tokens = uuid.uuid4().hex[:24], int(time.time()), None  # its answer's
@@ -100,6 +101,11 @@ def structured_of(fmt, where):
 
 def tool_call(call_id, name, arguments):
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def call_id(protocol, answer_id, index):
+    """A generated call's id, from its answer's: a stream names each call before the answer exists."""
+    return ("toolu_" if protocol == "anthropic" else "call_") + f"{answer_id}_{index}"
 
 
 def sampling_of(server, temperature, top_p, max_tokens, stop, seed, max_temperature):
@@ -401,20 +407,60 @@ def sse(name, data):
     return (f"event: {name}\n" if name else "") + f"data: {json.dumps(dict(type=name, **data) if name else data)}\n\n"
 
 
+def read_calls(parser, previous, text):
+    """A streaming tool parser of vLLM's (a fresh one per turn: it holds the turn's state) reads the turn's text so far
+    (`previous`: the text it read last): the new text before any call opens, and the calls begun, as (name, the
+    arguments as written so far)."""
+    delta = parser.extract_tool_calls_streaming(previous, text, text[len(previous):], [], [], [], None)
+    return (delta and delta.content) or "", [(c["name"], arguments) for c, arguments in zip(
+        parser.prev_tool_call_arr, parser.streamed_args_for_tool) if "name" in c]
+
+
+def same_json(a, b):
+    try:
+        return json.loads(a) == json.loads(b)
+    except (ValueError, RecursionError):
+        return False
+
+
+def stream_deltas(sent, content, calls):
+    """The stream items that extend what was sent (sent: [text, [[id, name, arguments], ...]], updated) to `content`
+    and `calls` ([(id, name, arguments), ...]): ("text", delta), ("call", index, id, name), ("args", index, delta).
+    Only where they extend it, as a stream cannot take anything back: no text once a call began (an answer's text
+    comes before its calls), arguments only for the latest call (the earlier ones ended)."""
+    if content.startswith(sent[0]) and len(content) > len(sent[0]) and not sent[1]:
+        yield "text", content[len(sent[0]):]
+        sent[0] = content
+    for i, (cid, name, arguments) in enumerate(calls):
+        if i == len(sent[1]):
+            sent[1].append([cid, name, ""])
+            yield "call", i, cid, name
+        old = sent[1][i][2]
+        if i == len(sent[1]) - 1 and arguments.startswith(old) and len(arguments) > len(old):
+            sent[1][i][2] = arguments
+            yield "args", i, arguments[len(old):]
+
+
+# The event writers read CaptureServer.live's items: ("head", id, created, model, prompt tokens), then text, call and
+# argument deltas (stream_deltas) as the engine samples, then ("done", answer), or ("error", status, message) when
+# the turn failed mid-stream: the protocol's error event ends the stream.
+
+
 async def openai_events(items, request):
-    async for item in items:  # CaptureServer.live: the head, then text deltas as the engine samples, then the answer
-        if item[0] == "done":
+    async for item in items:
+        kind = item[0]
+        if kind in ("done", "error"):
             break
-        if item[0] == "head":
+        if kind == "head":
             base = {"id": "chatcmpl-" + item[1], "object": "chat.completion.chunk", "created": item[2], "model": item[3]}
-        delta = {"role": "assistant", "content": ""} if item[0] == "head" else {"content": item[1]}
+        delta = {"role": "assistant", "content": ""} if kind == "head" else {"content": item[1]} if kind == "text" else {
+            "tool_calls": [dict(tool_call(item[2], item[3], ""), index=item[1]) if kind == "call" else
+                           {"index": item[1], "function": {"arguments": item[2]}}]}
         yield sse(None, {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
-    _, result, sent = item
-    m = result["message"]
-    deltas = [{"content": m["content"][len(sent):]}] if m["content"][len(sent):] else []
-    deltas += [{"tool_calls": [dict(c, index=i)]} for i, c in enumerate(m.get("tool_calls", []))]
-    for delta in deltas:
-        yield sse(None, {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+    if kind == "error":  # as vLLM's OpenAI server does: an error chunk (the SDKs raise it), then the end
+        yield sse(None, error_body("openai", item[1], item[2])) + "data: [DONE]\n\n"
+        return
+    result = item[1]
     logprobs = result["logprobs"] and {"content": result["logprobs"]}
     yield sse(None, {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": result["finish_reason"],
                                           "logprobs": logprobs}]})
@@ -436,42 +482,51 @@ def anthropic_message(result):
 
 
 async def anthropic_events(items, request=None):
-    text = False  # a text block is open
-
-    def block(i, kind, content, delta):  # a block's start (unless its text block is open) and one delta
-        start = "" if kind == "text" and text else sse("content_block_start", {"index": i, "content_block": content})
-        return start + (sse("content_block_delta", {"index": i, "delta": delta}) if delta else "")
+    index, block = -1, None  # the open content block: its index and kind
     async for item in items:
-        if item[0] == "done":
+        kind = item[0]
+        if kind in ("done", "error"):
             break
-        if item[0] == "head":
+        if kind == "head":
             yield sse("message_start", {"message": {
                 "id": "msg_" + item[1], "type": "message", "role": "assistant", "model": item[3], "content": [],
                 "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": item[4], "output_tokens": 0}}})
-        else:
-            yield block(0, "text", {"type": "text", "text": ""}, {"type": "text_delta", "text": item[1]})
-            text = True
-    _, result, sent = item
-    message = anthropic_message(result)
-    for i, b in enumerate(message["content"]):
-        rest = b["type"] == "text" and b["text"][len(sent):]
-        yield block(i, "text", {"type": "text", "text": ""}, rest and {"type": "text_delta", "text": rest}) if b["type"] \
-            == "text" else block(i, "tool_use", dict(b, input={}), {"type": "input_json_delta",
-                                                                    "partial_json": json.dumps(b["input"])})
-        yield sse("content_block_stop", {"index": i})
-    usage = {"input_tokens": result["prompt_tokens"], "output_tokens": result["completion_tokens"]}
-    yield sse("message_delta", {"delta": {k: message[k] for k in ("stop_reason", "stop_sequence")}, "usage": usage})
+            continue
+        if kind == "call" or block is None:  # a block begins (a tool_use block per call): the open one ends
+            index, block = index + 1, kind
+            start = {"type": "text", "text": ""} if kind == "text" else {"type": "tool_use", "id": item[2],
+                                                                         "name": item[3], "input": {}}
+            yield (sse("content_block_stop", {"index": index - 1}) if index else "") + sse(
+                "content_block_start", {"index": index, "content_block": start})
+        if kind != "call":
+            delta = {"type": "text_delta", "text": item[1]} if kind == "text" else {"type": "input_json_delta",
+                                                                                   "partial_json": item[2]}
+            yield sse("content_block_delta", {"index": index, "delta": delta})
+    if kind == "error":
+        yield sse("error", {"error": error_body("anthropic", item[1], item[2])["error"]})
+        return
+    message = anthropic_message(item[1])
+    yield sse("content_block_stop", {"index": index}) if block else ""
+    yield sse("message_delta", {"delta": {k: message[k] for k in ("stop_reason", "stop_sequence")},
+                                "usage": message["usage"]})
     yield sse("message_stop", {})
 
 
+def message_item(answer_id, text, logprobs):
+    return {"type": "message", "id": "msg_" + answer_id, "status": "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]}
+
+
+def call_item(call):
+    return {"type": "function_call", "id": "fc_" + call["id"], "call_id": call["id"], "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"], "status": "completed"}
+
+
 def responses_object(result):
-    m, output = result["message"], []
-    if m["content"] or "tool_calls" not in m:
-        part = {"type": "output_text", "text": m["content"], "annotations": [], "logprobs": result["logprobs"] or []}
-        output.append({"type": "message", "id": "msg_" + result["id"], "status": "completed", "role": "assistant",
-                       "content": [part]})
-    output += [{"type": "function_call", "id": "fc_" + c["id"], "call_id": c["id"], "name": c["function"]["name"],
-                "arguments": c["function"]["arguments"], "status": "completed"} for c in m.get("tool_calls", [])]
+    m = result["message"]
+    output = [message_item(result["id"], m["content"], result["logprobs"] or [])] if m["content"] or \
+        "tool_calls" not in m else []
+    output += [call_item(c) for c in m.get("tool_calls", [])]
     cut = result["finish_reason"] == "length"
     usage = result["prompt_tokens"], result["completion_tokens"]
     return {"id": "resp_" + result["id"], "object": "response", "created_at": result["created"], "model": result["model"],
@@ -483,47 +538,66 @@ def responses_object(result):
 
 
 async def responses_events(items, request=None):
-    """The Responses API's typed events, each with its sequence number."""
-    number, text = itertools.count(), False  # text: the message item and its text part are open
+    """The Responses API's typed events, each with its sequence number: an output item per message and per call,
+    each closed when the next one begins."""
+    number, output = itertools.count(), []  # the output items begun, holding what was streamed into them
 
     def event(kind, **data):
         return sse(kind, {"sequence_number": next(number), **data})
 
-    def opened(item_id):
-        item = {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return (event("response.output_item.added", output_index=0, item=item) +
-                event("response.content_part.added", output_index=0, item_id=item_id, content_index=0, part=part))
+    def add(out):
+        output.append(out)
+        if out["type"] == "function_call":
+            return event("response.output_item.added", output_index=len(output) - 1,
+                         item=dict(out, arguments="", status="in_progress"))
+        return event("response.output_item.added", output_index=len(output) - 1,
+                     item=dict(out, status="in_progress", content=[])) + event(
+            "response.content_part.added", output_index=len(output) - 1, item_id=out["id"], content_index=0,
+            part=dict(out["content"][0], text="", logprobs=[]))
+
+    def close(i):
+        out, at = output[i], {"output_index": i, "item_id": output[i]["id"]}
+        if out["type"] == "function_call":
+            done = event("response.function_call_arguments.done", **at, arguments=out["arguments"], name=out["name"])
+        else:
+            part = out["content"][0]
+            done = event("response.output_text.done", **at, content_index=0, text=part["text"],
+                         logprobs=part["logprobs"]) + event("response.content_part.done", **at, content_index=0, part=part)
+        return done + event("response.output_item.done", output_index=i, item=out)
     async for item in items:
-        if item[0] == "done":
+        kind = item[0]
+        if kind in ("done", "error"):
             break
-        if item[0] == "head":
-            message_id = "msg_" + item[1]
+        if kind == "head":
+            answer_id = item[1]
             head = {"id": "resp_" + item[1], "object": "response", "created_at": item[2], "model": item[3],
                     "status": "in_progress", "output": [], "error": None, "incomplete_details": None, "usage": None,
                     "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
             yield event("response.created", response=head) + event("response.in_progress", response=head)
             continue
-        yield ("" if text else opened(message_id)) + event("response.output_text.delta", output_index=0,
-                                                           item_id=message_id, content_index=0, delta=item[1], logprobs=[])
-        text = True
-    _, result, sent = item
-    response = responses_object(result)
-    for i, out in enumerate(response["output"]):
-        at = {"output_index": i, "item_id": out["id"]}
-        if out["type"] == "message":
-            part = out["content"][0]
-            yield ("" if text else opened(out["id"])) + event(
-                "response.output_text.delta", **at, content_index=0, delta=part["text"][len(sent):],
-                logprobs=part["logprobs"]) + event("response.output_text.done", **at, content_index=0, text=part["text"],
-                                                   logprobs=part["logprobs"]) + event(
-                "response.content_part.done", **at, content_index=0, part=part)
-        else:
-            added = dict(out, arguments="", status="in_progress")
-            yield event("response.output_item.added", output_index=i, item=added) + event(
-                "response.function_call_arguments.delta", **at, delta=out["arguments"]) + event(
-                "response.function_call_arguments.done", **at, arguments=out["arguments"], name=out["name"])
-        yield event("response.output_item.done", output_index=i, item=out)
+        if kind == "call" or not output:  # text comes before any call: it opens the message
+            yield (close(len(output) - 1) if output else "") + add(
+                message_item(answer_id, "", []) if kind == "text" else call_item(tool_call(item[2], item[3], "")))
+        at = {"output_index": len(output) - 1, "item_id": output[-1]["id"]}
+        if kind == "text":
+            output[-1]["content"][0]["text"] += item[1]
+            yield event("response.output_text.delta", **at, content_index=0, delta=item[1], logprobs=[])
+        elif kind == "args":
+            output[-1]["arguments"] += item[2]
+            yield event("response.function_call_arguments.delta", **at, delta=item[2])
+    if kind == "error":
+        error = {"code": "server_error" if item[1] >= 500 else "invalid_prompt", "message": item[2]}
+        yield event("response.failed", response=dict(head, status="failed", error=error))
+        return
+    response = responses_object(item[1])
+    streamed = [out["id"] for out in output]
+    for out in response["output"]:  # as the answer holds them (with the logprobs)
+        if out["id"] in streamed:
+            output[streamed.index(out["id"])] = out
+    yield close(len(output) - 1) if output else ""
+    for out in response["output"]:  # not streamed: an empty answer's message (or a malformed call's text)
+        if out["id"] not in streamed:
+            yield add(out) + close(len(output) - 1)
     yield event(f"response.{response['status']}", response=response)
 
 

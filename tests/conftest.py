@@ -1,6 +1,7 @@
 """Shared fixtures and the `stack` marker. Run the suite with `make test` (or `.venv/bin/python -m pytest tests -q`);
 the unit tests alone (in-process: no vLLM engine, no Ray, no rank processes) with
 `.venv/bin/python -m pytest tests -q -m "not stack"`."""
+import asyncio
 import os
 import sys
 import time
@@ -67,9 +68,14 @@ class RecordingBackend:
         return out
 
     async def stream(self, prompt, sampling, request_id, session_id=None):
-        """generate's turn as the engine streams it; a forced or failing turn comes whole."""
+        """generate's turn as the engine streams it; a forced turn streams a token per step (scored first), as the
+        engine would sample it; a failing one fails before its first token."""
         if self.forced.get(session_id) or session_id in self.fail:
-            yield await self.generate(prompt, sampling, request_id, session_id)
+            out = await self.generate(prompt, sampling, request_id, session_id)
+            for n in range(1, len(out["token_ids"])):
+                yield {"token_ids": out["token_ids"][:n]}
+                await asyncio.sleep(0.002)  # an engine step: the server sends what it has
+            yield out
             return
         start = time.monotonic()
         async for out in self.engine.stream(prompt, sampling, request_id, session_id=session_id):

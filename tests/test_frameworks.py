@@ -244,6 +244,63 @@ def test_a_stream_the_client_leaves_is_aborted_and_not_recorded(stack):
     finish(server, recorder, session)
 
 
+LONG = {"expression": "(12 + 30) * 7 - 5 / 2 + 1000 * 3"}
+
+
+def forced_call(server, recorder, api, stream):
+    """One forced calculator call (chat: the named tool; Messages: any; Responses: required), streamed through the
+    SDK's stream helper or not: ((name, arguments), the argument pieces streamed, the recorded segments)."""
+    session, ask = server.new_session(), [{"role": "user", "content": "Compute it."}]
+    oa = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+    an = anthropic.Anthropic(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+    recorder.forced[session.id] = [call_text("calculator", LONG, "arguments" if api == "chat" else "name")]
+    pieces = []
+    if api == "chat":
+        kw = dict(model="tiny", messages=ask, tools=TOOLS, max_tokens=64,
+                  tool_choice={"type": "function", "function": {"name": "calculator"}})
+        if stream:
+            with oa.chat.completions.stream(**kw) as s:
+                pieces = [e.arguments_delta for e in s
+                          if e.type == "tool_calls.function.arguments.delta" and e.arguments_delta]
+                (c,) = s.get_final_completion().choices[0].message.tool_calls
+        else:
+            (c,) = oa.chat.completions.create(**kw).choices[0].message.tool_calls
+        call = c.function.name, c.function.arguments
+    elif api == "messages":
+        kw = dict(model="tiny", max_tokens=64, messages=ask, tool_choice={"type": "any"},
+                  tools=[{"name": "calculator", "input_schema": TOOLS[0]["function"]["parameters"]}])
+        if stream:
+            with an.messages.stream(**kw) as s:
+                pieces = [e.partial_json for e in s if e.type == "input_json"]
+                (b,) = s.get_final_message().content
+        else:
+            (b,) = an.messages.create(**kw).content
+        call = b.name, json.dumps(b.input)
+    else:
+        kw = dict(model="tiny", input=ask, tools=[dict(type="function", **TOOLS[0]["function"])], tool_choice="required",
+                  max_output_tokens=64)
+        if stream:
+            with oa.responses.stream(**kw) as s:
+                pieces = [e.delta for e in s if e.type == "response.function_call_arguments.delta"]
+                (c,) = s.get_final_response().output
+        else:
+            (c,) = oa.responses.create(**kw).output
+        call = c.name, c.arguments
+    return call, pieces, finish(server, recorder, session)
+
+
+@pytest.mark.parametrize("api", ["chat", "messages", "responses"])
+def test_forced_tool_calls_stream_as_sampled_and_match_the_unstreamed_turn(stack, api):
+    """The engine's tokens a step at a time: the call's arguments arrive in many pieces that add up to the
+    non-streamed answer's exactly, and the recorded trajectory is the non-streamed turn's, token for token."""
+    server, recorder = stack
+    (call, _, plain), (streamed_call, pieces, streamed) = (forced_call(server, recorder, api, s) for s in (False, True))
+    assert call == streamed_call == ("calculator", json.dumps(LONG))
+    assert len(pieces) > 3 and "".join(pieces) == json.dumps(LONG)
+    keys = "token_ids", "action_mask", "behavior_logprobs", "token_versions"
+    assert [{k: s[k] for k in keys} for s in plain] == [{k: s[k] for k in keys} for s in streamed]
+
+
 # --- the Responses API
 
 
