@@ -34,7 +34,7 @@ TINY_VL_CONFIG = replace(TINY_CONFIG, moe_intermediate_size=192, mrope_section=[
 # (agents/calculator.py: transcripts): that is what RL has to learn.
 TINY_SFT = "tiny-qwen3-moe-sft"
 WARM_START = dict(transcripts=8192, with_tools=0.25, from_memory=0.6, max_steps=200, learning_rate=3e-3, min_lr=3e-4, warmup_steps=2,
-                  groups_per_batch=20, group_size=2, seed=0)  # train.py config keys, but the transcripts' options
+                  groups_per_batch=10, group_size=4, seed=0)  # train.py config keys, but the transcripts' options
 TINY_MODELS = {"tiny-qwen3-moe": TINY_CONFIG, "tiny-qwen3-vl-moe": TINY_VL_CONFIG, TINY_SFT: TINY_CONFIG}  # by name
 
 

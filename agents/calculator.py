@@ -3,17 +3,20 @@ The tiny default task: a calculator agent written with the official OpenAI SDK.
 
     python train.py            # trains the tiny model on this agent (agent = "agents/calculator.py")
 
-The model gets an arithmetic question and a `calculator` tool. When its reply is a valid calculator call, the agent
-runs the tool on the model's own expression and sends the result back as a `tool` message, and the model answers
-(two model turns); any other reply is taken as the final answer (one turn). The tool never runs on anything the
-model did not write.
+The model gets an arithmetic question in words ("What is 7 times 8?", single-digit numbers) and a `calculator` tool.
+When its reply is a valid calculator call, the agent runs the tool on the model's own expression and sends the
+result back as a `tool` message, and the model answers (two model turns); any other reply is taken as the final
+answer (one turn). The tool never runs on anything the model did not write.
 
-Reward: 1.0 when the final answer is exactly the question's result, else 0.0; Result.info["success"] is the same
-number, the task's success that evaluation reports. Nothing else is rewarded: whether the model made a valid call
-is logged (info "tool_called"), never paid for. Getting it right takes copying: the question's numbers into the call
-(the first one as another token: " 7" in the question, "7" after the JSON's quote) and the tool's result into the
-answer. A random-init model never gets there by sampling; the tiny model's warm start (train.py) is a short SFT on
-`transcripts`, worked examples of the task, that leaves it mostly wrong, and RL raises the held-out success (README).
+Reward: 1.0 when the final answer states the question's result ("56", or "The answer is 56."), else 0.0;
+Result.info["success"] is the same number, the task's success that evaluation reports. Nothing else is rewarded:
+whether the model made a valid call is logged (info "tool_called"), never paid for.
+
+A random-init model never gets an answer right by sampling. The tiny model's warm start (tiny.py) is a short SFT on
+`transcripts`: worked examples of a teacher who answers most questions from memory and takes the calculator for the
+rest. The warm-started model prefers answering from memory, which on questions it has not seen is almost always
+wrong; it can use the calculator (copy the numbers and the operation into the call, the result into the answer),
+but greedily it does not. RL has to find that the calculator pays; held-out success shows whether it did (README).
 
 Prompts come in two splits that never share an expression: `prompts()` (training, endless) and `eval_prompts()`
 (held out, fixed): an expression is held out when its CRC-32 is divisible by 8.
