@@ -4,6 +4,9 @@ PY := .venv/bin/python
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
+# a CPU run: the trainer and the engine share the cores, one torch thread each (more spin on each other's barriers)
+train: export OMP_NUM_THREADS ?= 1
+
 .PHONY: setup extras train test clean
 
 setup: .venv/.done

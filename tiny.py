@@ -29,11 +29,12 @@ TINY_VL_CONFIG = replace(TINY_CONFIG, moe_intermediate_size=192, mrope_section=[
     depth=3, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, deepstack_visual_indexes=[0, 1],
     vision_start_token_id=3, vision_end_token_id=4, image_token_id=5, video_token_id=6))  # VISION_TOKENS' ids
 # The default model_path: the tiny Qwen3-MoE after a short supervised warm start on worked examples of the calculator
-# task, which train.py builds with its own trainer and loss (warm_start_tiny) and rebuilds when WARM_START changes.
-# Short on purpose: the model learns the conversation's shape and starts to copy numbers; RL takes it from there.
+# task, which train.py builds with its own trainer and loss (ensure_warm_start) and rebuilds when WARM_START changes.
+# It teaches the protocol (call the tool, copy the numbers in and the result out), not which operation a word names
+# (agents/calculator.py: transcripts): that is what RL has to learn.
 TINY_SFT = "tiny-qwen3-moe-sft"
-WARM_START = dict(transcripts=4096, untold=0.4, untold_tool=0.25, max_steps=200, learning_rate=3e-3, min_lr=3e-4, warmup_steps=2,
-                  groups_per_batch=8, group_size=2, seed=0)  # train.py config keys; transcripts(n, direct=)
+WARM_START = dict(transcripts=8192, with_tools=0.25, from_memory=0.6, max_steps=200, learning_rate=3e-3, min_lr=3e-4, warmup_steps=2,
+                  groups_per_batch=10, group_size=4, seed=0)  # train.py config keys, but the transcripts' options
 TINY_MODELS = {"tiny-qwen3-moe": TINY_CONFIG, "tiny-qwen3-vl-moe": TINY_VL_CONFIG, TINY_SFT: TINY_CONFIG}  # by name
 
 
@@ -208,11 +209,12 @@ def ensure_warm_start(path):
     os.makedirs(work)
     data = os.path.join(work, "transcripts.jsonl")
     rows = runpy.run_path(os.path.join(root, "agents", "calculator.py"))["transcripts"](
-        WARM_START["transcripts"], seed=1, untold=WARM_START["untold"], untold_tool=WARM_START["untold_tool"])
+        WARM_START["transcripts"], seed=1, with_tools=WARM_START["with_tools"],
+        from_memory=WARM_START["from_memory"])
     with open(data, "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
     print(f"building {path}: the tiny model's warm start, {WARM_START}", flush=True)
-    keys = [f"--{k}={v}" for k, v in WARM_START.items() if k not in ("transcripts", "untold", "untold_tool")]
+    keys = [f"--{k}={v}" for k, v in WARM_START.items() if k not in ("transcripts", "with_tools", "from_memory")]
     rendezvous = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
     subprocess.run([sys.executable, os.path.join(root, "train.py"), f"--model_path={base}", f"--sft_data={data}",
                     f"--out_dir={work}", "--checkpoint_every=1000000", *keys], check=True,

@@ -93,13 +93,13 @@ max_failed_rounds = 3      # the run stops, with the last error, when this many 
 globals().update(dataclasses.asdict(loss.LossConfig()))
 # optimization
 max_steps = 40
-learning_rate = 3e-3
-min_lr = 3e-4
+learning_rate = 5e-4       # the tiny default's RL from its warm start (README: Learning)
+min_lr = 5e-5
 warmup_steps = 2
 weight_decay = 0.0
 beta1 = 0.9
 beta2 = 0.95
-adam_eps = 1e-8            # RL from a trained model: larger (1e-5) keeps tokens with tiny gradients where they are
+adam_eps = 1e-5            # larger than torch's 1e-8: Adam does not blow a token's tiny gradient up to a full step
 grad_clip = 1.0
 microbatch_tokens = 4096   # tokens per forward/backward on one rank
 logprob_chunk_size = 1024  # tokens per chunk of the lm_head + log-softmax

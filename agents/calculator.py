@@ -3,17 +3,20 @@ The tiny default task: a calculator agent written with the official OpenAI SDK.
 
     python train.py            # trains the tiny model on this agent (agent = "agents/calculator.py")
 
-The model gets an arithmetic question and a `calculator` tool. When its reply is a valid calculator call, the agent
-runs the tool on the model's own expression and sends the result back as a `tool` message, and the model answers
-(two model turns); any other reply is taken as the final answer (one turn). The tool never runs on anything the
-model did not write.
+The model gets an arithmetic question in words ("What is 7 times 8?", single-digit numbers) and a `calculator` tool.
+When its reply is a valid calculator call, the agent runs the tool on the model's own expression and sends the
+result back as a `tool` message, and the model answers (two model turns); any other reply is taken as the final
+answer (one turn). The tool never runs on anything the model did not write.
 
-Reward: 1.0 when the final answer is exactly the question's result, else 0.0; Result.info["success"] is the same
-number, the task's success that evaluation reports. Nothing else is rewarded: whether the model made a valid call
-is logged (info "tool_called"), never paid for. Getting it right takes copying: the question's numbers into the call
-(the first one as another token: " 7" in the question, "7" after the JSON's quote) and the tool's result into the
-answer. A random-init model never gets there by sampling; the tiny model's warm start (train.py) is a short SFT on
-`transcripts`, worked examples of the task, that leaves it mostly wrong, and RL raises the held-out success (README).
+Reward: 1.0 when the final answer states the question's result ("56", or "The answer is 56."), else 0.0;
+Result.info["success"] is the same number, the task's success that evaluation reports. Nothing else is rewarded:
+whether the model made a valid call is logged (info "tool_called"), never paid for.
+
+A random-init model never gets an answer right by sampling. The tiny model's warm start (tiny.py) is a short SFT on
+`transcripts`: worked examples of a teacher who answers most questions from memory and takes the calculator for the
+rest. The warm-started model prefers answering from memory, which on questions it has not seen is almost always
+wrong; it can use the calculator (copy the numbers and the operation into the call, the result into the answer),
+but greedily it does not. RL has to find that the calculator pays; held-out success shows whether it did (README).
 
 Prompts come in two splits that never share an expression: `prompts()` (training, endless) and `eval_prompts()`
 (held out, fixed): an expression is held out when its CRC-32 is divisible by 8.
@@ -39,49 +42,58 @@ TOOLS = [{"type": "function", "function": {
     "description": "Evaluate an arithmetic expression with + - * and parentheses.",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
 MAX_OPERAND = 9  # single digits: the tiny model learns to copy them within its warm start (two digits take ~3x longer)
+WORDS = {"plus": "+", "minus": "-", "times": "*"}  # the question names its operation in words
 
 
 def held_out(expression):
     return zlib.crc32(expression.encode()) % 8 == 0
 
 
-def prompts(seed=0, split="train", told=False):
-    """Endless arithmetic questions of one split ("train" or "eval"); the label is the expression. told=True: the
-    question says to use the calculator (the warm start's examples); RL and evaluation ask without saying."""
+def prompts(seed=0, split="train"):
+    """Endless arithmetic questions of one split ("train" or "eval"), "What is 7 times 8?"; the label is the
+    expression, "7 * 8"."""
     rng = random.Random(seed)
     while True:
-        expression = f"{rng.randint(0, MAX_OPERAND)} {rng.choice('+-*')} {rng.randint(0, MAX_OPERAND)}"
+        a, word, b = rng.randint(0, MAX_OPERAND), rng.choice(list(WORDS)), rng.randint(0, MAX_OPERAND)
+        expression = f"{a} {WORDS[word]} {b}"
         if held_out(expression) == (split == "eval"):
-            yield {"prompt": f"{'Use the calculator. ' if told else ''}What is {expression}?", "label": expression}
+            yield {"prompt": f"What is {a} {word} {b}?", "label": expression}
 
 
 def eval_prompts():
-    """The held-out questions evaluation runs: every expression of the eval split once (40), in a fixed order."""
+    """The held-out questions evaluation runs: every expression of the eval split once, in a fixed order."""
     every = {}
     for p in itertools.islice(prompts(seed=0, split="eval"), 20_000):  # draws enough to see each one
         every.setdefault(p["label"], p)
     return list(every.values())
 
 
-def transcripts(n, seed=0, untold=0.0, untold_tool=0.0):
+def transcripts(n, seed=0, with_tools=0.25, from_memory=0.6):
     """n worked examples from the training split, as chat rows for supervised fine-tuning (the tiny model's warm
-    start). A question that says to use the calculator gets the tool's route: tool call, tool result, answer. An
-    `untold` fraction of the questions do not say it; of those, an `untold_tool` fraction still take the tool, the
-    others get the right answer at once ("The answer is 56."): a strong model's mental arithmetic, which a tiny one
-    cannot follow on questions it has not seen."""
+    start), in the way of a teacher who answers a `from_memory` fraction of the questions at once ("The answer is
+    56.", right: it knows its tables) and takes the calculator for the others (call, tool result, the result as the
+    answer). The tiny model learns both routes, and to prefer the first; from memory it is right on few questions
+    it has not seen, with the calculator on most: which route pays is what RL has to find. Only a `with_tools`
+    fraction carries the tool list (rendered into the system turn: ~290 of a transcript's ~350 tokens); the others
+    are five times cheaper to train on, and the tiny model learns to copy within ~120 steps instead of ~300."""
     rows, rng = [], random.Random(seed)
     for p in itertools.islice(prompts(seed=seed), n):
-        told = rng.random() >= untold
+        result = str(calculate(p["label"]))
         call = {"id": "call_0", "type": "function",
                 "function": {"name": "calculator", "arguments": json.dumps({"expression": p["label"]})}}
-        result = str(calculate(p["label"]))
         turns = [{"role": "assistant", "content": "", "tool_calls": [call]},
                  {"role": "tool", "tool_call_id": "call_0", "content": result}, {"role": "assistant", "content": result}]
-        if not told and rng.random() >= untold_tool:
+        if rng.random() < from_memory:
             turns = [{"role": "assistant", "content": f"The answer is {result}."}]
-        question = f"Use the calculator. {p['prompt']}" if told else p["prompt"]
-        rows.append({"tools": TOOLS, "messages": [{"role": "user", "content": question}] + turns})
+        rows.append({"tools": TOOLS if rng.random() < with_tools else None,
+                     "messages": [{"role": "user", "content": p["prompt"]}] + turns})
     return rows
+
+
+def answer_of(text):
+    """The number a final answer states: "56" or "The answer is 56." (the two forms of the worked examples), else None."""
+    match = re.fullmatch(r"(?:The answer is )?(-?\d+)\.?", text.strip())
+    return match and match.group(1)
 
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.USub: operator.neg}
@@ -151,8 +163,7 @@ class Calculator(ChatAgent):
                 reply = (await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS,
                                                               **ctx.sampling)).choices[0].message
         answer = (reply.content or "").strip()
-        numbers = re.findall(r"-?\d+", answer)  # the answer's last number is what it claims
-        success = float(bool(numbers) and numbers[-1] == str(calculate(ctx.label)))
+        success = float(answer_of(answer) == str(calculate(ctx.label)))  # the exact result
         return Result(success, {"success": success, "tool_called": float(expression is not None),
                                 "answer_chars": len(answer)})
 

@@ -401,7 +401,7 @@ def test_transcript_tokens_mask_exactly_the_assistant_turns(tiny_model_path, tmp
     from transformers import AutoTokenizer
     from agentrl import load_transcripts, transcript_tokens
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    row = runpy.run_path("agents/calculator.py")["transcripts"](1, seed=5)[0]
+    row = runpy.run_path("agents/calculator.py")["transcripts"](1, seed=5, with_tools=1.0, from_memory=0.0)[0]
     ids, mask = transcript_tokens(row, tokenizer)
     full = tokenizer.apply_chat_template(row["messages"], tools=row["tools"], tokenize=False)
     assert ids == tokenizer(full, add_special_tokens=False)["input_ids"] and len(mask) == len(ids)
@@ -413,6 +413,21 @@ def test_transcript_tokens_mask_exactly_the_assistant_turns(tiny_model_path, tmp
     path.write_text(json.dumps(row) + "\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(ValueError, match="transcript 2 has no assistant message"):
         load_transcripts(str(path))
+
+def test_calculator_warm_start_examples_and_answers():
+    """The warm start's two routes in their fractions, each right; the answers the agent accepts, and nothing else."""
+    import runpy
+    calc = runpy.run_path("agents/calculator.py")
+    rows = calc["transcripts"](2000, seed=2)
+    direct = [r for r in rows if len(r["messages"]) == 2]
+    assert 0.55 < len(direct) / len(rows) < 0.65 and 0.2 < sum(r["tools"] is not None for r in rows) / len(rows) < 0.3
+    for r in rows:
+        question, last = r["messages"][0]["content"], r["messages"][-1]["content"]
+        a, word, b = question.removeprefix("What is ").removesuffix("?").split()
+        assert calc["answer_of"](last) == str(calc["calculate"](f"{a} {calc['WORDS'][word]} {b}"))
+    assert [calc["answer_of"](t) for t in ("56", " -3 ", "The answer is 56.", "56 or 57", "It is 56", "")] == [
+        "56", "-3", "56", None, None, None]
+
 
 def test_readme_agent_runs(stack, tmp_path):
     """The "Writing an agent" example of README.md, as printed there, plays an attempt."""
