@@ -47,10 +47,15 @@ def b64_block(image, mime="image/png"):
     return {"type": "image", "source": {"type": "base64", "media_type": mime, "data": base64.b64encode(image).decode()}}
 
 
+def vl_model_path():
+    """The tiny VLM's directory, built once (deterministically)."""
+    from tiny import ensure_tiny_model
+    return ensure_tiny_model(os.path.join(ROOT, ".cache", "tiny-qwen3-vl-moe"))
+
+
 @pytest.fixture(scope="module")
 def stack():
-    from tiny import ensure_tiny_model
-    path = ensure_tiny_model(os.path.join(ROOT, ".cache", "tiny-qwen3-vl-moe"))
+    path = vl_model_path()
     engine = capture.Engine(path, max_model_len=MAX_MODEL_LEN, worker_extension_cls=None,
                             max_images_per_prompt=MAX_IMAGES)
     server = capture.CaptureServer(None, path, max_model_len=MAX_MODEL_LEN, max_images_per_prompt=MAX_IMAGES,
