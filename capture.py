@@ -44,7 +44,6 @@ import importlib.util
 import io
 import json
 import logging
-import math
 import os
 import re
 import secrets
@@ -68,7 +67,7 @@ from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from protocols import (ANSWERS, EVENTS, PARSERS, ImageTokens, RequestError, call_id, error_body, error_response,
-                       field, parse_anthropic, read_calls, same_json, stream_deltas, tool_call)
+                       field, parse_anthropic, read_calls, same_json, stream_deltas, strict_json, tool_call)
 
 # -----------------------------------------------------------------------------
 # the engine: one vLLM AsyncLLM (rollout.py wraps it as a Ray actor)
@@ -401,31 +400,6 @@ class GuardedHttp(HttpToolsProtocol):
 # template renders; client text holding PLACEHOLDER itself is escaped too, so every placeholder is ours.
 PLACEHOLDER, PLACEHOLDER_BASE = "\ue000", 0xE100
 PLACEHOLDERS = re.compile(PLACEHOLDER + "(.)", re.S)
-SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def strict_json(raw):
-    """The JSON in `raw`, refusing what JSON over UTF-8 cannot hold and nothing could encode back: invalid UTF-8,
-    lone UTF-16 surrogates, NaN / Infinity, numbers beyond float range. Raises RequestError(400)."""
-    def finite(text):
-        value = float(text)
-        if not math.isfinite(value):
-            raise ValueError(f"the number {text[:40]} is out of range")
-        return value
-
-    def constant(name):
-        raise ValueError(f"{name} is not a JSON value")
-    try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=constant, parse_float=finite)
-        if SURROGATE_ESCAPE.search(raw):  # a \uD8xx escape: paired into one character, or a lone surrogate
-            json.dumps(body, ensure_ascii=False).encode()
-        return body
-    except UnicodeError as e:
-        raise RequestError(400, f"The request body is not valid UTF-8 text (or holds a lone UTF-16 surrogate): {e}.")
-    except (ValueError, RecursionError) as e:
-        raise RequestError(400, f"The request body is not valid JSON: {str(e)[:200]}.")
-
-
 INLINE_RENDER_BYTES = 64 << 10  # larger request bodies render on the render thread
 MAX_DEPTH = 64  # JSON nesting in tool schemas and arguments (real schemas stay under ~15)
 

@@ -12,11 +12,37 @@ import base64
 import io
 import itertools
 import json
+import math
+import re
 import os
 import time
 import uuid
 
 from starlette.responses import JSONResponse
+
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def strict_json(raw):
+    """The JSON in `raw`, refusing what JSON over UTF-8 cannot hold and nothing could encode back: invalid UTF-8,
+    lone UTF-16 surrogates, NaN / Infinity, numbers beyond float range. Raises RequestError(400)."""
+    def finite(text):
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(f"the number {text[:40]} is out of range")
+        return value
+
+    def constant(name):
+        raise ValueError(f"{name} is not a JSON value")
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=constant, parse_float=finite)
+        if SURROGATE_ESCAPE.search(raw):  # a \uD8xx escape: paired into one character, or a lone surrogate
+            json.dumps(body, ensure_ascii=False).encode()
+        return body
+    except UnicodeError as e:
+        raise RequestError(400, f"The request body is not valid UTF-8 text (or holds a lone UTF-16 surrogate): {e}.")
+    except (ValueError, RecursionError) as e:
+        raise RequestError(400, f"The request body is not valid JSON: {str(e)[:200]}.")
 
 
 # -----------------------------------------------------------------------------
