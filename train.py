@@ -41,7 +41,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 import loss
 import plan
-from model import EXPERT_PROJS, GatherRows, SumRows, Transformer, count_ids, init_parameters, is_stacked_experts, load_config, ours_to_hf, save_hf_checkpoint, slot_positions, to_contiguous, weight_files
+import runlog
+from model import (EXPERT_PROJS, GatherRows, SumRows, Transformer, count_ids, init_parameters, is_stacked_experts,
+                   load_config, ours_to_hf, save_hf_checkpoint, slot_positions, to_contiguous, weight_files)
 from tiny import ensure_tiny_model, is_tiny_model
 from plan import ConfigError, check_config, loss_config
 from weights_sync import free_port
@@ -227,14 +229,14 @@ def train(cfg, model, optimizer, run, step, rank, world):
     out_dir = cfg["out_dir"]
     loop = asyncio.new_event_loop()  # runs the weight-sync coroutines of this thread
     sender = weights_sync.WeightSender()
-    writer, evals = tensorboard_writer(cfg, rank), {}
+    writer, evals = runlog.tensorboard_writer(cfg, rank), {}
     policy_version = step  # one optimizer step = one policy version; the engines start at version 0
     # the engines get the trainer's weights first: a resumed run's, or whatever they were started or left with
     push_weights(run, loop, sender, model, policy_version, rank, world)
     if rank == 0:
         run["pool"].start()  # after that sync, so that no attempt samples from the base weights
         if policy_version == 0 and evaluate(run, cfg, 0, evals):
-            log_step(out_dir, dict(step=0, policy_version=0, **evals[0]), writer)
+            runlog.log_step(out_dir, dict(step=0, policy_version=0, **evals[0]), writer)
         run["router"].reset_idle_clock()
     bar = tqdm(total=cfg["max_steps"], initial=step, disable=rank != 0, dynamic_ncols=True)
     for step in range(step, cfg["max_steps"]):
@@ -265,7 +267,7 @@ def train(cfg, model, optimizer, run, step, rank, world):
                        loss=m["loss"], grad_norm=m["grad_norm"], lr=m["lr"], kept_tokens=m["kept_tokens"],
                        clip_frac=m["clip_frac"], attempts=len(rewards), segments=len(records))
             row.update(info_means(records), **evaluate(run, cfg, policy_version, evals))  # after step_time: eval_s
-            log_step(out_dir, row, writer)
+            runlog.log_step(out_dir, row, writer)
             run["router"].reset_idle_clock()
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", step_s=f"{step_time:.1f}",
                             stale=f"{row['staleness']:.2f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
@@ -278,7 +280,7 @@ def train(cfg, model, optimizer, run, step, rank, world):
     sender.close()
     loop.close()
     if rank == 0:
-        plot_metrics(out_dir)
+        runlog.plot_metrics(out_dir)
         writer and writer.close()
     return evals
 
@@ -304,7 +306,7 @@ def sft(cfg, model, optimizer, step, rank, world):
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
     rows = [transcript_tokens(r, tokenizer) for r in load_transcripts(cfg["sft_data"])]
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg["seed"])).tolist()
-    batch, writer = cfg["groups_per_batch"] * cfg["group_size"], tensorboard_writer(cfg, rank)
+    batch, writer = cfg["groups_per_batch"] * cfg["group_size"], runlog.tensorboard_writer(cfg, rank)
     for step in tqdm(range(step, cfg["max_steps"]), initial=step, total=cfg["max_steps"], disable=rank != 0):
         t0 = time.perf_counter()
         picks = [rows[order[(step * batch + i) % len(rows)]] for i in range(batch)][rank::world]
@@ -313,12 +315,12 @@ def sft(cfg, model, optimizer, step, rank, world):
         m = train_step(model, optimizer, pack_microbatches(segments, [0.0] * len(segments), cfg["microbatch_tokens"]),
                        cfg, step, step, sft=True)
         if rank == 0:
-            log_step(cfg["out_dir"], dict(step=step + 1, loss=m["loss"], grad_norm=m["grad_norm"], lr=m["lr"],
+            runlog.log_step(cfg["out_dir"], dict(step=step + 1, loss=m["loss"], grad_norm=m["grad_norm"], lr=m["lr"],
                                           kept_tokens=m["kept_tokens"], step_time_s=time.perf_counter() - t0), writer)
         if (step + 1) % cfg["checkpoint_every"] == 0 or step + 1 == cfg["max_steps"]:
             save_checkpoint(cfg["out_dir"], model, optimizer, step + 1, cfg)
     if rank == 0:
-        plot_metrics(cfg["out_dir"])
+        runlog.plot_metrics(cfg["out_dir"])
     return export_hf(model, os.path.join(cfg["out_dir"], "hf"), source_dir=cfg["model_path"])
 
 
@@ -517,46 +519,6 @@ def info_means(records):
     keys = sorted({k for info in per_attempt.values() for k in info})
     return {f"info/{k}": sum(info[k] for info in per_attempt.values() if k in info) /
             sum(k in info for info in per_attempt.values()) for k in keys}
-
-
-def log_step(out_dir, row, writer=None):
-    """A row of out_dir/metrics.jsonl; with tensorboard_dir, its numbers as TensorBoard scalars at its step too."""
-    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
-    for key, value in row.items() if writer else ():
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
-            writer.add_scalar(key, value, row["step"])
-
-
-def tensorboard_writer(cfg, rank):
-    if rank == 0 and cfg["tensorboard_dir"]:  # else None
-        from torch.utils.tensorboard import SummaryWriter  # the tensorboard package: plan.check_config asks for it
-        return SummaryWriter(cfg["tensorboard_dir"])
-
-
-PANELS = {"reward_mean": "train reward", "eval/success": "held-out success (eval)", "mismatch_kl": "engine/trainer KL",
-          "response_tokens": "generated tokens per attempt", "tokens_per_s": "generated tokens/s", "loss": "loss"}
-
-
-def plot_metrics(out_dir):
-    """out_dir/curves.png from metrics.jsonl (all steps, including those before a resume): a grid of the PANELS
-    that the log has."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    panels = [(key, title) for key, title in PANELS.items() if any(r.get(key) is not None for r in rows)]
-    fig, axes = plt.subplots(2, 3, figsize=(12, 5.6))
-    for ax, (key, title) in zip(axes.flat, panels):
-        ax.plot(*zip(*[(r["step"], r[key]) for r in rows if r.get(key) is not None]), marker=".")
-        ax.set(title=title, xlabel="step")
-        ax.grid(alpha=0.3)
-    for ax in axes.flat[len(panels):]:
-        ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "curves.png"), dpi=80)
-    plt.close(fig)
 
 
 # -----------------------------------------------------------------------------

@@ -1,0 +1,46 @@
+"""
+The run's log, on rank 0: a row per step in out_dir/metrics.jsonl (and, with tensorboard_dir, the same numbers as
+TensorBoard scalars), and out_dir/curves.png, a grid of the curves people look at first.
+"""
+import json
+import os
+
+
+def log_step(out_dir, row, writer=None):
+    """A row of out_dir/metrics.jsonl; with tensorboard_dir, its numbers as TensorBoard scalars at its step too."""
+    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    for key, value in row.items() if writer else ():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+            writer.add_scalar(key, value, row["step"])
+
+
+def tensorboard_writer(cfg, rank):
+    if rank == 0 and cfg["tensorboard_dir"]:  # else None
+        from torch.utils.tensorboard import SummaryWriter  # the tensorboard package: plan.check_config asks for it
+        return SummaryWriter(cfg["tensorboard_dir"])
+
+
+PANELS = {"reward_mean": "train reward", "eval/success": "held-out success (eval)", "mismatch_kl": "engine/trainer KL",
+          "response_tokens": "generated tokens per attempt", "tokens_per_s": "generated tokens/s", "loss": "loss"}
+
+
+def plot_metrics(out_dir):
+    """out_dir/curves.png from metrics.jsonl (all steps, including those before a resume): a grid of the PANELS
+    that the log has."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    panels = [(key, title) for key, title in PANELS.items() if any(r.get(key) is not None for r in rows)]
+    fig, axes = plt.subplots(2, 3, figsize=(12, 5.6))
+    for ax, (key, title) in zip(axes.flat, panels):
+        ax.plot(*zip(*[(r["step"], r[key]) for r in rows if r.get(key) is not None]), marker=".")
+        ax.set(title=title, xlabel="step")
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "curves.png"), dpi=80)
+    plt.close(fig)
