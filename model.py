@@ -536,8 +536,9 @@ class VisionAttention(nn.Module):
         N, D = x.shape
         q, k, v = self.qkv(x).view(N, 3, self.n_head, -1).permute(1, 2, 0, 3).unbind(0)  # each (nh, N, hd)
         q, k = (apply_rope(t.float(), cos, sin).to(v.dtype) for t in (q, k))  # 2-D RoPE in fp32, as HF does
-        # full (not causal) attention within each image: one call per image keeps memory at one image's scores
-        y = torch.cat([F.scaled_dot_product_attention(*qkv) for qkv in
+        # full (not causal) attention within each image: one call per image keeps memory at one image's scores;
+        # 4-D inputs, since on CUDA 3-D ones fall back to the unfused math kernel (in fp32: 3x slower here)
+        y = torch.cat([F.scaled_dot_product_attention(*(t[None] for t in qkv))[0] for qkv in
                        zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1))], dim=1)  # (nh, N, hd)
         return self.proj(y.transpose(0, 1).reshape(N, D))
 
@@ -585,12 +586,14 @@ class VisionModel(nn.Module):
         S = math.isqrt(vc.num_position_embeddings)
         table = self.pos_embed.weight.view(S, S, -1).permute(2, 0, 1)[None]  # (1, Dv, S, S)
         grids = grid_thw.tolist()  # NOTE: a device-to-host sync when grid_thw is on the GPU
-        pos, rows_cols = [], []
+        pos, rows_cols, per_size = [], [], {}
         for t, h, w in grids:
-            pe = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0].permute(1, 2, 0)
-            rc = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1).to(dev)
-            pos.append(merge_order(pe, m).repeat(t, 1))
-            rows_cols.append(merge_order(rc, m).repeat(t, 1))
+            if (h, w) not in per_size:  # once per image size: the interpolation's backward costs ~2 ms an image
+                pe = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0].permute(1, 2, 0)
+                rc = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1).to(dev)
+                per_size[h, w] = merge_order(pe, m), merge_order(rc, m)
+            pos.append(per_size[h, w][0].repeat(t, 1))
+            rows_cols.append(per_size[h, w][1].repeat(t, 1))
         x = x + torch.cat(pos)
         # 2-D RoPE: a quarter of each head's frequencies turn with the patch's row, a quarter with its column
         inv_freq = rope_inv_freq(vc.hidden_size // vc.num_heads // 2, 10000.0, dev)
