@@ -139,3 +139,64 @@ def test_train_vision_false_on_a_text_model_is_a_config_error():
     with pytest.raises(ConfigError, match="train_vision"):
         check_config(cfg, mcfg=dataclasses.replace(CFG, vision=None))
     assert check_config(cfg, mcfg=CFG) is CFG
+
+
+def png(seed, size):
+    from PIL import Image
+    import io
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (*size, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def fetch_own(rank, world, blob, ray_env, model_path, out):
+    """A trainer rank: joins the test's Ray cluster and takes its share of the batch through train.share_batch."""
+    import os
+    import torch.distributed as dist
+    os.environ.update(ray_env[1])
+    import ray
+    ray.init(address=ray_env[0])
+    sent = []
+    if rank == 0:  # what the driver broadcasts to the other ranks
+        broadcast = dist.broadcast_object_list
+        dist.broadcast_object_list = lambda box, src: (sent.append(box[0]), broadcast(box, src))[1]
+    records = ray.cloudpickle.loads(blob) if rank == 0 else None
+    segments, _ = train.share_batch(records, trainer_config(model_path=model_path), rank, world)
+    torch.save(dict(sent=sent, segments=[{k: s.get(k) for k in ("token_ids", "pixel_values", "image_grid_thw")}
+                                         for s in segments]), f"{out}.{rank}")
+    ray.shutdown()
+
+
+@pytest.mark.stack
+def test_images_travel_by_ref_and_each_rank_patches_only_its_own(tmp_path, ray_cluster, tiny_vl_model_path):
+    import io
+    import os
+    from PIL import Image
+    from rollout import put_experience
+    proc = vl.image_processor(tiny_vl_model_path)
+    files, records = {}, []
+    for i in range(6):  # attempts of 1 or 2 images of several sizes, in 3 groups
+        imgs = [png(10 * i + j, (48 + 16 * j, 64)) for j in range(1 + i % 2)]
+        grid = proc(images=[Image.open(io.BytesIO(b)) for b in imgs], return_tensors="np")["image_grid_thw"]
+        n = 20 + 7 * i  # a distinct length: the segment's identity on the rank that gets it
+        seg = dict(attempt_id=f"a{i}", segment_index=0, token_ids=list(range(n)), action_mask=[0] * 10 + [1] * (n - 10),
+                   behavior_logprobs=[0.0] * n, token_versions=[-1] * 10 + [0] * (n - 10), images=imgs,
+                   image_grid_thw=grid.tolist())
+        files[n] = imgs
+        records.append(put_experience(seg, reward=float(i % 3), group_id=i // 2))
+    blob = ray_cluster.cloudpickle.dumps(records)
+    for imgs in files.values():  # the queue's records hold refs and light fields, not one byte of any image
+        assert all(b[100:164] not in blob for b in imgs)
+    assert len(blob) < sum(len(b) for imgs in files.values() for b in imgs) / 10
+    env = (ray_cluster.get_runtime_context().gcs_address,
+           {k: v for k, v in os.environ.items() if k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")})
+    spawn(2, fetch_own, blob, env, tiny_vl_model_path, str(tmp_path / "got"))
+    got = [torch.load(f"{tmp_path}/got.{r}", weights_only=False) for r in range(2)]
+    assert all(b[100:164] not in got[0]["sent"][0] for imgs in files.values() for b in imgs)
+    seen = [len(s["token_ids"]) for g in got for s in g["segments"]]
+    assert sorted(seen) == sorted(files) and all(g["segments"] for g in got)  # each segment on exactly one rank
+    for g in got:
+        for s in g["segments"]:  # patched on that rank, as the engine's processor patches them
+            ref = proc(images=[Image.open(io.BytesIO(b)) for b in files[len(s["token_ids"])]], return_tensors="pt")
+            assert torch.equal(s["pixel_values"], ref["pixel_values"].float())
+            assert s["image_grid_thw"].tolist() == ref["image_grid_thw"].tolist()
