@@ -400,13 +400,13 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
     run_agent, agent_prompts = load_agent(cfg["agent"])
     cleanup = setup_agent(run_agent, cfg)  # what the agent needs beside the policy (a judge's engine, ...)
     if cfg["prompts"]:
-        prompts = read_prompts(cfg["prompts"], seed=cfg["seed"])
+        prompts = read_prompts(cfg["prompts"], seed=cfg["seed"], row_map=run_agent.prompt_from_row)
     elif agent_prompts is not None:  # seeded, when it takes a seed
         prompts = agent_prompts(**{"seed": cfg["seed"]} if "seed" in inspect.signature(agent_prompts).parameters else {})
     else:
         raise ConfigError(f"no prompts: set `prompts` to a JSONL file, or export prompts() from {cfg['agent']}")
     # held out: a file of its own, or the agent module's split that prompts() never yields
-    held_out = list(load_prompts(cfg["eval_prompts"])) if cfg["eval_prompts"] else (run_agent.eval_prompts or list)()
+    held_out = list(load_prompts(cfg["eval_prompts"], run_agent.prompt_from_row)) if cfg["eval_prompts"] else (run_agent.eval_prompts or list)()
     writer = None
     if cfg["save_trajectories"]:
         path = os.path.join(cfg["out_dir"], "trajectories.jsonl")
