@@ -7,6 +7,7 @@ one JSON object with the figures and `ratio`.
     python bench.py train        # our FSDP2+EP trainer vs transformers' Qwen3MoeForCausalLM under FSDP2 (GPU)
     python bench.py async        # streaming rollout pool vs synchronous generate-then-train
     python bench.py sync         # trainer -> engine weight broadcast vs raw NCCL broadcast (2 GPUs)
+    python bench.py objectstore  # image trajectories to trainer ranks by ref vs gathered in the driver: driver memory
     python bench.py vl           # our Qwen3-VL-MoE forward/backward vs transformers' (1 GPU): parity, tokens/s
 """
 import json
@@ -733,6 +734,132 @@ def bench_train(*args):
     dist.destroy_process_group()
     if rank != 0:
         sys.exit(0)  # rank 0 prints the result
+    return result
+
+
+# -----------------------------------------------------------------------------
+# objectstore: image trajectories to the trainer ranks by ref (ours) vs gathered in the driver first
+
+
+def _image_files(n, size, noise, seed):
+    """n PNG files of size x size: noise (incompressible, like photographs or screenshots) or geometry diagrams."""
+    import io
+    import random
+    import numpy as np
+    from PIL import Image
+    if not noise:
+        sys.path.insert(0, "agents")
+        import geometry
+        geometry.SIZE = size
+    files = []
+    for i in range(n):
+        if noise:
+            image = Image.fromarray(np.random.default_rng(seed + i).integers(0, 256, (size, size, 3), dtype=np.uint8))
+        else:
+            image = geometry.scene(geometry.KINDS[i % len(geometry.KINDS)], random.Random(seed + i))[0]
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        files.append(buf.getvalue())
+    return files
+
+
+def bench_objectstore(*args):
+    """The driver's peak host memory while a batch of image trajectories reaches the trainer ranks. `attempts`
+    segments of `images` PNG images of size x size each (plus ~200 text tokens) are recorded by a rollout-side
+    actor, which puts each one in its node's object store (rollout.put_experience) and hands the driver the light
+    records. Ours, as train.share_batch: the driver splits the records by tokens and sends each of `ranks`
+    trainer actors its refs; each fetches its own and patches its images (vl.with_pixels, the tiny VLM's image
+    processor). Baseline: the driver first gathers the batch (ray.get of every segment), then sends each rank its
+    segments by value. The driver's resident memory is sampled every 5 ms; ratio = baseline peak / ours peak (above
+    the driver's memory at the phase's start). Real Ray, local cluster.
+
+        python bench.py objectstore                       # 256 attempts x 4 noise images of 448x448, 2 ranks
+        python bench.py objectstore --noise=0             # geometry diagrams instead (PNG compresses them ~40x)
+    Options: --attempts=256 --images=4 --size=448 --ranks=2 --noise=1
+    """
+    import os
+    import threading
+    import time
+    import psutil
+    import ray
+    opt = _int_options(args, attempts=256, images=4, size=448, ranks=2, noise=1)
+    here = os.path.dirname(os.path.abspath(__file__))
+    from tiny import ensure_tiny_model
+    model_path = ensure_tiny_model(os.path.join(here, ".cache", "tiny-qwen3-vl-moe"))
+    files = _image_files(opt["images"], opt["size"], opt["noise"], seed=0)
+    per_attempt = sum(map(len, files))
+    ray.init(num_cpus=opt["ranks"] + 1, include_dashboard=False, object_store_memory=max(
+        1 << 30, 3 * opt["attempts"] * per_attempt), runtime_env={"env_vars": {"PYTHONPATH": here}})
+
+    @ray.remote
+    class Recorder:  # the rollout side: records segments and puts them in its node's object store
+        def record(self, attempts, images, noise, offset):
+            import io
+            from PIL import Image
+            import rollout
+            import vl
+            grid = vl.image_processor(model_path)(images=[Image.open(io.BytesIO(b)) for b in files],
+                                                  return_tensors="np")["image_grid_thw"]
+            n_image = int(sum(t * h * w for t, h, w in grid)) // 4 + 2 * len(files)  # merged tokens, start/end
+            out = []
+            for a in range(attempts):
+                imgs = files if a % 8 else _image_files(len(files), opt["size"], noise, seed=offset + a)  # some new
+                T = n_image + 200 + a % 50
+                out.append(rollout.put_experience(dict(
+                    attempt_id=f"{offset}-{a}", segment_index=0, token_ids=[7] * T, action_mask=[0] * (T - 100) + [1] * 100,
+                    behavior_logprobs=[-0.5] * T, token_versions=[-1] * (T - 100) + [0] * 100, images=imgs,
+                    image_grid_thw=grid.tolist()), reward=float(a % 2), group_id=a // 4))
+            return out
+
+    @ray.remote
+    class Rank:  # a trainer rank's share of the batch: fetch (refs) or receive (values), then patch the images
+        def take(self, shard, by_ref):
+            import vl
+            segments = ray.get([r["ref"] for r in shard]) if by_ref else shard
+            # one segment's patches at a time: the driver is measured here, not the ranks
+            pixel_bytes = sum(vl.with_pixels(dict(s), model_path)["pixel_values"].nbytes for s in segments)
+            return dict(segments=len(segments), pixel_bytes=pixel_bytes)
+
+    import rollout
+    recorder, ranks = Recorder.remote(), [Rank.remote() for _ in range(opt["ranks"])]
+    ray.get([r.take.remote([], True) for r in ranks] + [recorder.record.remote(1, 1, 1, 0)])  # actors up, imports done
+    driver = psutil.Process()
+
+    def phase(by_ref, offset):
+        peak, done = [driver.memory_info().rss], threading.Event()
+        start = peak[0]
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], driver.memory_info().rss)
+                time.sleep(0.005)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        t0 = time.perf_counter()
+        records = ray.get(recorder.record.remote(opt["attempts"], opt["images"], opt["noise"], offset))
+        if not by_ref:  # the baseline: the whole batch in the driver first
+            segments = dict(zip([r["attempt_id"] for r in records], ray.get([r["ref"] for r in records])))
+        shards = rollout.balance_by_tokens(records, opt["ranks"])
+        if not by_ref:
+            shards = [[segments[r["attempt_id"]] for r in shard] for shard in shards]
+        got = ray.get([rank.take.remote(shard, by_ref) for rank, shard in zip(ranks, shards)])
+        seconds = time.perf_counter() - t0
+        done.set()
+        sampler.join()
+        out = dict(driver_peak_mb=round((peak[0] - start) / 2**20, 1), seconds=round(seconds, 2),
+                   segments=sum(g["segments"] for g in got),
+                   pixel_values_mb_on_ranks=round(sum(g["pixel_bytes"] for g in got) / 2**20, 1))
+        if by_ref:
+            out["records_kb"] = round(len(ray.cloudpickle.dumps(records)) / 1024, 1)
+        print(f"{'ours (refs)' if by_ref else 'gather in the driver'}: {out}", flush=True)
+        return out
+    result = dict(attempts=opt["attempts"], images_per_attempt=opt["images"], size=opt["size"], ranks=opt["ranks"],
+                  image_kind="noise" if opt["noise"] else "geometry diagrams",
+                  image_mb_per_batch=round(opt["attempts"] * per_attempt / 2**20, 1))
+    result["ours"] = phase(True, 10**6)
+    result["gather"] = phase(False, 2 * 10**6)
+    result["ratio"] = round(result["gather"]["driver_peak_mb"] / max(result["ours"]["driver_peak_mb"], 0.1), 1)
+    ray.shutdown()
     return result
 
 
