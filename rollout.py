@@ -280,7 +280,8 @@ def put_experience(segment, reward, group_id, failed=False, error=None):
                   # the encoded image files and their grids stay with the tokens: only the trainer rank that gets
                   # this segment fetches and patches them (vl.with_pixels)
                   images=list(segment.get("images") or []),
-                  image_grid_thw=np.asarray(segment.get("image_grid_thw", []), dtype=np.int64).reshape(-1, 3))
+                  image_grid_thw=(None if segment.get("image_grid_thw") is None
+                                  else np.asarray(segment["image_grid_thw"], dtype=np.int64).reshape(-1, 3)))
     generated = versions[mask == 1]
     return dict(ref=ray.put(arrays), attempt_id=segment["attempt_id"], segment_index=segment["segment_index"],
                 group_id=group_id, reward=float(reward), num_tokens=len(mask), action_tokens=int(mask.sum()),

@@ -3,9 +3,8 @@ Images on the trainer's side (Qwen3-VL): a segment's encoded images -> the pixel
 takes, per microbatch; and the vision tower's FSDP units.
 
 A recorded segment carries `images` (the encoded files as the agent sent them, in the order of their image-token
-runs in token_ids) and `image_grid_thw` (each image's t, h, w in patches, as the engine's processor made them). They
-travel inside the segment's object in the Ray object store, never on the queue (rollout.put_experience); each
-trainer rank fetches its own segments and patches their images here with the model directory's image processor,
+runs in token_ids; optionally `image_grid_thw`, each image's t, h, w in patches, checked here). They travel inside
+the segment's object in the Ray object store, never on the queue (rollout.put_experience); each trainer rank fetches its own segments and patches their images here with the model directory's image processor,
 the one the engine uses, so the pixels exist only on the rank that trains on them.
 
     .venv/bin/python -m pytest tests/test_train_vl.py -q
@@ -21,8 +20,9 @@ IMAGE_FIELDS = ("pixel_values", "image_grid_thw")  # a microbatch's image tensor
 
 @functools.lru_cache(maxsize=4)
 def image_processor(model_path):
-    from transformers import AutoImageProcessor
-    return AutoImageProcessor.from_pretrained(model_path)
+    """The model directory's image processor, the one vLLM's engine instantiates (AutoProcessor's)."""
+    from transformers import AutoProcessor
+    return AutoProcessor.from_pretrained(model_path).image_processor
 
 
 def with_pixels(segment, model_path):
@@ -35,8 +35,8 @@ def with_pixels(segment, model_path):
     from PIL import Image
     out = image_processor(model_path)(images=[Image.open(io.BytesIO(bytes(b))) for b in images], return_tensors="pt")
     grid = out["image_grid_thw"].long()
-    recorded = segment.pop("image_grid_thw", None)
-    if recorded is not None and np.asarray(recorded).tolist() != grid.tolist():
+    recorded = segment.pop("image_grid_thw", None)  # when the recorder gave the grids: a check
+    if recorded is not None and len(recorded) and np.asarray(recorded).tolist() != grid.tolist():
         raise ValueError(f"segment {segment.get('attempt_id')}/{segment.get('segment_index')}: the image processor of "
                          f"{model_path} patches its images to grids {grid.tolist()}, but the engine recorded "
                          f"{np.asarray(recorded).tolist()}: the trainer and the engine must use the same processor")
