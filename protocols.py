@@ -2,12 +2,17 @@
 The three wire protocols of the capture server: OpenAI chat completions, the OpenAI Responses API and Anthropic
 Messages. Requests become one internal ChatRequest (OpenAI-style messages, as chat templates expect), with a
 RequestError (a 4xx in that protocol's error format) for anything malformed or not honoured; answers and SSE event
-streams are written back in the protocol the client spoke. Pure functions on JSON; imports nothing of ours.
+streams are written back in the protocol the client spoke. Image parts (inline base64 only) become ImageBytes in
+the messages; ImageTokens decodes and checks them and expands each one's placeholder to the tokens the model's
+processor counts. Pure functions on JSON (and images); imports nothing of ours.
 
     .venv/bin/python -m pytest tests/test_capture_fuzz.py tests/test_frameworks.py -q
 """
+import base64
+import io
 import itertools
 import json
+import os
 import time
 import uuid
 
@@ -57,19 +62,69 @@ def field(body, key, types, default=None, required=False, where=""):
 
 
 TEXT_PARTS = ("text", "input_text", "output_text")  # chat completions and Anthropic; the Responses API's
+IMAGE_PARTS = ("image_url", "input_image", "image")  # chat completions; the Responses API; Anthropic
 
 
-def text_of(content, where):
-    """A string, or a list of text parts/blocks joined; anything else (images, audio) is refused."""
+def text_of(content, where, images=False):
+    """A string, or a list of text parts/blocks joined; with images=True image parts/blocks too, and then a content
+    with an image is the list of parts chat templates read ({"type": "text", "text"}, {"type": "image", "image"})."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise RequestError(400, f"`{where}` must be a string or an array of text parts.", where)
+    parts = []
     for i, part in enumerate(content):
-        if not (isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str)):
-            raise RequestError(400, f"`{where}[{i}]` must be a text part {{\"type\": \"text\", \"text\": ...}}; "
-                                    "only text content is supported.", f"{where}[{i}]")
-    return "".join(part["text"] for part in content)
+        kind = part.get("type") if isinstance(part, dict) else None
+        if images and kind in IMAGE_PARTS:
+            parts.append({"type": "image", "image": image_of(part, f"{where}[{i}]")})
+        elif kind in TEXT_PARTS and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            allowed = "a text or image part" if images else "a text part {\"type\": \"text\", \"text\": ...}"
+            raise RequestError(400, f"`{where}[{i}]` must be {allowed}; only "
+                                    f"{'text and image' if images else 'text'} content is supported here.", f"{where}[{i}]")
+    return joined(parts)
+
+
+def joined(parts):
+    """Content parts as a message's content: their text when all are text (what every template reads), else them."""
+    return parts if any(p["type"] == "image" for p in parts) else "".join(p["text"] for p in parts)
+
+
+class ImageBytes(bytes):
+    """An image file as the client sent it (base64-decoded). Equal to the same bytes from any request: an image is
+    part of its message's identity, where it sat in a request (`where`, for error messages) is not."""
+    where = ""
+
+
+def image_of(part, where):
+    """The image of an image part (chat completions' image_url, the Responses API's input_image, an Anthropic image
+    block): inline base64 only, since this server fetches nothing. Decoded and checked when rendered."""
+    if part["type"] == "image":  # Anthropic: {"source": {"type": "base64", "media_type": ..., "data": ...}}
+        source = field(part, "source", dict, required=True, where=where + ".")
+        if source.get("type") != "base64":
+            raise RequestError(400, f"`{where}.source.type` is {source.get('type')!r}: this server fetches nothing; "
+                                    "send the image inline ({\"type\": \"base64\", \"media_type\": ..., \"data\": ...}).",
+                               where + ".source.type")
+        at = where + ".source.data"
+        data = field(source, "data", str, required=True, where=where + ".source.")
+    else:  # a data URI; chat completions nest it in {"url": ...}
+        url, at = part.get("image_url"), where + ".image_url"
+        if part["type"] == "image_url":
+            url, at = url.get("url") if isinstance(url, dict) else None, at + ".url"
+        if not isinstance(url, str) or not url.startswith("data:"):
+            what = "a URL" if isinstance(url, str) and url.startswith(("http:", "https:")) else "not a data URI"
+            raise RequestError(400, f"`{at}` is {what}: this server does not fetch images; send each image inline "
+                                    "as a data URI (data:image/png;base64,...).", at)
+        head, _, data = url.partition(",")
+        if not head.endswith(";base64"):
+            raise RequestError(400, f"`{at}` must be a base64 data URI (data:image/png;base64,...).", at)
+    try:
+        image = ImageBytes(base64.b64decode(data, validate=True))
+    except ValueError:  # binascii.Error
+        raise RequestError(400, f"`{at}` is not valid base64.", at)
+    image.where = where
+    return image
 
 
 def tool_choice_of(request, kind, name, parallel=True):
@@ -153,7 +208,8 @@ def parse_openai(body, server):
         extra = [k for k, v in m.items() if k not in OPENAI_MESSAGE_FIELDS and v not in (None, [], {}, "")]
         if extra:
             raise RequestError(400, f"`{w}.{extra[0]}` is not supported.", f"{w}.{extra[0]}")
-        role, content = m.get("role"), text_of(m.get("content"), f"{w}.content")
+        role = m.get("role")
+        content = text_of(m.get("content"), f"{w}.content", images=role == "user")
         name = {"name": m["name"]} if field(m, "name", str, where=w + ".") else {}  # for templates that show it
         if role in ("system", "developer", "user"):
             messages.append({"role": "user" if role == "user" else "system", "content": content, **name})
@@ -240,32 +296,36 @@ def parse_anthropic(body, server, counting=False):
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise RequestError(400, f"`{w}.content` must be a string or an array of content blocks.", f"{w}.content")
-        text, calls = [], []
+        text, calls = [], []  # text: the text (and image) parts in order
         for j, b in enumerate(blocks):
             wb = f"{w}.content[{j}]."
             kind = b.get("type") if isinstance(b, dict) else None
             if kind == "text":
-                text.append(field(b, "text", str, required=True, where=wb))
+                text.append({"type": "text", "text": field(b, "text", str, required=True, where=wb)})
+            elif kind == "image" and role == "user":
+                text.append({"type": "image", "image": image_of(b, wb[:-1])})
             elif kind == "tool_use" and role == "assistant":
                 calls.append(tool_call(field(b, "id", str, required=True, where=wb),
                                        field(b, "name", str, required=True, where=wb),
                                        json.dumps(field(b, "input", dict, {}, where=wb), ensure_ascii=False)))
             elif kind == "tool_result" and role == "user":
                 if text:  # text before a tool result stays in its own user turn, in order
-                    messages.append({"role": "user", "content": "".join(text)})
+                    messages.append({"role": "user", "content": joined(text)})
                     text = []
                 # an error result reads as one to the model: chat templates have no field for it
                 error = "Error: " if field(b, "is_error", bool, False, where=wb) else ""
+                result = text_of(b.get("content"), wb + "content", images=True)
                 messages.append({"role": "tool", "tool_call_id": field(b, "tool_use_id", str, required=True, where=wb),
-                                 "content": error + text_of(b.get("content"), wb + "content")})
+                                 "content": error + result if isinstance(result, str) else
+                                 [{"type": "text", "text": error}] * bool(error) + result})
             else:
-                allowed = "text and tool_use" if role == "assistant" else "text and tool_result"
+                allowed = "text and tool_use" if role == "assistant" else "text, image and tool_result"
                 raise RequestError(400, f"`{wb}type` {kind!r} is not supported in {role} messages ({allowed} are).",
                                    wb + "type")
         if role == "assistant":
-            messages.append({"role": "assistant", "content": "".join(text), **({"tool_calls": calls} if calls else {})})
+            messages.append({"role": "assistant", "content": joined(text), **({"tool_calls": calls} if calls else {})})
         elif text or not blocks:
-            messages.append({"role": "user", "content": "".join(text)})
+            messages.append({"role": "user", "content": joined(text)})
     if len(messages) == (system is not None):
         raise RequestError(400, "`messages` must not be empty.", "messages")
     tools = []
@@ -319,7 +379,7 @@ def parse_responses(body, server):
         kind = item.get("type", "message")
         if kind == "message" and item.get("role") in ("system", "developer", "user", "assistant"):
             role = {"developer": "system"}.get(item["role"], item["role"])
-            messages.append({"role": role, "content": text_of(item.get("content"), w + "content")})
+            messages.append({"role": role, "content": text_of(item.get("content"), w + "content", images=role == "user")})
         elif kind == "function_call":
             call = tool_call(field(item, "call_id", str, required=True, where=w), field(item, "name", str, required=True,
                              where=w), field(item, "arguments", str, required=True, where=w))
@@ -329,7 +389,7 @@ def parse_responses(body, server):
         elif kind == "function_call_output":
             output = field(item, "output", (str, list), required=True, where=w)
             messages.append({"role": "tool", "tool_call_id": field(item, "call_id", str, required=True, where=w),
-                             "content": text_of(output, w + "output")})
+                             "content": text_of(output, w + "output", images=True)})
         else:
             raise RequestError(400, f"`{w}type` {kind!r} is not supported (items: {RESPONSES_ITEMS}; message roles "
                                     "system, developer, user, assistant).", w + "type")
@@ -360,6 +420,78 @@ def parse_responses(body, server):
         raise RequestError(400, "`input` must not be empty.", "input")
     return tool_choice_of(request, *openai_choice(field(body, "tool_choice", (str, dict), "auto"), "flat"),
                           field(body, "parallel_tool_calls", bool, True))
+
+
+# -----------------------------------------------------------------------------
+# images: checked, decoded and counted in tokens by the model's own processor
+
+
+class ImageTokens:
+    """A model's image placeholders: a request's images checked against the limits, each decoded and counted in
+    tokens by the model's processor (its patches after the merge), and the template's one placeholder token per image
+    expanded to that many and back. A model without an image processor takes no images."""
+
+    def __init__(self, tokenizer, max_per_prompt=8, max_pixels=4096 * 4096, max_bytes=8 << 20):
+        self.processor, self.token_id, self.banned = None, None, {}
+        if os.path.isfile(os.path.join(tokenizer.name_or_path, "preprocessor_config.json")):
+            from transformers import AutoProcessor
+            self.processor = AutoProcessor.from_pretrained(tokenizer.name_or_path)
+            self.token_id = tokenizer.convert_tokens_to_ids(self.processor.image_token)
+            video = getattr(self.processor, "video_token", None)  # logit biases that keep placeholders unsampled
+            self.banned = {t: -100 for t in (self.token_id, video and tokenizer.convert_tokens_to_ids(video)) if t}
+        self.max_per_prompt, self.max_pixels, self.max_bytes = max_per_prompt, max_pixels, max_bytes
+
+    def check(self, messages):
+        """The images of internal messages, in the order templates render them, within the limits."""
+        images = [p["image"] for m in messages if isinstance(m.get("content"), list) for p in m["content"] if "image" in p]
+        if images and self.processor is None:
+            raise RequestError(400, f"`{images[0].where}`: this model takes no images.", images[0].where)
+        if len(images) > self.max_per_prompt:
+            where = images[self.max_per_prompt].where
+            raise RequestError(400, f"`{where}`: the conversation holds {len(images)} images, more than the "
+                                    f"{self.max_per_prompt} one prompt may hold.", where)
+        return images
+
+    def count(self, image):
+        """How many tokens an image takes; the whole file is decoded (a corrupt one fails here, not in the engine)."""
+        from PIL import Image
+        where = image.where
+        if len(image) > self.max_bytes:
+            raise RequestError(400, f"`{where}`: the image is {len(image)} bytes, more than {self.max_bytes}.", where)
+        try:
+            with Image.open(io.BytesIO(image)) as img:
+                w, h = img.size
+                if w * h > self.max_pixels:
+                    raise RequestError(400, f"`{where}`: the image is {w}x{h} pixels, more than {self.max_pixels}.",
+                                       where)
+                img.load()
+        except RequestError:
+            raise
+        except Exception as e:  # PIL raises many kinds (UnidentifiedImageError, OSError, DecompressionBombError...)
+            raise RequestError(400, f"`{where}` is not an image this server can decode: {e}.", where)
+        return self.processor._get_num_multimodal_tokens(image_sizes=[(h, w)]).num_image_tokens[0]
+
+    def expand(self, ids, images):
+        """Rendered ids with each image's placeholder token repeated as many times as the image takes tokens, and
+        those counts."""
+        at = [i for i, t in enumerate(ids) if t == self.token_id] if images else []
+        if len(at) != len(images):
+            raise RequestError(400, f"The chat template rendered {len(at)} image placeholders for {len(images)} "
+                                    "images.", "messages")
+        counts = [self.count(image) for image in images]
+        for i, n in zip(reversed(at), reversed(counts)):
+            ids[i:i + 1] = [self.token_id] * n
+        return ids, counts
+
+    def collapse(self, ids, counts):
+        """Expanded ids with each image's tokens back to one placeholder, as vLLM takes them: its processor expands
+        them itself (and, given expanded ids, would expand the first token of each image again)."""
+        out, i = [], 0
+        for n in counts:
+            j = ids.index(self.token_id, i)
+            out += ids[i:j + 1]
+            i = j + n
+        return out + ids[i:]
 
 
 # -----------------------------------------------------------------------------

@@ -147,19 +147,22 @@ class Router:
                     self.sessions.popitem(last=False)
             return i
 
-    async def generate(self, prompt_token_ids, sampling, request_id, session_id=None, wait_for_engine_s=600.0):
+    async def generate(self, prompt_token_ids, sampling, request_id, session_id=None, wait_for_engine_s=600.0,
+                       images=None):
         async with self.serving(session_id, wait_for_engine_s) as engine:
-            ref = engine.generate.remote(prompt_token_ids, sampling, request_id)
+            ref = engine.generate.remote(prompt_token_ids, sampling, request_id, images=images)
             try:
                 return await ref
             except asyncio.CancelledError:  # the client went away: the actor's coroutine is cancelled, vLLM aborts
                 ray.cancel(ref)
                 raise
 
-    async def stream(self, prompt_token_ids, sampling, request_id, session_id=None, wait_for_engine_s=600.0):
+    async def stream(self, prompt_token_ids, sampling, request_id, session_id=None, wait_for_engine_s=600.0,
+                     images=None):
         """generate's turn while it is sampled (capture.Engine.stream), through a Ray streaming generator."""
         async with self.serving(session_id, wait_for_engine_s) as engine:
-            turn = engine.stream.options(num_returns="streaming").remote(prompt_token_ids, sampling, request_id)
+            turn = engine.stream.options(num_returns="streaming").remote(prompt_token_ids, sampling, request_id,
+                                                                         images=images)
             try:
                 async for ref in turn:
                     yield await ref

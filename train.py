@@ -74,6 +74,7 @@ engine_memory_fraction = 0.5   # vLLM gpu_memory_utilization (host memory on CPU
 enable_prefix_caching = True
 recompute_kv_on_sync = True  # a weight sync empties the prefix cache; in-flight requests recompute their KV with the
                              # new weights (False: they go on with the old weights' KV, a hybrid of two policies)
+max_images_per_prompt = 8  # images one prompt may hold (vLLM's limit_mm_per_prompt); more get a 400 naming the image
 speculative_config = {}    # passed to vLLM as is, e.g. {"method": "mtp", "num_speculative_tokens": 1}
 group_size = 4             # attempts per prompt (GRPO group)
 groups_per_batch = 8       # complete groups per optimizer step
@@ -395,7 +396,8 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
     router.mark_connected([])  # the first weight sync forms the weight group
     server = capture.CaptureServer(router, cfg["model_path"], max_model_len=cfg["engine_max_model_len"],
                                    importance_correction=cfg["is_level"] != "none",
-                                   constrained_tokens=cfg["constrained_tokens"])
+                                   constrained_tokens=cfg["constrained_tokens"],
+                                   max_images_per_prompt=cfg["max_images_per_prompt"])
     server.start_in_thread()
     run_agent, agent_prompts = load_agent(cfg["agent"])
     cleanup = setup_agent(run_agent, cfg)  # what the agent needs beside the policy (a judge's engine, ...)

@@ -50,7 +50,7 @@ class RecordingBackend:
         self.engine, self.tokenizer = engine, tokenizer
         self.calls, self.forced, self.fail = [], {}, set()
 
-    async def generate(self, prompt, sampling, request_id, session_id=None):
+    async def generate(self, prompt, sampling, request_id, session_id=None, images=None):
         start = time.monotonic()
         if session_id in self.fail:
             self.fail.discard(session_id)
@@ -58,23 +58,26 @@ class RecordingBackend:
         if self.forced.get(session_id):
             ids = self.tokenizer(self.forced[session_id].pop(0), add_special_tokens=False)["input_ids"]
             ids += [self.tokenizer.eos_token_id]
-            logprobs = (await self.engine.prompt_logprobs(prompt + ids))[len(prompt):]
-            out = dict(token_ids=ids, logprobs=logprobs, token_versions=[self.engine.policy_version] * len(ids),
-                       routed_experts=None, finish_reason="stop", num_prompt_tokens=len(prompt), forced=True)
+            logprobs = await self.engine.prompt_logprobs(prompt + ids, images)  # images: the prompt expands
+            out = dict(token_ids=ids, logprobs=logprobs[-len(ids):], token_versions=[self.engine.policy_version] *
+                       len(ids), routed_experts=None, finish_reason="stop", num_prompt_tokens=len(logprobs) - len(ids),
+                       forced=True)
         else:
-            out = await self.engine.generate(prompt, sampling, request_id, session_id=session_id)
-        self.calls.append(dict(session_id=session_id, prompt=list(prompt), out=out, start=start, end=time.monotonic()))
+            out = await self.engine.generate(prompt, sampling, request_id, session_id=session_id, images=images)
+        self.calls.append(dict(session_id=session_id, prompt=list(prompt), out=out, start=start, end=time.monotonic(),
+                               images=images))
         return out
 
-    async def stream(self, prompt, sampling, request_id, session_id=None):
+    async def stream(self, prompt, sampling, request_id, session_id=None, images=None):
         """generate's turn as the engine streams it; a forced or failing turn comes whole."""
         if self.forced.get(session_id) or session_id in self.fail:
-            yield await self.generate(prompt, sampling, request_id, session_id)
+            yield await self.generate(prompt, sampling, request_id, session_id, images)
             return
         start = time.monotonic()
-        async for out in self.engine.stream(prompt, sampling, request_id, session_id=session_id):
+        async for out in self.engine.stream(prompt, sampling, request_id, session_id=session_id, images=images):
             yield out
-        self.calls.append(dict(session_id=session_id, prompt=list(prompt), out=out, start=start, end=time.monotonic()))
+        self.calls.append(dict(session_id=session_id, prompt=list(prompt), out=out, start=start, end=time.monotonic(),
+                               images=images))
 
     def of(self, session_id):
         return [c for c in self.calls if c["session_id"] == session_id]

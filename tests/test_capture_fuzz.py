@@ -9,6 +9,7 @@ connection cap and the lifetime of sessions made over HTTP. Load and latency: te
     .venv/bin/python -m pytest tests/test_capture_fuzz.py -q
 """
 import asyncio
+import base64
 import copy
 import json
 import logging
@@ -26,8 +27,11 @@ import protocols
 import rollout
 from conftest import RecordingBackend
 from test_capture_segmenter import CALC, FakeBackend
+from test_capture_vl import png, vl_model_path
 
 MAX_BODY = 1 << 20
+PNG_B64 = base64.b64encode(png(32, 32, 0)).decode()
+PNG_URI = "data:image/png;base64," + PNG_B64
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +92,8 @@ BAD_OPENAI = {
 BAD_ANTHROPIC = {
     "messages": ["hi", 5, [], [{"role": "system", "content": "x"}], [{"role": "user", "content": 5}],
                 [{"role": "user", "content": [{"type": "image", "source": {}}]}],
+                [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": PNG_B64}}]}],
+                [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "https://a.b"}}]}],
                 [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}],
                 [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}],
                 [{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}],
@@ -111,6 +117,8 @@ BAD_ANTHROPIC = {
 BAD_RESPONSES = {
     "input": [None, 5, [5], [{"type": "image", "image_url": "x"}], [{"role": "bot", "content": "x"}],
               [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
+              [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": PNG_URI}]}],
+              [{"type": "message", "role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}],
               [{"type": "function_call", "name": "f", "arguments": "{}"}], [{"type": "function_call_output", "output": "x"}],
               [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}], [{"type": "reasoning"}],
               "word " * 2000, []],
@@ -226,6 +234,62 @@ def test_hostile_requests_get_4xx_and_change_no_trajectory(served):
             r = client.post(s.base_url + "/chat/completions", json=valid_openai(rng),
                             headers={"authorization": f"Bearer {s.api_key}"})
             assert r.status_code == 200 and len(s.segment_dicts()) >= 1
+
+
+def test_bad_images_get_a_400_naming_the_part_and_change_nothing():
+    """On a vision model (the tiny VLM's tokenizer and processor, the fake engine): every bad image is refused with
+    a 400 in the protocol's format that names its part; nothing reaches the engine or any trajectory."""
+    server = capture.CaptureServer(None, vl_model_path(), max_model_len=2048, max_body_bytes=MAX_BODY,
+                                   max_images_per_prompt=3, max_pixels=256 * 256, max_bytes=64 << 10)
+    server.backend = FakeBackend(server.tokenizer)
+    server.start_in_thread()
+    good = png(64, 64, 1)
+    noise = bytes(random.Random(0).getrandbits(8) for _ in range(96 << 10))
+    big = png(320, 240, 2)
+    cases = [  # (the image part's data URI or bytes, where the 400 must point)
+        ("https://example.com/a.png", "does not fetch"), ("ftp://x", "not a data URI"), ("data:image/png,abc", "base64"),
+        ("data:image/png;base64,%%%", "not valid base64"), (b"GIF89a not a gif", "not an image"),
+        (good[:len(good) // 2], "not an image"), (big, "320x240 pixels"), (noise, f"{96 << 10} bytes"),
+        ([good] * 4, "more than the 3")]
+    try:
+        session = server.new_session()
+        oa = session.base_url + "/chat/completions"
+        an, rs = session.base_url + "/v1/messages", session.base_url + "/responses"
+        auth = {"authorization": f"Bearer {session.api_key}", "x-api-key": session.api_key}
+        with httpx.Client(timeout=60) as client:
+            r = client.post(oa, headers=auth, json={"messages": [{"role": "user", "content": [
+                {"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": PNG_URI}}]}], "max_tokens": 4})
+            assert r.status_code == 200
+            before, calls = session.segment_dicts(), len(server.backend.calls)
+            assert before[0]["images"] == [base64.b64decode(PNG_B64)]
+            for value, needle in cases:
+                images = value if isinstance(value, list) else [value]
+                uris = [v if isinstance(v, str) else "data:image/png;base64," + base64.b64encode(v).decode()
+                        for v in images]
+                data = [u.partition(",")[2] for u in uris]
+                bodies = [
+                    (oa, {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] + [
+                        {"type": "image_url", "image_url": {"url": u}} for u in uris]}]}, "messages[0].content[1"),
+                    (rs, {"max_output_tokens": 4, "input": [{"role": "user", "content": [
+                        {"type": "input_image", "image_url": u} for u in uris]}]}, "input[0].content[0"),
+                    (an, {"max_tokens": 4, "messages": [{"role": "user", "content": [
+                        {"type": "tool_result", "tool_use_id": "t", "content": [
+                            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": d}}
+                            for d in data]}]}]}, "messages[0].content[0].content[0")]
+                for target, body, where in bodies:
+                    if target == an and not uris[0].startswith("data:image/png;base64,"):
+                        continue  # an Anthropic block has no URI to get wrong
+                    r = client.post(target, headers=auth, json=body)
+                    check_error(r, target)
+                    message = r.json()["error"]["message"]
+                    assert r.status_code == 400 and needle in message, (target, needle, message)
+                    assert where in message or len(images) > 1, (where, message)
+            assert len(server.backend.calls) == calls and session.segment_dicts() == before
+            r = client.post(an, headers=auth, json={"max_tokens": 4, "messages": [{"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG_B64}}]}]})
+            assert r.status_code == 200 and len(server.backend.calls) == calls + 1  # and it carries on
+    finally:
+        server.stop_thread()
 
 
 # -----------------------------------------------------------------------------

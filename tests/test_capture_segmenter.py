@@ -52,7 +52,7 @@ class FakeBackend:
     def encode(self, text):
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    async def generate(self, prompt, sampling, request_id, session_id=None):
+    async def generate(self, prompt, sampling, request_id, session_id=None, images=None):
         if self.forced is not None:
             ids = self.encode(self.forced[0]) + self.forced[1]
             return dict(token_ids=ids, logprobs=[-1.0] * len(ids), token_versions=[0] * len(ids),
@@ -82,7 +82,7 @@ class FakeBackend:
         out = dict(token_ids=ids, logprobs=[-rng.random() for _ in ids], routed_experts=routes if self.routes else None,
                    token_versions=[version] * cut + [version + 1] * (len(ids) - cut), finish_reason=finish,
                    num_prompt_tokens=len(prompt))
-        self.calls.append(dict(session_id=session_id, prompt=list(prompt), sampling=sampling, out=out))
+        self.calls.append(dict(session_id=session_id, prompt=list(prompt), sampling=sampling, out=out, images=images))
         return out
 
 
