@@ -775,14 +775,14 @@ def bench_objectstore(*args):
 
         python bench.py objectstore                       # 256 attempts x 4 noise images of 448x448, 2 ranks
         python bench.py objectstore --noise=0             # geometry diagrams instead (PNG compresses them ~40x)
-    Options: --attempts=256 --images=4 --size=448 --ranks=2 --noise=1
+    Options: --attempts=256 --images=4 --size=448 --ranks=2 --noise=1 --baseline_first=0
     """
     import os
     import threading
     import time
     import psutil
     import ray
-    opt = _int_options(args, attempts=256, images=4, size=448, ranks=2, noise=1)
+    opt = _int_options(args, attempts=256, images=4, size=448, ranks=2, noise=1, baseline_first=0)
     here = os.path.dirname(os.path.abspath(__file__))
     from tiny import ensure_tiny_model
     model_path = ensure_tiny_model(os.path.join(here, ".cache", "tiny-qwen3-vl-moe"))
@@ -822,7 +822,8 @@ def bench_objectstore(*args):
 
     import rollout
     recorder, ranks = Recorder.remote(), [Rank.remote() for _ in range(opt["ranks"])]
-    ray.get([r.take.remote([], True) for r in ranks] + [recorder.record.remote(1, 1, 1, 0)])  # actors up, imports done
+    warm = ray.get(recorder.record.remote(1, 1, 1, 0))  # actors up, imports and image processors loaded
+    ray.get([r.take.remote(warm, True) for r in ranks])
     driver = psutil.Process()
 
     def phase(by_ref, offset):
@@ -856,8 +857,8 @@ def bench_objectstore(*args):
     result = dict(attempts=opt["attempts"], images_per_attempt=opt["images"], size=opt["size"], ranks=opt["ranks"],
                   image_kind="noise" if opt["noise"] else "geometry diagrams",
                   image_mb_per_batch=round(opt["attempts"] * per_attempt / 2**20, 1))
-    result["ours"] = phase(True, 10**6)
-    result["gather"] = phase(False, 2 * 10**6)
+    for by_ref in ((False, True) if opt["baseline_first"] else (True, False)):
+        result["ours" if by_ref else "gather"] = phase(by_ref, 10**6 * (1 + by_ref))
     result["ratio"] = round(result["gather"]["driver_peak_mb"] / max(result["ours"]["driver_peak_mb"], 0.1), 1)
     ray.shutdown()
     return result
