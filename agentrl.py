@@ -162,6 +162,7 @@ def load_agent(path):
     run = as_run_function(module.agent, path)
     run.setup = getattr(module, "setup", None)  # for setup_agent: the same module object the agent lives in
     run.eval_prompts = getattr(module, "eval_prompts", None)
+    run.prompt_from_row = getattr(module, "prompt_from_row", None)  # a data file's own layout -> a prompt row
     return run, getattr(module, "prompts", None)
 
 
@@ -218,11 +219,11 @@ def as_result(value):
     return Result(reward, result.info)
 
 
-def read_prompts(path, seed=0):
+def read_prompts(path, seed=0, row_map=None):
     """Endless prompts from a data file (JSONL, or Parquet with pyarrow; every row is checked now, so a bad row
     stops the run before it starts): every row once per epoch, in a new seeded order each epoch."""
     import random
-    rows = list(load_prompts(path))
+    rows = list(load_prompts(path, row_map))
 
     def epochs():
         rng = random.Random(seed)
@@ -238,12 +239,18 @@ def read_prompts(path, seed=0):
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def load_prompts(path):
+def load_prompts(path, row_map=None):
     """Yield the rows of a .jsonl (or .parquet) file, in file order, once each, after checking every row: a data set
-    with a bad row fails before the first attempt, not hours into a run."""
+    with a bad row fails before the first attempt, not hours into a run. row_map: the agent module's
+    `prompt_from_row`, which turns a row of another layout (e.g. geo3k's images, problem, answer) into a prompt row."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompt file {path!r} does not exist")
     rows = list(parquet_rows(path) if path.endswith(".parquet") else jsonl_rows(path))
+    if row_map is not None:
+        try:
+            rows = [(line, row_map(row)) for line, row in rows]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: a row does not fit the agent's layout: {type(e).__name__}: {e}") from None
     if not rows:
         raise ValueError(f"{path}: the file holds no rows")
     for line, row in rows:

@@ -7,6 +7,8 @@ one JSON object with the figures and `ratio`.
     python bench.py train        # our FSDP2+EP trainer vs transformers' Qwen3MoeForCausalLM under FSDP2 (GPU)
     python bench.py async        # streaming rollout pool vs synchronous generate-then-train
     python bench.py sync         # trainer -> engine weight broadcast vs raw NCCL broadcast (2 GPUs)
+    python bench.py objectstore  # image trajectories to trainer ranks by ref vs gathered in the driver: driver memory
+    python bench.py vl           # our Qwen3-VL-MoE forward/backward vs transformers' (1 GPU): parity, tokens/s
 """
 import json
 import sys
@@ -732,6 +734,331 @@ def bench_train(*args):
     dist.destroy_process_group()
     if rank != 0:
         sys.exit(0)  # rank 0 prints the result
+    return result
+
+
+# -----------------------------------------------------------------------------
+# objectstore: image trajectories to the trainer ranks by ref (ours) vs gathered in the driver first
+
+
+def _image_files(n, size, noise, seed):
+    """n PNG files of size x size: noise (incompressible, like photographs or screenshots) or geometry diagrams."""
+    import io
+    import random
+    import numpy as np
+    from PIL import Image
+    if not noise:
+        sys.path.insert(0, "agents")
+        import geometry
+        geometry.SIZE = size
+    files = []
+    for i in range(n):
+        if noise:
+            image = Image.fromarray(np.random.default_rng(seed + i).integers(0, 256, (size, size, 3), dtype=np.uint8))
+        else:
+            image = geometry.scene(geometry.KINDS[i % len(geometry.KINDS)], random.Random(seed + i))[0]
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        files.append(buf.getvalue())
+    return files
+
+
+def bench_objectstore(*args):
+    """The driver's peak host memory while a batch of image trajectories reaches the trainer ranks. `attempts`
+    segments of `images` PNG images of size x size each (plus ~200 text tokens) are recorded by a rollout-side
+    actor, which puts each one in its node's object store (rollout.put_experience) and hands the driver the light
+    records. Ours, as train.share_batch: the driver splits the records by tokens and sends each of `ranks`
+    trainer actors its refs; each fetches its own and patches its images (vl.with_pixels, the tiny VLM's image
+    processor). Baseline: the driver first gathers the batch (ray.get of every segment), then sends each rank its
+    segments by value. The driver's resident memory is sampled every 5 ms; ratio = baseline peak / ours peak (above
+    the driver's memory at the phase's start). Real Ray, local cluster.
+
+        python bench.py objectstore                       # 256 attempts x 4 noise images of 448x448, 2 ranks
+        python bench.py objectstore --noise=0             # geometry diagrams instead (PNG compresses them ~40x)
+    Options: --attempts=256 --images=4 --size=448 --ranks=2 --noise=1 --baseline_first=0
+    """
+    import os
+    import threading
+    import time
+    import psutil
+    import ray
+    opt = _int_options(args, attempts=256, images=4, size=448, ranks=2, noise=1, baseline_first=0)
+    here = os.path.dirname(os.path.abspath(__file__))
+    from tiny import ensure_tiny_model
+    model_path = ensure_tiny_model(os.path.join(here, ".cache", "tiny-qwen3-vl-moe"))
+    files = _image_files(opt["images"], opt["size"], opt["noise"], seed=0)
+    per_attempt = sum(map(len, files))
+    ray.init(num_cpus=opt["ranks"] + 1, include_dashboard=False, object_store_memory=max(
+        1 << 30, 3 * opt["attempts"] * per_attempt), runtime_env={"env_vars": {"PYTHONPATH": here}})
+
+    @ray.remote
+    class Recorder:  # the rollout side: records segments and puts them in its node's object store
+        def record(self, attempts, images, noise, offset):
+            import io
+            from PIL import Image
+            import rollout
+            import vl
+            grid = vl.image_processor(model_path)(images=[Image.open(io.BytesIO(b)) for b in files],
+                                                  return_tensors="np")["image_grid_thw"]
+            n_image = int(sum(t * h * w for t, h, w in grid)) // 4 + 2 * len(files)  # merged tokens, start/end
+            out = []
+            for a in range(attempts):
+                imgs = files if a % 8 else _image_files(len(files), opt["size"], noise, seed=offset + a)  # some new
+                T = n_image + 200 + a % 50
+                out.append(rollout.put_experience(dict(
+                    attempt_id=f"{offset}-{a}", segment_index=0, token_ids=[7] * T, action_mask=[0] * (T - 100) + [1] * 100,
+                    behavior_logprobs=[-0.5] * T, token_versions=[-1] * (T - 100) + [0] * 100, images=imgs,
+                    image_grid_thw=grid.tolist()), reward=float(a % 2), group_id=a // 4))
+            return out
+
+    @ray.remote
+    class Rank:  # a trainer rank's share of the batch: fetch (refs) or receive (values), then patch the images
+        def take(self, shard, by_ref):
+            import vl
+            segments = ray.get([r["ref"] for r in shard]) if by_ref else shard
+            # one segment's patches at a time: the driver is measured here, not the ranks
+            pixel_bytes = sum(vl.with_pixels(dict(s), model_path)["pixel_values"].nbytes for s in segments)
+            return dict(segments=len(segments), pixel_bytes=pixel_bytes)
+
+    import rollout
+    recorder, ranks = Recorder.remote(), [Rank.remote() for _ in range(opt["ranks"])]
+    warm = ray.get(recorder.record.remote(1, 1, 1, 0))  # actors up, imports and image processors loaded
+    ray.get([r.take.remote(warm, True) for r in ranks])
+    driver = psutil.Process()
+
+    def phase(by_ref, offset):
+        peak, done = [driver.memory_info().rss], threading.Event()
+        start = peak[0]
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], driver.memory_info().rss)
+                time.sleep(0.005)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        t0 = time.perf_counter()
+        records = ray.get(recorder.record.remote(opt["attempts"], opt["images"], opt["noise"], offset))
+        if not by_ref:  # the baseline: the whole batch in the driver first
+            segments = dict(zip([r["attempt_id"] for r in records], ray.get([r["ref"] for r in records])))
+        shards = rollout.balance_by_tokens(records, opt["ranks"])
+        if not by_ref:
+            shards = [[segments[r["attempt_id"]] for r in shard] for shard in shards]
+        got = ray.get([rank.take.remote(shard, by_ref) for rank, shard in zip(ranks, shards)])
+        seconds = time.perf_counter() - t0
+        done.set()
+        sampler.join()
+        out = dict(driver_peak_mb=round((peak[0] - start) / 2**20, 1), seconds=round(seconds, 2),
+                   segments=sum(g["segments"] for g in got),
+                   pixel_values_mb_on_ranks=round(sum(g["pixel_bytes"] for g in got) / 2**20, 1))
+        if by_ref:
+            out["records_kb"] = round(len(ray.cloudpickle.dumps(records)) / 1024, 1)
+        print(f"{'ours (refs)' if by_ref else 'gather in the driver'}: {out}", flush=True)
+        return out
+    result = dict(attempts=opt["attempts"], images_per_attempt=opt["images"], size=opt["size"], ranks=opt["ranks"],
+                  image_kind="noise" if opt["noise"] else "geometry diagrams",
+                  image_mb_per_batch=round(opt["attempts"] * per_attempt / 2**20, 1))
+    for by_ref in ((False, True) if opt["baseline_first"] else (True, False)):
+        result["ours" if by_ref else "gather"] = phase(by_ref, 10**6 * (1 + by_ref))
+    result["ratio"] = round(result["gather"]["driver_peak_mb"] / max(result["ours"]["driver_peak_mb"], 0.1), 1)
+    ray.shutdown()
+    return result
+
+
+# -----------------------------------------------------------------------------
+# vl: our Qwen3-VL-MoE (vision tower, M-RoPE, deepstack) vs transformers' Qwen3VLMoeForConditionalGeneration, 1 GPU
+
+
+def _vl_batch(vc, rows, T, vocab, generator, device):
+    """Rows of T tokens with images in them (random text, then per image vision_start, its t*h*w/m^2 image
+    tokens, vision_end, a few text tokens), the patches of all images in order, and image_grid_thw."""
+    m2 = vc.spatial_merge_size ** 2
+    special = min(vc.image_token_id, vc.video_token_id, vc.vision_start_token_id, vc.vision_end_token_id)
+    import torch
+    ids = torch.randint(0, min(vocab, special), (len(rows), T), generator=generator, device=device)
+    for r, grids in enumerate(rows):
+        at = 8
+        for t, h, w in grids:
+            n = t * h * w // m2
+            if at + n + 10 > T:
+                raise ValueError(f"images {grids} do not fit in {T} tokens")
+            ids[r, at], ids[r, at + 1:at + 1 + n], ids[r, at + 1 + n] = (vc.vision_start_token_id, vc.image_token_id,
+                                                                         vc.vision_end_token_id)
+            at += n + 10
+    flat = [thw for grids in rows for thw in grids]
+    patch = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+    pixel_values = torch.randn(sum(t * h * w for t, h, w in flat), patch, generator=generator, device=device)
+    return ids, pixel_values, torch.tensor(flat, device=device)
+
+
+def bench_vl(*args):
+    """The VLM's training forward + backward on one GPU at Qwen3-VL-30B-A3B shapes (configs/qwen3_vl_30b_a3b.py:
+    hidden 2048, 128 experts top-8, vocab 151936, the 27-layer 1152-wide vision tower with deepstack into the
+    first 3 layers) with `layers` text layers and random weights, ours (model.py) against transformers'
+    Qwen3VLMoeForConditionalGeneration loaded from the checkpoint ours writes.
+    1. Parity, fp32 (TF32 off): logits on sequences holding several images of several sizes (one beyond the
+       48x48 learned position grid), and every parameter's gradient of a token-logprob loss, each relative to
+       the reference tensor's largest entry. Then both models in bf16 against the fp32 reference logits.
+    2. Speed, bf16 weights: `batch` sequences of `seq` tokens with `images` 448x448 images each (784 patches,
+       196 image tokens), forward + backward of the mean token logprob (ours: hidden_states + chunked logprobs;
+       transformers: full logits + log_softmax). ratio = ours / transformers tokens/s.
+
+        python bench.py vl                      # GPU
+        python bench.py vl --smoke              # CPU, tiny shapes: exercises both code paths
+    Options: --layers=4 --depth=27 (vision blocks) --seq=4096 --batch=2 --images=4 --steps=6 --warmup=3 --smoke=0
+    --profile=0 (N: after each measurement, one step under torch.profiler, its N costliest ops)
+    """
+    import dataclasses
+    import runpy
+    import tempfile
+    import time
+    import torch
+    import torch.nn.functional as F
+    import transformers
+    from transformers import AutoModelForImageTextToText
+    from loss import token_logprobs
+    from model import ModelConfig, Transformer, init_parameters, ours_to_hf
+    args = ["--smoke=1" if a == "--smoke" else a for a in args]
+    opt = _int_options(args, layers=4, depth=27, seq=4096, batch=2, images=4, steps=6, warmup=3, smoke=0, profile=0)
+    cuda = torch.cuda.is_available() and not opt["smoke"]
+    if not cuda and not opt["smoke"]:
+        sys.exit("bench.py vl needs a CUDA GPU; on CPU use --smoke")
+    device = torch.device("cuda" if cuda else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 parity means fp32
+    hf_cfg = runpy.run_path("configs/qwen3_vl_30b_a3b.py")["model_config"]
+    cfg = ModelConfig.from_hf(hf_cfg)
+    vision = dataclasses.replace(cfg.vision, depth=opt["depth"],
+                                 deepstack_visual_indexes=[i for i in cfg.vision.deepstack_visual_indexes
+                                                           if i < opt["depth"]])
+    cfg = dataclasses.replace(cfg, num_hidden_layers=opt["layers"], vision=vision)
+    grids_448 = [(1, 28, 28)] * opt["images"]
+    parity_rows = [[(1, 28, 28), (1, 16, 40)], [(1, 60, 52), (1, 4, 6)]]  # 60x52: beyond the 48x48 learned grid
+    parity_T = 1024
+    if opt["smoke"]:
+        cfg = dataclasses.replace(cfg, vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                  moe_intermediate_size=48, mrope_section=[2, 3, 3], vision=dataclasses.replace(
+                                      vision, depth=3, hidden_size=64, intermediate_size=96, num_heads=2,
+                                      out_hidden_size=64, patch_size=4, num_position_embeddings=64,
+                                      deepstack_visual_indexes=[0, 2], image_token_id=500, video_token_id=501,
+                                      vision_start_token_id=502, vision_end_token_id=503))
+        opt.update(seq=128, steps=1, warmup=1)
+        grids_448 = [(1, 8, 8)] * opt["images"]
+        parity_rows, parity_T = [[(1, 4, 6), (1, 10, 8)], [(1, 2, 2), (1, 14, 20)]], 160
+    vc = cfg.vision
+    g = torch.Generator(device).manual_seed(0)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    with torch.device(device):
+        ours = Transformer(cfg)
+    init_parameters(ours.named_parameters(), 0.02, g)
+    with torch.no_grad():  # non-trivial norms and LayerNorm biases, so a misplaced norm would show
+        for n, p in ours.named_parameters():
+            if "norm" in n.rsplit(".", 2)[-2]:
+                p.uniform_(0.5, 1.5, generator=g) if n.endswith("weight") else p.uniform_(-0.2, 0.2, generator=g)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        ours.save_pretrained(tmp)
+        hf = AutoModelForImageTextToText.from_pretrained(tmp, dtype=torch.float32).to(device)
+    print(f"checkpoint written and loaded by transformers in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    def hf_logits(ids, pv, grid):
+        return hf(input_ids=ids, pixel_values=pv, image_grid_thw=grid, mm_token_type_ids=(ids == vc.image_token_id).int(),
+                  use_cache=False).logits
+
+    def rel(a, b):
+        return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+    # 1. parity
+    ids, pv, grid = _vl_batch(vc, parity_rows, parity_T, cfg.vocab_size, g, device)
+    targets = torch.randint(0, cfg.vocab_size, ids.shape, generator=g, device=device)
+    result = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", transformers_version=transformers.__version__,
+                  torch=torch.__version__, text_layers=cfg.num_hidden_layers, vision_depth=vc.depth,
+                  experts=cfg.num_experts, params=sum(p.numel() for p in ours.parameters()),
+                  experts_implementation=getattr(hf.config, "_experts_implementation", None),
+                  attn_implementation=hf.config._attn_implementation)
+    parity = result["parity"] = dict(tokens=ids.numel(), images=len(grid), patches=len(pv))
+    ref = hf_logits(ids, pv, grid)
+    logits = ours(ids, pixel_values=pv, image_grid_thw=grid)
+    parity["fp32_logits_max_abs"] = (logits - ref).abs().max().item()
+    parity["fp32_logits_rel"] = rel(logits, ref)
+    for model, out in ((ours, logits), (hf, ref)):
+        (-F.log_softmax(out, -1).gather(-1, targets[..., None]).mean()).backward()
+    logits = ref = None
+    theirs = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    mine = ours_to_hf({n: p.grad for n, p in ours.named_parameters()}, cfg)
+    worst = {}
+    for name, ref_g in theirs.items():
+        if name in mine:
+            g_ = mine[name]
+        else:  # transformers' fused experts (E, 2H, D) / (E, D, H) in memory; ours stacked per projection
+            stem = name.rsplit(".", 1)[0].replace("model.language_model.", "model.") + "."
+            w = {k: p.grad for k, p in ours.named_parameters() if k.startswith(stem)}
+            g_ = torch.cat([w[stem + "gate_proj"], w[stem + "up_proj"]], 1) if name.endswith("gate_up_proj") else w[stem + "down_proj"]
+            g_ = g_ if g_.shape == ref_g.shape else g_.transpose(1, 2)
+        part = "vision" if ".visual." in name else "experts" if ".experts" in name else "text"
+        worst[part] = max(worst.get(part, 0.0), rel(g_, ref_g))
+    parity["fp32_grad_rel_max"] = worst
+    parity["grads_compared"] = len(theirs)
+    ours.zero_grad(set_to_none=True)
+    hf.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        ref = hf_logits(ids, pv, grid)
+        ours.to(torch.bfloat16)
+        hf.to(torch.bfloat16)
+        pv16 = pv.to(torch.bfloat16)
+        parity["bf16_ours_vs_fp32_rel"] = rel(ours(ids, pixel_values=pv16, image_grid_thw=grid), ref)
+        parity["bf16_transformers_vs_fp32_rel"] = rel(hf_logits(ids, pv16, grid), ref)
+    ref = None
+    print(f"parity: {parity}", flush=True)
+
+    # 2. speed, bf16
+    B, T = opt["batch"], opt["seq"]
+    ids, pv, grid = _vl_batch(vc, [grids_448] * B, T, cfg.vocab_size, g, device)
+    pv = pv.to(torch.bfloat16)
+    targets = torch.randint(0, cfg.vocab_size, ids.shape, generator=g, device=device)
+    ours.train()
+    hf.train()
+
+    def ours_step():
+        h = ours.hidden_states(ids, pixel_values=pv, image_grid_thw=grid)
+        lp, _ = token_logprobs(h, ours.lm_head.weight, targets, chunk_size=2048)
+        (-lp.mean()).backward()
+        ours.zero_grad(set_to_none=True)
+
+    def hf_step():
+        lp = F.log_softmax(hf_logits(ids, pv, grid).float(), -1).gather(-1, targets[..., None])
+        (-lp.mean()).backward()
+        hf.zero_grad(set_to_none=True)
+
+    def measure(name, step):
+        for _ in range(opt["warmup"]):
+            step()
+        sync()
+        base = torch.cuda.memory_allocated(device) if cuda else 0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        for _ in range(opt["steps"]):
+            step()
+        sync()
+        s = (time.perf_counter() - t0) / opt["steps"]
+        out = dict(step_s=round(s, 4), tokens_per_s=round(B * T / s), images_per_s=round(len(grid) / s, 1),
+                   peak_extra_gb=round(((torch.cuda.max_memory_allocated(device) if cuda else 0) - base) / 1e9, 2))
+        print(f"{name}: {out}", flush=True)
+        if opt["profile"]:  # one more step under the profiler: where the time goes, per kernel
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] +
+                                        ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])) as prof:
+                step()
+                sync()
+            print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
+                                            row_limit=opt["profile"]), flush=True)
+        return out
+    result.update(seq=T, batch=B, images_per_sequence=opt["images"], image_tokens_per_sequence=int(
+        (ids[0] == vc.image_token_id).sum()), ours=measure("ours", ours_step), transformers=measure("transformers", hf_step))
+    result["ratio"] = round(result["ours"]["tokens_per_s"] / result["transformers"]["tokens_per_s"], 3)
     return result
 
 

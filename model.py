@@ -536,8 +536,9 @@ class VisionAttention(nn.Module):
         N, D = x.shape
         q, k, v = self.qkv(x).view(N, 3, self.n_head, -1).permute(1, 2, 0, 3).unbind(0)  # each (nh, N, hd)
         q, k = (apply_rope(t.float(), cos, sin).to(v.dtype) for t in (q, k))  # 2-D RoPE in fp32, as HF does
-        # full (not causal) attention within each image: one call per image keeps memory at one image's scores
-        y = torch.cat([F.scaled_dot_product_attention(*qkv) for qkv in
+        # full (not causal) attention within each image: one call per image keeps memory at one image's scores;
+        # 4-D inputs, since on CUDA 3-D ones fall back to the unfused math kernel (in fp32: 3x slower here)
+        y = torch.cat([F.scaled_dot_product_attention(*(t[None] for t in qkv))[0] for qkv in
                        zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1))], dim=1)  # (nh, N, hd)
         return self.proj(y.transpose(0, 1).reshape(N, D))
 
@@ -585,12 +586,14 @@ class VisionModel(nn.Module):
         S = math.isqrt(vc.num_position_embeddings)
         table = self.pos_embed.weight.view(S, S, -1).permute(2, 0, 1)[None]  # (1, Dv, S, S)
         grids = grid_thw.tolist()  # NOTE: a device-to-host sync when grid_thw is on the GPU
-        pos, rows_cols = [], []
+        pos, rows_cols, per_size = [], [], {}
         for t, h, w in grids:
-            pe = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0].permute(1, 2, 0)
-            rc = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1).to(dev)
-            pos.append(merge_order(pe, m).repeat(t, 1))
-            rows_cols.append(merge_order(rc, m).repeat(t, 1))
+            if (h, w) not in per_size:  # once per image size: the interpolation's backward costs ~2 ms an image
+                pe = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0].permute(1, 2, 0)
+                rc = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1).to(dev)
+                per_size[h, w] = merge_order(pe, m), merge_order(rc, m)
+            pos.append(per_size[h, w][0].repeat(t, 1))
+            rows_cols.append(per_size[h, w][1].repeat(t, 1))
         x = x + torch.cat(pos)
         # 2-D RoPE: a quarter of each head's frequencies turn with the patch's row, a quarter with its column
         inv_freq = rope_inv_freq(vc.hidden_size // vc.num_heads // 2, 10000.0, dev)
@@ -646,6 +649,17 @@ def embed_images(model, input_ids, x, pixel_values, image_grid_thw):
     return x, cos, sin, where, [d.to(x.dtype) for d in deepstack]
 
 
+def idle_vision(visual, x):
+    """x + 0 x the tower's output on one blank image of one merged token. A tower sharded over ranks gathers its
+    weights in forward and reduces its gradients in backward, collectives every rank must join: a rank whose
+    microbatch holds no image runs this instead, so that all ranks run the tower once per forward (every output,
+    deepstack too, in the graph: each parameter gets a gradient, zero here, on every rank)."""
+    vc, m = visual.config, visual.config.spatial_merge_size
+    blank = x.new_zeros(m * m, vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2)
+    tokens, deepstack = visual(blank, torch.tensor([[1, m, m]]))  # the grid on the host: no sync
+    return x + 0 * sum(t.sum() for t in [tokens, *deepstack]).to(x.dtype)
+
+
 # -----------------------------------------------------------------------------
 # the model
 
@@ -661,6 +675,7 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.visual = VisionModel(cfg.vision) if cfg.vision is not None else None  # Qwen3-VL's vision tower
+        self.vision_in_every_forward = False  # True under FSDP over several ranks: see idle_vision
         self.activation_checkpointing = False
 
     def hidden_states(self, input_ids, routed_experts=None, return_routes=False, pixel_values=None,
@@ -679,6 +694,8 @@ class Transformer(nn.Module):
             inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, x.device)
             t = torch.arange(T, device=x.device, dtype=torch.float32)
             cos, sin = rope_cos_sin(torch.outer(t, inv_freq), x.dtype)  # (T, hd)
+            if self.visual is not None and self.vision_in_every_forward:
+                x = idle_vision(self.visual, x)
         else:
             x, cos, sin, image_tokens, deepstack = embed_images(self, input_ids, x, pixel_values, image_grid_thw)
         routes, m = [], 0
@@ -759,6 +776,20 @@ def weight_files(path):
         return {k: "model.safetensors" for k in f.keys()}
 
 
+def checkpoint_reader(path):
+    """read(name, rows=None): one tensor of an HF directory (rows: a slice of its first dim), the files opened
+    memory-mapped once each, so that a rank reads only what it copies."""
+    files, handles = weight_files(path), {}
+    def read(name, rows=None):
+        if name not in files:
+            raise KeyError(f"{path} has no tensor {name!r}")
+        if files[name] not in handles:
+            handles[files[name]] = safe_open(os.path.join(path, files[name]), framework="pt")
+        f = handles[files[name]]
+        return f.get_tensor(name) if rows is None else f.get_slice(name)[rows]
+    return read
+
+
 def read_safetensors(path):
     """All tensors of a checkpoint directory, single file or sharded."""
     sd = {}
@@ -816,10 +847,27 @@ def ours_to_hf(sd, cfg):
                 out[f"{prefix}.mlp.experts.{e}.{proj}.weight"] = t[e]
         elif not (cfg.tie_word_embeddings and name == "lm_head.weight"):
             out[name] = t
-    if cfg.vision is not None:
-        out = {("model.language_model." + k[6:] if k.startswith("model.") else
-                "model." + k if k.startswith("visual.") else k): v for k, v in out.items()}
-    return out
+    return {hf_name(k, cfg): v for k, v in out.items()}
+
+
+def hf_name(name, cfg):
+    """Our parameter name -> its HF checkpoint name (Qwen3-VL nests the text model and the tower under model.)."""
+    if cfg.vision is None:
+        return name
+    return ("model.language_model." + name[6:] if name.startswith("model.") else
+            "model." + name if name.startswith("visual.") else name)
+
+
+def read_experts(read, name, experts, cfg):
+    """Our stacked tensor `name` (model.layers.L.mlp.experts.P) for the experts in range `experts`, through
+    read(hf_name, rows=None): per-expert tensors, or Qwen3-VL-MoE's fused (E, D, 2H) / (E, H, D), of which only
+    those experts' rows are read."""
+    prefix, proj = name.split(".mlp.experts.")
+    if cfg.vision is None:
+        return torch.stack([read(f"{prefix}.mlp.experts.{e}.{proj}.weight") for e in experts])
+    fused = hf_name(prefix, cfg) + ".mlp.experts." + ("down_proj" if proj == "down_proj" else "gate_up_proj")
+    t = read(fused, rows=slice(experts.start, experts.stop)).transpose(1, 2)
+    return t if proj == "down_proj" else t.chunk(2, dim=1)[proj == "up_proj"]
 
 
 def fuse_vl_experts(hf_sd, cfg):

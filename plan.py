@@ -84,6 +84,9 @@ def check_config(cfg, mcfg=None, world_size=None):
         raise ConfigError("tensorboard_dir is set, but the tensorboard package is missing: pip install tensorboard, or "
                           "leave tensorboard_dir empty")
     mcfg = mcfg or planned_model_config(cfg)
+    if not cfg["train_vision"] and mcfg.vision is None:
+        raise ConfigError("train_vision=False freezes a vision tower, but the model has none (a text model): "
+                          "leave train_vision at True")
     W, ep = cfg["train_world_size"], cfg["ep_size"]
     if world_size is not None and world_size != W:
         raise ConfigError(f"torchrun started {world_size} ranks (WORLD_SIZE) but train_world_size is {W}: launch "
@@ -206,6 +209,16 @@ def activation_bytes(mcfg, tokens, checkpointing, dtype_bytes=2, expert_parallel
     return tokens * (b * D * mcfg.num_hidden_layers + replay + max(layers) + once)
 
 
+def vision_activation_bytes(vc, dtype_bytes=2, patches=784):
+    """Estimated bytes the vision tower saves for backward for one image of `patches` patches (784: 448x448 at
+    patch 16). Per patch and block: the inputs of both LayerNorms and of qkv, proj, fc1 and fc2, v and the attention
+    output (9 D in the compute dtype), q and k in fp32 for the rotary (8 D), the MLP's hidden before and after GELU
+    (2 H); with the deepstack and final mergers' inputs at the end."""
+    b, D, H = dtype_bytes, vc.hidden_size, vc.intermediate_size
+    per_block = 9 * b * D + 8 * D + 2 * b * H
+    return patches * (vc.depth * per_block + (len(vc.deepstack_visual_indexes) + 1) * 3 * b * D)
+
+
 def fsdp_unit_params(model):
     """{unit name: [its parameters]}: the fully_shard units and the parameters each one all-gathers."""
     from torch.distributed.fsdp import FSDPModule
@@ -229,6 +242,7 @@ def plan_memory(cfg, mcfg, model):
         else:
             p_dense += local.numel()
     params = p_dense + p_expert
+    frozen = sum(local_tensor(p).numel() for p in model.parameters() if not p.requires_grad)  # train_vision=False
     units = fsdp_unit_params(model)
     unit_numel = {u: sum(p.numel() for p in ps) for u, ps in units.items()}  # unsharded (on its own mesh)
     blocks = [f"model.layers.{i}" for i in range(mcfg.num_hidden_layers)]
@@ -238,7 +252,9 @@ def plan_memory(cfg, mcfg, model):
         world=W, ep=ep, params_total=num_params(mcfg), params_active=num_params(mcfg, active=True),
         params_dense_local=p_dense, params_expert_local=p_expert,
         # fp32 master weights (FSDP keeps the sharded parameters fp32), fp32 gradients, AdamW m and v in fp32
-        params_bytes=4 * params, grads_bytes=4 * params, optimizer_bytes=8 * params,
+        params_bytes=4 * params, grads_bytes=4 * (params - frozen), optimizer_bytes=8 * (params - frozen),
+        params_vision_local=sum(local_tensor(p).numel() for n, p in model.named_parameters() if n.startswith("visual.")),
+        vision_act_bytes_per_image=vision_activation_bytes(mcfg.vision, b) if mcfg.vision and cfg["train_vision"] else 0,
         # the root unit (embeddings, final norm, lm_head) stays gathered from forward to the end of backward, with
         # its gradient; blocks: the one computing plus the next one prefetched, and the computing one's gradient
         # unsharded in the compute dtype and in fp32 for the reduce-scatter
@@ -340,6 +356,10 @@ def print_plan(cfg, plan):
         f"{M(plan['params_expert_local'])} expert parameters on this rank  [{where}]",
         f"  gradients         {gib(plan['grads_bytes'])}  fp32, sharded like the parameters  [{where}]",
         f"  optimizer         {gib(plan['optimizer_bytes'])}  AdamW m and v, fp32  [{where}]",
+    ] + ([f"  vision tower      {M(plan['params_vision_local'])} of the dense parameters on this rank, " + (
+        f"trained: its activations add {gib(plan['vision_act_bytes_per_image']).strip()} per 448x448 image in a "
+        "microbatch (not in the total)" if cfg["train_vision"] else "frozen (train_vision=False): no gradients, "
+        "no AdamW state, no activations kept")] if plan["params_vision_local"] else []) + [
         f"  all-gather        {gib(plan['gather_bytes'])}  unsharded: root unit ({M(plan['root_numel'])}, gathered "
         f"forward to end of backward, with its gradient) + 2 x largest block ({M(plan['block_numel'])} incl. "
         "its experts) + that block's gradient for the reduce-scatter",

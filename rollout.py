@@ -284,10 +284,16 @@ def put_experience(segment, reward, group_id, failed=False, error=None):
                   routed_experts=(None if segment.get("routed_experts") is None
                                   else np.asarray(segment["routed_experts"], dtype=np.int16)),  # (T, L_moe, K)
                   teacher_logprobs=(None if segment.get("teacher_logprobs") is None
-                                    else np.asarray(segment["teacher_logprobs"], dtype=np.float32)))  # (T,)
+                                    else np.asarray(segment["teacher_logprobs"], dtype=np.float32)),  # (T,)
+                  # the encoded image files and their grids stay with the tokens: only the trainer rank that gets
+                  # this segment fetches and patches them (vl.with_pixels)
+                  images=list(segment.get("images") or []),
+                  image_grid_thw=(None if segment.get("image_grid_thw") is None
+                                  else np.asarray(segment["image_grid_thw"], dtype=np.int64).reshape(-1, 3)))
     generated = versions[mask == 1]
     return dict(ref=ray.put(arrays), attempt_id=segment["attempt_id"], segment_index=segment["segment_index"],
                 group_id=group_id, reward=float(reward), num_tokens=len(mask), action_tokens=int(mask.sum()),
+                num_images=len(arrays["images"]),
                 min_version=int(generated.min()) if generated.size else -1,
                 max_version=int(generated.max()) if generated.size else -1, failed=failed, error=error)
 

@@ -31,7 +31,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
-from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -42,8 +41,10 @@ from torch.distributed.tensor import DTensor, Shard
 import loss
 import plan
 import runlog
-from model import (EXPERT_PROJS, GatherRows, SumRows, Transformer, count_ids, init_parameters, is_stacked_experts,
-                   load_config, ours_to_hf, save_hf_checkpoint, slot_positions, to_contiguous, weight_files)
+import vl
+from model import (EXPERT_PROJS, GatherRows, SumRows, Transformer, checkpoint_reader, count_ids, hf_name,
+                   init_parameters, is_stacked_experts, load_config, ours_to_hf, read_experts, save_hf_checkpoint,
+                   slot_positions, to_contiguous)
 from tiny import ensure_tiny_model, is_tiny_model
 from plan import ConfigError, check_config, loss_config
 from weights_sync import free_port
@@ -104,6 +105,7 @@ beta1 = 0.9
 beta2 = 0.95
 adam_eps = 1e-5            # larger than torch's 1e-8: Adam does not blow a token's tiny gradient up to a full step
 grad_clip = 1.0
+train_vision = True        # a Qwen3-VL model: train its vision tower too (False: frozen, no gradients or Adam state)
 microbatch_tokens = 4096   # tokens per forward/backward on one rank
 logprob_chunk_size = 1024  # tokens per chunk of the lm_head + log-softmax
 logprob_keep_logits = False  # keep the bf16 logits for backward (tokens * vocab * 2 bytes) instead of recomputing
@@ -403,13 +405,13 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
     run_agent, agent_prompts = load_agent(cfg["agent"])
     cleanup = setup_agent(run_agent, cfg)  # what the agent needs beside the policy (a judge's engine, ...)
     if cfg["prompts"]:
-        prompts = read_prompts(cfg["prompts"], seed=cfg["seed"])
+        prompts = read_prompts(cfg["prompts"], seed=cfg["seed"], row_map=run_agent.prompt_from_row)
     elif agent_prompts is not None:  # seeded, when it takes a seed
         prompts = agent_prompts(**{"seed": cfg["seed"]} if "seed" in inspect.signature(agent_prompts).parameters else {})
     else:
         raise ConfigError(f"no prompts: set `prompts` to a JSONL file, or export prompts() from {cfg['agent']}")
     # held out: a file of its own, or the agent module's split that prompts() never yields
-    held_out = list(load_prompts(cfg["eval_prompts"])) if cfg["eval_prompts"] else (run_agent.eval_prompts or list)()
+    held_out = list(load_prompts(cfg["eval_prompts"], run_agent.prompt_from_row)) if cfg["eval_prompts"] else (run_agent.eval_prompts or list)()
     writer = None
     if cfg["save_trajectories"]:
         path = os.path.join(cfg["out_dir"], "trajectories.jsonl")
@@ -458,6 +460,7 @@ def share_batch(records, cfg, rank, world):
     segments = ray.get([r["ref"] for r in mine])  # the only copy of token data that reaches this rank
     # the object store hands out read-only views; torch wants arrays it may write (a copy of a few KB each)
     segments = [{k: v.copy() if hasattr(v, "copy") else v for k, v in s.items()} for s in segments]
+    segments = [vl.with_pixels(s, cfg["model_path"]) for s in segments]  # this rank decodes its own images only
     if not distill:
         return segments, [r["advantage"] for r in mine]
     advantages = []  # on-policy distillation: reverse KL to the teacher on every generated token, (T,) per segment
@@ -580,19 +583,20 @@ def collate(segments, advantages, pad_id=0):
             mb["routed_experts"][i, :n] = torch.as_tensor(s["routed_experts"][:n], dtype=torch.long)
     if not with_routes:
         mb["routed_experts"] = None
-    return mb
+    return dict(mb, **vl.collate_images(segments))
 
 
 def empty_microbatch(like):
     """A 1-token microbatch with nothing to learn from: ranks with fewer microbatches run these so that every rank
     takes part in the same number of FSDP and expert-parallel collectives."""
     return {k: (torch.zeros_like(v[:1, :1] if v.dim() > 1 else v[:1]) if torch.is_tensor(v) else v)
-            for k, v in like.items()}
+            for k, v in like.items() if k not in vl.IMAGE_FIELDS}
 
 
 def microbatch_logprobs(model, mb, cfg, with_entropy=False):
     """The trainer's logprob of each target (B, T), with routing replay when mb carries routed_experts."""
-    hidden = model.hidden_states(mb["input_ids"], routed_experts=mb.get("routed_experts"))  # (B, T, D)
+    hidden = model.hidden_states(mb["input_ids"], routed_experts=mb.get("routed_experts"),  # (B, T, D)
+                                 pixel_values=mb.get("pixel_values"), image_grid_thw=mb.get("image_grid_thw"))
     lm_head = model.lm_head.weight  # unsharded: the root FSDP unit keeps its params gathered after forward
     keep = cfg["logprob_keep_logits"] and torch.is_grad_enabled()  # nothing to keep them for under no_grad
     return loss.token_logprobs(hidden, lm_head, mb["targets"], cfg["temperature"], cfg["logprob_chunk_size"],
@@ -760,6 +764,7 @@ def shard_model(model, meshes, cfg):
             fully_shard(block.mlp.experts, mesh=meshes["expert_fsdp"],
                         shard_placement_fn=expert_placement(block.mlp.experts, meshes), **kw)
         fully_shard(block, mesh=meshes["fsdp"], ignored_params=kept or None, **kw)
+    vl.shard_vision(model, meshes["fsdp"], cfg["train_vision"], **kw)  # before the root: units of its own
     fully_shard(model, mesh=meshes["fsdp"], ignored_params=kept or None, **kw)
     register_fsdp_forward_method(model, "hidden_states")  # the trainer calls hidden_states, not forward
     # Gradients are SUMMED over ranks, never averaged: each rank's loss is already divided by the window's global
@@ -904,6 +909,7 @@ def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_
     if mcfg.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
         raise RuntimeError("tied embeddings came untied while materializing the sharded model")
     model.activation_checkpointing = cfg["activation_checkpointing"]
+    model.vision_in_every_forward = dist.get_world_size() > 1  # the tower's collectives: model.idle_vision
     if weights_path is not None:
         load_hf_weights(model, weights_path)
     else:
@@ -920,26 +926,15 @@ def local_tensor(t):
 def load_hf_weights(model, path):
     """Fill each rank's shards from an HF safetensors directory; files are memory-mapped and each rank copies
     only its rows (for experts, only its own experts), so no rank ever holds the whole model."""
-    files = weight_files(path)
-    handles = {}
-    def read(name):
-        if name not in files:
-            raise KeyError(f"{path} has no tensor {name!r}")
-        f = files[name]
-        if f not in handles:
-            handles[f] = safe_open(os.path.join(path, f), framework="pt")
-        return handles[f].get_tensor(name)
+    read, cfg = checkpoint_reader(path), model.config
     for name, p in model.named_parameters():
         if is_stacked_experts(name):
-            prefix, proj = name.split(".mlp.experts.")
-            experts = model.get_submodule(prefix + ".mlp.experts")
-            E_local = p.shape[0]  # the DTensor's shape: this rank's experts before FSDP cut them
-            full = torch.stack([read(f"{prefix}.mlp.experts.{experts.first_expert + e}.{proj}.weight")
-                                for e in range(E_local)])
-        elif name == "lm_head.weight" and model.config.tie_word_embeddings:
+            first = model.get_submodule(name.rsplit(".", 1)[0]).first_expert
+            full = read_experts(read, name, range(first, first + p.shape[0]), cfg)  # p.shape[0]: this rank's experts
+        elif name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # the same parameter as embed_tokens
         else:
-            full = read(name)
+            full = read(hf_name(name, cfg))
         copy_shard(p, full)
 
 

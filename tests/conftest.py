@@ -121,6 +121,14 @@ def tiny_model_path():
 
 
 @pytest.fixture(scope="session")
+def tiny_vl_model_path():
+    """The tiny Qwen3-VL-MoE directory (its tokenizer, chat template and image processor), built once."""
+    from tiny import ensure_tiny_model
+    return ensure_tiny_model(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache",
+                                          "tiny-qwen3-vl-moe"))
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     """A local Ray cluster (2 logical CPUs, a small object store), shared by every test that needs Ray."""
     import ray

@@ -24,7 +24,7 @@ from train import configure
 from weights_sync import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = ["tiny", "qwen3_4b", "qwen3_30b_a3b", "moe_700b"]
+CONFIGS = ["tiny", "qwen3_4b", "qwen3_30b_a3b", "moe_700b", "tiny_vl", "qwen3_vl_30b_a3b"]
 GiB = 2**30
 
 
@@ -59,6 +59,7 @@ def test_dry_run_of_every_config(name):
     if name == "moe_700b":
         billions = float(re.search(r"dry run: ([\d.]+)B parameters", out).group(1))
         assert 650 < billions < 750
+    assert ("  vision tower " in out) == ("_vl" in name)  # the VL configs are planned with their tower
     one_node = cfg["tensor_parallel_size"] <= cfg["gpus_per_node"]
     assert ("note: an engine's" not in out) == one_node  # moe_700b's TP16 engines need 16-GPU nodes
 

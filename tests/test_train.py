@@ -83,6 +83,8 @@ def windows(n_microbatches=6, num_experts=CFG.num_experts):
 
 def reference_run(weights, wins, cfg, steps=STEPS):
     model = Transformer.from_pretrained(weights)
+    if model.visual is not None:
+        model.visual.requires_grad_(cfg["train_vision"])
     lcfg = train.loss_config(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
                             weight_decay=cfg["weight_decay"], eps=ADAM_EPS)
@@ -90,7 +92,8 @@ def reference_run(weights, wins, cfg, steps=STEPS):
     for step in range(steps):
         window = wins[step]
         def logprobs_of(mb):
-            h = model.hidden_states(mb["input_ids"], routed_experts=mb["routed_experts"])
+            h = model.hidden_states(mb["input_ids"], routed_experts=mb["routed_experts"],
+                                    pixel_values=mb.get("pixel_values"), image_grid_thw=mb.get("image_grid_thw"))
             return loss.token_logprobs(h, model.lm_head.weight, mb["targets"], cfg["temperature"])[0]
         with torch.no_grad():
             olds = [logprobs_of(mb) if lcfg.is_mode == "mask" else None for mb in window]
@@ -104,7 +107,7 @@ def reference_run(weights, wins, cfg, steps=STEPS):
             l.backward()
             total += l.item()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         for group in opt.param_groups:
             group["lr"] = train.learning_rate_at(step, cfg)
         opt.step()
@@ -129,7 +132,7 @@ def _rank_main(rank, world, port, scenario, args):
     torch.set_num_threads(1)
     train.init_distributed(timeout_s=60)  # a bug that desynchronizes ranks fails in a minute, not 30
     try:
-        globals()[scenario](rank, world, *args)
+        (scenario if callable(scenario) else globals()[scenario])(rank, world, *args)
         torch.distributed.barrier()  # no rank tears its group down while a peer still talks to it
     finally:
         torch.distributed.destroy_process_group()
@@ -137,7 +140,8 @@ def _rank_main(rank, world, port, scenario, args):
 
 
 def full_grads(model):
-    return {name: train.gather_full(name, p.grad, model.meshes) for name, p in model.named_parameters()}
+    return {name: train.gather_full(name, p.grad, model.meshes) for name, p in model.named_parameters()
+            if p.grad is not None}
 
 
 def record_grads_before_step(optimizer, model):
