@@ -32,13 +32,14 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
 from safetensors import safe_open
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                     register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor, Shard
 
+import lora
 import loss
 import plan
 from model import EXPERT_PROJS, GatherRows, SumRows, Transformer, count_ids, init_parameters, is_stacked_experts, load_config, ours_to_hf, save_hf_checkpoint, slot_positions, to_contiguous, weight_files
@@ -112,6 +113,11 @@ activation_checkpointing = False
 cpu_offload_optimizer = False
 gpu_memory_gib = 140.0      # per-GPU memory the dry run plans against (H200: 141 GB as sold, 140.4 GiB)
 gpus_per_node = 8          # GPUs of one node, for the dry run: an engine's tensor_parallel_size GPUs sit on one node
+# LoRA (lora.py): train adapters of this rank on a frozen base (stored in param_dtype), served by vLLM's LoRA support
+lora_rank = 0              # 0: full fine-tuning
+lora_alpha = 16.0          # the adapters' scaling is lora_alpha / lora_rank
+lora_targets = "all"       # "all" or a comma-separated list of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+                           # down_proj (dense MLPs), experts (every routed expert's three projections)
 # -----------------------------------------------------------------------------
 
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, dict))}
@@ -225,7 +231,8 @@ def train(cfg, model, optimizer, run, step, rank, world):
     from tqdm import tqdm
     out_dir = cfg["out_dir"]
     loop = asyncio.new_event_loop()  # runs the weight-sync coroutines of this thread
-    sender = weights_sync.WeightSender()
+    sender = weights_sync.WeightSender(adapter=cfg["lora_rank"] and lora.peft_config(
+        cfg["lora_rank"], cfg["lora_alpha"], lora.parse_targets(cfg["lora_targets"])) or None)
     writer, evals = tensorboard_writer(cfg, rank), {}
     policy_version = step  # one optimizer step = one policy version; the engines start at version 0
     # the engines get the trainer's weights first: a resumed run's, or whatever they were started or left with
@@ -384,6 +391,8 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
     if engines is None:
         placement.append(rollout.reserve_trainer_gpus(trainer_gpus))  # torchrun's GPUs, unknown to Ray
         options = plan.engine_options(cfg)
+        if options.get("lora_path"):  # a fresh engine serves the adapter at zero until its first sync
+            lora.write_zero_adapter(options["lora_path"], plan.planned_model_config(cfg), cfg)
         # routing replay (README, invariant 3): the engine returns each token's experts for the trainer's router to reuse;
         # vLLM returns them on GPU only (Model Runner V2), so a CPU run trains on the trainer's own routing
         options["enable_return_routed_experts"] = torch.cuda.is_available() and plan.planned_model_config(cfg).is_moe
@@ -566,8 +575,9 @@ def build_optimizer(model, cfg):
     dense weights live on different meshes, so they are separate param groups (foreach kernels stay per mesh).
     With cpu_offload_optimizer the shards, their gradients and the Adam state stay in host memory (FSDP's
     CPUOffloadPolicy) and the step runs on the CPU."""
-    experts = [p for n, p in model.named_parameters() if is_stacked_experts(n)]
-    dense = [p for n, p in model.named_parameters() if not is_stacked_experts(n)]
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # LoRA: the adapters only
+    experts = [p for n, p in trainable if is_stacked_experts(n)]
+    dense = [p for n, p in trainable if not is_stacked_experts(n)]
     groups = [{"params": dense}] + ([{"params": experts}] if experts else [])
     # fused: one kernel per group, on the GPU and on the CPU (offloaded state); it also takes the clipping factor
     return torch.optim.AdamW(groups, lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["adam_eps"],
@@ -775,7 +785,7 @@ def meta_sharded_model(mcfg, meshes, cfg):
     """The model on the meta device with this rank's experts only (E / ep_size of each layer), fully_shard applied."""
     ep = ExpertParallel(meshes["ep"]) if meshes["ep"].size() > 1 else None
     with torch.device("meta"):
-        model = Transformer(mcfg, expert_parallel=ep)
+        model = lora.apply(Transformer(mcfg, expert_parallel=ep), cfg)
     return shard_model(model, meshes, cfg)
 
 
@@ -826,9 +836,9 @@ def keep_experts_local(experts, mesh, dtype):
     forward computes with a cast of them to the compute dtype (CastForCompute: its backward returns the gradient in
     fp32); floating inputs are cast as FSDP's mixed precision casts them. Without activation checkpointing
     the casts stay alive until their layer's backward (plan_memory counts them)."""
-    for name in EXPERT_PROJS:
-        p = getattr(experts, name)
-        setattr(experts, name, nn.Parameter(DTensor.from_local(p.data, mesh, [Shard(0)], run_check=False)))
+    for name, p in list(experts.named_parameters()):  # the three projections, and their adapters
+        setattr(experts, name, nn.Parameter(DTensor.from_local(p.data, mesh, [Shard(0)], run_check=False),
+                                            requires_grad=p.requires_grad))
     experts.cast_weights = lambda w: CastForCompute.apply(w, dtype)
     experts.register_forward_pre_hook(
         lambda module, args: tuple(a.to(dtype) if torch.is_floating_point(a) else a for a in args))
@@ -860,7 +870,7 @@ def expert_placement(experts, meshes):
     n = meshes["expert_fsdp"].size()
     shapes = [getattr(experts, name).shape for name in EXPERT_PROJS]
     dim = 1 if shapes[0][0] % n and all(shape[1] % n == 0 for shape in shapes) else 0
-    return lambda param: Shard(dim)
+    return lambda param: Shard(dim if param.shape[1] % n == 0 else 0)  # an adapter's rank may not divide
 
 
 # the autograd all-to-all; torch 2.13 suggests the traced functional collectives instead, but this one is the
@@ -945,6 +955,7 @@ def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_
     else:
         generator = torch.Generator(model.lm_head.weight.device).manual_seed(cfg["seed"] + dist.get_rank())
         init_parameters(((n, local_tensor(p)) for n, p in model.named_parameters()), init_std, generator)
+    lora.fill_adapters(model, cfg["seed"], copy_shard)
     return model
 
 
@@ -966,6 +977,8 @@ def load_hf_weights(model, path):
             handles[f] = safe_open(os.path.join(path, f), framework="pt")
         return handles[f].get_tensor(name)
     for name, p in model.named_parameters():
+        if lora.is_adapter(name):
+            continue  # not in the checkpoint: build_model initializes them
         if is_stacked_experts(name):
             prefix, proj = name.split(".mlp.experts.")
             experts = model.get_submodule(prefix + ".mlp.experts")
@@ -1023,7 +1036,7 @@ def with_global_experts(state, meshes, experts=False):
 def save_checkpoint(out_dir, model, optimizer, step, cfg, extra=None):
     """Write out_dir/checkpoints/step_NNNNNN (every rank writes its shards) and point `latest` at it."""
     path = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    state = model_and_optimizer_state(model, optimizer)
     dcp.save(with_global_experts(state, model.meshes), checkpoint_id=path)
     if dist.get_rank() == 0:
         torch.save({"step": step, "config": cfg, "extra": extra or {}}, os.path.join(path, "trainer_state.pt"))
@@ -1035,6 +1048,17 @@ def save_checkpoint(out_dir, model, optimizer, step, cfg, extra=None):
         os.replace(latest + ".tmp", latest)  # atomic: a crash never leaves `latest` naming a half-written step
     dist.barrier()
     return path
+
+
+def frozen_base_options(model):
+    # a LoRA run's checkpoints hold the adapters and their optimizer state; the frozen base comes from model_path
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
+def model_and_optimizer_state(model, optimizer):
+    return {"model": get_model_state_dict(model, options=frozen_base_options(model)),
+            "optimizer": get_optimizer_state_dict(model, optimizer)}
 
 
 def latest_checkpoint(out_dir):
@@ -1051,9 +1075,9 @@ def load_checkpoint(path, model, optimizer):
     if path is None or not os.path.isfile(os.path.join(path, "trainer_state.pt")):
         raise FileNotFoundError(f"no checkpoint at {path!r}: expected a directory written by save_checkpoint "
                                 "(out_dir/checkpoints/step_NNNNNN)")
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    state = model_and_optimizer_state(model, optimizer)
     dcp.load(with_global_experts(state, model.meshes), checkpoint_id=path)  # fills `state`'s tensors in place
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=frozen_base_options(model))
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     trainer_state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
     return trainer_state["step"], trainer_state["extra"]
@@ -1086,8 +1110,9 @@ def export_hf(model, path, dtype=torch.bfloat16, source_dir=None):
     state = {}
     for name, t in full_parameters(model):
         if rank0:
-            state[name] = t.to(dtype).cpu()
-    if rank0:
+            state[name] = t.cpu() if lora.is_adapter(name) else t.to(dtype).cpu()
+    if rank0:  # LoRA: the adapters merged into their weights, and alone in path/adapter (PEFT's format)
+        state = lora.export_adapters(state, model, os.path.join(path, "adapter"), source_dir or "")
         save_hf_checkpoint(path, ours_to_hf(state, model.config), model.config, dtype=dtype)
         if source_dir is not None:
             copy_hf_extras(source_dir, path)

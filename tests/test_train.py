@@ -81,10 +81,14 @@ def windows(n_microbatches=6, num_experts=CFG.num_experts):
 # the single-process reference: a plain model, loss.py directly, torch's own clipping and AdamW
 
 
-def reference_run(weights, wins, cfg, steps=STEPS):
+def reference_run(weights, wins, cfg, steps=STEPS, prepare=None):
+    """prepare(model): what to do to the plain model before training (e.g. give it LoRA adapters)."""
     model = Transformer.from_pretrained(weights)
+    if prepare is not None:
+        prepare(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
     lcfg = train.loss_config(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
+    opt = torch.optim.AdamW(trainable, lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
                             weight_decay=cfg["weight_decay"], eps=ADAM_EPS)
     record = []
     for step in range(steps):
@@ -103,8 +107,8 @@ def reference_run(weights, wins, cfg, steps=STEPS):
                                     mb["token_versions"], step, lcfg, window_tokens)
             l.backward()
             total += l.item()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        norm = torch.nn.utils.clip_grad_norm_(trainable, cfg["grad_clip"])
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         for group in opt.param_groups:
             group["lr"] = train.learning_rate_at(step, cfg)
         opt.step()
@@ -129,7 +133,7 @@ def _rank_main(rank, world, port, scenario, args):
     torch.set_num_threads(1)
     train.init_distributed(timeout_s=60)  # a bug that desynchronizes ranks fails in a minute, not 30
     try:
-        globals()[scenario](rank, world, *args)
+        (scenario if callable(scenario) else globals()[scenario])(rank, world, *args)
         torch.distributed.barrier()  # no rank tears its group down while a peer still talks to it
     finally:
         torch.distributed.destroy_process_group()
@@ -137,7 +141,8 @@ def _rank_main(rank, world, port, scenario, args):
 
 
 def full_grads(model):
-    return {name: train.gather_full(name, p.grad, model.meshes) for name, p in model.named_parameters()}
+    return {name: train.gather_full(name, p.grad, model.meshes) for name, p in model.named_parameters()
+            if p.grad is not None}
 
 
 def record_grads_before_step(optimizer, model):
