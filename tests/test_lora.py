@@ -146,7 +146,7 @@ def test_engine_serves_the_synced_adapter_and_matches_the_trainer(tmp_path, tiny
     with torch.no_grad():
         want = sequence_logprobs(copy.deepcopy(model).to(torch.bfloat16), torch.tensor([ids]))
     loop = asyncio.new_event_loop()
-    engine = Engine(tiny_model_path, max_model_len=1024, memory_fraction=0.5, seed=0, **options)
+    engine = Engine(tiny_model_path, **{**options, "max_model_len": 1024})
     sender = WeightSender(bucket_bytes=64 << 10, adapter=lora.peft_config(8, 16.0, lora.TARGETS))
     try:
         loop.run_until_complete(engine.start())
