@@ -182,6 +182,25 @@ def peft_config(rank, alpha, targets, base_model=""):
                 base_model_name_or_path=base_model, fan_in_fan_out=False, use_rslora=False, use_dora=False)
 
 
+def checkpoint_options(model):
+    """A LoRA run's checkpoints hold the adapters and their optimizer state; the frozen base comes from model_path."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
+def checkpoint_state(model, optimizer):
+    """{"model", "optimizer"} state dicts for torch.distributed.checkpoint (train.save_checkpoint, load_checkpoint)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    return {"model": get_model_state_dict(model, options=checkpoint_options(model)),
+            "optimizer": get_optimizer_state_dict(model, optimizer)}
+
+
+def sync_config(cfg):
+    """What a LoRA run's weight sync sends with the adapters (their PEFT config); None for full fine-tuning."""
+    return peft_config(cfg["lora_rank"], cfg["lora_alpha"], parse_targets(cfg["lora_targets"])) if cfg["lora_rank"] else None
+
+
 def save_peft(path, tensors, rank, alpha, targets, base_model=""):
     """Write a PEFT adapter directory: adapter_config.json + adapter_model.safetensors of `tensors` (PEFT names)."""
     from safetensors.torch import save_file

@@ -889,6 +889,25 @@ def save_hf_checkpoint(path, hf_sd, cfg, max_shard_bytes=5 * 2**30, dtype=None):
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
+def copy_hf_extras(source_dir, path):
+    """Tokenizer, chat template and generation config from source_dir; token ids from its config.json."""
+    import shutil
+    for fname in os.listdir(source_dir):
+        if fname.endswith((".safetensors", ".index.json", ".bin")) or fname == "config.json":
+            continue
+        if os.path.isfile(os.path.join(source_dir, fname)):
+            shutil.copy(os.path.join(source_dir, fname), os.path.join(path, fname))
+    src_cfg = os.path.join(source_dir, "config.json")
+    if os.path.isfile(src_cfg):
+        with open(src_cfg) as f:
+            src = json.load(f)
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+        hf.update({k: src[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in src})
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(hf, f, indent=2)
+
+
 def num_params(cfg, active=False):
     """Parameter count from the config alone (active=True counts top-k experts only), for FLOPs and plans."""
     D, hd = cfg.hidden_size, cfg.head_dim

@@ -32,8 +32,7 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
 from safetensors import safe_open
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                     register_fsdp_forward_method)
@@ -42,7 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 import lora
 import loss
 import plan
-from model import EXPERT_PROJS, GatherRows, SumRows, Transformer, count_ids, init_parameters, is_stacked_experts, load_config, ours_to_hf, save_hf_checkpoint, slot_positions, to_contiguous, weight_files
+from model import EXPERT_PROJS, GatherRows, SumRows, Transformer, copy_hf_extras, count_ids, init_parameters, is_stacked_experts, load_config, ours_to_hf, save_hf_checkpoint, slot_positions, to_contiguous, weight_files
 from tiny import ensure_tiny_model, is_tiny_model
 from plan import ConfigError, check_config, loss_config
 from weights_sync import free_port
@@ -231,8 +230,7 @@ def train(cfg, model, optimizer, run, step, rank, world):
     from tqdm import tqdm
     out_dir = cfg["out_dir"]
     loop = asyncio.new_event_loop()  # runs the weight-sync coroutines of this thread
-    sender = weights_sync.WeightSender(adapter=cfg["lora_rank"] and lora.peft_config(
-        cfg["lora_rank"], cfg["lora_alpha"], lora.parse_targets(cfg["lora_targets"])) or None)
+    sender = weights_sync.WeightSender(adapter=lora.sync_config(cfg))  # LoRA: the adapters alone travel
     writer, evals = tensorboard_writer(cfg, rank), {}
     policy_version = step  # one optimizer step = one policy version; the engines start at version 0
     # the engines get the trainer's weights first: a resumed run's, or whatever they were started or left with
@@ -1036,7 +1034,7 @@ def with_global_experts(state, meshes, experts=False):
 def save_checkpoint(out_dir, model, optimizer, step, cfg, extra=None):
     """Write out_dir/checkpoints/step_NNNNNN (every rank writes its shards) and point `latest` at it."""
     path = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
-    state = model_and_optimizer_state(model, optimizer)
+    state = lora.checkpoint_state(model, optimizer)
     dcp.save(with_global_experts(state, model.meshes), checkpoint_id=path)
     if dist.get_rank() == 0:
         torch.save({"step": step, "config": cfg, "extra": extra or {}}, os.path.join(path, "trainer_state.pt"))
@@ -1048,17 +1046,6 @@ def save_checkpoint(out_dir, model, optimizer, step, cfg, extra=None):
         os.replace(latest + ".tmp", latest)  # atomic: a crash never leaves `latest` naming a half-written step
     dist.barrier()
     return path
-
-
-def frozen_base_options(model):
-    # a LoRA run's checkpoints hold the adapters and their optimizer state; the frozen base comes from model_path
-    frozen = any(not p.requires_grad for p in model.parameters())
-    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
-
-
-def model_and_optimizer_state(model, optimizer):
-    return {"model": get_model_state_dict(model, options=frozen_base_options(model)),
-            "optimizer": get_optimizer_state_dict(model, optimizer)}
 
 
 def latest_checkpoint(out_dir):
@@ -1075,9 +1062,9 @@ def load_checkpoint(path, model, optimizer):
     if path is None or not os.path.isfile(os.path.join(path, "trainer_state.pt")):
         raise FileNotFoundError(f"no checkpoint at {path!r}: expected a directory written by save_checkpoint "
                                 "(out_dir/checkpoints/step_NNNNNN)")
-    state = model_and_optimizer_state(model, optimizer)
+    state = lora.checkpoint_state(model, optimizer)
     dcp.load(with_global_experts(state, model.meshes), checkpoint_id=path)  # fills `state`'s tensors in place
-    set_model_state_dict(model, state["model"], options=frozen_base_options(model))
+    set_model_state_dict(model, state["model"], options=lora.checkpoint_options(model))
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     trainer_state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
     return trainer_state["step"], trainer_state["extra"]
@@ -1118,25 +1105,6 @@ def export_hf(model, path, dtype=torch.bfloat16, source_dir=None):
             copy_hf_extras(source_dir, path)
     dist.barrier()
     return path
-
-
-def copy_hf_extras(source_dir, path):
-    """Tokenizer, chat template and generation config from source_dir; token ids from its config.json."""
-    import shutil
-    for fname in os.listdir(source_dir):
-        if fname.endswith((".safetensors", ".index.json", ".bin")) or fname == "config.json":
-            continue
-        if os.path.isfile(os.path.join(source_dir, fname)):
-            shutil.copy(os.path.join(source_dir, fname), os.path.join(path, fname))
-    src_cfg = os.path.join(source_dir, "config.json")
-    if os.path.isfile(src_cfg):
-        with open(src_cfg) as f:
-            src = json.load(f)
-        with open(os.path.join(path, "config.json")) as f:
-            hf = json.load(f)
-        hf.update({k: src[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in src})
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(hf, f, indent=2)
 
 
 if __name__ == "__main__":
