@@ -7,6 +7,7 @@ vLLM engine serving the adapter after a weight sync that sends the adapter alone
 import asyncio
 import copy
 import os
+import re
 
 import pytest
 import torch
@@ -178,3 +179,23 @@ def test_engine_serves_the_synced_adapter_and_matches_the_trainer(tmp_path, tiny
         sender.close()
         loop.run_until_complete(engine.shutdown())
         loop.close()
+
+
+@pytest.mark.stack
+def test_dry_run_plans_a_lora_run():
+    from test_dry_run import dry_run_output, gib, run_train
+    full = dry_run_output("qwen3_30b_a3b")
+    r = run_train("--config", "configs/qwen3_30b_a3b.py", "--dry_run=True", "--lora_rank=8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert "LoRA rank 8" in out and "engine options: accepted by vLLM" in out
+    sync = lambda text: float(re.search(r"weight sync per step: ([\d.]+) GB", text).group(1))  # noqa: E731
+    # rank-8 adapters on every target of Qwen3-30B-A3B: (r * (in + out)) per adapted matrix, in fp32
+    cfg = train.configure(["--config", "configs/qwen3_30b_a3b.py", "--lora_rank=8", "--dry_run=True"])
+    mcfg = train.plan.planned_model_config(cfg)
+    D, H, hd = mcfg.hidden_size, mcfg.moe_intermediate_size, mcfg.head_dim
+    attn = 8 * ((D + mcfg.num_attention_heads * hd) * 2 + 2 * (D + mcfg.num_key_value_heads * hd))
+    experts = mcfg.num_experts * 3 * 8 * (D + H)
+    assert sync(out) == pytest.approx(4 * mcfg.num_hidden_layers * (attn + experts) / 1e9, abs=0.01)
+    assert sync(out) < sync(full) / 30
+    assert gib(out, "optimizer") < gib(full, "optimizer") / 20 and gib(out, "parameters") < gib(full, "parameters")
