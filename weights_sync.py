@@ -21,6 +21,10 @@ gather their blocks to rank 0 over the EP group. The sender casts to the engine 
 flat byte buckets (stacked experts are split into HF's per-expert names, `model.ours_to_hf`), and broadcasts
 bucket k while it packs bucket k+1 (two buffers). Workers receive bucket k+1 while they load bucket k.
 
+A LoRA run (`WeightSender(adapter=lora.sync_config(cfg))`) sends its adapters alone, fp32, in PEFT names, through
+the same gathers and buckets; the workers' `receive_adapter` serves them with vLLM's LoRA support (attention and
+dense MLPs) and merges the routed-expert ones into the expert weights.
+
 Why not vLLM's weight-transfer engine API (`weight_transfer_config`, `WeightTransferEngineFactory`,
 `init_weight_transfer_engine` -> `start_weight_update` -> `update_weights` -> `finish_weight_update`)? Its
 worker half is `initialize_layerwise_reload` -> `model.load_weights` -> `finalize_layerwise_reload`, which is
