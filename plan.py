@@ -149,7 +149,7 @@ def engine_options(cfg):
     """capture.Engine keyword arguments from the config (num_engines says how many engines start); LoRA runs add
     vLLM's LoRA options (lora.engine_options)."""
     options = {arg: cfg[key] or None if key == "speculative_config" else cfg[key] for arg, key in ENGINE_OPTIONS.items()}
-    return {**options, **lora.engine_options(cfg, planned_model_config(cfg))}
+    return {**options, **(lora.engine_options(cfg, planned_model_config(cfg)) if cfg["lora_rank"] else {})}
 
 
 def check_engine_options(cfg, model_dir, **engine_kwargs):
