@@ -122,18 +122,21 @@ def bench_sync(*args):
     double buffering) to rank 1, which receives like an engine worker (weights_sync.BucketReceiver) and copies
     every tensor into its own per-parameter tensor (as load_weights does; here one multi-tensor copy per bucket).
     Baseline, same run, same process group: one broadcast of a flat buffer of the same bytes. Prints GB/s of both
-    and ours / raw (target >= 0.85), and checks that rank 1 ends up with exactly rank 0's weights.
+    and ours / raw (target >= 0.85), and checks that rank 1 ends up with exactly rank 0's weights. Then the same
+    model with LoRA adapters of rank lora_rank on every target (0: skip): a LoRA run's sync, the fp32 adapters alone
+    (lora_bytes, lora_s, and full_over_lora, the full sync's time over the LoRA one's).
 
         torchrun --nproc_per_node=2 bench.py sync                # 2 GPUs, NCCL
         python bench.py sync                                     # spawns the 2 ranks itself (CPU: gloo, tiny)
-        python bench.py sync --layers=2 --bucket_mb=256 --iters=5 --tiny=0
+        python bench.py sync --layers=2 --bucket_mb=256 --iters=5 --tiny=0 --lora_rank=16
     """
     import os
     import torch
     import torch.multiprocessing as mp
     from weights_sync import free_port
     cuda = torch.cuda.is_available()
-    opt = _int_options(args, layers=4, bucket_mb=512 if cuda else 1, iters=5 if cuda else 3, tiny=int(not cuda))
+    opt = _int_options(args, layers=4, bucket_mb=512 if cuda else 1, iters=5 if cuda else 3, tiny=int(not cuda),
+                       lora_rank=8)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun
         if int(os.environ["WORLD_SIZE"]) != 2:
             sys.exit(f"bench.py sync needs exactly 2 ranks (sender and receiver), "
@@ -243,6 +246,7 @@ def _sync_rank(rank, opt, results):
         sums = [dest[name].double().sum().item() for b in buckets for name, *_ in b["tensors"]]
     gathered = [None, None]
     dist.all_gather_object(gathered, sums)
+    lora_result = _lora_sync(rank, opt, cfg, model if rank == 0 else None, group, device, timed) if opt["lora_rank"] else {}
     group.shutdown()
     dist.destroy_process_group()
     raw_t, ours_t = statistics.median(raw_s), statistics.median(ours_s)
@@ -251,12 +255,62 @@ def _sync_rank(rank, opt, results):
                   bucket_mb=opt["bucket_mb"], iters=opt["iters"], raw_gbps=round(total / raw_t / 1e9, 2),
                   ours_gbps=round(total / ours_t / 1e9, 2), raw_s=round(raw_t, 4), ours_s=round(ours_t, 4),
                   match=gathered[0] == gathered[1], ratio=round(raw_t / ours_t, 3))
+    if lora_result:
+        result.update(lora_result, full_bytes=total, full_over_lora=round(ours_t / lora_result["lora_s"], 1))
     if rank == 0:
         print(f"{result['gb']} GB in {len(buckets)} buckets: ours {result['ours_gbps']} GB/s, "
               f"raw broadcast {result['raw_gbps']} GB/s, ratio {result['ratio']}, receiver matches: {result['match']}")
+        if lora_result:
+            print(f"LoRA rank {opt['lora_rank']}: {result['lora_bytes'] / 1e6:.2f} MB per sync in {result['lora_s']} s, "
+                  f"full weights {total / 1e6:.1f} MB in {result['ours_s']} s ({result['full_over_lora']}x the time); "
+                  f"receiver matches: {result['lora_match']}")
         if results is not None:
             results.put(result)
     return result
+
+
+def _lora_sync(rank, opt, cfg, model, group, device, timed):
+    """The same sync for a LoRA run: rank 0's model gets adapters (lora.py) and sends them alone, in fp32."""
+    import statistics
+    import torch
+    import torch.distributed as dist
+    import lora
+    from weights_sync import BucketReceiver, WeightSender
+    adapter = lora.peft_config(opt["lora_rank"], 2.0 * opt["lora_rank"], lora.TARGETS)
+    sender = WeightSender(bucket_bytes=opt["bucket_mb"] << 20, device=device, adapter=adapter)
+    shared = [None]
+    if rank == 0:
+        lora.add_adapters(model, opt["lora_rank"], 2.0 * opt["lora_rank"], lora.TARGETS)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if lora.is_adapter(name):
+                    p.normal_(0.0, 0.02)
+        plan = sender.plan(model)
+        shared = [plan[0]]
+        sender.group = group
+    dist.broadcast_object_list(shared, src=0)
+    buckets = shared[0]
+    dest = {name: torch.empty(shape, dtype=getattr(torch, dt), device=device)
+            for b in buckets for name, dt, shape, _ in b["tensors"]}
+
+    def send():
+        if rank == 0:
+            sender.send(model, plan)
+        else:
+            for tensors in BucketReceiver(group, buckets, device).iter_buckets():
+                torch._foreach_copy_([dest[name] for name, _ in tensors], [t for _, t in tensors])
+    timed(send)
+    seconds = statistics.median(timed(send) for _ in range(opt["iters"]))
+    if rank == 0:
+        sent = lora.peft_tensors({n: p.detach() for n, p in model.named_parameters() if lora.is_adapter(n)})
+        sums = [sent[name].double().sum().item() for name in dest]
+        sender.group = None  # the group is the caller's
+    else:
+        sums = [t.double().sum().item() for t in dest.values()]
+    gathered = [None, None]
+    dist.all_gather_object(gathered, sums)
+    return dict(lora_rank=opt["lora_rank"], lora_bytes=sum(b["nbytes"] for b in buckets), lora_s=round(seconds, 4),
+                lora_match=gathered[0] == gathered[1])
 
 
 # -----------------------------------------------------------------------------

@@ -85,7 +85,7 @@ class Engine:
     def __init__(self, model_path, *, max_model_len=2048, memory_fraction=0.5, tensor_parallel_size=1,
                  enable_prefix_caching=True, speculative_config=None, seed=0, enable_return_routed_experts=False,
                  worker_extension_cls=WORKER_EXTENSION, recompute_kv_on_sync=True, max_images_per_prompt=8,
-                 **engine_kwargs):
+                 lora_path=None, **engine_kwargs):
         import torch
         if worker_extension_cls == WORKER_EXTENSION and importlib.util.find_spec("weights_sync") is None:
             worker_extension_cls = None  # a checkout without the weight-sync module still serves
@@ -111,6 +111,12 @@ class Engine:
         self.engine_args.update(engine_kwargs)
         self.llm = None
         self.policy_version = 0
+        # lora_path: a PEFT adapter directory; every request runs with that adapter (vLLM's LoRA id 1), which each
+        # weight sync then replaces in place (weights_sync.WeightSyncWorker.receive_adapter)
+        self.lora_request = None
+        if lora_path:
+            from vllm.lora.request import LoRARequest
+            self.lora_request = LoRARequest("policy", 1, lora_path)
 
     async def start(self):  # answers None: under Ray the result travels back, and an Engine cannot be pickled
         from vllm import AsyncEngineArgs
@@ -146,7 +152,8 @@ class Engine:
             structured_outputs=StructuredOutputsParams(**structured) if structured else None,
             detokenize=stop is not None,  # text only for stop strings
             output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE)
-        async for out in self.llm.generate(self.prompt(prompt_token_ids, images), params, request_id):
+        async for out in self.llm.generate(self.prompt(prompt_token_ids, images), params, request_id,
+                                           lora_request=self.lora_request):
             if not out.finished:
                 yield {"token_ids": list(out.outputs[0].token_ids)}
         c = out.outputs[0]
@@ -169,7 +176,8 @@ class Engine:
         images (as for stream), of the prompt with each image's tokens expanded."""
         from vllm import SamplingParams
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        async for out in self.llm.generate(self.prompt(token_ids, images), params, uuid.uuid4().hex):
+        async for out in self.llm.generate(self.prompt(token_ids, images), params, uuid.uuid4().hex,
+                                           lora_request=self.lora_request):
             pass
         return [None if d is None else d[t].logprob for t, d in zip(out.prompt_token_ids, out.prompt_logprobs)]
 

@@ -246,18 +246,26 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def experts_loop(x, counts, scale, gate_proj, up_proj, down_proj):
+def experts_loop(x, counts, scale, gate_proj, up_proj, down_proj, lora=None):
     """Reference expert compute: x (N, D) sorted by expert, counts (E,) rows per expert, scale (N,) each row's
     routing weight -> (N, D). The weight scales the H-wide hidden row before the (linear) down projection: the
-    same product as scaling the D-wide output, in less memory traffic."""
+    same product as scaling the D-wide output, in less memory traffic. lora: (scaling, ((A, B) of gate, up, down)),
+    stacked adapters A (E, r, in), B (E, out, r) adding scaling * B_e A_e to each expert's weight, or None."""
     out = torch.empty_like(x)
     start = 0
     for e, n in enumerate(counts.tolist()):  # NOTE: .tolist() is a device-to-host sync
         if n == 0:
             continue
         xs = x[start:start + n]
-        h = F.silu(xs @ gate_proj[e].T) * (xs @ up_proj[e].T) * scale[start:start + n, None]
-        out[start:start + n] = h @ down_proj[e].T
+
+        def mm(h, w, i):
+            y = h @ w[e].T
+            if lora is not None:
+                A, B = lora[1][i]
+                y = y + lora[0] * ((h @ A[e].T) @ B[e].T)
+            return y
+        h = F.silu(mm(xs, gate_proj, 0)) * mm(xs, up_proj, 1) * scale[start:start + n, None]
+        out[start:start + n] = mm(h, down_proj, 2)
         start += n
     return out
 
@@ -267,13 +275,19 @@ def silu_mul(gate, up, scale):
     return F.silu(gate) * up * scale.unsqueeze(-1)
 
 
-def experts_grouped_mm(x, counts, scale, gate_proj, up_proj, down_proj):
-    """Same as experts_loop in three grouped GEMMs (CUDA, bf16); no host sync."""
+def experts_grouped_mm(x, counts, scale, gate_proj, up_proj, down_proj, lora=None):
+    """Same as experts_loop in three grouped GEMMs (CUDA, bf16), two more per adapted projection; no host sync."""
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    # weights are (E, out, in) like nn.Linear; transposed views are the column-major (E, in, out) operands
-    h = silu_mul(torch._grouped_mm(x, gate_proj.transpose(-2, -1), offs=offs),
-                 torch._grouped_mm(x, up_proj.transpose(-2, -1), offs=offs), scale)  # (N, H)
-    return torch._grouped_mm(h, down_proj.transpose(-2, -1), offs=offs)  # (N, D)
+
+    def mm(h, w, i):  # weights are (E, out, in) like nn.Linear; transposed views are the (E, in, out) operands
+        y = torch._grouped_mm(h, w.transpose(-2, -1), offs=offs)
+        if lora is not None:  # (N, r) then (N, out): rank-r GEMMs, a few percent of the base one's FLOPs
+            A, B = lora[1][i]
+            y = y + lora[0] * torch._grouped_mm(torch._grouped_mm(h, A.transpose(-2, -1), offs=offs),
+                                                B.transpose(-2, -1), offs=offs)
+        return y
+    h = silu_mul(mm(x, gate_proj, 0), mm(x, up_proj, 1), scale)  # (N, H)
+    return mm(h, down_proj, 2)  # (N, D)
 
 
 # Rows and slots. Each row of an (N, D) tensor has K slots, slot s = row * K + j: a token's j-th chosen expert, or
@@ -404,6 +418,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E_local, D, H))  # (E_local, D, H)
         self.use_grouped_mm = None  # None: grouped GEMM for bf16 on CUDA, loop elsewhere
         self.cast_weights = None  # train.keep_experts_local sets it when these weights stay outside FSDP
+        self.lora_scaling = None  # lora.add_adapters sets it, with the adapters {proj}_lora_A / {proj}_lora_B
 
     def weights(self):
         """(gate_proj, up_proj, down_proj) as the computation uses them: the parameters (under FSDP, its unsharded
@@ -411,15 +426,25 @@ class Experts(nn.Module):
         ws = (self.gate_proj, self.up_proj, self.down_proj)
         return ws if self.cast_weights is None else tuple(self.cast_weights(w) for w in ws)
 
+    def lora_weights(self):
+        """(scaling, ((A, B) of gate, up, down)) of the LoRA adapters as the computation uses them, or None."""
+        if self.lora_scaling is None:
+            return None
+        ws = [getattr(self, f"{p}_lora_{m}") for p in EXPERT_PROJS for m in "AB"]
+        ws = ws if self.cast_weights is None else [self.cast_weights(w) for w in ws]
+        return self.lora_scaling, tuple(zip(ws[0::2], ws[1::2]))
+
     def compute(self, x, counts, scale):
         g, u, d = self.weights()
+        lora = self.lora_weights()
         if x.shape[0] == 0:  # no rows for this rank's experts (expert parallelism): keep the weights and the scale in
             # the graph so the weights still get a (zero) gradient, FSDP's gradient reduce-scatter runs on every rank,
             # and so does the backward all-to-all of the routing weights that arrived (empty) from other ranks
-            return x + 0 * (scale.sum() + g.sum() + u.sum() + d.sum())
+            adapters = sum(w.sum() for ab in lora[1] for w in ab) if lora is not None else 0
+            return x + 0 * (scale.sum() + g.sum() + u.sum() + d.sum() + adapters)
         grouped = self.use_grouped_mm if self.use_grouped_mm is not None else (x.is_cuda and x.dtype == torch.bfloat16)
         fn = experts_grouped_mm if grouped else experts_loop
-        return fn(x, counts, scale, g, u, d)
+        return fn(x, counts, scale, g, u, d, lora)
 
     def forward(self, x, topk_ids, topk_weights):
         # x (N, D), topk_ids (N, K) global expert ids, topk_weights (N, K)
@@ -911,6 +936,25 @@ def save_hf_checkpoint(path, hf_sd, cfg, max_shard_bytes=5 * 2**30, dtype=None):
     total = sum(v.numel() * v.element_size() for v in hf_sd.values())
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+def copy_hf_extras(source_dir, path):
+    """Tokenizer, chat template and generation config from source_dir; token ids from its config.json."""
+    import shutil
+    for fname in os.listdir(source_dir):
+        if fname.endswith((".safetensors", ".index.json", ".bin")) or fname == "config.json":
+            continue
+        if os.path.isfile(os.path.join(source_dir, fname)):
+            shutil.copy(os.path.join(source_dir, fname), os.path.join(path, fname))
+    src_cfg = os.path.join(source_dir, "config.json")
+    if os.path.isfile(src_cfg):
+        with open(src_cfg) as f:
+            src = json.load(f)
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+        hf.update({k: src[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in src})
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(hf, f, indent=2)
+
 
 def num_params(cfg, active=False):
     """Parameter count from the config alone (active=True counts top-k experts only), for FLOPs and plans."""

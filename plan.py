@@ -20,6 +20,7 @@ import sys
 
 import torch
 
+import lora
 import loss
 from model import ModelConfig, is_stacked_experts, load_config, num_params
 from tiny import tiny_model_config
@@ -41,9 +42,10 @@ RANGES = {
     (lambda v: v >= 2, ">= 2"): ("engine_max_model_len",),
     (lambda v: v >= 0, ">= 0"): ("warmup_steps", "min_lr", "weight_decay", "eval_temperature"),
     (lambda v: v >= 0, ">= 0 (0: no evaluation)"): ("eval_every",),
+    (lambda v: 0 <= v <= 512, "in [0, 512] (0: full fine-tuning; vLLM serves ranks up to 512)"): ("lora_rank",),
     (lambda v: v >= 0, ">= 0 (0 never stops)"): ("max_failed_rounds",),
     (lambda v: v >= 0, ">= 0 (0 never clips)"): ("grad_clip",),
-    (lambda v: v > 0, "> 0"): ("learning_rate", "adam_eps", "attempt_timeout_s", "gpu_memory_gib"),
+    (lambda v: v > 0, "> 0"): ("learning_rate", "adam_eps", "attempt_timeout_s", "gpu_memory_gib", "lora_alpha"),
     (lambda v: v > 0, "> 0 (the trainer divides logits by it, as the engine samples)"): ("temperature",),
     (lambda v: 0 < v <= 1, "in (0, 1]"): ("top_p", "engine_memory_fraction"),
     (lambda v: 0 <= v < 1, "in [0, 1)"): ("beta1", "beta2"),
@@ -70,6 +72,7 @@ def check_config(cfg, mcfg=None, world_size=None):
             raise ConfigError(f"{key}={cfg[key]!r} is not one of {', '.join(allowed)}")
     try:
         loss_config(cfg)
+        lora.parse_targets(cfg["lora_targets"])
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if not os.path.isfile(cfg["agent"]):
@@ -107,6 +110,11 @@ def check_config(cfg, mcfg=None, world_size=None):
     if cfg["groups_in_flight"] < cfg["groups_per_batch"]:
         raise ConfigError(f"groups_in_flight ({cfg['groups_in_flight']}) is below groups_per_batch "
                           f"({cfg['groups_per_batch']}): a batch could never fill")
+    if cfg["lora_rank"] and mcfg.vision is not None:
+        raise ConfigError("lora_rank > 0 is not supported for Qwen3-VL models yet: use lora_rank=0 (full fine-tuning)")
+    if cfg["lora_rank"] and not lora.adapter_shapes(mcfg, cfg):
+        raise ConfigError(f"lora_targets={cfg['lora_targets']!r} names no layer of this model (a dense model has no "
+                          "experts, an all-MoE model no dense MLP): add attention projections or use 'all'")
     if cfg["min_lr"] > cfg["learning_rate"]:
         raise ConfigError(f"min_lr ({cfg['min_lr']}) is above learning_rate ({cfg['learning_rate']}): the schedule "
                           "decays from learning_rate to min_lr")
@@ -143,8 +151,10 @@ ENGINE_OPTIONS = {"max_model_len": "engine_max_model_len", "memory_fraction": "e
 
 
 def engine_options(cfg):
-    """capture.Engine keyword arguments from the config (num_engines says how many engines start)."""
-    return {arg: cfg[key] or None if key == "speculative_config" else cfg[key] for arg, key in ENGINE_OPTIONS.items()}
+    """capture.Engine keyword arguments from the config (num_engines says how many engines start); LoRA runs add
+    vLLM's LoRA options (lora.engine_options)."""
+    options = {arg: cfg[key] or None if key == "speculative_config" else cfg[key] for arg, key in ENGINE_OPTIONS.items()}
+    return {**options, **(lora.engine_options(cfg, planned_model_config(cfg)) if cfg["lora_rank"] else {})}
 
 
 def check_engine_options(cfg, model_dir, **engine_kwargs):
@@ -173,7 +183,7 @@ def check_engine_options(cfg, model_dir, **engine_kwargs):
         tried[name] = value
         msg = refusal(tried)
         if msg is not None:
-            key = ENGINE_OPTIONS[name]
+            key = ENGINE_OPTIONS.get(name, "lora_rank")  # the others are the LoRA run's
             raise ConfigError(f"vLLM refuses engine option {key}={cfg[key]!r}: {msg}")
 
 
@@ -242,7 +252,9 @@ def plan_memory(cfg, mcfg, model):
         else:
             p_dense += local.numel()
     params = p_dense + p_expert
-    frozen = sum(local_tensor(p).numel() for p in model.parameters() if not p.requires_grad)  # train_vision=False
+    # LoRA: the adapters train (fp32 master, gradient, AdamW m and v); the frozen base (LoRA's; with train_vision
+    # False, the tower) is stored in param_dtype under LoRA, else in fp32
+    trainable = sum(local_tensor(p).numel() for p in model.parameters() if p.requires_grad)
     units = fsdp_unit_params(model)
     unit_numel = {u: sum(p.numel() for p in ps) for u, ps in units.items()}  # unsharded (on its own mesh)
     blocks = [f"model.layers.{i}" for i in range(mcfg.num_hidden_layers)]
@@ -252,7 +264,8 @@ def plan_memory(cfg, mcfg, model):
         world=W, ep=ep, params_total=num_params(mcfg), params_active=num_params(mcfg, active=True),
         params_dense_local=p_dense, params_expert_local=p_expert,
         # fp32 master weights (FSDP keeps the sharded parameters fp32), fp32 gradients, AdamW m and v in fp32
-        params_bytes=4 * params, grads_bytes=4 * (params - frozen), optimizer_bytes=8 * (params - frozen),
+        params_bytes=4 * trainable + (b if cfg["lora_rank"] else 4) * (params - trainable), grads_bytes=4 * trainable,
+        optimizer_bytes=8 * trainable, params_trainable_local=trainable,
         params_vision_local=sum(local_tensor(p).numel() for n, p in model.named_parameters() if n.startswith("visual.")),
         vision_act_bytes_per_image=vision_activation_bytes(mcfg.vision, b) if mcfg.vision and cfg["train_vision"] else 0,
         # the root unit (embeddings, final norm, lm_head) stays gathered from forward to the end of backward, with
@@ -276,8 +289,10 @@ def plan_memory(cfg, mcfg, model):
         plan["act_bytes_full"] if cfg["activation_checkpointing"] else plan["act_bytes_ckpt"])
     # rollout: bf16 weights split over tensor_parallel_size GPUs; KV heads split too (replicated past nkv)
     tp = cfg["tensor_parallel_size"]
-    plan["sync_bytes"] = 2 * plan["params_total"]  # bf16 HF state dict sent to the engines every step
-    plan["engine_weight_bytes"] = plan["sync_bytes"] / tp
+    plan["engine_weight_bytes"] = 2 * plan["params_total"] / tp  # bf16
+    # sent to the engines every step: the bf16 HF state dict, or a LoRA run's fp32 adapters
+    plan["sync_bytes"] = 4 * sum(math.prod(s) for s in lora.adapter_shapes(mcfg, cfg).values()) if cfg[
+        "lora_rank"] else 2 * plan["params_total"]
     kv_heads = max(1, math.ceil(mcfg.num_key_value_heads / tp))
     plan["kv_bytes_per_token"] = 2 * mcfg.num_hidden_layers * kv_heads * mcfg.head_dim * 2
     plan["engine_budget_bytes"] = cfg["engine_memory_fraction"] * plan["gpu_bytes"]
@@ -347,14 +362,17 @@ def print_plan(cfg, plan):
     M = lambda n: f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.1f}M"
     W, ep = plan["world"], plan["ep"]
     ckpt = cfg["activation_checkpointing"]
+    lora_note = (f"LoRA rank {cfg['lora_rank']}: {M(plan['params_trainable_local'])} fp32 adapter parameters, frozen "
+                 f"base in {cfg['param_dtype']}; " if cfg["lora_rank"] else "fp32, ")
     where = "host memory (cpu_offload_optimizer)" if cfg["cpu_offload_optimizer"] else "GPU"
     lines = [
         f"dry run: {M(plan['params_total'])} parameters ({M(plan['params_active'])} active), "
         f"{W} trainer ranks, ep_size {ep} (fake process group; rank 0 shown: FSDP gives it the largest shard)",
         f"per-GPU memory, training ({cfg['param_dtype']} compute; fp32 master weights, gradients and AdamW state):",
-        f"  parameters        {gib(plan['params_bytes'])}  fp32, {M(plan['params_dense_local'])} dense + "
+        f"  parameters        {gib(plan['params_bytes'])}  {lora_note}{M(plan['params_dense_local'])} dense + "
         f"{M(plan['params_expert_local'])} expert parameters on this rank  [{where}]",
-        f"  gradients         {gib(plan['grads_bytes'])}  fp32, sharded like the parameters  [{where}]",
+        f"  gradients         {gib(plan['grads_bytes'])}  fp32, sharded like the parameters{' they train' * bool(lora_note)}"
+        f"  [{where}]",
         f"  optimizer         {gib(plan['optimizer_bytes'])}  AdamW m and v, fp32  [{where}]",
     ] + ([f"  vision tower      {M(plan['params_vision_local'])} of the dense parameters on this rank, " + (
         f"trained: its activations add {gib(plan['vision_act_bytes_per_image']).strip()} per 448x448 image in a "
@@ -381,7 +399,9 @@ def print_plan(cfg, plan):
         f"for {plan['kv_tokens']:,} tokens = {plan['kv_tokens'] // cfg['engine_max_model_len']:,} full "
         f"{cfg['engine_max_model_len']}-token sequences per engine",
         f"engine options: {plan['engine_check']}",
-        f"weight sync per step: {plan['sync_bytes'] / 1e9:.2f} GB (bf16 HF state dict), received by each engine",
+        f"weight sync per step: {plan['sync_bytes'] / 1e9:.2f} GB ("
+        f"{'fp32 LoRA adapters; the engines merge the expert ones' if cfg['lora_rank'] else 'bf16 HF state dict'}), "
+        "received by each engine",
     ]
     if tp > cfg["gpus_per_node"]:
         lines.append(f"note: an engine's {tp} GPUs must sit on one node (one placement bundle; the run stops at engine "

@@ -31,20 +31,20 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                     register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor, Shard
 
+import lora
 import loss
 import plan
 import runlog
 import vl
-from model import (EXPERT_PROJS, GatherRows, SumRows, Transformer, checkpoint_reader, count_ids, hf_name,
-                   init_parameters, is_stacked_experts, load_config, ours_to_hf, read_experts, save_hf_checkpoint,
-                   slot_positions, to_contiguous)
+from model import (EXPERT_PROJS, GatherRows, SumRows, Transformer, checkpoint_reader, copy_hf_extras, count_ids,
+                   hf_name, init_parameters, is_stacked_experts, load_config, ours_to_hf, read_experts,
+                   save_hf_checkpoint, slot_positions, to_contiguous)
 from tiny import ensure_tiny_model, is_tiny_model
 from plan import ConfigError, check_config, loss_config
 from weights_sync import free_port
@@ -117,6 +117,11 @@ activation_checkpointing = False
 cpu_offload_optimizer = False
 gpu_memory_gib = 140.0      # per-GPU memory the dry run plans against (H200: 141 GB as sold, 140.4 GiB)
 gpus_per_node = 8          # GPUs of one node, for the dry run: an engine's tensor_parallel_size GPUs sit on one node
+# LoRA (lora.py): train adapters of this rank on a frozen base (stored in param_dtype), served by vLLM's LoRA support
+lora_rank = 0              # 0: full fine-tuning
+lora_alpha = 16.0          # the adapters' scaling is lora_alpha / lora_rank
+lora_targets = "all"       # "all" or a comma-separated list of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+                           # down_proj (dense MLPs), experts (every routed expert's three projections)
 # -----------------------------------------------------------------------------
 
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, dict))}
@@ -230,7 +235,7 @@ def train(cfg, model, optimizer, run, step, rank, world):
     from tqdm import tqdm
     out_dir = cfg["out_dir"]
     loop = asyncio.new_event_loop()  # runs the weight-sync coroutines of this thread
-    sender = weights_sync.WeightSender()
+    sender = weights_sync.WeightSender(adapter=lora.sync_config(cfg))  # LoRA: the adapters alone travel
     writer, evals = runlog.tensorboard_writer(cfg, rank), {}
     policy_version = step  # one optimizer step = one policy version; the engines start at version 0
     # the engines get the trainer's weights first: a resumed run's, or whatever they were started or left with
@@ -389,6 +394,8 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
     if engines is None:
         placement.append(rollout.reserve_trainer_gpus(trainer_gpus))  # torchrun's GPUs, unknown to Ray
         options = plan.engine_options(cfg)
+        if options.get("lora_path"):  # a fresh engine serves the adapter at zero until its first sync
+            lora.write_zero_adapter(options["lora_path"], plan.planned_model_config(cfg), cfg)
         # routing replay (README, invariant 3): the engine returns each token's experts for the trainer's router to reuse;
         # vLLM returns them on GPU only (Model Runner V2), so a CPU run trains on the trainer's own routing
         options["enable_return_routed_experts"] = torch.cuda.is_available() and plan.planned_model_config(cfg).is_moe
@@ -533,8 +540,9 @@ def build_optimizer(model, cfg):
     dense weights live on different meshes, so they are separate param groups (foreach kernels stay per mesh).
     With cpu_offload_optimizer the shards, their gradients and the Adam state stay in host memory (FSDP's
     CPUOffloadPolicy) and the step runs on the CPU."""
-    experts = [p for n, p in model.named_parameters() if is_stacked_experts(n)]
-    dense = [p for n, p in model.named_parameters() if not is_stacked_experts(n)]
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # LoRA: the adapters only
+    experts = [p for n, p in trainable if is_stacked_experts(n)]
+    dense = [p for n, p in trainable if not is_stacked_experts(n)]
     groups = [{"params": dense}] + ([{"params": experts}] if experts else [])
     # fused: one kernel per group, on the GPU and on the CPU (offloaded state); it also takes the clipping factor
     return torch.optim.AdamW(groups, lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["adam_eps"],
@@ -743,7 +751,7 @@ def meta_sharded_model(mcfg, meshes, cfg):
     """The model on the meta device with this rank's experts only (E / ep_size of each layer), fully_shard applied."""
     ep = ExpertParallel(meshes["ep"]) if meshes["ep"].size() > 1 else None
     with torch.device("meta"):
-        model = Transformer(mcfg, expert_parallel=ep)
+        model = lora.apply(Transformer(mcfg, expert_parallel=ep), cfg)
     return shard_model(model, meshes, cfg)
 
 
@@ -795,9 +803,9 @@ def keep_experts_local(experts, mesh, dtype):
     forward computes with a cast of them to the compute dtype (CastForCompute: its backward returns the gradient in
     fp32); floating inputs are cast as FSDP's mixed precision casts them. Without activation checkpointing
     the casts stay alive until their layer's backward (plan_memory counts them)."""
-    for name in EXPERT_PROJS:
-        p = getattr(experts, name)
-        setattr(experts, name, nn.Parameter(DTensor.from_local(p.data, mesh, [Shard(0)], run_check=False)))
+    for name, p in list(experts.named_parameters()):  # the three projections, and their adapters
+        setattr(experts, name, nn.Parameter(DTensor.from_local(p.data, mesh, [Shard(0)], run_check=False),
+                                            requires_grad=p.requires_grad))
     experts.cast_weights = lambda w: CastForCompute.apply(w, dtype)
     experts.register_forward_pre_hook(
         lambda module, args: tuple(a.to(dtype) if torch.is_floating_point(a) else a for a in args))
@@ -829,7 +837,7 @@ def expert_placement(experts, meshes):
     n = meshes["expert_fsdp"].size()
     shapes = [getattr(experts, name).shape for name in EXPERT_PROJS]
     dim = 1 if shapes[0][0] % n and all(shape[1] % n == 0 for shape in shapes) else 0
-    return lambda param: Shard(dim)
+    return lambda param: Shard(dim if param.shape[1] % n == 0 else 0)  # an adapter's rank may not divide
 
 
 # the autograd all-to-all; torch 2.13 suggests the traced functional collectives instead, but this one is the
@@ -915,6 +923,7 @@ def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_
     else:
         generator = torch.Generator(model.lm_head.weight.device).manual_seed(cfg["seed"] + dist.get_rank())
         init_parameters(((n, local_tensor(p)) for n, p in model.named_parameters()), init_std, generator)
+    lora.fill_adapters(model, cfg["seed"], copy_shard)
     return model
 
 
@@ -928,6 +937,8 @@ def load_hf_weights(model, path):
     only its rows (for experts, only its own experts), so no rank ever holds the whole model."""
     read, cfg = checkpoint_reader(path), model.config
     for name, p in model.named_parameters():
+        if lora.is_adapter(name):
+            continue  # not in the checkpoint: build_model initializes them
         if is_stacked_experts(name):
             first = model.get_submodule(name.rsplit(".", 1)[0]).first_expert
             full = read_experts(read, name, range(first, first + p.shape[0]), cfg)  # p.shape[0]: this rank's experts
@@ -982,7 +993,7 @@ def with_global_experts(state, meshes, experts=False):
 def save_checkpoint(out_dir, model, optimizer, step, cfg, extra=None):
     """Write out_dir/checkpoints/step_NNNNNN (every rank writes its shards) and point `latest` at it."""
     path = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    state = lora.checkpoint_state(model, optimizer)
     dcp.save(with_global_experts(state, model.meshes), checkpoint_id=path)
     if dist.get_rank() == 0:
         torch.save({"step": step, "config": cfg, "extra": extra or {}}, os.path.join(path, "trainer_state.pt"))
@@ -1010,9 +1021,9 @@ def load_checkpoint(path, model, optimizer):
     if path is None or not os.path.isfile(os.path.join(path, "trainer_state.pt")):
         raise FileNotFoundError(f"no checkpoint at {path!r}: expected a directory written by save_checkpoint "
                                 "(out_dir/checkpoints/step_NNNNNN)")
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    state = lora.checkpoint_state(model, optimizer)
     dcp.load(with_global_experts(state, model.meshes), checkpoint_id=path)  # fills `state`'s tensors in place
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=lora.checkpoint_options(model))
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     trainer_state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
     return trainer_state["step"], trainer_state["extra"]
@@ -1045,32 +1056,14 @@ def export_hf(model, path, dtype=torch.bfloat16, source_dir=None):
     state = {}
     for name, t in full_parameters(model):
         if rank0:
-            state[name] = t.to(dtype).cpu()
-    if rank0:
+            state[name] = t.cpu() if lora.is_adapter(name) else t.to(dtype).cpu()
+    if rank0:  # LoRA: the adapters merged into their weights, and alone in path/adapter (PEFT's format)
+        state = lora.export_adapters(state, model, os.path.join(path, "adapter"), source_dir or "")
         save_hf_checkpoint(path, ours_to_hf(state, model.config), model.config, dtype=dtype)
         if source_dir is not None:
             copy_hf_extras(source_dir, path)
     dist.barrier()
     return path
-
-
-def copy_hf_extras(source_dir, path):
-    """Tokenizer, chat template and generation config from source_dir; token ids from its config.json."""
-    import shutil
-    for fname in os.listdir(source_dir):
-        if fname.endswith((".safetensors", ".index.json", ".bin")) or fname == "config.json":
-            continue
-        if os.path.isfile(os.path.join(source_dir, fname)):
-            shutil.copy(os.path.join(source_dir, fname), os.path.join(path, fname))
-    src_cfg = os.path.join(source_dir, "config.json")
-    if os.path.isfile(src_cfg):
-        with open(src_cfg) as f:
-            src = json.load(f)
-        with open(os.path.join(path, "config.json")) as f:
-            hf = json.load(f)
-        hf.update({k: src[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in src})
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(hf, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ gather their blocks to rank 0 over the EP group. The sender casts to the engine 
 flat byte buckets (stacked experts are split into HF's per-expert names, `model.ours_to_hf`), and broadcasts
 bucket k while it packs bucket k+1 (two buffers). Workers receive bucket k+1 while they load bucket k.
 
+A LoRA run (`WeightSender(adapter=lora.sync_config(cfg))`) sends its adapters alone, fp32, in PEFT names, through
+the same gathers and buckets; the workers' `receive_adapter` serves them with vLLM's LoRA support (attention and
+dense MLPs) and merges the routed-expert ones into the expert weights.
+
 Why not vLLM's weight-transfer engine API (`weight_transfer_config`, `WeightTransferEngineFactory`,
 `init_weight_transfer_engine` -> `start_weight_update` -> `update_weights` -> `finish_weight_update`)? Its
 worker half is `initialize_layerwise_reload` -> `model.load_weights` -> `finalize_layerwise_reload`, which is
@@ -44,7 +48,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from model import is_stacked_experts, ours_to_hf
+import lora
+from model import is_stacked_experts, ours_to_hf, weight_files
 
 ALIGN = 256  # byte alignment of each tensor in a bucket: keeps copies and NCCL on aligned addresses
 
@@ -95,9 +100,10 @@ def free_port(host="127.0.0.1"):
 # the bucket plan: which tensor goes where, computed from global shapes alone (no communication)
 
 
-def plan_buckets(model, bucket_bytes, dtype=torch.bfloat16):
+def plan_buckets(model, bucket_bytes, dtype=torch.bfloat16, adapters_only=False):
     """Lay the model's weights, in HF names, into flat byte buckets of at most `bucket_bytes` (a tensor larger
-    than that gets a bucket of its own). Stacked experts are split at expert boundaries.
+    than that gets a bucket of its own). Stacked experts are split at expert boundaries. adapters_only: the LoRA
+    adapters alone, in PEFT names (lora.peft_names), the frozen base stays where it is.
 
     Returns (buckets, pieces). `buckets` is what the engines get: [{"nbytes": int, "tensors": [[hf_name,
     dtype_name, shape, byte_offset], ...]}, ...] (plain lists: it travels as an rpc argument). `pieces` is what
@@ -121,8 +127,11 @@ def plan_buckets(model, bucket_bytes, dtype=torch.bfloat16):
         return offset
 
     for name, p in model.named_parameters():
+        if adapters_only != lora.is_adapter(name):
+            continue
         shape = global_shape(model, name, p)
-        hf = ours_to_hf({name: torch.empty(shape, device="meta")}, model.config)  # per-expert names
+        hf = (dict.fromkeys(lora.peft_names(name, shape)) if adapters_only else  # per-expert names
+              ours_to_hf({name: torch.empty(shape, device="meta")}, model.config))
         if not hf:  # a tied lm_head: the engine ties it to embed_tokens itself
             continue
         if not is_stacked_experts(name):
@@ -211,8 +220,10 @@ class WeightSender:
     """Sends the trainer's weights to the engines. Construct it on every trainer rank; rank 0 is the sender and
     joins the engine group (`connect_engines`), the others only take part in the gathers of `send`."""
 
-    def __init__(self, bucket_bytes=512 << 20, dtype=torch.bfloat16, device=None):
-        self.bucket_bytes, self.dtype = bucket_bytes, dtype
+    def __init__(self, bucket_bytes=512 << 20, dtype=torch.bfloat16, device=None, adapter=None):
+        # adapter: a LoRA run's lora.peft_config: only the adapters travel, in fp32 (megabytes), and the engines
+        # serve them through vLLM's LoRA support (WeightSyncWorker.receive_adapter)
+        self.bucket_bytes, self.dtype, self.adapter = bucket_bytes, torch.float32 if adapter else dtype, adapter
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
         self.group = None  # the engine process group, on the sender only
@@ -233,7 +244,7 @@ class WeightSender:
             self.group = None
 
     def plan(self, model):
-        return plan_buckets(model, self.bucket_bytes, self.dtype)
+        return plan_buckets(model, self.bucket_bytes, self.dtype, adapters_only=self.adapter is not None)
 
     @torch.no_grad()
     def send(self, model, plan):
@@ -254,6 +265,8 @@ class WeightSender:
             buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(min(2, len(buckets)))]
         works, current = [], -1
         for name, p in model.named_parameters():
+            if name not in by_param:  # every rank knows the plan: a frozen base is not gathered
+                continue
             full = self.gather(model, name, p)
             if full is None:
                 continue
@@ -362,8 +375,8 @@ async def sync_weights(engines, sender, model, policy_version):
     t1 = time.perf_counter()
     try:
         # the workers block in the broadcasts of receive_weights while the sender (in a thread) feeds them
-        loads = [asyncio.ensure_future(_call(e, "collective_rpc", "receive_weights", args=(plan[0],)))
-                 for e in engines]
+        rpc = ("receive_adapter", (plan[0], sender.adapter)) if sender.adapter else ("receive_weights", (plan[0],))
+        loads = [asyncio.ensure_future(_call(e, "collective_rpc", *rpc)) for e in engines]
         send = asyncio.ensure_future(asyncio.to_thread(sender.send, model, plan))
         done, _ = await asyncio.wait([*loads, send], return_when=asyncio.FIRST_EXCEPTION)
         failed = [f for f in [*loads, send] if f in done and f.exception() is not None]
@@ -470,10 +483,95 @@ class WeightSyncWorker:
             repack_cpu_moe_experts(self.model_runner.get_model())
         return sum(b["nbytes"] for b in buckets)
 
+    def receive_adapter(self, buckets, config):
+        """Receive a LoRA adapter (PEFT names, lora.peft_config `config`) and serve it. Attention and dense-MLP
+        adapters replace vLLM's LoRA adapter 1 in place (requests name it, capture.Engine's lora_request), so held
+        requests go on with the new adapter after resume. Routed-expert adapters are merged into the expert weights
+        here, base + scaling * B @ A per expert (vLLM's MoE LoRA needs a LoRA-aware fused-experts kernel: Triton on
+        GPU, none on CPU), from a host copy of the base experts read once from the model directory; only adapters
+        travel either way. Returns the bytes received."""
+        if getattr(self, "weight_group", None) is None:
+            raise RuntimeError("receive_adapter before init_weight_group: call connect_engines first")
+        receiver = BucketReceiver(self.weight_group, buckets, self.device)
+        try:
+            tensors = dict(receiver)
+        finally:
+            receiver.drain()
+        scaling = config["lora_alpha"] / config["r"]
+        merged = merged_experts(self, {k: v for k, v in tensors.items() if lora.is_expert_tensor(k)}, scaling)
+        if merged:  # the reload empties vLLM's LoRA slots: the adapter is set again below
+            self.reload_weights(weights_iterator=iter(merged), is_checkpoint_format=True)
+            if self.device.type == "cpu":
+                repack_cpu_moe_experts(self.model_runner.get_model())
+        served = {k: v for k, v in tensors.items() if not lora.is_expert_tensor(k)}
+        if served:
+            from vllm.lora.lora_model import LoRAModel
+            from vllm.lora.peft_helper import PEFTHelper
+            manager = self.model_runner.lora_manager
+            adapter = LoRAModel.from_lora_tensors(LORA_ID, served, PEFTHelper.from_dict(config), device="cpu",
+                                                  dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size)
+            models = manager._adapter_manager  # vLLM's own in-place reload (LoRARequest.load_inplace) does the same
+            models.remove_adapter(LORA_ID)
+            models.add_adapter(adapter)
+            models.activate_adapter(LORA_ID)
+        return sum(b["nbytes"] for b in buckets)
+
     def weights_digest(self):
         """{parameter name: float64 sum} of the engine's weights, to see that a sync changed them."""
         model = self.model_runner.get_model()
         return {name: p.detach().double().sum().item() for name, p in model.named_parameters()}
+
+
+LORA_ID = 1  # the one LoRA adapter an engine serves; capture.Engine's requests name it
+
+
+def merged_experts(worker, adapters, scaling):
+    """[(HF expert weight name, base + scaling * B @ A in the engine dtype)] for expert adapters in PEFT names."""
+    if not adapters:
+        return []
+    if not hasattr(worker, "base_experts"):  # read once: the engine's weights will hold merged values
+        from safetensors import safe_open
+        path = worker.model_config.model
+        worker.base_experts = {}
+        for name, fname in weight_files(path).items():
+            if is_stacked_experts(name):
+                with safe_open(f"{path}/{fname}", framework="pt") as f:
+                    worker.base_experts[name] = f.get_tensor(name)
+    out = []
+    for a_name in (k for k in adapters if ".lora_A." in k):
+        weight = a_name.removeprefix(lora.PEFT_PREFIX).replace(".lora_A.", ".")
+        base = worker.base_experts[weight]
+        delta = adapters[a_name.replace(".lora_A.", ".lora_B.")].float() @ adapters[a_name].float()
+        out.append((weight, (base.float() + scaling * delta).to(base.dtype)))
+    return out
+
+
+def serve_lora_beside_cpu_moe():
+    """Works around vLLM 0.32 on CPU: with enable_lora every FusedMoE layer is marked LoRA-enabled
+    (fused_moe/layer.py: `is_lora_enabled=vllm_config.lora_config is not None`), whatever lora_target_modules says,
+    and the MoE kernel oracle then picks TritonExperts (oracle/unquantized.py), which CPU lacks: the first forward
+    fails with "module 'triton.language' has no attribute 'bfloat16'". Our engines never give the experts to vLLM's
+    LoRA (receive_adapter merges them), so on CPU the MoE layers keep their CPU kernel. Runs in the worker process
+    before the model is built (capture.Engine names LoRAWeightSyncWorker for a LoRA run)."""
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu() or getattr(FusedMoEConfig, "lora_experts_off", False):
+        return
+    post_init = FusedMoEConfig.__post_init__
+
+    def without_expert_lora(self):
+        post_init(self)
+        self.is_lora_enabled = False
+    FusedMoEConfig.__post_init__, FusedMoEConfig.lora_experts_off = without_expert_lora, True
+
+
+def __getattr__(name):
+    # vLLM resolves worker_extension_cls="weights_sync.LoRAWeightSyncWorker" inside the worker process, before it
+    # builds the model: the moment to apply serve_lora_beside_cpu_moe
+    if name != "LoRAWeightSyncWorker":
+        raise AttributeError(f"module 'weights_sync' has no attribute {name!r}")
+    serve_lora_beside_cpu_moe()
+    return WeightSyncWorker
 
 
 def repack_cpu_moe_experts(model):

@@ -81,12 +81,16 @@ def windows(n_microbatches=6, num_experts=CFG.num_experts):
 # the single-process reference: a plain model, loss.py directly, torch's own clipping and AdamW
 
 
-def reference_run(weights, wins, cfg, steps=STEPS):
+def reference_run(weights, wins, cfg, steps=STEPS, prepare=None):
+    """prepare(model): what to do to the plain model before training (e.g. give it LoRA adapters)."""
     model = Transformer.from_pretrained(weights)
     if model.visual is not None:
         model.visual.requires_grad_(cfg["train_vision"])
+    if prepare is not None:
+        prepare(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
     lcfg = train.loss_config(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
+    opt = torch.optim.AdamW(trainable, lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
                             weight_decay=cfg["weight_decay"], eps=ADAM_EPS)
     record = []
     for step in range(steps):
@@ -106,7 +110,7 @@ def reference_run(weights, wins, cfg, steps=STEPS):
                                     mb["token_versions"], step, lcfg, window_tokens)
             l.backward()
             total += l.item()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+        norm = torch.nn.utils.clip_grad_norm_(trainable, cfg["grad_clip"])
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         for group in opt.param_groups:
             group["lr"] = train.learning_rate_at(step, cfg)
