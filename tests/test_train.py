@@ -391,7 +391,8 @@ def test_sft_run_learns_assistant_turns_and_exports_hf(tmp_path, tiny_model_path
     out_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, "train.py", f"--model_path={tiny_model_path}", f"--sft_data={data}",
                           f"--out_dir={out_dir}", "--max_steps=6", "--groups_per_batch=4", "--group_size=2",
-                          "--warmup_steps=1"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_env())
+                          "--warmup_steps=1", "--learning_rate=3e-3"],  # the warm start's rate, not RL's
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_env())
     assert out.returncode == 0, out.stderr[-3000:]
     with open(out_dir / "metrics.jsonl") as f:
         log = [json.loads(line) for line in f]
