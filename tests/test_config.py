@@ -80,7 +80,7 @@ BAD_VALUES = [
     ("--max_staleness=-1", "max_staleness=-1: must be an int >= 0"),
     ("--eps_low=1.5", "eps_low=1.5, eps_high=0.28: need 0 <= eps_low < 1"),
     ("--engine_memory_fraction=0", "engine_memory_fraction=0.0 is not accepted: it must be in (0, 1]"),
-    ("--min_lr=1.0", "min_lr (1.0) is above learning_rate (0.003)"),
+    ("--min_lr=1.0", "min_lr (1.0) is above learning_rate (0.0005)"),
     ("--agent=agents/no_such_agent.py", "agent='agents/no_such_agent.py': no such file"),
     ("--prompts=no_such_prompts.jsonl", "prompts='no_such_prompts.jsonl': no such file"),
     ("--model_path=/no/such/model", "model_path='/no/such/model' has no config.json"),
