@@ -33,8 +33,8 @@ TINY_VL_CONFIG = replace(TINY_CONFIG, moe_intermediate_size=192, mrope_section=[
 # It teaches the protocol (call the tool, copy the numbers in and the result out), not which operation a word names
 # (agents/calculator.py: transcripts): that is what RL has to learn.
 TINY_SFT = "tiny-qwen3-moe-sft"
-WARM_START = dict(transcripts=8192, with_tools=0.25, from_memory=0.6, max_steps=200, learning_rate=3e-3, min_lr=3e-4, warmup_steps=2,
-                  groups_per_batch=10, group_size=4, seed=0)  # train.py config keys, but the transcripts' options
+WARM_START = dict(transcripts=8192, with_tools=0.25, from_memory=0.6, max_steps=200, learning_rate=3e-3, min_lr=3e-4,
+                  warmup_steps=2, groups_per_batch=10, group_size=4, seed=0)  # train.py config keys, but the transcripts' options
 TINY_MODELS = {"tiny-qwen3-moe": TINY_CONFIG, "tiny-qwen3-vl-moe": TINY_VL_CONFIG, TINY_SFT: TINY_CONFIG}  # by name
 
 
@@ -215,10 +215,11 @@ def ensure_warm_start(path):
         f.writelines(json.dumps(row) + "\n" for row in rows)
     print(f"building {path}: the tiny model's warm start, {WARM_START}", flush=True)
     keys = [f"--{k}={v}" for k, v in WARM_START.items() if k not in ("transcripts", "with_tools", "from_memory")]
-    rendezvous = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+    # a run of its own, one rank, before any engine starts: every core (make train's one thread is for RL's sharing)
+    rendezvous = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")
     subprocess.run([sys.executable, os.path.join(root, "train.py"), f"--model_path={base}", f"--sft_data={data}",
                     f"--out_dir={work}", "--checkpoint_every=1000000", *keys], check=True,
-                   env={k: v for k, v in os.environ.items() if k not in rendezvous})  # a run of its own, one rank
+                   env={k: v for k, v in os.environ.items() if k not in rendezvous})
     with open(os.path.join(work, "hf", "warm_start.json"), "w") as f:
         json.dump(WARM_START, f)
     shutil.rmtree(path, ignore_errors=True)
