@@ -41,15 +41,15 @@ class ActorEngine:
         self.router, self.actor = rollout.Router([actor]), actor
         self.policy_version = ray.get(actor.__ray_call__.remote(lambda engine: engine.policy_version))
 
-    async def generate(self, prompt, sampling, request_id, session_id=None):
-        return await self.router.generate(prompt, sampling, request_id, session_id=session_id)
+    async def generate(self, prompt, sampling, request_id, session_id=None, images=None):
+        return await self.router.generate(prompt, sampling, request_id, session_id=session_id, images=images)
 
-    async def stream(self, prompt, sampling, request_id, session_id=None):
-        async for out in self.router.stream(prompt, sampling, request_id, session_id=session_id):
+    async def stream(self, prompt, sampling, request_id, session_id=None, images=None):
+        async for out in self.router.stream(prompt, sampling, request_id, session_id=session_id, images=images):
             yield out
 
-    async def prompt_logprobs(self, token_ids):
-        return await self.actor.prompt_logprobs.remote(token_ids)
+    async def prompt_logprobs(self, token_ids, images=None):
+        return await self.actor.prompt_logprobs.remote(token_ids, images)
 
 
 @pytest.fixture(scope="module")
