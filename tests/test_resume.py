@@ -36,7 +36,8 @@ def run_args(out_dir, model_path, prompts):
     return [f"--out_dir={out_dir}", f"--model_path={model_path}", f"--prompts={prompts}", "--max_steps=4",
             "--checkpoint_every=2", "--group_size=2", "--groups_per_batch=2", "--groups_in_flight=3",
             "--engine_max_model_len=1024", "--engine_memory_fraction=0.3", "--warmup_steps=0", "--save_trajectories=True",
-            "--eval_every=0"]  # no held-out evaluation rows (step 0) in the log
+            "--eval_every=0",  # no held-out evaluation rows (step 0) in the log
+            "--entropy_coef=0.01"]  # the random-init model earns no exact-answer reward: the bonus moves the weights
 
 
 def start(args, log_path):
