@@ -7,6 +7,7 @@ naming the part, and the session carries on.
 
     .venv/bin/python -m pytest tests/test_capture_vl.py -q -s     # one engine for the file (~30-60 s to start)
 """
+import asyncio
 import base64
 import io
 import json
@@ -248,3 +249,37 @@ def test_responses_input_image_and_bad_images_get_a_400_naming_the_part(stack):
     assert r.choices[0].finish_reason in ("stop", "length") and len(session.segment_dicts()) == 2
     assert json.loads(json.dumps(capture.trajectory_record(session.segment_dicts()[0], server.tokenizer)))["images"] \
         == [base64.b64encode(a).decode()]
+
+
+def test_a_request_whose_image_a_cached_prefix_covers_survives_a_sync_pause(stack):
+    """A second attempt at the same prompt finds its image in the prefix cache (vLLM then hands the worker no pixels
+    for it); a weight-sync pause empties the cache and preempts it, so it must encode the image again after resume.
+    Without capture.ImageScheduler the engine died here (every in-flight session got EngineDeadError)."""
+    server, recorder, _ = stack
+    engine, tok = recorder.engine, server.tokenizer
+    image = [tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")]
+    prompt = tok("Look at the triangle:", add_special_tokens=False)["input_ids"] + image + \
+        tok(" what is its area? " * 40, add_special_tokens=False)["input_ids"]  # blocks past the image
+    images, sampling = [png(64, 64, 11)], dict(temperature=1.0, max_tokens=64, ignore_eos=True)
+
+    async def scenario():
+        first = await engine.generate(prompt, dict(sampling, max_tokens=2), "cached-prefix-0", images=images)
+        started, version = asyncio.Event(), engine.policy_version
+
+        async def second():
+            async for out in engine.stream(prompt, sampling, "cached-prefix-1", images=images):
+                if len(out["token_ids"]) >= 2:
+                    started.set()
+            return out
+        task = asyncio.create_task(second())
+        await started.wait()
+        await engine.pause()  # as a weight sync does: the prefix cache is emptied, the request preempted
+        await engine.set_version(version + 1)
+        await engine.resume()
+        try:
+            return first, await task
+        finally:
+            await engine.set_version(version)
+    first, out = server.run_in_loop(scenario())
+    assert len(first["token_ids"]) == 2 and len(out["token_ids"]) == 64
+    assert out["token_versions"][0] == engine.policy_version < out["token_versions"][-1]  # sampled across the sync
