@@ -603,7 +603,7 @@ class VisionModel(nn.Module):
         self.merger = PatchMerger(vc, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(PatchMerger(vc, True) for _ in vc.deepstack_visual_indexes)
 
-    def forward(self, pixel_values, grid_thw):
+    def forward(self, pixel_values, grid_thw, checkpointing=False):
         vc, m, dev = self.config, self.config.spatial_merge_size, pixel_values.device
         proj = self.patch_embed.proj
         # a convolution with stride = kernel over one patch is a linear map of the flattened patch
@@ -626,7 +626,10 @@ class VisionModel(nn.Module):
         lengths = [h * w for t, h, w in grids for _ in range(t)]
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, lengths)
+            if checkpointing:  # each block keeps its input alone and is recomputed in backward, as the text blocks
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, lengths, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, lengths)
             if i in vc.deepstack_visual_indexes:
                 deepstack.append(self.deepstack_merger_list[vc.deepstack_visual_indexes.index(i)](x))
         return self.merger(x), deepstack
@@ -663,7 +666,8 @@ def mrope_cos_sin(pos, cfg, dtype):
 def embed_images(model, input_ids, x, pixel_values, image_grid_thw):
     """The text embeddings x (B, T, D) with the image tokens replaced by the tower's output; M-RoPE's cos and sin;
     the image tokens' (row, column) indices, and the deepstack features the first decoder layers add there."""
-    image_tokens, deepstack = model.visual(pixel_values, image_grid_thw)
+    image_tokens, deepstack = model.visual(pixel_values, image_grid_thw,
+                                           checkpointing=model.activation_checkpointing and model.training)
     where = (input_ids == model.config.vision.image_token_id).nonzero(as_tuple=True)  # NOTE: a device-to-host sync
     if where[0].numel() != image_tokens.shape[0]:
         raise ValueError(f"input_ids hold {where[0].numel()} image tokens but the images (image_grid_thw "

@@ -219,14 +219,21 @@ def activation_bytes(mcfg, tokens, checkpointing, dtype_bytes=2, expert_parallel
     return tokens * (b * D * mcfg.num_hidden_layers + replay + max(layers) + once)
 
 
-def vision_activation_bytes(vc, dtype_bytes=2, patches=784):
+def vision_activation_bytes(vc, checkpointing, dtype_bytes=2, patches=784):
     """Estimated bytes the vision tower saves for backward for one image of `patches` patches (784: 448x448 at
-    patch 16). Per patch and block: the inputs of both LayerNorms and of qkv, proj, fc1 and fc2, v and the attention
-    output (9 D in the compute dtype), q and k in fp32 for the rotary (8 D), the MLP's hidden before and after GELU
-    (2 H); with the deepstack and final mergers' inputs at the end."""
+    patch 16), counted from what each op of model.py saves. Per patch: its pixels (the patch embedding's input) and
+    the rotary's fp32 cos and sin; per block, the inputs of both LayerNorms, qkv, q and k after the rotary, v, the
+    attention output and proj's input, the MLP's hidden before and after GELU (11 D + 2 H in the compute dtype),
+    an fp32 logsumexp per head and the norms' statistics; each merger (deepstack and final) its LayerNorm output, fc1
+    output and GELU output. With activation checkpointing each block keeps only its input, and one block at a time
+    is recomputed in backward."""
     b, D, H = dtype_bytes, vc.hidden_size, vc.intermediate_size
-    per_block = 9 * b * D + 8 * D + 2 * b * H
-    return patches * (vc.depth * per_block + (len(vc.deepstack_visual_indexes) + 1) * 3 * b * D)
+    once = b * vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2 + 8 * (D // vc.num_heads)
+    per_block = 11 * b * D + 2 * b * H + 4 * vc.num_heads + 4 * b
+    mergers = (len(vc.deepstack_visual_indexes) + 1) * 3 * b * D + b * D  # + the last block's output
+    if checkpointing:
+        return patches * (once + vc.depth * b * D + per_block + mergers)
+    return patches * (once + vc.depth * per_block + mergers)
 
 
 def fsdp_unit_params(model):
@@ -267,7 +274,11 @@ def plan_memory(cfg, mcfg, model):
         params_bytes=4 * trainable + (b if cfg["lora_rank"] else 4) * (params - trainable), grads_bytes=4 * trainable,
         optimizer_bytes=8 * trainable, params_trainable_local=trainable,
         params_vision_local=sum(local_tensor(p).numel() for n, p in model.named_parameters() if n.startswith("visual.")),
-        vision_act_bytes_per_image=vision_activation_bytes(mcfg.vision, b) if mcfg.vision and cfg["train_vision"] else 0,
+        # a trained tower's activations, at most one 448x448 image (784 patches, 196 tokens) per 196 tokens of the
+        # microbatch: the bound where every token is an image token (a frozen tower keeps none)
+        images=tokens // (784 // mcfg.vision.spatial_merge_size ** 2) if mcfg.vision else 0,
+        vision_act_bytes_per_image={c: vision_activation_bytes(mcfg.vision, c, b) if mcfg.vision and cfg[
+            "train_vision"] else 0 for c in (True, False)},
         # the root unit (embeddings, final norm, lm_head) stays gathered from forward to the end of backward, with
         # its gradient; blocks: the one computing plus the next one prefetched, and the computing one's gradient
         # unsharded in the compute dtype and in fp32 for the reduce-scatter
@@ -283,6 +294,8 @@ def plan_memory(cfg, mcfg, model):
         gpu_bytes=cfg["gpu_memory_gib"] * GiB)
     on_gpu_state = 0 if cfg["cpu_offload_optimizer"] else plan["params_bytes"] + plan["grads_bytes"] + plan["optimizer_bytes"]
     transient = plan["gather_bytes"] + plan["logits_bytes"]
+    for c in (True, False):  # the image bound's vision activations join the text's
+        plan["act_bytes_" + ("ckpt" if c else "full")] += plan["images"] * plan["vision_act_bytes_per_image"][c]
     act = plan["act_bytes_ckpt"] if cfg["activation_checkpointing"] else plan["act_bytes_full"]
     plan["total_bytes"] = on_gpu_state + transient + act
     plan["total_bytes_other_ckpt"] = on_gpu_state + transient + (
@@ -375,9 +388,10 @@ def print_plan(cfg, plan):
         f"  [{where}]",
         f"  optimizer         {gib(plan['optimizer_bytes'])}  AdamW m and v, fp32  [{where}]",
     ] + ([f"  vision tower      {M(plan['params_vision_local'])} of the dense parameters on this rank, " + (
-        f"trained: its activations add {gib(plan['vision_act_bytes_per_image']).strip()} per 448x448 image in a "
-        "microbatch (not in the total)" if cfg["train_vision"] else "frozen (train_vision=False): no gradients, "
-        "no AdamW state, no activations kept")] if plan["params_vision_local"] else []) + [
+        f"trained: activations below include {plan['images']} 448x448 images per microbatch (every token an image "
+        f"token) at {gib(plan['vision_act_bytes_per_image'][ckpt]).strip()} each" if cfg["train_vision"] else
+        "frozen (train_vision=False): no gradients, no AdamW state, no activations kept")]
+        if plan["params_vision_local"] else []) + [
         f"  all-gather        {gib(plan['gather_bytes'])}  unsharded: root unit ({M(plan['root_numel'])}, gathered "
         f"forward to end of backward, with its gradient) + 2 x largest block ({M(plan['block_numel'])} incl. "
         "its experts) + that block's gradient for the reduce-scatter",

@@ -208,6 +208,7 @@ def main(argv):
     # the rollout side, on rank 0: engines, router, capture server, pool
     import logging
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engines' start-up and per-sync notes, unless asked
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per CPU engine (else half the RAM)
     # a model in training writes malformed tool calls all the time; vLLM's parser logs a traceback for each
     logging.getLogger("vllm.tool_parsers.hermes_tool_parser").setLevel(logging.CRITICAL)
     ray = connect_ray(cfg, rank, world)

@@ -125,6 +125,20 @@ def test_checkpoint_layout_and_round_trip(tmp_path):
     assert all(torch.equal(back[n], t) for n, t in m.state_dict().items())
 
 
+def test_activation_checkpointing_keeps_the_gradients():
+    """With activation checkpointing the tower's blocks are recomputed in backward too: the same gradients."""
+    input_ids, pixel_values, grid = image_batch(MOE_VL.vision, GRIDS)
+    grads = []
+    for checkpointing in (False, True):
+        m = random_model(MOE_VL).train()
+        m.activation_checkpointing = checkpointing
+        m(input_ids, pixel_values=pixel_values, image_grid_thw=grid).square().mean().backward()
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    assert grads[0].keys() == grads[1].keys() and any(n.startswith("visual.blocks.") for n in grads[0])
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, rtol=1e-5, atol=1e-7, msg=n)
+
+
 def test_routing_replay_with_images():
     m = random_model(MOE_VL).eval()
     input_ids, pixel_values, grid = image_batch(MOE_VL.vision, GRIDS)
