@@ -196,6 +196,11 @@ def checkpoint_state(model, optimizer):
             "optimizer": get_optimizer_state_dict(model, optimizer)}
 
 
+def learning_rate(cfg):
+    """The peak learning rate of a run: lora_learning_rate when it trains adapters, learning_rate otherwise."""
+    return cfg["lora_learning_rate"] if cfg["lora_rank"] else cfg["learning_rate"]
+
+
 def sync_config(cfg):
     """What a LoRA run's weight sync sends with the adapters (their PEFT config); None for full fine-tuning."""
     return peft_config(cfg["lora_rank"], cfg["lora_alpha"], parse_targets(cfg["lora_targets"])) if cfg["lora_rank"] else None
