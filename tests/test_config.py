@@ -43,7 +43,8 @@ def test_a_lora_run_schedules_lora_learning_rate():
     assert train.learning_rate_at(top, adapters) == adapters["lora_learning_rate"]
     assert train.learning_rate_at(end, adapters) == pytest.approx(adapters["min_lr"])
     # --learning_rate moves full fine-tuning's rate only; --lora_learning_rate the LoRA run's
-    assert train.learning_rate_at(top, configure(["--lora_rank=8", "--learning_rate=1e-5"])) == adapters["lora_learning_rate"]
+    peak = adapters["lora_learning_rate"]
+    assert train.learning_rate_at(top, configure(["--lora_rank=8", "--learning_rate=1e-5"])) == peak
     assert train.learning_rate_at(top, configure(["--lora_rank=8", "--lora_learning_rate=2e-3"])) == 2e-3
     with pytest.raises(ConfigError, match=r"min_lr \(0.01\) is above lora_learning_rate \(0.005\)"):
         check_config(configure(["--lora_rank=8", "--min_lr=0.01"]))
