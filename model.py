@@ -275,19 +275,30 @@ def silu_mul(gate, up, scale):
     return F.silu(gate) * up * scale.unsqueeze(-1)
 
 
+@cuda_compiled
+def silu_mul_lora(gate, up, adapters, scale):
+    """silu_mul with the gate and up adapters' outputs (N, 2H: gate's, then up's) added: one kernel, not three."""
+    H = gate.shape[-1]
+    return F.silu(gate + adapters[:, :H]) * (up + adapters[:, H:]) * scale.unsqueeze(-1)
+
+
 def experts_grouped_mm(x, counts, scale, gate_proj, up_proj, down_proj, lora=None):
-    """Same as experts_loop in three grouped GEMMs (CUDA, bf16), two more per adapted projection; no host sync."""
+    """Same as experts_loop in three grouped GEMMs (CUDA, bf16), four more with LoRA adapters; no host sync."""
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
 
-    def mm(h, w, i):  # weights are (E, out, in) like nn.Linear; transposed views are the (E, in, out) operands
-        y = torch._grouped_mm(h, w.transpose(-2, -1), offs=offs)
-        if lora is not None:  # (N, r) then (N, out): rank-r GEMMs, a few percent of the base one's FLOPs
-            A, B = lora[1][i]
-            y = y + lora[0] * torch._grouped_mm(torch._grouped_mm(h, A.transpose(-2, -1), offs=offs),
-                                                B.transpose(-2, -1), offs=offs)
-        return y
-    h = silu_mul(mm(x, gate_proj, 0), mm(x, up_proj, 1), scale)  # (N, H)
-    return mm(h, down_proj, 2)  # (N, D)
+    def mm(h, w):  # weights are (E, out, in) like nn.Linear; transposed views are the (E, in, out) operands
+        return torch._grouped_mm(h, w.transpose(-2, -1), offs=offs)
+    if lora is None:
+        return mm(silu_mul(mm(x, gate_proj), mm(x, up_proj), scale), down_proj)
+    s, ((A_g, B_g), (A_u, B_u), (A_d, B_d)) = lora
+    r = A_g.shape[1]
+    # gate's and up's adapters as one of rank 2r: one rank-2r GEMM reads x once for both, and one (N, 2r) x (2r, 2H)
+    # GEMM with B block-diagonal applies both Bs; the scaling goes into the (E, out, r) Bs, not into (N, out) outputs.
+    # The rank-r GEMMs are memory-bound: their cost is reading x and h again and writing (N, 2H) and (N, D)
+    B_gu = torch.cat([F.pad(B_g, (0, r)), F.pad(B_u, (r, 0))], 1) * s  # (E, 2H, 2r)
+    adapters = mm(mm(x, torch.cat([A_g, A_u], 1)), B_gu)  # (N, 2H)
+    h = silu_mul_lora(mm(x, gate_proj), mm(x, up_proj), adapters, scale)  # (N, H)
+    return mm(h, down_proj) + mm(mm(h, A_d), B_d * s)  # (N, D)
 
 
 # Rows and slots. Each row of an (N, D) tensor has K slots, slot s = row * K + j: a token's j-th chosen expert, or

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 import lora
 import train
-from model import Transformer
+from model import Transformer, experts_grouped_mm, experts_loop
 from test_train import CFG, GRAD_TOL, PARAM_TOL, STEPS, make_weights, reference_run, run_steps, spawn, trainer_config, \
     windows
 
@@ -57,6 +57,32 @@ def test_adapted_model_equals_its_merged_weights_and_trains_the_adapters_alone()
     assert "base_model.model.model.layers.0.mlp.experts.7.down_proj.lora_B.weight" in peft
     assert "base_model.model.model.layers.1.mlp.gate_proj.lora_A.weight" in peft
     assert not any(".mlp.gate.lora" in k for k in peft)  # the router is not a target
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA"))])
+def test_grouped_gemm_expert_adapters_match_the_loop_with_gradients(device):
+    # the fused grouped path (gate and up adapters as one of rank 2r, Bs block-diagonal, adds inside silu_mul_lora)
+    # against the per-expert loop: outputs and the gradients of the adapters, of x and of the routing weights
+    torch.manual_seed(0)
+    E, D, H, r, s = 6, 64, 96, 8, 2.0
+    counts = torch.bincount(torch.randint(0, E, (300,)), minlength=E)
+    counts[2] = 0  # an expert with no tokens
+    N = int(counts.sum())
+    base = [torch.randn(E, H, D) * 0.1, torch.randn(E, H, D) * 0.1, torch.randn(E, D, H) * 0.1]
+    adapters = [t * 0.1 for ins, outs in ((D, H), (D, H), (H, D)) for t in (torch.randn(E, r, ins), torch.randn(E, outs, r))]
+    x, w = torch.randn(N, D), torch.rand(N)
+
+    def run(fn):
+        leaves = [t.to(device, torch.bfloat16).requires_grad_() for t in [x, w, *adapters]]
+        g, u, d = (t.to(device, torch.bfloat16) for t in base)  # the frozen base
+        out = fn(leaves[0], counts.to(device), leaves[1], g, u, d, (s, tuple(zip(leaves[2::2], leaves[3::2]))))
+        out.float().square().sum().backward()
+        return [out.float().cpu()] + [t.grad.float().cpu() for t in leaves]
+    for name, got, want in zip(["out", "x", "scale", "A_g", "B_g", "A_u", "B_u", "A_d", "B_d"],
+                               run(experts_grouped_mm), run(experts_loop)):
+        assert want.abs().max() > 0, name
+        torch.testing.assert_close(got, want, atol=3e-2 * want.abs().max().item(), rtol=3e-2, msg=lambda m: f"{name}: {m}")
 
 
 def test_bad_lora_values_fail_before_any_work(tmp_path):
