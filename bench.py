@@ -323,7 +323,9 @@ def bench_lora(*args):
     rank-`rank` adapters on gate, up and down over a frozen base (gradients of the adapters, the rows and the routing
     weights) against full fine-tuning (gradients of the base weights too), and the frozen base without adapters (the
     floor: no weight gradient GEMMs at all). Default shape: Qwen3-30B-A3B's experts (D 2048, H 768), 16 local experts
-    (128 over expert parallelism 8). Prints ms of each and ratio = LoRA / full fine-tuning (target: <= 1.0).
+    (128 over expert parallelism 8). Prints ms of each and ratio = LoRA / full fine-tuning (target: <= 1.0). Each step
+    is timed as the trainer runs it, launches from Python included: at a few thousand rows per expert the LoRA step
+    launches more kernels than the GPU needs time for on a slow host CPU.
 
         python bench.py lora --experts=128 --rows=32768 --rank=8
     """
