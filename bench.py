@@ -7,6 +7,7 @@ one JSON object with the figures and `ratio`.
     python bench.py train        # our FSDP2+EP trainer vs transformers' Qwen3MoeForCausalLM under FSDP2 (GPU)
     python bench.py async        # streaming rollout pool vs synchronous generate-then-train
     python bench.py sync         # trainer -> engine weight broadcast vs raw NCCL broadcast (2 GPUs)
+    python bench.py lora         # grouped-GEMM experts with LoRA adapters on a frozen base vs full fine-tuning (GPU)
     python bench.py objectstore  # image trajectories to trainer ranks by ref vs gathered in the driver: driver memory
     python bench.py vl           # our Qwen3-VL-MoE forward/backward vs transformers' (1 GPU): parity, tokens/s
 """
@@ -311,6 +312,60 @@ def _lora_sync(rank, opt, cfg, model, group, device, timed):
     dist.all_gather_object(gathered, sums)
     return dict(lora_rank=opt["lora_rank"], lora_bytes=sum(b["nbytes"] for b in buckets), lora_s=round(seconds, 4),
                 lora_match=gathered[0] == gathered[1])
+
+
+# -----------------------------------------------------------------------------
+# lora: the routed experts' forward + backward with adapters on a frozen base vs full fine-tuning
+
+
+def bench_lora(*args):
+    """The grouped-GEMM experts (model.experts_grouped_mm) forward + backward on `rows` routed rows, bf16: with
+    rank-`rank` adapters on gate, up and down over a frozen base (gradients of the adapters, the rows and the routing
+    weights) against full fine-tuning (gradients of the base weights too), and the frozen base without adapters (the
+    floor: no weight gradient GEMMs at all). Default shape: Qwen3-30B-A3B's experts (D 2048, H 768), 16 local experts
+    (128 over expert parallelism 8). Prints ms of each and ratio = LoRA / full fine-tuning (target: <= 1.0). Each step
+    is timed as the trainer runs it, launches from Python included: at a few thousand rows per expert the LoRA step
+    launches more kernels than the GPU needs time for on a slow host CPU.
+
+        python bench.py lora --experts=128 --rows=32768 --rank=8
+    """
+    import torch
+    from model import experts_grouped_mm
+    if not torch.cuda.is_available():
+        sys.exit("bench.py lora needs a GPU (the grouped GEMMs are the CUDA path)")
+    opt = _int_options(args, experts=16, dim=2048, hidden=768, rows=32768, rank=8, iters=20, seed=0)
+    E, D, H, N, r = opt["experts"], opt["dim"], opt["hidden"], opt["rows"], opt["rank"]
+    g = torch.Generator(device="cuda").manual_seed(opt["seed"])
+    randn = lambda *shape, std=0.02: (torch.randn(*shape, device="cuda", generator=g) * std).bfloat16()  # noqa: E731
+    counts = torch.bincount(torch.randint(0, E, (N,), device="cuda", generator=g), minlength=E)  # uniform routing
+    x, scale = randn(N, D, std=1.0), torch.rand(N, device="cuda", generator=g).bfloat16()
+    base = [randn(E, H, D), randn(E, H, D), randn(E, D, H)]
+    adapters = [randn(E, r, D), randn(E, H, r), randn(E, r, D), randn(E, H, r), randn(E, r, H), randn(E, D, r)]
+
+    def step(train_base, with_lora):
+        leaves = [t.detach().requires_grad_() for t in [x, scale]]
+        ws = [t.detach().requires_grad_(train_base) for t in base]
+        lo = [t.detach().requires_grad_() for t in adapters]
+        lora = (2.0, tuple(zip(lo[0::2], lo[1::2]))) if with_lora else None
+        experts_grouped_mm(leaves[0], counts, leaves[1], *ws, lora).backward(grad)
+
+    def ms(*variant):  # CUDA events around `iters` steps after warm-up (the first calls compile silu_mul)
+        for _ in range(5):
+            step(*variant)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(opt["iters"]):
+            step(*variant)
+        end.record()
+        torch.cuda.synchronize()
+        return round(start.elapsed_time(end) / opt["iters"], 3)
+    grad = randn(N, D, std=1.0)
+    full, lora, floor = ms(True, False), ms(False, True), ms(False, False)
+    result = dict(opt, full_ms=full, lora_ms=lora, frozen_base_ms=floor, ratio=round(lora / full, 3),
+                  over_frozen_base=round(lora / floor, 3))
+    print(f"experts {E} x D {D} x H {H}, {N} rows, rank {r}: LoRA {lora} ms, full fine-tuning {full} ms, "
+          f"frozen base without adapters {floor} ms (fwd + bwd)")
+    return result
 
 
 # -----------------------------------------------------------------------------

@@ -4,7 +4,7 @@ LoRA adapters on the model: the adapter layers, their init, their names (ours, P
 A target is an attention projection (q_proj, k_proj, v_proj, o_proj), a dense MLP projection (gate_proj, up_proj,
 down_proj; not the MoE router `mlp.gate`), or `experts`: every routed expert's three projections, with A and B
 stacked (E, ...) like the base experts, so expert parallelism partitions them with their experts and the grouped-GEMM
-path computes them with two more grouped GEMMs per projection (model.experts_grouped_mm). The forward of an adapted
+path computes them beside the frozen base's GEMMs (model.LoRAGroupedMM). The forward of an adapted
 weight W is x W^T + scaling * (x A^T) B^T, scaling = lora_alpha / lora_rank; A (r, in) starts uniform in
 +-1/sqrt(in) and B (out, r) at zero, as PEFT does, so a fresh adapter leaves the model unchanged.
 
@@ -194,6 +194,11 @@ def checkpoint_state(model, optimizer):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     return {"model": get_model_state_dict(model, options=checkpoint_options(model)),
             "optimizer": get_optimizer_state_dict(model, optimizer)}
+
+
+def learning_rate(cfg):
+    """The peak learning rate of a run: lora_learning_rate when it trains adapters, learning_rate otherwise."""
+    return cfg["lora_learning_rate"] if cfg["lora_rank"] else cfg["learning_rate"]
 
 
 def sync_config(cfg):

@@ -276,18 +276,111 @@ def silu_mul(gate, up, scale):
 
 
 def experts_grouped_mm(x, counts, scale, gate_proj, up_proj, down_proj, lora=None):
-    """Same as experts_loop in three grouped GEMMs (CUDA, bf16), two more per adapted projection; no host sync."""
+    """Same as experts_loop in three grouped GEMMs (CUDA, bf16); no host sync. With LoRA adapters (on a frozen base,
+    as lora.py trains them) through LoRAGroupedMM: gate and up in one call, down in another."""
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    if lora is None:
+        def mm(h, w):  # weights are (E, out, in) like nn.Linear; transposed views are the (E, in, out) operands
+            return torch._grouped_mm(h, w.transpose(-2, -1), offs=offs)
+        return mm(silu_mul(mm(x, gate_proj), mm(x, up_proj), scale), down_proj)
+    s, ((A_g, B_g), (A_u, B_u), (A_d, B_d)) = lora
+    rows = (offs, lowrank_tiles(counts) if x.is_cuda and triton is not None else None)  # for every lowrank_add
+    # gate's and up's adapters as one of rank 2r (x read once for both); the scaling goes into the (E, out, r) Bs
+    gate, up = LoRAGroupedMM.apply(x, rows, torch.cat([A_g, A_u], 1), 2, gate_proj, up_proj, B_g * s, B_u * s)
+    return LoRAGroupedMM.apply(silu_mul(gate, up, scale), rows, A_d, 1, down_proj, B_d * s)[0]
 
-    def mm(h, w, i):  # weights are (E, out, in) like nn.Linear; transposed views are the (E, in, out) operands
-        y = torch._grouped_mm(h, w.transpose(-2, -1), offs=offs)
-        if lora is not None:  # (N, r) then (N, out): rank-r GEMMs, a few percent of the base one's FLOPs
-            A, B = lora[1][i]
-            y = y + lora[0] * torch._grouped_mm(torch._grouped_mm(h, A.transpose(-2, -1), offs=offs),
-                                                B.transpose(-2, -1), offs=offs)
-        return y
-    h = silu_mul(mm(x, gate_proj, 0), mm(x, up_proj, 1), scale)  # (N, H)
-    return mm(h, down_proj, 2)  # (N, D)
+
+class LoRAGroupedMM(torch.autograd.Function):
+    """Grouped GEMMs of x (N, in), rows sorted by expert (rows: offs, the cumulative row counts, and lowrank_tiles or
+    None), with n frozen expert weights W_i (E, out_i, in), each plus a LoRA update: y_i = x W_i^T + (x A_i^T) B_i^T.
+    The A_i come stacked along the rank, A (E, sum r_i, in), so one GEMM reads x for all of them; B_i (E, out_i, r_i),
+    scaled. Gradients: x, A, the B_i; none for the base, so none of its weight-gradient GEMMs (a third of full
+    fine-tuning's FLOPs). The rank-r products that write a full-width output (z B^T forward, dz A backward) add into
+    the base GEMM's output with lowrank_add."""
+
+    @staticmethod
+    def forward(ctx, x, rows, A, n, *weights_and_Bs):
+        (offs, tiles), Ws, Bs = rows, weights_and_Bs[:n], weights_and_Bs[n:]
+        if any(W.requires_grad for W in Ws):
+            raise ValueError("LoRAGroupedMM trains adapters on a frozen base: the expert weights must not need grad")
+        z = torch._grouped_mm(x, A.transpose(-2, -1), offs=offs)  # (N, R)
+        zs = z.split([B.shape[-1] for B in Bs], 1)
+        ys = [lowrank_add(torch._grouped_mm(x, W.transpose(-2, -1), offs=offs), zi, B.transpose(-2, -1), rows)
+              for W, zi, B in zip(Ws, zs, Bs)]
+        ctx.save_for_backward(x, A, z, *weights_and_Bs)
+        ctx.rows = rows
+        ctx.n = n
+        return tuple(ys)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        x, A, z, *weights_and_Bs = ctx.saved_tensors
+        (offs, _), Ws, Bs = ctx.rows, weights_and_Bs[:ctx.n], weights_and_Bs[ctx.n:]
+        dys = [dy.contiguous() for dy in dys]
+        dz = torch.cat([torch._grouped_mm(dy, B, offs=offs) for dy, B in zip(dys, Bs)], 1)  # (N, R)
+        dx = torch._grouped_mm(dys[0], Ws[0], offs=offs)
+        for dy, W in zip(dys[1:], Ws[1:]):
+            dx = dx + torch._grouped_mm(dy, W, offs=offs)
+        dx = lowrank_add(dx, dz, A, ctx.rows)
+        dA = torch._grouped_mm(dz.t(), x, offs=offs)  # (E, R, in): the rows' sum per expert
+        dBs = [torch._grouped_mm(dy.t(), zi.contiguous(), offs=offs) for dy, zi in  # (E, out_i, r_i)
+               zip(dys, z.split([B.shape[-1] for B in Bs], 1))]
+        return dx, None, dA, None, *[None] * ctx.n, *dBs
+
+
+def lowrank_add(y, z, M, rows):
+    """y (N, O) plus each row's z (N, R) @ M[e] (M (E, R, O), any strides) for the expert e of the row (rows sorted
+    by expert; rows: offs, the cumulative row counts, and lowrank_tiles, None off CUDA). On CUDA one Triton kernel
+    adds in place, memory-bound (y read and written once), where a grouped GEMM of inner dimension R writes its
+    full-width output at a fraction of the bandwidth (on an H200 at Qwen3-30B-A3B's expert shape, as long as a base
+    GEMM) and an add then reads it again."""
+    offs, tiles = rows
+    if tiles is None:
+        return y + torch._grouped_mm(z, M, offs=offs)  # the reference; the kernel matches it to bf16 rounding
+    return lowrank_add_triton(y, z, M, offs, tiles)
+
+
+LOWRANK_BM, LOWRANK_BN = 64, 128  # lowrank_add's tile: rows of one expert x output columns
+
+
+def lowrank_tiles(counts):
+    """The cumulative count of lowrank_add's row tiles up to each expert (int32 (E,)), from its row counts."""
+    return torch.cumsum((counts + LOWRANK_BM - 1) // LOWRANK_BM, 0, dtype=torch.int32)
+
+
+def lowrank_add_triton(y, z, M, offs, tiles):
+    (N, O), (E, R), BM, BN = y.shape, M.shape[:2], LOWRANK_BM, LOWRANK_BN
+    _lowrank_add_kernel[(triton.cdiv(N, BM) + E, triton.cdiv(O, BN))](
+        y, z, M, offs, tiles, O, R, E, *z.stride(), *M.stride(), BM=BM, BN=BN, BR=max(16, triton.next_power_of_2(R)),
+        BE=triton.next_power_of_2(E), UPCAST=os.environ.get("TRITON_INTERPRET") == "1")
+    return y
+
+
+if triton is not None:
+    @triton.jit
+    def _lowrank_add_kernel(y, z, M, offs, tiles, O, R, E, sz0, sz1, sm0, sm1, sm2, BM: tl.constexpr,
+                            BN: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr, UPCAST: tl.constexpr):
+        # program (t, j): row tile t counted over the experts (tiles: cumulative tiles up to each expert; the grid has
+        # E spare tiles, as each expert's last tile may be partial), columns j * BN to (j + 1) * BN
+        t = tl.program_id(0)
+        experts = tl.arange(0, BE)
+        e = tl.sum((tl.load(tiles + experts, mask=experts < E, other=2 ** 30) <= t).to(tl.int32))
+        if e < E:
+            first_tile = tl.load(tiles + e - 1, mask=e > 0, other=0)
+            row_end = tl.load(offs + e)
+            rows = (tl.load(offs + e - 1, mask=e > 0, other=0) + (t - first_tile) * BM + tl.arange(0, BM)).to(tl.int64)
+            cols = tl.program_id(1) * BN + tl.arange(0, BN)
+            ks = tl.arange(0, BR)
+            zt = tl.load(z + rows[:, None] * sz0 + ks[None, :] * sz1,
+                         mask=(rows[:, None] < row_end) & (ks[None, :] < R), other=0.0)
+            mt = tl.load(M + e * sm0 + ks[:, None] * sm1 + cols[None, :] * sm2,
+                         mask=(ks[:, None] < R) & (cols[None, :] < O), other=0.0)
+            mask = (rows[:, None] < row_end) & (cols[None, :] < O)
+            ptrs = y + rows[:, None] * O + cols[None, :]
+            if UPCAST:  # Triton's interpreter (the CPU test) gets bf16 dots wrong; on the GPU bf16 in, fp32 out
+                zt, mt = zt.to(tl.float32), mt.to(tl.float32)
+            acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + tl.dot(zt, mt)
+            tl.store(ptrs, acc.to(y.dtype.element_ty), mask=mask)
 
 
 # Rows and slots. Each row of an (N, D) tensor has K slots, slot s = row * K + j: a token's j-th chosen expert, or

@@ -45,7 +45,8 @@ RANGES = {
     (lambda v: 0 <= v <= 512, "in [0, 512] (0: full fine-tuning; vLLM serves ranks up to 512)"): ("lora_rank",),
     (lambda v: v >= 0, ">= 0 (0 never stops)"): ("max_failed_rounds",),
     (lambda v: v >= 0, ">= 0 (0 never clips)"): ("grad_clip",),
-    (lambda v: v > 0, "> 0"): ("learning_rate", "adam_eps", "attempt_timeout_s", "gpu_memory_gib", "lora_alpha"),
+    (lambda v: v > 0, "> 0"): ("learning_rate", "adam_eps", "attempt_timeout_s", "gpu_memory_gib", "lora_alpha",
+                               "lora_learning_rate"),
     (lambda v: v > 0, "> 0 (the trainer divides logits by it, as the engine samples)"): ("temperature",),
     (lambda v: 0 < v <= 1, "in (0, 1]"): ("top_p", "engine_memory_fraction"),
     (lambda v: 0 <= v < 1, "in [0, 1)"): ("beta1", "beta2"),
@@ -115,9 +116,10 @@ def check_config(cfg, mcfg=None, world_size=None):
     if cfg["lora_rank"] and not lora.adapter_shapes(mcfg, cfg):
         raise ConfigError(f"lora_targets={cfg['lora_targets']!r} names no layer of this model (a dense model has no "
                           "experts, an all-MoE model no dense MLP): add attention projections or use 'all'")
-    if cfg["min_lr"] > cfg["learning_rate"]:
-        raise ConfigError(f"min_lr ({cfg['min_lr']}) is above learning_rate ({cfg['learning_rate']}): the schedule "
-                          "decays from learning_rate to min_lr")
+    peak = "lora_learning_rate" if cfg["lora_rank"] else "learning_rate"  # lora.learning_rate
+    if cfg["min_lr"] > cfg[peak]:
+        raise ConfigError(f"min_lr ({cfg['min_lr']}) is above {peak} ({cfg[peak]}): the schedule decays from {peak} "
+                          "to min_lr")
     return mcfg
 
 

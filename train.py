@@ -122,6 +122,8 @@ lora_rank = 0              # 0: full fine-tuning
 lora_alpha = 16.0          # the adapters' scaling is lora_alpha / lora_rank
 lora_targets = "all"       # "all" or a comma-separated list of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
                            # down_proj (dense MLPs), experts (every routed expert's three projections)
+lora_learning_rate = 5e-3  # a LoRA run's learning_rate (learning_rate is full fine-tuning's): adapters start at B = 0
+                           # and need ~10x the rate (README: LoRA); warm-up and decay to min_lr as for full fine-tuning
 # -----------------------------------------------------------------------------
 
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, dict))}
@@ -546,13 +548,14 @@ def build_optimizer(model, cfg):
     dense = [p for n, p in trainable if not is_stacked_experts(n)]
     groups = [{"params": dense}] + ([{"params": experts}] if experts else [])
     # fused: one kernel per group, on the GPU and on the CPU (offloaded state); it also takes the clipping factor
-    return torch.optim.AdamW(groups, lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["adam_eps"],
+    return torch.optim.AdamW(groups, lr=lora.learning_rate(cfg), betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["adam_eps"],
                              weight_decay=cfg["weight_decay"], fused=True)
 
 
 def learning_rate_at(step, cfg):
-    """Linear warm-up to learning_rate over warmup_steps, then cosine decay to min_lr at max_steps."""
-    lr, min_lr, warmup, total = cfg["learning_rate"], cfg["min_lr"], cfg["warmup_steps"], cfg["max_steps"]
+    """Linear warm-up to learning_rate (lora_learning_rate for LoRA) over warmup_steps, then cosine decay to min_lr at
+    max_steps."""
+    lr, min_lr, warmup, total = lora.learning_rate(cfg), cfg["min_lr"], cfg["warmup_steps"], cfg["max_steps"]
     if step < warmup:
         return lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))

@@ -34,6 +34,24 @@ def test_every_shipped_config_resolves():
             configure(["--config", os.path.join(ROOT, "configs", name)])
 
 
+def test_a_lora_run_schedules_lora_learning_rate():
+    from plan import check_config
+    full, adapters = configure([]), configure(["--lora_rank=8"])
+    assert adapters["learning_rate"] == full["learning_rate"] < adapters["lora_learning_rate"]
+    top, end = full["warmup_steps"] - 1, full["max_steps"]  # the warm-up's last step, and the end of the decay
+    assert train.learning_rate_at(top, full) == full["learning_rate"]
+    assert train.learning_rate_at(top, adapters) == adapters["lora_learning_rate"]
+    assert train.learning_rate_at(end, adapters) == pytest.approx(adapters["min_lr"])
+    # --learning_rate moves full fine-tuning's rate only; --lora_learning_rate the LoRA run's
+    peak = adapters["lora_learning_rate"]
+    assert train.learning_rate_at(top, configure(["--lora_rank=8", "--learning_rate=1e-5"])) == peak
+    assert train.learning_rate_at(top, configure(["--lora_rank=8", "--lora_learning_rate=2e-3"])) == 2e-3
+    with pytest.raises(ConfigError, match=r"min_lr \(0.01\) is above lora_learning_rate \(0.005\)"):
+        check_config(configure(["--lora_rank=8", "--min_lr=0.01"]))
+    with pytest.raises(ConfigError, match="lora_learning_rate=0.0 is not accepted: it must be > 0"):
+        check_config(configure(["--lora_rank=8", "--lora_learning_rate=0"]))
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--no_such_key=1"], "unknown config key 'no_such_key'"),
     (["--max_steps=abc"], "config key 'max_steps' .* must be int, got str"),

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 import lora
 import train
-from model import Transformer
+from model import Transformer, experts_grouped_mm, experts_loop
 from test_train import CFG, GRAD_TOL, PARAM_TOL, STEPS, make_weights, reference_run, run_steps, spawn, trainer_config, \
     windows
 
@@ -57,6 +57,62 @@ def test_adapted_model_equals_its_merged_weights_and_trains_the_adapters_alone()
     assert "base_model.model.model.layers.0.mlp.experts.7.down_proj.lora_B.weight" in peft
     assert "base_model.model.model.layers.1.mlp.gate_proj.lora_A.weight" in peft
     assert not any(".mlp.gate.lora" in k for k in peft)  # the router is not a target
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA"))])
+def test_grouped_gemm_expert_adapters_match_the_loop_with_gradients(device):
+    # the grouped path (model.LoRAGroupedMM: gate's and up's adapters as one of rank 2r, the frozen base without
+    # weight gradients) against the per-expert loop: outputs and the gradients of the adapters, of x, of the routing
+    # weights
+    torch.manual_seed(0)
+    E, D, H, r, s = 6, 64, 96, 8, 2.0
+    counts = torch.bincount(torch.randint(0, E, (300,)), minlength=E)
+    counts[2] = 0  # an expert with no tokens
+    N = int(counts.sum())
+    base = [torch.randn(E, H, D) * 0.1, torch.randn(E, H, D) * 0.1, torch.randn(E, D, H) * 0.1]
+    adapters = [t * 0.1 for ins, outs in ((D, H), (D, H), (H, D))
+                for t in (torch.randn(E, r, ins), torch.randn(E, outs, r))]
+    x, w = torch.randn(N, D), torch.rand(N)
+
+    def run(fn):
+        leaves = [t.to(device, torch.bfloat16).requires_grad_() for t in [x, w, *adapters]]
+        g, u, d = (t.to(device, torch.bfloat16) for t in base)  # the frozen base
+        out = fn(leaves[0], counts.to(device), leaves[1], g, u, d, (s, tuple(zip(leaves[2::2], leaves[3::2]))))
+        out.float().square().sum().backward()
+        return [out.float().cpu()] + [t.grad.float().cpu() for t in leaves]
+    for name, got, want in zip(["out", "x", "scale", "A_g", "B_g", "A_u", "B_u", "A_d", "B_d"],
+                               run(experts_grouped_mm), run(experts_loop)):
+        assert want.abs().max() > 0, name
+        torch.testing.assert_close(got, want, atol=3e-2 * want.abs().max().item(), rtol=3e-2,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+LOWRANK_ADD_CHECK = """
+import torch, model
+torch.manual_seed(0)
+for E, R, O, sizes in ((5, 8, 130, (70, 0, 64, 1, 200)), (3, 16, 256, (128, 65, 3)), (4, 4, 64, (0, 0, 10, 0))):
+    counts = torch.tensor(sizes)  # experts without rows, partial tiles, sizes not multiples of the 64 x 128 tiles
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    y = torch.randn(int(counts.sum()), O).bfloat16()
+    z = torch.randn(y.shape[0], 2 * R).bfloat16()[:, R:]  # a strided view, as a split of the stacked rank
+    M = torch.randn(E, O, R).bfloat16().transpose(1, 2)  # (E, R, O) of B's strides, as the forward passes B^T
+    want = torch.cat([y[a:b].float() + z[a:b].float() @ M[e].float() for e, (a, b) in
+                      enumerate(zip([0] + offs[:-1].tolist(), offs.tolist()))])
+    got = model.lowrank_add_triton(y, z, M, offs, model.lowrank_tiles(counts))
+    torch.testing.assert_close(got.float(), want, atol=0.06, rtol=0.02)
+"""
+
+
+def test_lowrank_add_kernel_matches_its_reference():
+    """The Triton kernel of the adapters' full-width products runs on CUDA; checked here on CPU by Triton's
+    interpreter."""
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", LOWRANK_ADD_CHECK], env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=root,
+                   check=True, timeout=300)
 
 
 def test_bad_lora_values_fail_before_any_work(tmp_path):
