@@ -40,7 +40,6 @@ import base64
 import contextlib
 import gc
 import hashlib
-import importlib.util
 import io
 import json
 import logging
@@ -87,8 +86,6 @@ class Engine:
                  worker_extension_cls=WORKER_EXTENSION, recompute_kv_on_sync=True, max_images_per_prompt=8,
                  lora_path=None, **engine_kwargs):
         import torch
-        if worker_extension_cls == WORKER_EXTENSION and importlib.util.find_spec("weights_sync") is None:
-            worker_extension_cls = None  # a checkout without the weight-sync module still serves
         self.model_path, self.max_model_len = model_path, max_model_len
         self.recompute_kv_on_sync = recompute_kv_on_sync
         self.engine_args = dict(
@@ -103,14 +100,14 @@ class Engine:
             self.engine_args["worker_extension_cls"] = worker_extension_cls
         config = os.path.join(model_path, "config.json")
         if os.path.isfile(config) and "vision_config" in json.load(open(config)):
-            self.engine_args["scheduler_cls"] = "capture.ImageScheduler"  # see image_scheduler
+            self.engine_args["scheduler_cls"] = "weights_sync.ImageScheduler"  # see weights_sync.KeepImages
         if not torch.cuda.is_available():
             self.engine_args["enforce_eager"] = True
             # vLLM's CPU runner rewinds a seeded request's generator when it discards the sample of a partial
             # prefill, which CPU generators cannot do: the engine dies. Whole-prompt prefills never discard.
             self.engine_args["enable_chunked_prefill"] = False
             if torch.cpu._is_amx_tile_supported():
-                self.engine_args["worker_cls"] = "capture.AMXCPUWorker"
+                self.engine_args["worker_cls"] = "weights_sync.AMXCPUWorker"
         self.engine_args.update(engine_kwargs)
         self.llm = None
         self.policy_version = 0
@@ -215,47 +212,6 @@ class Engine:
             self.llm.shutdown()
             self.llm = None
 
-
-def __getattr__(name):
-    # vLLM resolves these dotted names in its own processes; each is built on first use (it imports vLLM's classes)
-    if name == "AMXCPUWorker":  # worker_cls, in the worker process
-        # Linux grants AMX tile state only to processes that ask (arch_prctl); vLLM's CPU kernels use AMX whenever
-        # the CPU has it without asking, and die with SIGILL unless something (oneDNN, on some paths) asked first.
-        import torch
-        from vllm.v1.worker.cpu_worker import CPUWorker
-
-        class AMXCPUWorker(CPUWorker):
-            def __init__(self, *args, **kwargs):
-                torch.cpu._init_amx()
-                super().__init__(*args, **kwargs)
-        globals()[name] = AMXCPUWorker
-        return AMXCPUWorker
-    if name == "ImageScheduler":  # scheduler_cls of a vision model's engine, in the engine-core process
-        globals()[name] = image_scheduler()
-        return globals()[name]
-    raise AttributeError(f"module 'capture' has no attribute {name!r}")
-
-
-def image_scheduler():
-    """vLLM's scheduler (async or not, as the engine decided), except that a request's images always reach the worker.
-    vLLM drops the pixels of an image that a prefix-cache hit covers when it hands a request to the worker; the
-    worker keeps the request's state across a preemption, so a request preempted when a weight sync empties the
-    prefix cache (recompute_kv_on_sync), or by memory pressure after its cached prefix was evicted, must encode the
-    image again and finds no pixels: the engine dies. Sending the pixels always costs a copy per covered image."""
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    def keeping_images(base):
-        class ImageScheduler(base):
-            def schedule(self, *args, **kwargs):
-                out = super().schedule(*args, **kwargs)
-                for new in out.scheduled_new_reqs:  # the scheduler's own request holds every image's pixels
-                    new.mm_features = self.requests[new.req_id].mm_features
-                return out
-        return ImageScheduler
-    classes = {False: keeping_images(Scheduler), True: keeping_images(AsyncScheduler)}
-    return lambda vllm_config, **kwargs: classes[bool(vllm_config.scheduler_config.async_scheduling)](
-        vllm_config=vllm_config, **kwargs)
 
 # -----------------------------------------------------------------------------
 # sessions and segments: the recorded trajectory

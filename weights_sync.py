@@ -25,6 +25,9 @@ A LoRA run (`WeightSender(adapter=lora.sync_config(cfg))`) sends its adapters al
 the same gathers and buckets; the workers' `receive_adapter` serves them with vLLM's LoRA support (attention and
 dense MLPs) and merges the routed-expert ones into the expert weights.
 
+The classes the engines name for vLLM's own processes live here too (the end of the file): the worker extension,
+a CPU worker that asks for AMX, and a vision model's scheduler that keeps its images (KeepImages).
+
 Why not vLLM's weight-transfer engine API (`weight_transfer_config`, `WeightTransferEngineFactory`,
 `init_weight_transfer_engine` -> `start_weight_update` -> `update_weights` -> `finish_weight_update`)? Its
 worker half is `initialize_layerwise_reload` -> `model.load_weights` -> `finalize_layerwise_reload`, which is
@@ -565,13 +568,46 @@ def serve_lora_beside_cpu_moe():
     FusedMoEConfig.__post_init__, FusedMoEConfig.lora_experts_off = without_expert_lora, True
 
 
+class KeepImages:
+    """Mixed into vLLM's scheduler (async or not, as the engine decided) for a vision model's engine: a request's
+    images always reach the worker. vLLM drops the pixels of an image that a prefix-cache hit covers when it hands a
+    request to the worker; the worker keeps the request's state across a preemption, so a request preempted when a
+    weight sync empties the prefix cache (recompute_kv_on_sync), or by memory pressure after its cached prefix was
+    evicted, must encode the image again and finds no pixels: the engine dies. Costs a copy per covered image."""
+
+    def schedule(self, *args, **kwargs):
+        out = super().schedule(*args, **kwargs)
+        for new in out.scheduled_new_reqs:  # the scheduler's own request holds every image's pixels
+            new.mm_features = self.requests[new.req_id].mm_features
+        return out
+
+
 def __getattr__(name):
-    # vLLM resolves worker_extension_cls="weights_sync.LoRAWeightSyncWorker" inside the worker process, before it
-    # builds the model: the moment to apply serve_lora_beside_cpu_moe
-    if name != "LoRAWeightSyncWorker":
-        raise AttributeError(f"module 'weights_sync' has no attribute {name!r}")
-    serve_lora_beside_cpu_moe()
-    return WeightSyncWorker
+    # vLLM resolves these names in its own processes (worker_extension_cls and worker_cls in the worker, scheduler_cls
+    # in the engine core); each is built there on first use, as it imports vLLM
+    if name == "LoRAWeightSyncWorker":  # before the worker builds the model: the moment for serve_lora_beside_cpu_moe
+        serve_lora_beside_cpu_moe()
+        return WeightSyncWorker
+    if name == "AMXCPUWorker":
+        # Linux grants AMX tile state only to processes that ask (arch_prctl); vLLM's CPU kernels use AMX whenever
+        # the CPU has it without asking, and die with SIGILL unless something (oneDNN, on some paths) asked first
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        class AMXCPUWorker(CPUWorker):
+            def __init__(self, *args, **kwargs):
+                torch.cpu._init_amx()
+                super().__init__(*args, **kwargs)
+        globals()[name] = AMXCPUWorker
+        return AMXCPUWorker
+    if name == "ImageScheduler":
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        from vllm.v1.core.sched.scheduler import Scheduler
+        pick = {a: type("ImageScheduler", (KeepImages, base), {}) for a, base in ((False, Scheduler),
+                                                                                  (True, AsyncScheduler))}
+        globals()[name] = lambda vllm_config, **kw: pick[bool(vllm_config.scheduler_config.async_scheduling)](
+            vllm_config=vllm_config, **kw)
+        return globals()[name]
+    raise AttributeError(f"module 'weights_sync' has no attribute {name!r}")
 
 
 def repack_cpu_moe_experts(model):
