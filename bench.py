@@ -714,7 +714,8 @@ def bench_train(*args):
     microbatches long, spreads out) --steps=6 --warmup=3 --ep=0 (0 = all ranks) --compile=0 (1: compile
     attention and norms of both models) --ac=0 (activation checkpointing, both) --baseline=1 --smoke=0
     --chunk=2048 (ours: tokens per logprob chunk) --keep_logits=1 (ours keeps the bf16 logits for backward, 5 GB
-    at 16K tokens, instead of recomputing them; the baseline holds full logits anyway).
+    at 16K tokens, instead of recomputing them; the baseline holds full logits anyway) --lora=0 (ours trains LoRA
+    adapters of this rank on every target, experts included, on the frozen bf16 base; the baseline stays full).
     MFU = 6 * N * tokens/s / (989e12 * GPUs), N = active matmul weights per token (attention projections, router,
     the top-8 experts, dense MLPs, lm_head; not the embedding lookup); attention scores are not in `mfu`, and
     `mfu_with_attention` adds 6 * L * T * heads * head_dim per token (causal QK^T and AV, forward + backward).
@@ -723,7 +724,7 @@ def bench_train(*args):
     import time
     args = ["--smoke=1" if a == "--smoke" else a for a in args]
     opt = _int_options(args, layers=4, seq=4096, batch=4, steps=6, warmup=3, ep=0, compile=0, ac=0, baseline=1,
-                       smoke=0, profile=0, keep_logits=1, chunk=2048, accum=1)
+                       smoke=0, profile=0, keep_logits=1, chunk=2048, accum=1, lora=0)
     if opt["smoke"]:
         opt.update(seq=64, batch=2, steps=2, warmup=1)
     import torch
@@ -746,7 +747,7 @@ def bench_train(*args):
                            num_experts_per_tok=2, moe_intermediate_size=32, max_position_embeddings=512)
     cfg = train.configure([f"--ep_size={ep}", f"--param_dtype={'bfloat16' if cuda else 'float32'}",
                            f"--activation_checkpointing={bool(opt['ac'])}", f"--logprob_chunk_size={opt['chunk']}",
-                           f"--logprob_keep_logits={bool(opt['keep_logits'])}",
+                           f"--logprob_keep_logits={bool(opt['keep_logits'])}", f"--lora_rank={opt['lora']}",
                            "--learning_rate=1e-5", "--min_lr=1e-6", "--warmup_steps=1", "--max_steps=1000"])
     B, T, A = opt["batch"], opt["seq"], opt["accum"]
     g = torch.Generator(device=device).manual_seed(1000 + rank)  # each rank its own data, as in training
@@ -810,7 +811,7 @@ def bench_train(*args):
                   layers=mcfg.num_hidden_layers, seq=T, batch_per_gpu=B, microbatches_per_step=A,
                   tokens_per_step=world * B * T * A,
                   active_params=n_active, compile=bool(opt["compile"]), activation_checkpointing=bool(opt["ac"]),
-                  keep_logits=bool(opt["keep_logits"]))
+                  keep_logits=bool(opt["keep_logits"]), lora_rank=opt["lora"])
     result["ours"] = measure("ours", ours_step)
     result["ours"]["loss"], result["ours"]["skipped_steps"] = last["loss"], int(last["skipped"])
     model = optimizer = None  # the closure's references too: the baseline gets the whole GPU
