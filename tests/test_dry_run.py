@@ -109,6 +109,22 @@ def test_cpu_offload_takes_the_sharded_state_off_the_gpu():
     assert gib(r.stdout, "total") == pytest.approx(gib(on_gpu, "total") - state, abs=0.02 * GiB)
 
 
+def saved_bytes(module, forward):
+    """Bytes of the distinct storages autograd saves for backward while forward() runs, the module's parameters
+    excluded."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    saved = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            saved[s.data_ptr()] = s.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(saved.values())
+
+
 def test_activation_estimate_matches_what_autograd_saves():
     """Sum the bytes of every tensor autograd saves in a bf16 forward (parameters excluded) of a small MoE, a dense
     model and a wider MoE; the planner's formula must agree within 5%."""
@@ -122,19 +138,10 @@ def test_activation_estimate_matches_what_autograd_saves():
         model = Transformer(mcfg)
         model.init_weights()
         model = model.to(torch.bfloat16).train()
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        saved = {}
-
-        def pack(t):
-            s = t.untyped_storage()
-            if s.data_ptr() not in params:
-                saved[s.data_ptr()] = s.nbytes()
-            return t
         B, T = 2, 512
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model.hidden_states(torch.randint(0, 512, (B, T)))
         estimate = plan.activation_bytes(mcfg, B * T, checkpointing=False, dtype_bytes=2)
-        assert sum(saved.values()) == pytest.approx(estimate, rel=0.05), kw
+        assert saved_bytes(model, lambda: model.hidden_states(torch.randint(0, 512, (B, T)))) == pytest.approx(
+            estimate, rel=0.05), kw
         assert plan.activation_bytes(mcfg, B * T, checkpointing=True, dtype_bytes=2) < estimate
 
 
@@ -146,19 +153,11 @@ def test_vision_activation_estimate_matches_what_autograd_saves():
                       num_position_embeddings=64, deepstack_visual_indexes=[0])
     torch.manual_seed(0)
     tower = VisionModel(vc).to(torch.bfloat16).train()
-    params = {p.untyped_storage().data_ptr() for p in tower.parameters()}
-    saved = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            saved[s.data_ptr()] = s.nbytes()
-        return t
     patch = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # two 448x448 images: 28 x 28 patches each
-        tower(torch.randn(2 * 784, patch, dtype=torch.bfloat16), torch.tensor([[1, 28, 28]] * 2))
+    saved = saved_bytes(tower, lambda: tower(torch.randn(2 * 784, patch, dtype=torch.bfloat16),  # two 448x448
+                                             torch.tensor([[1, 28, 28]] * 2)))  # images: 28 x 28 patches each
     estimate = plan.vision_activation_bytes(vc, checkpointing=False, dtype_bytes=2)
-    assert sum(saved.values()) == pytest.approx(2 * estimate, rel=0.05)
+    assert saved == pytest.approx(2 * estimate, rel=0.05)
     assert plan.vision_activation_bytes(vc, checkpointing=True, dtype_bytes=2) < estimate
 
 
