@@ -341,6 +341,7 @@ def bench_lora(*args):
     x, scale = randn(N, D, std=1.0), torch.rand(N, device="cuda", generator=g).bfloat16()
     base = [randn(E, H, D), randn(E, H, D), randn(E, D, H)]
     adapters = [randn(E, r, D), randn(E, H, r), randn(E, r, D), randn(E, H, r), randn(E, r, H), randn(E, D, r)]
+    grad = randn(N, D, std=1.0)
 
     def step(train_base, with_lora):
         leaves = [t.detach().requires_grad_() for t in [x, scale]]
@@ -359,7 +360,6 @@ def bench_lora(*args):
         end.record()
         torch.cuda.synchronize()
         return round(start.elapsed_time(end) / opt["iters"], 3)
-    grad = randn(N, D, std=1.0)
     full, lora, floor = ms(True, False), ms(False, True), ms(False, False)
     result = dict(opt, full_ms=full, lora_ms=lora, frozen_base_ms=floor, ratio=round(lora / full, 3),
                   over_frozen_base=round(lora / floor, 3))

@@ -196,9 +196,13 @@ def checkpoint_state(model, optimizer):
             "optimizer": get_optimizer_state_dict(model, optimizer)}
 
 
+def learning_rate_key(cfg):
+    """The config key of a run's peak learning rate: lora_learning_rate when it trains adapters, else learning_rate."""
+    return "lora_learning_rate" if cfg["lora_rank"] else "learning_rate"
+
+
 def learning_rate(cfg):
-    """The peak learning rate of a run: lora_learning_rate when it trains adapters, learning_rate otherwise."""
-    return cfg["lora_learning_rate"] if cfg["lora_rank"] else cfg["learning_rate"]
+    return cfg[learning_rate_key(cfg)]
 
 
 def sync_config(cfg):

@@ -116,7 +116,7 @@ def check_config(cfg, mcfg=None, world_size=None):
     if cfg["lora_rank"] and not lora.adapter_shapes(mcfg, cfg):
         raise ConfigError(f"lora_targets={cfg['lora_targets']!r} names no layer of this model (a dense model has no "
                           "experts, an all-MoE model no dense MLP): add attention projections or use 'all'")
-    peak = "lora_learning_rate" if cfg["lora_rank"] else "learning_rate"  # lora.learning_rate
+    peak = lora.learning_rate_key(cfg)
     if cfg["min_lr"] > cfg[peak]:
         raise ConfigError(f"min_lr ({cfg['min_lr']}) is above {peak} ({cfg[peak]}): the schedule decays from {peak} "
                           "to min_lr")
