@@ -7,6 +7,7 @@ client spoke (tool calls parsed by vLLM's Hermes parser), and records the trajec
 
     python capture.py                          # serve the tiny model on CPU; prints the address
     python capture.py --model DIR --port 8000  # any local HuggingFace model directory
+    python capture.py --view out/tiny          # the trajectory viewer over a run's out_dir (viewer.py), no engine
     curl -X POST http://127.0.0.1:8000/sessions               # -> {"id", "base_url", "api_key"}
     OpenAI(base_url=base_url, api_key=api_key)  /  Anthropic(base_url=base_url, api_key=api_key)
     curl -H "x-api-key: KEY" http://127.0.0.1:8000/sessions/ID  # the recorded segments
@@ -979,8 +980,8 @@ class CaptureServer:
 
 
 def trajectory_record(segment, tokenizer):
-    """A segment dict as JSON (images in base64) plus decoded text for humans: the whole segment, and each run of
-    generated tokens."""
+    """A segment dict as JSON (images in base64) plus decoded text for humans: the whole segment, each run of
+    generated tokens, and each token."""
     runs, start = [], None
     for i, m in enumerate(segment["action_mask"] + [0]):
         if m and start is None:
@@ -989,6 +990,7 @@ def trajectory_record(segment, tokenizer):
             runs.append(tokenizer.decode(segment["token_ids"][start:i], skip_special_tokens=False))
             start = None
     return dict(segment, text=tokenizer.decode(segment["token_ids"], skip_special_tokens=False), generated=runs,
+                tokens=tokenizer.batch_decode([[t] for t in segment["token_ids"]]),  # each token's text (viewer.py)
                 images=[base64.b64encode(b).decode() for b in segment.get("images", [])])
 
 
@@ -1009,7 +1011,11 @@ def main(argv=None):
     parser.add_argument("--model", help="HuggingFace model directory (default: the tiny model, built on first use)")
     parser.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--view", metavar="OUT_DIR", help="serve the trajectory viewer over a run's out_dir instead")
     args = parser.parse_args(argv)
+    if args.view:  # no engine: the page over the run's files (viewer.py)
+        import viewer
+        return viewer.main(args.view, args.port)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (else half the RAM); GPU ignores it
     model = args.model
     if model is None:

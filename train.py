@@ -69,6 +69,12 @@ eval_every = 10            # held-out evaluation every this many steps, at the s
 eval_prompts = ""          # JSONL/Parquet of held-out prompts; "" takes the agent module's eval_prompts(), if any
 eval_temperature = 0.0     # the evaluation's sampling (0: greedy)
 tensorboard_dir = ""       # also write every logged number there as TensorBoard scalars (pip install tensorboard)
+wandb_project = ""         # also log every number to this Weights & Biases project (pip install wandb;
+                           # WANDB_MODE=offline keeps the run in out_dir/wandb)
+view_port = 0              # serve the trajectory viewer on 127.0.0.1:PORT during the run (viewer.py; 0: no server)
+view_groups_per_step = 1   # GRPO groups of each batch recorded for the viewer in out_dir/view/ (0: none), with the
+                           # trainer's logprobs of their tokens; written off the trainer's path
+view_max_attempts = 256    # the newest this many recorded attempts are kept there (older ones are deleted)
 # rollout
 num_engines = 1
 tensor_parallel_size = 1
@@ -239,7 +245,7 @@ def train(cfg, model, optimizer, run, step, rank, world):
     out_dir = cfg["out_dir"]
     loop = asyncio.new_event_loop()  # runs the weight-sync coroutines of this thread
     sender = weights_sync.WeightSender(adapter=lora.sync_config(cfg))  # LoRA: the adapters alone travel
-    writer, evals = runlog.tensorboard_writer(cfg, rank), {}
+    writer, evals = runlog.scalar_writer(cfg, rank), {}
     policy_version = step  # one optimizer step = one policy version; the engines start at version 0
     # the engines get the trainer's weights first: a resumed run's, or whatever they were started or left with
     push_weights(run, loop, sender, model, policy_version, rank, world)
@@ -254,8 +260,11 @@ def train(cfg, model, optimizer, run, step, rank, world):
         records = run["pool"].next_batch() if rank == 0 else None
         t_batch = time.perf_counter()
         segments, advantages = share_batch(records, cfg, rank, world)
-        m = train_step(model, optimizer, pack_microbatches(segments, advantages, cfg["microbatch_tokens"]), cfg,
-                       policy_version, step)
+        microbatches = pack_microbatches(segments, advantages, cfg["microbatch_tokens"])
+        recorder = run["recorder"] if rank == 0 else None  # the viewer's sample (viewer.Recorder)
+        m = train_step(model, optimizer, microbatches, cfg, policy_version, step, keep_logprobs=recorder is not None)
+        if recorder:
+            recorder.add(step + 1, policy_version, records, segments, microbatches, m.pop("logprobs"))
         policy_version += 1
         sync_s = push_weights(run, loop, sender, model, policy_version, rank, world)
         if rank == 0:
@@ -316,7 +325,7 @@ def sft(cfg, model, optimizer, step, rank, world):
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
     rows = [transcript_tokens(r, tokenizer) for r in load_transcripts(cfg["sft_data"])]
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg["seed"])).tolist()
-    batch, writer = cfg["groups_per_batch"] * cfg["group_size"], runlog.tensorboard_writer(cfg, rank)
+    batch, writer = cfg["groups_per_batch"] * cfg["group_size"], runlog.scalar_writer(cfg, rank)
     for step in tqdm(range(step, cfg["max_steps"]), initial=step, total=cfg["max_steps"], disable=rank != 0):
         t0 = time.perf_counter()
         picks = [rows[order[(step * batch + i) % len(rows)]] for i in range(batch)][rank::world]
@@ -331,6 +340,7 @@ def sft(cfg, model, optimizer, step, rank, world):
             save_checkpoint(cfg["out_dir"], model, optimizer, step + 1, cfg)
     if rank == 0:
         runlog.plot_metrics(cfg["out_dir"])
+        writer and writer.close()
     return export_hf(model, os.path.join(cfg["out_dir"], "hf"), source_dir=cfg["model_path"])
 
 
@@ -434,8 +444,12 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
         model_name=server.model_name, trajectory_writer=writer,
         first_prompt=data_position,
         sampling=dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_tokens=cfg["max_tokens"]))
+    import viewer
+    recorder = viewer.Recorder(cfg["out_dir"], cfg["model_path"], cfg["view_groups_per_step"],
+                               cfg["view_max_attempts"]) if cfg["view_groups_per_step"] else None
     return dict(engines=engines, router=router, server=server, pool=pool, placement=placement, cleanup=cleanup,
-                eval_prompts=held_out if cfg["eval_every"] else [])
+                eval_prompts=held_out if cfg["eval_every"] else [], recorder=recorder,
+                view=viewer.serve_in_thread(cfg["out_dir"], cfg["view_port"])[0] if cfg["view_port"] else None)
 
 
 def stop_rollout(run):
@@ -444,6 +458,9 @@ def stop_rollout(run):
     run["pool"].stop()
     run["server"].stop_thread()
     run["cleanup"]()
+    run["recorder"] and run["recorder"].close()
+    if run["view"]:
+        run["view"].should_exit = True
 
 
 def share_batch(records, cfg, rank, world):
@@ -459,7 +476,9 @@ def share_batch(records, cfg, rank, world):
         else:
             advantages = loss.segment_advantages([r["attempt_id"] for r in records], [r["group_id"] for r in records],
                                                  [r["reward"] for r in records], cfg["advantage_estimator"])
-        with_tokens = [dict(r, advantage=float(a)) for r, a in zip(records, advantages) if r["ref"] is not None]
+        for r, a in zip(records, advantages):
+            r["advantage"] = float(a)
+        with_tokens = [r for r in records if r["ref"] is not None]
         # ray's pickler, not plain pickle: an object ref must carry its owner to be fetched by another process
         shards = ray.cloudpickle.dumps(rollout.balance_by_tokens(with_tokens, world))
     if world > 1:
@@ -485,7 +504,8 @@ def share_batch(records, cfg, rank, world):
 
 def pack_microbatches(segments, advantages, microbatch_tokens):
     """Segments sorted by length into microbatches of at most microbatch_tokens padded tokens (one longer segment
-    gets its own). A rank with no segment trains on one empty row, so that it joins the collectives."""
+    gets its own); segment_rows: which segment each row holds. A rank with no segment trains on one empty row, so
+    that it joins the collectives."""
     if not segments:
         segments, advantages = [dict(token_ids=[0, 0], action_mask=[0, 0], behavior_logprobs=[0.0, 0.0],
                                      token_versions=[-1, -1], routed_experts=None)], [0.0]
@@ -497,7 +517,7 @@ def pack_microbatches(segments, advantages, microbatch_tokens):
             current = []
         current.append(i)
     groups.append(current)
-    return [collate([segments[i] for i in g], [advantages[i] for i in g]) for g in groups]
+    return [dict(collate([segments[i] for i in g], [advantages[i] for i in g]), segment_rows=g) for g in groups]
 
 
 def push_weights(run, loop, sender, model, policy_version, rank, world):
@@ -639,7 +659,7 @@ def clip_grad_norm(model, max_norm, device, optimizer=None):
     return norm
 
 
-def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, sft=False):
+def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, sft=False, keep_logprobs=False):
     """One optimizer step over this rank's microbatches of the window. Returns metrics (floats, same on all ranks).
     sft=True: the supervised objective (loss.sft_loss: the mean NLL of the action-mask tokens, at temperature 1).
 
@@ -647,7 +667,8 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
     behavior_logprobs, token_versions, advantages (B,) or (B, T), optional ref_logprobs, and routed_experts
     (B, T, L_moe, K) or None (see `collate`). The loss is normalized by the window's kept-token count, all-reduced
     before the first backward, and gradients are summed over ranks (shard_model), so the step is the same however
-    the window is split into microbatches and ranks.
+    the window is split into microbatches and ranks. keep_logprobs: also return each microbatch's trainer logprobs
+    (B, T), detached, as "logprobs" (the viewer's sample).
     """
     t0 = time.perf_counter()
     step = policy_version if step is None else step
@@ -671,7 +692,7 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
             mb["token_versions"], policy_version, lcfg) for old, mb in zip(old_logprobs, microbatches)]
     window_tokens = loss.count_window_tokens(kept)  # one all-reduce, before the first backward
 
-    metrics = []
+    metrics, kept_logprobs = [], []
     for old, mb in zip(old_logprobs, microbatches):
         logprobs, entropy = microbatch_logprobs(model, mb, dict(cfg, temperature=1.0) if sft else cfg,
                                                 with_entropy=lcfg.entropy_coef > 0 and not sft)
@@ -681,6 +702,8 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
             ref_logprobs=mb.get("ref_logprobs"), entropy=entropy)
         mb_loss.backward()
         metrics.append(mb_metrics)
+        if keep_logprobs:
+            kept_logprobs.append(logprobs.detach())
 
     grad_norm = clip_grad_norm(model, cfg["grad_clip"], device, optimizer)
     lr = learning_rate_at(step, cfg)
@@ -698,6 +721,8 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
     dist.all_reduce(tokens)
     out.update(grad_norm=grad_norm, lr=lr, skipped=skipped, window_tokens=int(window_tokens.item()),
                tokens=int(tokens.item()), step_time=time.perf_counter() - t0)
+    if keep_logprobs:
+        out["logprobs"] = kept_logprobs
     return out
 
 
