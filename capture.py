@@ -224,6 +224,7 @@ class Segment:
         self.token_ids, self.action_mask, self.behavior_logprobs, self.token_versions = [], [], [], []
         self.routed_experts = None
         self.images, self.image_tokens = [], []  # the images in token_ids (ImageBytes) and how many tokens each takes
+        self.opened = None  # why the request that opened it did not extend the segment before (CaptureServer.opening)
 
     def append(self, token_ids, generated=None):
         """Context tokens (mask 0), or, given the engine's output dict, generated tokens (mask 1)."""
@@ -240,7 +241,7 @@ class Segment:
         return dict(attempt_id=self.attempt_id, segment_index=self.index, token_ids=list(self.token_ids),
                     action_mask=list(self.action_mask), behavior_logprobs=list(self.behavior_logprobs),
                     token_versions=list(self.token_versions), routed_experts=routes, reward=reward, finished=finished,
-                    images=[bytes(b) for b in self.images])
+                    images=[bytes(b) for b in self.images], opened=self.opened)
 
 
 class Session:
@@ -548,6 +549,15 @@ class CaptureServer:
     def render(self, messages, tools, add_generation_prompt):
         return self.tokenize(self.render_text(messages, tools, add_generation_prompt))
 
+    def opening(self, session, messages, tools):
+        """Why a request that does not extend the open segment opens a new one (the trajectory viewer shows it)."""
+        conv = session.conversation
+        changed = next((i for i, (a, b) in enumerate(zip(conv or [], messages)) if not same_message(a, b)), None)
+        return ("the attempt's first request" if conv is None else "changed tools" if tools != session.tools else
+                f"compaction: {len(messages)} messages, the segment had {len(conv)}" if len(messages) < len(conv) else
+                f"a rewrite of message {changed} ({conv[changed]['role']})" if changed is not None else
+                "a chat template that renders the earlier turns differently")
+
     def extension(self, session, messages, tools):
         """If `messages` extend the open segment's conversation: (tokens to append, new conversation); else None."""
         conv = session.conversation
@@ -646,6 +656,7 @@ class CaptureServer:
                     raise RequestError(401, f"Session {session.id} finished while this request was generating.")
                 if ext is None:
                     session.segments.append(Segment(session.attempt_id, len(session.segments)))
+                    session.segments[-1].opened = self.opening(session, request.messages, request.tools)
                 segment = session.segments[-1]
                 segment.append(appended)
                 segment.images, segment.image_tokens = images, counts
