@@ -517,6 +517,7 @@ def bench_capture(*args):
     import openai
 
     import capture
+    from engine import Engine
     from tiny import ensure_tiny_model
     opt = _int_options(args, agents=16, turns=4, tokens=48, rounds=6, spread=0, threads=0)
     path = ensure_tiny_model()
@@ -532,7 +533,7 @@ def bench_capture(*args):
             return out
 
     async def run():
-        engine = capture.Engine(path, max_model_len=2048, enable_prefix_caching=False, worker_extension_cls=None)
+        engine = Engine(path, max_model_len=2048, enable_prefix_caching=False, worker_extension_cls=None)
         backend = TimedEngine(engine)
         server = capture.CaptureServer(backend, path, max_model_len=2048)
 

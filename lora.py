@@ -245,10 +245,10 @@ def served_targets(mcfg, cfg):
 
 
 def engine_options(cfg, mcfg):
-    """capture.Engine keyword arguments of a LoRA run ({} for full fine-tuning)."""
+    """engine.Engine keyword arguments of a LoRA run ({} for full fine-tuning)."""
     if not cfg["lora_rank"]:
         return {}
-    options = dict(worker_extension_cls="weights_sync.LoRAWeightSyncWorker")
+    options = dict(worker_extension_cls="engine.LoRAWeightSyncWorker")
     if served_targets(mcfg, cfg):
         options.update(enable_lora=True, max_loras=1, max_lora_rank=engine_lora_rank(cfg["lora_rank"]),
                        lora_target_modules=served_targets(mcfg, cfg), lora_path=os.path.join(cfg["out_dir"], "engine_adapter"))

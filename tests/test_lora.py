@@ -183,7 +183,7 @@ MAX_DIFF, MEAN_DIFF = 0.05, 0.01  # as tests/test_weights_sync.py: bf16 on two s
 
 @pytest.mark.stack
 def test_engine_serves_the_synced_adapter_and_matches_the_trainer(tmp_path, tiny_model_path):
-    from capture import Engine
+    from engine import Engine
     from model import load_config
     from test_weights_sync import fixed_sequence, sequence_logprobs
     from weights_sync import WeightSender, connect_engines, sync_weights
