@@ -222,6 +222,21 @@ def main(out_dir, port=0):
 # the run's side: a bounded, rotating sample of attempts, recorded off the trainer's path
 
 
+def start(out_dir, model_path, view_port, groups_per_step, max_attempts):
+    """Rank 0, with the rollout: {"recorder": a Recorder (None: groups_per_step 0), "view": the live page's uvicorn
+    server (None: view_port 0)}; stop(them) at the end."""
+    return dict(recorder=Recorder(out_dir, model_path, groups_per_step, max_attempts) if groups_per_step else None,
+                view=serve_in_thread(out_dir, view_port)[0] if view_port else None)
+
+
+def stop(run):
+    """Write the sample's queue out, stop the page's server (the run's dict, or start's)."""
+    if run["recorder"]:
+        run["recorder"].close()
+    if run["view"]:
+        run["view"].should_exit = True
+
+
 def segment_record(arrays, tokenizer, trainer_logprobs=None):
     """A segment's per-token truth for the page: each token's text, mask, behavior logprob, policy version, the
     trainer's logprob where it computed one, routed experts (unless too many), images (base64)."""
