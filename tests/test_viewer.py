@@ -297,6 +297,13 @@ def test_live_during_a_tiny_run_then_over_its_directory(tmp_path, tiny_model_pat
     model, optimizer, step, _ = train.build_trainer(cfg, 1, device)
     run = train.start_rollout(cfg, engines=[rollout_engine])
     url = f"http://127.0.0.1:{cfg['view_port']}"
+    add, add_s = run["recorder"].add, []  # what the sample costs the trainer's thread, per step (printed)
+
+    def timed_add(*args):
+        t0 = time.perf_counter()
+        add(*args)
+        add_s.append(time.perf_counter() - t0)
+    run["recorder"].add = timed_add
     done = threading.Event()
     failure = []
 
@@ -327,6 +334,8 @@ def test_live_during_a_tiny_run_then_over_its_directory(tmp_path, tiny_model_pat
         thread.join()
         train.stop_rollout(run)
     assert not failure, failure
+    assert len(add_s) == 3
+    print(f"Recorder.add on the trainer's thread: {', '.join(f'{1e3 * s:.2f}' for s in add_s)} ms per step")
     if browser:
         assert live_during_run, "the run ended before the page showed it: no live check happened"
         print("live page:", steps_seen)
