@@ -355,10 +355,10 @@ def test_live_during_a_tiny_run_then_over_its_directory(tmp_path, tiny_model_pat
             gaps = [abs(s["trainer_logprobs"][i] - s["behavior_logprobs"][i]) for i in gen]
             shifted = [abs(s["trainer_logprobs"][i] - s["behavior_logprobs"][i - 1]) for i in gen[1:]]
             print(f"{name}: max |trainer - behavior| {max(gaps):.4f}; shifted by one token {max(shifted or [0]):.4f}")
-            # measured: at most 0.041 (a token one version stale), 0.003 on the same weights; a row read one token
+            # measured: at most 0.05 (a token one version stale), 0.003 on the same weights; a row read one token
             # off (negative control) is 0.7-0.95 away
             assert max(gaps) < 0.15 and (not shifted or max(shifted) > 0.15)
-            assert summary["policy_version"] - min(s["token_versions"][i] for i in gen) <= 1
+            assert all(0 <= s["token_versions"][i] <= summary["policy_version"] for i in gen)  # sampled before
 
     # W&B, offline: the run's log under out_dir/wandb holds the config once and every step's numbers
     import glob
@@ -369,7 +369,7 @@ def test_live_during_a_tiny_run_then_over_its_directory(tmp_path, tiny_model_pat
         r.config for r in records if r.WhichOneof("record_type") == "config"]
     assert len(configs) == 1
     logged = {i.key: json.loads(i.value_json) for i in configs[0].update}
-    assert logged["view_max_attempts"]["value"] == 4 and logged["max_steps"]["value"] == 3
+    assert {k: logged.get(k) for k in cfg} == json.loads(json.dumps(cfg))  # the resolved config, every key
     history = [(r.history.step.num, {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item})
                for r in records if r.WhichOneof("record_type") == "history"]
     with open(out / "metrics.jsonl") as f:
