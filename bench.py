@@ -459,6 +459,7 @@ def bench_capture(agents=16, turns=4, tokens=48, rounds=6, spread=0, threads=0):
     import openai
 
     import capture
+    from engine import Engine
     from tiny import ensure_tiny_model
     path = ensure_tiny_model()
 
@@ -473,7 +474,7 @@ def bench_capture(agents=16, turns=4, tokens=48, rounds=6, spread=0, threads=0):
             return out
 
     async def run():
-        engine = capture.Engine(path, max_model_len=2048, enable_prefix_caching=False, worker_extension_cls=None)
+        engine = Engine(path, max_model_len=2048, enable_prefix_caching=False, worker_extension_cls=None)
         backend = TimedEngine(engine)
         server = capture.CaptureServer(backend, path, max_model_len=2048)
 

@@ -404,7 +404,7 @@ def bench_layer(low=2, high=4, seq=4096, batch=8, accum=1, steps=4, warmup=2, tr
 
 
 def bench_lora(experts=16, dim=2048, hidden=768, rows=32768, rank=8, iters=20, seed=0):
-    """The grouped-GEMM experts (model.experts_grouped_mm) forward + backward on `rows` routed rows, bf16: with
+    """The grouped-GEMM experts (experts.experts_grouped_mm) forward + backward on `rows` routed rows, bf16: with
     rank-`rank` adapters on gate, up and down over a frozen base (gradients of the adapters, the rows and the routing
     weights) against full fine-tuning (gradients of the base weights too), and the frozen base without adapters (the
     floor: no weight gradient GEMMs at all). Default shape: Qwen3-30B-A3B's experts (D 2048, H 768), 16 local experts
@@ -416,7 +416,7 @@ def bench_lora(experts=16, dim=2048, hidden=768, rows=32768, rank=8, iters=20, s
     """
     opt = dict(locals())  # the options, as bench.py's command line set them
     import torch
-    from model import experts_grouped_mm
+    from experts import experts_grouped_mm
     if not torch.cuda.is_available():
         sys.exit("bench.py lora needs a GPU (the grouped GEMMs are the CUDA path)")
     E, D, H, N, r = opt["experts"], opt["dim"], opt["hidden"], opt["rows"], opt["rank"]
