@@ -816,8 +816,10 @@ def keep_experts_local(experts, mesh, dtype, reuse_casts=False):
     casts = {}  # id(param) -> (param's version, its cast)
 
     def cast(w):
-        # a cast is reused only within one window: its gradient exists (a backward ran since zero_grad) and the
-        # weight was not written since (the optimizer step bumps the version counter)
+        # a cast is reused only within one window: the weight's gradient exists (a backward ran since train_step's
+        # zero_grad(set_to_none=True), which follows every optimizer step: the guard that matters, since the fused
+        # AdamW step leaves a DTensor parameter's version counter alone, seen on an H200) and no in-place write
+        # bumped the version counter since
         kept = casts.get(id(w))
         if kept is not None and kept[0] == w._version and w.grad is not None and torch.is_grad_enabled():
             return kept[1]
