@@ -261,11 +261,9 @@ def train(cfg, model, optimizer, run, step, rank, world):
         records = run["pool"].next_batch() if rank == 0 else None
         t_batch = time.perf_counter()
         segments, advantages = share_batch(records, cfg, rank, world)
-        microbatches = pack_microbatches(segments, advantages, cfg["microbatch_tokens"])
-        recorder = run["recorder"] if rank == 0 else None  # the viewer's sample (viewer.Recorder)
-        m = train_step(model, optimizer, microbatches, cfg, policy_version, step, keep_logprobs=recorder is not None)
-        if recorder:
-            recorder.add(step + 1, policy_version, records, segments, microbatches, m.pop("logprobs"))
+        m = train_step(model, optimizer, pack_microbatches(segments, advantages, cfg["microbatch_tokens"]), cfg,
+                       policy_version, step)
+        rank == 0 and run["recorder"] and run["recorder"].add(step, records, segments, advantages, m["logprobs"])
         policy_version += 1
         sync_s = push_weights(run, loop, sender, model, policy_version, rank, world)
         if rank == 0:
@@ -349,7 +347,6 @@ def sft(cfg, model, optimizer, step, rank, world):
             save_checkpoint(cfg["out_dir"], model, optimizer, step + 1, cfg)
     if rank == 0:
         runlog.plot_metrics(cfg["out_dir"])
-        writer and writer.close()
     return export_hf(model, os.path.join(cfg["out_dir"], "hf"), source_dir=cfg["model_path"])
 
 
@@ -454,11 +451,10 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
         first_prompt=data_position,
         sampling=dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_tokens=cfg["max_tokens"]))
     blank = [vl.blank_images(p) for p in held_out] if cfg["eval_every"] else []
-    # the viewer's sample ("recorder") and its live page ("view"), as the view_* keys ask
-    return dict(engines=engines, router=router, server=server, pool=pool, placement=placement, cleanup=cleanup,
+    # the viewer's sample ("recorder") and live page ("view"), as the view_* keys ask; "cleanup" stops them too
+    return dict(engines=engines, router=router, server=server, pool=pool, placement=placement,
                 eval_prompts=held_out if cfg["eval_every"] else [], blank_prompts=blank if blank != held_out else [],
-                **viewer.start(cfg["out_dir"], cfg["model_path"], cfg["view_port"], cfg["view_groups_per_step"],
-                               cfg["view_max_attempts"]))
+                **viewer.start(cfg, cleanup))
 
 
 def stop_rollout(run):
@@ -467,7 +463,6 @@ def stop_rollout(run):
     run["pool"].stop()
     run["server"].stop_thread()
     run["cleanup"]()
-    viewer.stop(run)
 
 
 def share_batch(records, cfg, rank, world):
@@ -483,9 +478,7 @@ def share_batch(records, cfg, rank, world):
         else:
             advantages = loss.segment_advantages([r["attempt_id"] for r in records], [r["group_id"] for r in records],
                                                  [r["reward"] for r in records], cfg["advantage_estimator"])
-        for r, a in zip(records, advantages):
-            r["advantage"] = float(a)
-        with_tokens = [r for r in records if r["ref"] is not None]
+        with_tokens = [dict(r, advantage=float(a)) for r, a in zip(records, advantages) if r["ref"] is not None]
         # ray's pickler, not plain pickle: an object ref must carry its owner to be fetched by another process
         shards = ray.cloudpickle.dumps(rollout.balance_by_tokens(with_tokens, world))
     if world > 1:
@@ -629,7 +622,7 @@ def empty_microbatch(like):
     """A 1-token microbatch with nothing to learn from: ranks with fewer microbatches run these so that every rank
     takes part in the same number of FSDP and expert-parallel collectives."""
     return {k: (torch.zeros_like(v[:1, :1] if v.dim() > 1 else v[:1]) if torch.is_tensor(v) else v)
-            for k, v in like.items() if k not in vl.IMAGE_FIELDS}
+            for k, v in like.items() if k not in (*vl.IMAGE_FIELDS, "segment_rows")}
 
 
 def microbatch_logprobs(model, mb, cfg, with_entropy=False):
@@ -666,7 +659,7 @@ def clip_grad_norm(model, max_norm, device, optimizer=None):
     return norm
 
 
-def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, sft=False, keep_logprobs=False):
+def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, sft=False):
     """One optimizer step over this rank's microbatches of the window. Returns metrics (floats, same on all ranks).
     sft=True: the supervised objective (loss.sft_loss: the mean NLL of the action-mask tokens, at temperature 1).
 
@@ -674,8 +667,8 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
     behavior_logprobs, token_versions, advantages (B,) or (B, T), optional ref_logprobs, and routed_experts
     (B, T, L_moe, K) or None (see `collate`). The loss is normalized by the window's kept-token count, all-reduced
     before the first backward, and gradients are summed over ranks (shard_model), so the step is the same however
-    the window is split into microbatches and ranks. keep_logprobs: also return each microbatch's trainer logprobs
-    (B, T), detached, as "logprobs" (the viewer's sample).
+    the window is split into microbatches and ranks. "logprobs": (segment_rows, the trainer's logprobs (B, T),
+    detached) of each microbatch from pack_microbatches, for the viewer's sample (viewer.Recorder.add).
     """
     t0 = time.perf_counter()
     step = policy_version if step is None else step
@@ -709,8 +702,7 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
             ref_logprobs=mb.get("ref_logprobs"), entropy=entropy)
         mb_loss.backward()
         metrics.append(mb_metrics)
-        if keep_logprobs:
-            kept_logprobs.append(logprobs.detach())
+        kept_logprobs.append((mb.get("segment_rows"), logprobs.detach()))  # B x T floats kept until the step returns
 
     grad_norm = clip_grad_norm(model, cfg["grad_clip"], device, optimizer)
     lr = learning_rate_at(step, cfg)
@@ -727,9 +719,7 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
     tokens = torch.tensor(sum(mb["input_ids"].numel() for mb in microbatches), device=device)
     dist.all_reduce(tokens)
     out.update(grad_norm=grad_norm, lr=lr, skipped=skipped, window_tokens=int(window_tokens.item()),
-               tokens=int(tokens.item()), step_time=time.perf_counter() - t0)
-    if keep_logprobs:
-        out["logprobs"] = kept_logprobs
+               tokens=int(tokens.item()), step_time=time.perf_counter() - t0, logprobs=kept_logprobs)
     return out
 
 

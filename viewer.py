@@ -222,19 +222,20 @@ def main(out_dir, port=0):
 # the run's side: a bounded, rotating sample of attempts, recorded off the trainer's path
 
 
-def start(out_dir, model_path, view_port, groups_per_step, max_attempts):
-    """Rank 0, with the rollout: {"recorder": a Recorder (None: groups_per_step 0), "view": the live page's uvicorn
-    server (None: view_port 0)}; stop(them) at the end."""
-    return dict(recorder=Recorder(out_dir, model_path, groups_per_step, max_attempts) if groups_per_step else None,
-                view=serve_in_thread(out_dir, view_port)[0] if view_port else None)
+def start(cfg, cleanup):
+    """Rank 0, with the rollout, from the run's config: {"recorder": a Recorder (None: view_groups_per_step 0),
+    "view": the live page's uvicorn server (None: view_port 0), "cleanup": `cleanup`, then both stopped}."""
+    recorder = Recorder(cfg["out_dir"], cfg["model_path"], cfg["view_groups_per_step"],
+                        cfg["view_max_attempts"]) if cfg["view_groups_per_step"] else None
+    view = serve_in_thread(cfg["out_dir"], cfg["view_port"])[0] if cfg["view_port"] else None
 
-
-def stop(run):
-    """Write the sample's queue out, stop the page's server (the run's dict, or start's)."""
-    if run["recorder"]:
-        run["recorder"].close()
-    if run["view"]:
-        run["view"].should_exit = True
+    def stop():
+        cleanup()
+        if recorder:
+            recorder.close()  # writes what is queued
+        if view:
+            view.should_exit = True
+    return dict(recorder=recorder, view=view, cleanup=stop)
 
 
 def segment_record(arrays, tokenizer, trainer_logprobs=None):
@@ -268,21 +269,26 @@ class Recorder:
         self.thread = threading.Thread(target=self.run, name="view-recorder", daemon=True)
         self.thread.start()
 
-    def add(self, step, policy_version, records, segments, microbatches, logprobs):
-        """step's batch: its records (all ranks'), this rank's segments, the microbatches they were packed into
-        (segment_rows: which segment each row holds) and the trainer's logprobs of each microbatch (B, T)."""
+    def add(self, policy_version, records, segments, advantages, logprobs):
+        """The batch trained at policy_version (its step is policy_version + 1): its records (all ranks'), this
+        rank's segments and their advantages, and per microbatch they were packed into (segment_rows: which segment
+        each row holds, None for padding; the trainer's logprobs (B, T)): train_step's "logprobs"."""
+        step = policy_version + 1
         groups = sorted({r["group_id"] for r in records})
         chosen = set(random.Random(step).sample(groups, min(self.groups_per_step, len(groups))))
         picked = [r for r in records if r["group_id"] in chosen]
         ids, trained = {r["attempt_id"] for r in picked}, {}
-        for mb, lp in zip(microbatches, logprobs):
-            for row, i in enumerate(mb["segment_rows"]):
+        advantage = {s["attempt_id"]: float(a) for s, a in zip(segments, advantages)  # (distillation's are per token)
+                     if getattr(a, "ndim", 0) == 0}
+        for rows, lp in logprobs:
+            for row, i in enumerate(rows or []):
                 s = segments[i] if i < len(segments) else {}  # none: the rank's one empty row
                 if s.get("attempt_id") in ids:  # position t predicts token t + 1; NOTE: a device-to-host copy of a row
                     lp_row = lp[row, :len(s["token_ids"]) - 1].float().cpu().tolist()
                     trained[(s["attempt_id"], int(s["segment_index"]))] = [None] + [
                         round(x, 5) if m else None for x, m in zip(lp_row, s["action_mask"][1:])]
         try:
+            picked = [dict(r, advantage=advantage.get(r["attempt_id"])) for r in picked]  # rank 0's attempts only
             self.queue.put_nowait((step, policy_version, picked, trained))
         except queue.Full:
             self.skipped += 1
