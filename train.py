@@ -768,7 +768,7 @@ def shard_model(model, meshes, cfg):
     kw = dict(mp_policy=mp, offload_policy=offload)
     local_experts = experts_stay_local(meshes, cfg)
     kept = set()
-    for block in model.model.layers:
+    for block in [*model.model.layers, *(model.mtp.layers if model.mtp is not None else [])]:
         if block.is_moe and local_experts:
             keep_experts_local(block.mlp.experts, meshes["expert_fsdp"], mp.param_dtype)
             kept |= set(block.mlp.experts.parameters())
@@ -926,7 +926,8 @@ def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_
         load_hf_weights(model, weights_path)
     else:
         generator = torch.Generator(model.lm_head.weight.device).manual_seed(cfg["seed"] + dist.get_rank())
-        init_parameters(((n, local_tensor(p)) for n, p in model.named_parameters()), init_std, generator)
+        init_parameters(((n, local_tensor(p)) for n, p in model.named_parameters()), init_std, generator,
+                        mcfg.family == "qwen3_5")
     lora.fill_adapters(model, cfg["seed"], copy_shard)
     return model
 
