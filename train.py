@@ -300,8 +300,13 @@ def evaluate(run, cfg, v, evals):
     through the rollout pool at eval_temperature, on the weights the engines hold (the driver waits: no weight sync
     meanwhile). Results per prompt go to out_dir/eval_results.jsonl; the means to evals[v], and back ({}: not due)."""
     if cfg["eval_every"] and run["eval_prompts"] and (v % cfg["eval_every"] == 0 or v == cfg["max_steps"]):
-        evals[v] = run["pool"].evaluate(run["eval_prompts"], dict(run["pool"].sampling, temperature=cfg[
-            "eval_temperature"]), os.path.join(cfg["out_dir"], "eval_results.jsonl"), v)
+        sampling = dict(run["pool"].sampling, temperature=cfg["eval_temperature"])
+        evals[v] = run["pool"].evaluate(run["eval_prompts"], sampling,
+                                        os.path.join(cfg["out_dir"], "eval_results.jsonl"), v)
+        if run.get("blank_prompts"):  # the ablation: each image blank (same size, same tokens), eval/success_blank
+            blank = run["pool"].evaluate(run["blank_prompts"], sampling,
+                                         os.path.join(cfg["out_dir"], "eval_results_blank.jsonl"), v)
+            evals[v].update({f"{k}_blank": x for k, x in blank.items()})
         return evals[v]
     return {}
 
@@ -314,14 +319,17 @@ def sft(cfg, model, optimizer, step, rank, world):
     from transformers import AutoTokenizer
     from agentrl import load_transcripts, transcript_tokens
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
-    rows = [transcript_tokens(r, tokenizer) for r in load_transcripts(cfg["sft_data"])]
+    # a VLM's transcripts: each image's placeholder expanded to its tokens, the images patched per step (with_pixels)
+    rows = [vl.transcript_images(*transcript_tokens(r, tokenizer), r["messages"], cfg["model_path"])
+            for r in load_transcripts(cfg["sft_data"])]
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg["seed"])).tolist()
     batch, writer = cfg["groups_per_batch"] * cfg["group_size"], runlog.tensorboard_writer(cfg, rank)
     for step in tqdm(range(step, cfg["max_steps"]), initial=step, total=cfg["max_steps"], disable=rank != 0):
         t0 = time.perf_counter()
         picks = [rows[order[(step * batch + i) % len(rows)]] for i in range(batch)][rank::world]
-        segments = [dict(token_ids=ids, action_mask=mask, behavior_logprobs=[0.0] * len(ids),
-                         token_versions=[0] * len(ids), routed_experts=None) for ids, mask in picks]
+        segments = [vl.with_pixels(dict(token_ids=ids, action_mask=mask, behavior_logprobs=[0.0] * len(ids),
+                                        token_versions=[0] * len(ids), routed_experts=None, images=images),
+                                   cfg["model_path"]) for ids, mask, images in picks]
         m = train_step(model, optimizer, pack_microbatches(segments, [0.0] * len(segments), cfg["microbatch_tokens"]),
                        cfg, step, step, sft=True)
         if rank == 0:
@@ -434,8 +442,9 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
         model_name=server.model_name, trajectory_writer=writer,
         first_prompt=data_position,
         sampling=dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_tokens=cfg["max_tokens"]))
+    blank = [vl.blank_images(p) for p in held_out] if cfg["eval_every"] else []
     return dict(engines=engines, router=router, server=server, pool=pool, placement=placement, cleanup=cleanup,
-                eval_prompts=held_out if cfg["eval_every"] else [])
+                eval_prompts=held_out if cfg["eval_every"] else [], blank_prompts=blank if blank != held_out else [])
 
 
 def stop_rollout(run):
@@ -769,7 +778,8 @@ def shard_model(model, meshes, cfg):
     kept = set()
     for block in model.model.layers:
         if block.is_moe and local_experts:
-            keep_experts_local(block.mlp.experts, meshes["expert_fsdp"], mp.param_dtype)
+            keep_experts_local(block.mlp.experts, meshes["expert_fsdp"], mp.param_dtype,
+                               reuse_casts=not cfg["activation_checkpointing"])
             kept |= set(block.mlp.experts.parameters())
         elif block.is_moe:  # its own FSDP unit on its own mesh: the block's unit must not gather the experts
             fully_shard(block.mlp.experts, mesh=meshes["expert_fsdp"],
@@ -800,37 +810,59 @@ def experts_skip_fsdp(meshes, cfg):
     return meshes["expert_fsdp"].size() == 1 and not cfg["cpu_offload_optimizer"]
 
 
-def keep_experts_local(experts, mesh, dtype):
+def keep_experts_local(experts, mesh, dtype, reuse_casts=False):
     """Experts outside FSDP, on a one-rank expert FSDP mesh: the weights stay fp32 DTensors on that mesh, as FSDP
     would leave them (checkpoints, clipping, the optimizer and the weight export see no difference), and each
     forward computes with a cast of them to the compute dtype (CastForCompute: its backward returns the gradient in
-    fp32); floating inputs are cast as FSDP's mixed precision casts them. Without activation checkpointing
-    the casts stay alive until their layer's backward (plan_memory counts them)."""
+    fp32, or adds it into .grad); floating inputs are cast as FSDP's mixed precision casts them. Without activation
+    checkpointing the casts stay alive until their layer's backward (plan_memory counts them), and with
+    reuse_casts the later microbatches of a window reuse them (one cast per weight per step, not per microbatch: the
+    weights change only at the optimizer step, and the end of forward, the peak, holds every layer's casts anyway)."""
     for name, p in list(experts.named_parameters()):  # the three projections, and their adapters
         setattr(experts, name, nn.Parameter(DTensor.from_local(p.data, mesh, [Shard(0)], run_check=False),
                                             requires_grad=p.requires_grad))
-    experts.cast_weights = lambda w: CastForCompute.apply(w, dtype)
+    casts = {}  # id(param) -> (param's version, its cast)
+
+    def cast(w):
+        # a cast is reused only within one window: the weight's gradient exists (a backward ran since train_step's
+        # zero_grad(set_to_none=True), which follows every optimizer step: the guard that matters, since the fused
+        # AdamW step leaves a DTensor parameter's version counter alone, seen on an H200) and no in-place write
+        # bumped the version counter since
+        kept = casts.get(id(w))
+        if kept is not None and kept[0] == w._version and w.grad is not None and torch.is_grad_enabled():
+            return kept[1]
+        out = CastForCompute.apply(w, dtype)
+        if reuse_casts and torch.is_grad_enabled():
+            casts[id(w)] = (w._version, out)
+        return out
+    experts.cast_weights = cast
     experts.register_forward_pre_hook(
         lambda module, args: tuple(a.to(dtype) if torch.is_floating_point(a) else a for a in args))
 
 
 class CastForCompute(torch.autograd.Function):
     """A local expert weight (an fp32 DTensor on a one-rank mesh) -> its local tensor in the compute dtype. Backward
-    returns the gradient as a new fp32 tensor in the parameter's layout, in one pass (experts.to_contiguous), which
-    autograd then takes as .grad, or adds to it: the grouped GEMM's gradient comes transposed, and autograd's own
-    cast would keep that layout, making every later add into .grad a strided pass. (Adding into .grad inside
-    backward, as Megatron's main_grad does, is a little faster, but torch.autograd.grad would then not see these
-    weights and would write .grad.)"""
+    writes the gradient in the parameter's layout in one pass (experts.to_contiguous): the grouped GEMM's gradient
+    comes transposed, and autograd's own cast would keep that layout, making every later add into .grad a strided
+    pass. The first backward of a window returns it as a new fp32 tensor, which autograd takes as .grad; later ones
+    (gradient accumulation over microbatches) add into .grad in place, in the same pass, and return None, so that
+    no fp32 copy is written only to be added (at Qwen3-30B-A3B's experts 4.8 GB less traffic per layer and
+    microbatch). torch.autograd.grad on these weights while .grad is set would then not see them: the trainer
+    accumulates into .grad."""
 
     @staticmethod
     def forward(ctx, param, dtype):
-        ctx.mesh, ctx.placements, ctx.param_dtype = param.device_mesh, param.placements, param.dtype
+        ctx.param, ctx.param_dtype = param, param.dtype
         return local_tensor(param).to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
+        param = ctx.param
+        if param.grad is not None:
+            to_contiguous(grad, ctx.param_dtype, into=local_tensor(param.grad))
+            return None, None
         main = to_contiguous(grad, ctx.param_dtype)
-        return DTensor.from_local(main, ctx.mesh, ctx.placements, run_check=False), None
+        return DTensor.from_local(main, param.device_mesh, param.placements, run_check=False), None
 
 
 def expert_placement(experts, meshes):
