@@ -184,7 +184,7 @@ MAX_DIFF, MEAN_DIFF = 0.05, 0.01  # as tests/test_weights_sync.py: bf16 on two s
 
 @pytest.mark.stack
 def test_engine_serves_the_synced_adapter_and_matches_the_trainer(tmp_path, tiny_model_path):
-    from capture import Engine
+    from engine import Engine
     from model import load_config
     from test_weights_sync import fixed_sequence, sequence_logprobs
     from weights_sync import WeightSender, connect_engines, sync_weights
@@ -215,7 +215,7 @@ def test_engine_serves_the_synced_adapter_and_matches_the_trainer(tmp_path, tiny
         after = torch.tensor(loop.run_until_complete(engine.prompt_logprobs(ids))[1:])
         full = sum(2 * p.numel() for n, p in model.named_parameters() if not lora.is_adapter(n))
         adapters = sum(4 * p.numel() for n, p in model.named_parameters() if lora.is_adapter(n))
-        assert stats["bytes"] == sum(b["nbytes"] for b in sender.plan(model)[0]) >= adapters
+        assert stats["bytes"] == sum(b["nbytes"] for b in sender.layout(model)[0]) >= adapters
         assert stats["bytes"] < adapters + 64 << 10 and stats["bytes"] < full
         d = want - after
         print(f"\nLoRA sync: {stats['bytes']} bytes (full weights {full}), engine vs trainer max |d| "
