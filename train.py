@@ -187,7 +187,7 @@ def main(argv):
     try:
         cfg = configure(argv)
         if cfg["dry_run"]:
-            return plan.dry_run_report(cfg)
+            return dry_run(cfg)
         check_config(cfg, world_size=plan.launched_world_size())
         if (cfg["resume"] or cfg["export_hf_dir"]) and latest_checkpoint(cfg["out_dir"]) is None:
             raise ConfigError(f"{'resume=True' if cfg['resume'] else 'export_hf_dir'} needs a checkpoint, and out_dir="
@@ -762,9 +762,8 @@ def init_distributed(timeout_s=600):
 
 def build_meshes(world, ep_size, device_type):
     """All device meshes of the trainer: `fsdp` (all ranks, dense weights), `experts` (ep x expert_fsdp, 2-D),
-    and its two 1-D slices `ep` (dispatch/combine) and `expert_fsdp` (FSDP of the local experts)."""
-    if ep_size < 1 or world % ep_size:
-        raise ConfigError(f"ep_size={ep_size} must divide the number of trainer ranks ({world})")
+    and its two 1-D slices `ep` (dispatch/combine) and `expert_fsdp` (FSDP of the local experts). ep_size divides
+    world (plan.check_config)."""
     fsdp = init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",))
     # mesh[ep_index, expert_fsdp_index] = expert_fsdp_index * ep_size + ep_index; the ep dimension comes first so
     # that a (Shard(0), FSDP's Shard) DTensor over it is the global expert tensor in expert order (checkpoints)
@@ -788,9 +787,9 @@ def shard_model(model, meshes, cfg):
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg["param_dtype"]), reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg["cpu_offload_optimizer"] else OffloadPolicy()
     kw = dict(mp_policy=mp, offload_policy=offload)
-    local_experts = experts_stay_local(meshes, cfg)
+    local_experts = experts_skip_fsdp(meshes, cfg)
     kept = set()
-    for block in model.model.layers:
+    for block in [*model.model.layers, *(model.mtp.layers if model.mtp is not None else [])]:
         if block.is_moe and local_experts:
             keep_experts_local(block.mlp.experts, meshes["expert_fsdp"], mp.param_dtype,
                                reuse_casts=not cfg["activation_checkpointing"])
@@ -816,7 +815,7 @@ def shard_model(model, meshes, cfg):
     return model
 
 
-def experts_stay_local(meshes, cfg):
+def experts_skip_fsdp(meshes, cfg):
     """True when the expert FSDP mesh has one rank (ep_size = world): FSDP would have nothing to gather or reduce
     there, yet it would still copy and cast every expert weight at each forward and backward and its gradient once
     per microbatch (about a tenth of a 1-GPU step; README, Performance). Offloaded optimizer state keeps FSDP
@@ -911,8 +910,8 @@ class ExpertParallel:
     def dispatch(self, x, topk_ids, topk_weights, num_experts):
         return ep_dispatch(x, topk_ids, topk_weights, num_experts, self.group)
 
-    def combine(self, y_recv, plan):
-        return ep_combine(y_recv, plan, self.group)
+    def combine(self, y_recv, routes):
+        return ep_combine(y_recv, routes, self.group)
 
 
 def ep_dispatch(x, topk_ids, topk_weights, num_experts, group):
@@ -921,7 +920,7 @@ def ep_dispatch(x, topk_ids, topk_weights, num_experts, group):
     x (N, D), topk_ids (N, K) global expert ids, topk_weights (N, K). A token with several experts on one rank
     crosses once, not once per expert (with top-8 of 128 experts on 2 ranks: 2 rows per token instead of 8).
     Returns what arrived, x_recv (R, D) with ids_recv (R, K) local expert ids (E_local for choices held elsewhere)
-    and weights_recv (R, K), the number of local choices among them (a host int), and the plan `ep_combine` needs.
+    and weights_recv (R, K), the number of local choices among them (a host int), and the routes `ep_combine` needs.
     """
     N, K = topk_ids.shape
     ep, device = group.size(), x.device
@@ -950,11 +949,50 @@ def ep_dispatch(x, topk_ids, topk_weights, num_experts, group):
     return x_recv, ids_recv, weights_recv, pairs, (slots, position, send_rows, recv_rows)
 
 
-def ep_combine(y_recv, plan, group):
+def ep_combine(y_recv, routes, group):
     """Send each rank's weighted sums back to the tokens' ranks and add up each token's copies."""
-    slots, position, send_rows, recv_rows = plan
+    slots, position, send_rows, recv_rows = routes
     y_back = all_to_all(y_recv, send_rows, recv_rows, group)  # (S, D) in ep_dispatch's send order
     return SumRows.apply(y_back, slots, position, group.size())  # (N, D)
+
+
+def dry_run(cfg):
+    """--dry_run=True: plan the run on paper, in seconds on a CPU for any world size. The model is built on the meta
+    device and sharded by the code above against torch's fake process group of train_world_size ranks; rank 0's
+    shards are measured (FSDP cuts like torch.chunk, so rank 0 holds the largest shard of every parameter: its
+    figures are the per-GPU maximum) and plan.py turns them into memory, GPU counts and the sync volume. Nothing is
+    allocated. Exits with one sentence when the run cannot fit or is inconsistent."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    try:
+        mcfg = check_config(cfg, world_size=plan.launched_world_size())
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg["train_world_size"])
+        try:
+            shards = measure_shards(meta_sharded_model(mcfg, build_meshes(cfg["train_world_size"], cfg["ep_size"],
+                                                                          "cpu"), cfg), cfg)
+        finally:
+            dist.destroy_process_group()
+        figures = plan.plan_run(cfg, mcfg, shards)
+    except ConfigError as e:
+        sys.exit(f"dry run: {e}")
+    plan.print_plan(cfg, figures)
+    return figures
+
+
+def measure_shards(model, cfg):
+    """Rank 0's parameter counts of a sharded (meta) model, for plan.plan_memory: its shards of the dense and the
+    expert weights, of what trains and of the vision tower; the unsharded sizes of the root fully_shard unit and of
+    the largest block (its sub-units, the experts, included): what an all-gather materializes."""
+    local = {n: local_tensor(p).numel() for n, p in model.named_parameters()}
+    units = {name: 0 for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+    for n, p in model.named_parameters():  # the unit that gathers p: the innermost one holding it
+        units[max((u for u in units if u == "" or n.startswith(u + ".")), key=len)] += p.numel()
+    blocks = [f"model.layers.{i}" for i in range(len(model.model.layers))]
+    return dict(dense=sum(v for n, v in local.items() if not is_stacked_experts(n)),
+                expert=sum(v for n, v in local.items() if is_stacked_experts(n)),
+                trainable=sum(local[n] for n, p in model.named_parameters() if p.requires_grad),
+                vision=sum(v for n, v in local.items() if n.startswith("visual.")), root_numel=units[""],
+                block_numel=max(sum(v for u, v in units.items() if u == b or u.startswith(b + ".")) for b in blocks),
+                experts_skip_fsdp=experts_skip_fsdp(model.meshes, cfg))
 
 
 def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_std=0.02):
@@ -971,8 +1009,10 @@ def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_
         load_hf_weights(model, weights_path)
     else:
         generator = torch.Generator(model.lm_head.weight.device).manual_seed(cfg["seed"] + dist.get_rank())
-        init_parameters(((n, local_tensor(p)) for n, p in model.named_parameters()), init_std, generator)
-    lora.fill_adapters(model, cfg["seed"], copy_shard)
+        init_parameters(((n, local_tensor(p)) for n, p in model.named_parameters()), init_std, generator,
+                        mcfg.family == "qwen3_5")
+    for p, full in lora.initial_adapters(model, cfg["seed"]):
+        copy_shard(p, full)
     return model
 
 
@@ -998,6 +1038,7 @@ def load_hf_weights(model, path):
         copy_shard(p, full)
 
 
+@torch.no_grad()
 def copy_shard(p, full):
     """Copy this rank's FSDP shard of `full` into parameter p (chunks on its shard dim, as FSDP and torch.chunk cut
     them)."""
