@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import capture
-from conftest import RecordingBackend
+from conftest import RecordingBackend, starts_stack
 import loss
 import train
 from agentrl import Context, load_agent, load_prompts, setup_agent
@@ -44,6 +44,7 @@ def tool_turn(*calls):
 
 
 @pytest.fixture(scope="module")
+@starts_stack
 def stack(tiny_model_path):
     engine = capture.Engine(tiny_model_path, max_model_len=MAX_MODEL_LEN, worker_extension_cls=None)
     server = capture.CaptureServer(None, tiny_model_path, max_model_len=MAX_MODEL_LEN)

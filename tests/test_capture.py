@@ -17,7 +17,7 @@ import openai
 import pytest
 
 import capture
-from conftest import RecordingBackend
+from conftest import RecordingBackend, starts_stack
 
 MAX_MODEL_LEN = 1024
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.",
@@ -32,6 +32,7 @@ FORCED_TOOL_TURN = "\n".join('<tool_call>\n{"name": "%s", "arguments": %s}\n</to
 
 
 @pytest.fixture(scope="module")
+@starts_stack
 def stack(tiny_model_path):
     engine = capture.Engine(tiny_model_path, max_model_len=MAX_MODEL_LEN, worker_extension_cls=None)
     server = capture.CaptureServer(None, tiny_model_path, max_model_len=MAX_MODEL_LEN)
@@ -307,22 +308,30 @@ def test_engine_versions_pause_resume_and_prompt_logprobs(stack):
         await engine.set_version(1)
         first = await engine.generate(prompt, dict(max_tokens=6, seed=0), "v1")
         # a request in flight across a pause and a version bump keeps its KV and finishes on the new version
-        long = asyncio.ensure_future(engine.generate(prompt, dict(max_tokens=600, ignore_eos=True), "long"))
-        while engine.llm.get_num_unfinished_requests() == 0:
-            await asyncio.sleep(0.001)
-        await engine.generate(prompt, dict(max_tokens=1), "step")  # done only after `long` sampled a token
+        sampled, started = [0], asyncio.Event()
+
+        async def long_turn():
+            async for out in engine.stream(prompt, dict(max_tokens=600, ignore_eos=True), "long"):
+                sampled[0] = len(out["token_ids"])
+                if sampled[0]:
+                    started.set()
+            return out
+        long = asyncio.ensure_future(long_turn())
+        await started.wait()  # it has sampled a token
         await engine.pause()
+        at_pause = sampled[0]
         await engine.set_version(2)
         await engine.resume()
         out = await long
         lps = await engine.prompt_logprobs(prompt + out["token_ids"])
         await engine.set_version(0)
-        return first, out, lps
-    first, out, lps = server.run_in_loop(scenario())
+        return first, out, lps, at_pause
+    first, out, lps, at_pause = server.run_in_loop(scenario())
     assert first["token_versions"] == [1] * len(first["token_ids"]) and first["num_prompt_tokens"] == len(prompt)
     versions = out["token_versions"]
     assert len(versions) == 600 and out["finish_reason"] == "length"
-    assert versions[0] == 1 and versions[-1] == 2 and versions == sorted(versions)
+    assert 1 <= at_pause < 600 and versions[:at_pause] == [1] * at_pause and versions[-1] == 2
+    assert versions == sorted(versions)
     # processed logprobs at temperature 1 are the model's own: the engine scores its sample the same way
     assert lps[0] is None
     assert max(abs(a - b) for a, b in zip(lps[len(prompt):], out["logprobs"])) < 1e-2  # bf16: prefill vs decode kernels
