@@ -42,9 +42,9 @@ import loss
 import plan
 import runlog
 import vl
-from model import (EXPERT_PROJS, GatherRows, SumRows, Transformer, checkpoint_reader, copy_hf_extras, count_ids,
-                   hf_name, init_parameters, is_stacked_experts, load_config, ours_to_hf, read_experts,
-                   save_hf_checkpoint, slot_positions, to_contiguous)
+from experts import EXPERT_PROJS, GatherRows, SumRows, count_ids, slot_positions, to_contiguous
+from model import (Transformer, checkpoint_reader, copy_hf_extras, hf_name, init_parameters, is_stacked_experts,
+                   load_config, ours_to_hf, read_experts, save_hf_checkpoint)
 from tiny import ensure_tiny_model, is_tiny_model
 from plan import ConfigError, check_config, loss_config
 from weights_sync import free_port
@@ -817,7 +817,7 @@ def keep_experts_local(experts, mesh, dtype):
 
 class CastForCompute(torch.autograd.Function):
     """A local expert weight (an fp32 DTensor on a one-rank mesh) -> its local tensor in the compute dtype. Backward
-    returns the gradient as a new fp32 tensor in the parameter's layout, in one pass (model.to_contiguous), which
+    returns the gradient as a new fp32 tensor in the parameter's layout, in one pass (experts.to_contiguous), which
     autograd then takes as .grad, or adds to it: the grouped GEMM's gradient comes transposed, and autograd's own
     cast would keep that layout, making every later add into .grad a strided pass. (Adding into .grad inside
     backward, as Megatron's main_grad does, is a little faster, but torch.autograd.grad would then not see these
@@ -856,7 +856,7 @@ def all_to_all(x, out_splits, in_splits, group):
 
 
 class ExpertParallel:
-    """The experts of each MoE layer split over the `ep` mesh's ranks, and the two all-to-alls model.Experts calls
+    """The experts of each MoE layer split over the `ep` mesh's ranks, and the two all-to-alls experts.Experts calls
     around its local experts: `dispatch` sends each token to the ranks holding its experts, `combine` brings the
     weighted sums back."""
 

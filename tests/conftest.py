@@ -199,7 +199,7 @@ def tiny_vl_model_path():
 
 
 class EngineThread:
-    """A capture.Engine on an event loop of its own thread (an engine is used from the loop it was started on):
+    """An engine.Engine on an event loop of its own thread (an engine is used from the loop it was started on):
     `run(coro)` runs a coroutine there and returns its result; `serve(server)` starts a CaptureServer on the same
     loop, `stop_serving(server)` stops it."""
 
@@ -228,10 +228,10 @@ class EngineThread:
 @pytest.fixture(scope="session")
 @starts_stack
 def tiny_engine(tiny_model_path):
-    """One in-process vLLM engine (capture.Engine, with the weight-sync worker extension) on the tiny model, shared by
+    """One in-process vLLM engine (engine.Engine, with the weight-sync worker extension) on the tiny model, shared by
     the capture, agent and weight-sync tests. A test that changes its weights or policy version puts them back."""
-    import capture
-    on = EngineThread(capture.Engine(tiny_model_path, max_model_len=2048, seed=0))
+    from engine import Engine
+    on = EngineThread(Engine(tiny_model_path, max_model_len=2048, seed=0))
     on.run(on.engine.start())
     yield on
     on.close()

@@ -1,4 +1,4 @@
-"""Weight sync, trainer -> vLLM engine, on CPU with real components: one real engine (capture.Engine around vLLM's
+"""Weight sync, trainer -> vLLM engine, on CPU with real components: one real engine (engine.Engine around vLLM's
 AsyncLLM, shared by the engine tests), a real gloo weight group, train.py's FSDP2 + expert-parallel model on
 spawned gloo ranks, and bench.py's sync benchmark in its CPU form.
 
