@@ -431,7 +431,7 @@ def grouped_vs_loop(rank, world, cfg, weights, out):
         torch.save(results, out)
 
 
-GROUPED_BF16_TOL = 5e-2  # relative to each gradient's largest entry
+GROUPED_BF16_TOL = 1e-2  # relative to each gradient's largest entry; measured < 1e-4 on CPU
 
 
 @pytest.mark.stack
