@@ -570,6 +570,10 @@ class ImageTokens:
             video = getattr(self.processor, "video_token", None)  # logit biases that keep placeholders unsampled
             self.banned = {t: -100 for t in (self.token_id, video and tokenizer.convert_tokens_to_ids(video)) if t}
         self.max_per_prompt, self.max_pixels, self.max_bytes = max_per_prompt, max_pixels, max_bytes
+        # the most tokens an image may take: a huge square's, resized to the processor's pixel budget, as vLLM sizes
+        # its encoder cache (a very long image can resize to a little more: the engine would refuse it)
+        self.max_tokens = self.processor and self.processor._get_num_multimodal_tokens(
+            image_sizes=[(1 << 20, 1 << 20)]).num_image_tokens[0]
 
     def check(self, messages):
         """The images of internal messages, in the order templates render them, within the limits."""
@@ -583,8 +587,10 @@ class ImageTokens:
         return images
 
     def count(self, image):
-        """How many tokens an image takes; the whole file is decoded (a corrupt one fails here, not in the engine)."""
+        """How many tokens an image takes; the whole file is decoded (a corrupt one fails here, not in the engine) and
+        the processor's rules are checked on the image vLLM will hand it (EXIF orientation applied, in RGB)."""
         from PIL import Image
+        from vllm.multimodal.image import convert_image_mode, normalize_image
         where = image.where
         if len(image) > self.max_bytes:
             raise RequestError(400, f"`{where}`: the image is {len(image)} bytes, more than {self.max_bytes}.", where)
@@ -594,12 +600,20 @@ class ImageTokens:
                 if w * h > self.max_pixels:
                     raise RequestError(400, f"`{where}`: the image is {w}x{h} pixels, more than {self.max_pixels}.",
                                        where)
-                img.load()
+                w, h = convert_image_mode(normalize_image(img), "RGB").size  # a photo turned on its side swaps them
         except RequestError:
             raise
         except Exception as e:  # PIL raises many kinds (UnidentifiedImageError, OSError, DecompressionBombError...)
             raise RequestError(400, f"`{where}` is not an image this server can decode: {e}.", where)
-        return self.processor._get_num_multimodal_tokens(image_sizes=[(h, w)]).num_image_tokens[0]
+        try:
+            n = self.processor._get_num_multimodal_tokens(image_sizes=[(h, w)]).num_image_tokens[0]
+        except ValueError as e:  # the processor's own rules (Qwen-VL: an aspect ratio of at most 200)
+            raise RequestError(400, f"`{where}`: this model's image processor refuses a {w}x{h} image: {e}.", where)
+        if n > self.max_tokens:
+            raise RequestError(400, f"`{where}`: resized by this model's processor, the {w}x{h} image takes {n} tokens, "
+                                    f"more than the {self.max_tokens} of its pixel budget (the engine's limit for one "
+                                    "image); crop or pad it closer to square.", where)
+        return n
 
     def expand(self, ids, images):
         """Rendered ids with each image's placeholder token repeated as many times as the image takes tokens, and

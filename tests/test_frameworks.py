@@ -395,13 +395,13 @@ def sampled_call(server, api, stream, tool, max_tokens):
     if api == "chat":
         kw = dict(model="tiny", messages=ask, max_tokens=max_tokens, tools=[{"type": "function", "function": tool}],
                   tool_choice="required")
-        if stream:
-            with oa.chat.completions.stream(**kw) as s:
-                pieces = [e.arguments_delta for e in s if e.type == "tool_calls.function.arguments.delta"]
-                message = s.get_final_completion().choices[0].message
+        if stream:  # the raw chunks (the SDK's stream helper raises on a call cut at max_tokens)
+            chunks = [c.choices[0] for c in oa.chat.completions.create(stream=True, **kw) if c.choices]
+            pieces = [d.function.arguments for c in chunks for d in c.delta.tool_calls or [] if d.function.arguments]
+            calls = ["".join(pieces)] if chunks[-1].finish_reason == "tool_calls" else []
         else:
             message = oa.chat.completions.create(**kw).choices[0].message
-        calls = [c.function.arguments for c in message.tool_calls or []]
+            calls = [c.function.arguments for c in message.tool_calls or []]
     elif api == "messages":
         an = anthropic.Anthropic(base_url=session.base_url, api_key=session.api_key, max_retries=0)
         kw = dict(model="tiny", max_tokens=max_tokens, messages=ask, tool_choice={"type": "tool", "name": tool["name"]},
