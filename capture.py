@@ -32,9 +32,11 @@ tool results) are part of their message: the same text with another image is a r
 expanded to the tokens the model's processor gives it (context, mask 0), and the segment keeps the image files
 (`images`: the bytes the client sent, in the order of their tokens) for the trainer's forward.
 
-Forced tool calls put the template's call opening in the context (mask 0); structured output and tool_choice "none"
-sample under a mask, and the behavior logprob is the masked distribution's (constrained_tokens: "train" records them
-as generated tokens, "mask" as context). A stop string ends the answer and the recorded tokens at one place.
+Forced tool calls put the template's call opening in the context (mask 0), and the rest of the one call is sampled
+under the tool's JSON schema (protocols.call_grammar: a vLLM structural tag in the tool parser's own call format), as
+are calls to `strict` tools and structured output; tool_choice "none" bans the call opening. What is sampled under
+a mask has the masked distribution's behavior logprob (constrained_tokens: "train" records it as generated tokens,
+"mask" as context). A stop string ends the answer and the recorded tokens at one place.
 """
 import asyncio
 import base64

@@ -293,6 +293,10 @@ def test_every_image_pil_opens_gets_its_tokens_or_a_400():
         upright = convert_image_mode(normalize_image(Image.open(io.BytesIO(bytes(image)))), "RGB")
         grid = vision.processor.image_processor(images=[upright], return_tensors="np")["image_grid_thw"][0]
         assert n == np.prod(grid) // 4, (image.where, n, grid)  # merge 2x2
+        if fmt == "EXIF":  # the trainer patches it upright too
+            import vl
+            assert vl.with_pixels({"images": [bytes(image)]}, vl_model_path())["image_grid_thw"].tolist() == [
+                grid.tolist()] and grid.tolist() == [1, 4, 2]
     assert set(refused) == {(201, 1), (4000, 16), (16, 4000), (6400, 32), (10000, 50)}, sorted(refused)
     assert "aspect ratio must be smaller than 200, got 250" in refused[(4000, 16)]
     assert f"takes 197 tokens, more than the {vision.max_tokens}" in refused[(6400, 32)]
