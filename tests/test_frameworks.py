@@ -468,7 +468,8 @@ def test_forced_calls_with_free_text_sample_a_valid_prefix(stack, rollout_engine
             calls, _, session = sampled_call(server, api, stream, EXPRESSION, 24)
             (call,) = recorder.of(session.id)
             assert valid_prefix(server.tokenizer.decode(call["out"]["token_ids"]))
-            assert all(json.loads(c)["expression"] is not None for c in calls)  # a call that closed parsed
+            # a call that closed parses (a stream sent a cut call's pieces as they came: it cannot take them back)
+            assert stream or all(json.loads(c)["expression"] is not None for c in calls)
             finish(server, recorder, session)
     free = ray.get(rollout_engine.generate.remote(call["prompt"], dict(max_tokens=24, seed=0), "free-prefix"))
     assert not valid_prefix(server.tokenizer.decode(free["token_ids"]))
