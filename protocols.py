@@ -600,6 +600,7 @@ class ImageTokens:
                 if w * h > self.max_pixels:
                     raise RequestError(400, f"`{where}`: the image is {w}x{h} pixels, more than {self.max_pixels}.",
                                        where)
+                img.load()
                 w, h = convert_image_mode(normalize_image(img), "RGB").size  # a photo turned on its side swaps them
         except RequestError:
             raise
