@@ -416,10 +416,10 @@ def sampled_call(server, api, stream, tool, max_tokens):
     else:
         kw = dict(model="tiny", input=ask, tools=[dict(type="function", strict=True, **tool)], max_output_tokens=max_tokens,
                   tool_choice={"type": "function", "name": tool["name"]})
-        if stream:
-            with oa.responses.stream(**kw) as s:
-                pieces = [e.delta for e in s if e.type == "response.function_call_arguments.delta"]
-                output = s.get_final_response().output
+        if stream:  # the raw events: the SDK's stream helper raises on an incomplete response
+            events = list(oa.responses.create(stream=True, **kw))
+            pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+            output = events[-1].response.output
         else:
             output = oa.responses.create(**kw).output
         calls = [c.arguments for c in output if c.type == "function_call"]
