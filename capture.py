@@ -7,6 +7,7 @@ client spoke (tool calls parsed by vLLM's Hermes parser), and records the trajec
 
     python capture.py                          # serve the tiny model on CPU; prints the address
     python capture.py --model DIR --port 8000  # any local HuggingFace model directory
+    python capture.py --view out/tiny          # the trajectory viewer over a run's out_dir (viewer.py), no engine
     curl -X POST http://127.0.0.1:8000/sessions               # -> {"id", "base_url", "api_key"}
     OpenAI(base_url=base_url, api_key=api_key)  /  Anthropic(base_url=base_url, api_key=api_key)
     curl -H "x-api-key: KEY" http://127.0.0.1:8000/sessions/ID  # the recorded segments
@@ -81,6 +82,7 @@ class Segment:
         self.token_ids, self.action_mask, self.behavior_logprobs, self.token_versions = [], [], [], []
         self.routed_experts = None
         self.images, self.image_tokens = [], []  # the images in token_ids (ImageBytes) and how many tokens each takes
+        self.opened = None  # why the request that opened it did not extend the segment before (CaptureServer.opening)
 
     def append(self, token_ids, generated=None):
         """Context tokens (mask 0), or, given the engine's output dict, generated tokens (mask 1)."""
@@ -97,7 +99,7 @@ class Segment:
         return dict(attempt_id=self.attempt_id, segment_index=self.index, token_ids=list(self.token_ids),
                     action_mask=list(self.action_mask), behavior_logprobs=list(self.behavior_logprobs),
                     token_versions=list(self.token_versions), routed_experts=routes, reward=reward, finished=finished,
-                    images=[bytes(b) for b in self.images])
+                    images=[bytes(b) for b in self.images], opened=self.opened)
 
 
 class Session:
@@ -421,6 +423,15 @@ class CaptureServer:
     def render(self, messages, tools, add_generation_prompt):
         return self.tokenize(self.render_text(messages, tools, add_generation_prompt))
 
+    def opening(self, session, messages, tools):
+        """Why a request that does not extend the open segment opens a new one (the trajectory viewer shows it)."""
+        conv = session.conversation
+        changed = next((i for i, (a, b) in enumerate(zip(conv or [], messages)) if not same_message(a, b)), None)
+        return ("the attempt's first request" if conv is None else "changed tools" if tools != session.tools else
+                f"compaction: {len(messages)} messages, the segment had {len(conv)}" if len(messages) < len(conv) else
+                f"a rewrite of message {changed} ({conv[changed]['role']})" if changed is not None else
+                "a chat template that renders the earlier turns differently")
+
     def segment_extension(self, session, messages, tools):
         """The segment rule (module docstring): if `messages` extend the open segment's conversation, (tokens to
         append, new conversation); else None, and the request opens a new segment."""
@@ -526,6 +537,7 @@ class CaptureServer:
                     raise RequestError(410, f"Session {session.id} finished while this request was generating.")
                 if ext is None:
                     session.segments.append(Segment(session.attempt_id, len(session.segments)))
+                    session.segments[-1].opened = self.opening(session, request.messages, request.tools)
                 segment = session.segments[-1]
                 segment.append(appended)
                 segment.images, segment.image_tokens = images, counts
@@ -884,8 +896,8 @@ class CaptureServer:
 
 
 def trajectory_record(segment, tokenizer):
-    """A segment dict as JSON (images in base64) plus decoded text for humans: the whole segment, and each run of
-    generated tokens."""
+    """A segment dict as JSON (images in base64) plus decoded text for humans: the whole segment, each run of
+    generated tokens, and each token."""
     runs, start = [], None
     for i, m in enumerate(segment["action_mask"] + [0]):
         if m and start is None:
@@ -894,6 +906,7 @@ def trajectory_record(segment, tokenizer):
             runs.append(tokenizer.decode(segment["token_ids"][start:i], skip_special_tokens=False))
             start = None
     return dict(segment, text=tokenizer.decode(segment["token_ids"], skip_special_tokens=False), generated=runs,
+                tokens=tokenizer.batch_decode([[t] for t in segment["token_ids"]]),  # each token's text (viewer.py)
                 images=[base64.b64encode(b).decode() for b in segment.get("images", [])])
 
 
@@ -914,7 +927,11 @@ def main(argv=None):
     parser.add_argument("--model", help="HuggingFace model directory (default: the tiny model, built on first use)")
     parser.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--view", metavar="OUT_DIR", help="serve the trajectory viewer over a run's out_dir instead")
     args = parser.parse_args(argv)
+    if args.view:  # no engine: the page over the run's files (viewer.py)
+        import viewer
+        return viewer.main(args.view, args.port)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (else half the RAM); GPU ignores it
     model = args.model
     if model is None:
