@@ -706,7 +706,11 @@ def test_sessions_made_over_http_have_a_lifetime(tiny_model_path):
             finish = f"{server.url}/sessions/{made[0]['id']}/finish"
             assert client.post(finish, headers={"x-api-key": made[0]["api_key"]}, json={"reward": 0}).status_code == 200
             made.append(client.post(server.url + "/sessions").json())  # the finished one made room
-            assert get(made[0]).status_code == 401 and len(server.sessions) == 4
+            r = get(made[0])  # dropped: it says so (a wrong key still gets 401, an id never issued 404)
+            assert r.status_code == 410 and "finished and was dropped" in r.json()["error"]["message"]
+            assert len(server.sessions) == 4 and client.get(f"{server.url}/sessions/{made[0]['id']}").status_code == 401
+            assert client.get(f"{server.url}/sessions/0123456789abcdef").status_code == 404
+
             def age(seconds):  # as if `seconds` went by without a request (rather than waiting them out)
                 for s in list(server.sessions.values()):
                     s.last_used -= seconds
@@ -714,7 +718,7 @@ def test_sessions_made_over_http_have_a_lifetime(tiny_model_path):
                 age(2.0)
                 assert get(made[1]).status_code == 200
             r = get(made[2])
-            assert r.status_code == 401 and "expired" in r.json()["error"]["message"]
+            assert r.status_code == 410 and "expired" in r.json()["error"]["message"]
             assert client.post(server.url + "/sessions").status_code == 200  # room again: idle ones dropped
             assert made[1]["id"] in server.sessions and len(server.sessions) == 2
     finally:

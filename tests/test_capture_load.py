@@ -254,7 +254,8 @@ def test_rss_bounded_after_5000_sessions(standalone):
         print(f"server RSS {rss / 2**20:.0f} MiB after 500 sessions, +{growth:.1f} MiB after 5,000")
         assert growth < RSS_GROWTH_MIB
         # finished sessions beyond the server's limit were dropped: the first ones are gone
-        assert client.get(f"{url}/sessions/{first['id']}", headers={"x-api-key": first["api_key"]}).status_code == 401
+        gone = client.get(f"{url}/sessions/{first['id']}", headers={"x-api-key": first["api_key"]})
+        assert gone.status_code == 410 and "finished and was dropped" in gone.json()["error"]["message"]
 
 
 def test_keeps_serving_then_sigterm_leaves_no_process(standalone):

@@ -274,6 +274,81 @@ def test_responses_input_image_and_bad_images_get_a_400_naming_the_part(stack):
         == [base64.b64encode(a).decode()]
 
 
+def test_every_image_pil_opens_gets_its_tokens_or_a_400():
+    """A small fuzz over sizes (1 pixel wide, aspect ratios at and past the processor's 200, past its pixel budget),
+    modes, formats and EXIF orientation: the server either refuses the image with a 400 naming it and the rule, or
+    counts exactly the tokens the model's processor makes of the image vLLM hands it (so the engine agrees)."""
+    import itertools
+    import random
+    import numpy as np
+    from transformers import AutoTokenizer
+    from vllm.multimodal.image import convert_image_mode, normalize_image
+    import protocols
+    vision = protocols.ImageTokens(AutoTokenizer.from_pretrained(vl_model_path()))
+    rng = random.Random(0)
+    sizes = [(1, 1), (3, 5), (5, 3), (1, 200), (200, 1), (201, 1), (3200, 16), (16, 3200), (4000, 16), (16, 4000),
+             (6400, 32), (10000, 50), (31, 33)]
+    modes = ["1", "L", "LA", "P", "PA", "I", "I;16", "F", "RGBA", "CMYK", "YCbCr", "LAB", "HSV"]
+    formats = ["PNG", "JPEG", "GIF", "BMP", "TIFF", "WEBP", "PPM", "ICO"]
+    cases = [(size, "RGB", "PNG") for size in sizes] + rng.sample(list(itertools.product(sizes, modes, formats)), 80)
+    refused = {}
+    for size, mode, fmt in cases + [((64, 32), "RGB", "EXIF")]:
+        img = Image.new(mode, size)
+        buf = io.BytesIO()
+        try:
+            if fmt == "EXIF":  # a photo taken on its side: vLLM turns it upright (32x64) before the processor
+                exif = img.getexif()
+                exif[0x0112] = 6
+                img.save(buf, "JPEG", exif=exif)
+            else:
+                img.save(buf, fmt)
+        except (OSError, ValueError, KeyError):
+            continue  # PIL cannot write this mode in this format
+        image = protocols.ImageBytes(buf.getvalue())
+        image.where = f"{size} {mode} {fmt}"
+        try:
+            n = vision.count(image)
+        except protocols.RequestError as e:
+            assert e.status == 400 and e.param == image.where and image.where in e.message
+            refused[size] = e.message
+            continue
+        upright = convert_image_mode(normalize_image(Image.open(io.BytesIO(bytes(image)))), "RGB")
+        grid = vision.processor.image_processor(images=[upright], return_tensors="np")["image_grid_thw"][0]
+        assert n == np.prod(grid) // 4, (image.where, n, grid)  # merge 2x2
+        if fmt == "EXIF":  # the trainer patches it upright too
+            import vl
+            assert vl.with_pixels({"images": [bytes(image)]}, vl_model_path())["image_grid_thw"].tolist() == [
+                grid.tolist()] and grid.tolist() == [1, 4, 2]
+    assert set(refused) == {(201, 1), (4000, 16), (16, 4000), (6400, 32), (10000, 50)}, sorted(refused)
+    assert "aspect ratio must be smaller than 200, got 250" in refused[(4000, 16)]
+    assert f"takes 197 tokens, more than the {vision.max_tokens}" in refused[(6400, 32)]
+
+
+def test_images_the_processor_refuses_get_a_400_and_the_extremes_it_takes_are_served(stack):
+    """The shapes that ended in the engine's 500 (aspect ratio 250) get a 400 in each protocol's format, and the engine
+    is never asked; the most extreme shapes the processor takes are served."""
+    server, recorder, _ = stack
+    session = server.new_session(attempt_id="vl-extremes")
+    oa = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+    an = anthropic.Anthropic(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+
+    def ask(image):
+        return oa.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": data_uri(image)}}]}])
+    for w, h in [(4000, 16), (16, 4000), (201, 1)]:
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(png(w, h, 1))
+        assert "messages[0].content[1]" in e.value.message and "aspect ratio" in e.value.message
+        with pytest.raises(anthropic.BadRequestError) as e:
+            an.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [
+                b64_block(png(w, h, 1))]}])
+        assert e.value.body["error"]["type"] == "invalid_request_error" and "aspect ratio" in e.value.message
+    assert recorder.of(session.id) == []
+    for w, h in [(3200, 16), (16, 3200), (1, 1), (1, 200), (200, 1)]:
+        assert ask(png(w, h, 2)).usage.completion_tokens >= 1
+    assert len(recorder.of(session.id)) == 5
+
+
 def test_a_request_whose_image_a_cached_prefix_covers_survives_a_sync_pause(stack):
     """A second attempt at the same prompt finds its image in the prefix cache (vLLM then hands the worker no pixels
     for it); a weight-sync pause empties the cache and preempts it, so it must encode the image again after resume.

@@ -235,7 +235,7 @@ def test_engine_serves_the_synced_adapter_and_matches_the_trainer(tmp_path, tiny
         adapters = sum(4 * p.numel() for n, p in model.named_parameters() if lora.is_adapter(n))
         # the adapters alone travel: every adapter tensor in PEFT names (experts split one per expert), nothing of
         # the base, in fp32, plus at most the alignment padding of each tensor in its bucket
-        sent = [t for bucket in sender.plan(model)[0] for t in bucket["tensors"]]
+        sent = [t for bucket in sender.layout(model)[0] for t in bucket["tensors"]]
         peft = lora.peft_tensors({n: p for n, p in model.named_parameters() if lora.is_adapter(n)})
         assert sorted(t[0] for t in sent) == sorted(peft) and {t[1] for t in sent} == {"float32"}
         assert adapters <= stats["bytes"] < adapters + ALIGN * len(sent) < full
