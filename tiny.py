@@ -39,11 +39,12 @@ WARM_START = dict(transcripts=8192, with_tools=0.25, from_memory=0.6, max_steps=
 # shape?", a colour word), answered at random. It teaches the format (one colour word, then the end of the turn),
 # not which colour is which: reading the picture is what RL has to learn (configs/tiny_vl.py).
 TINY_VL_SFT = "tiny-qwen3-vl-moe-sft"
-VL_WARM_START = dict(transcripts=4000, max_steps=100, learning_rate=3e-3, min_lr=3e-4, warmup_steps=2,
+VL_WARM_START = dict(transcripts=4000, size=128, max_steps=100, learning_rate=3e-3, min_lr=3e-4, warmup_steps=2,
                      groups_per_batch=10, group_size=4, seed=0)
 WARM_STARTS = {TINY_SFT: ("tiny-qwen3-moe", "calculator.py", WARM_START),  # name: base model, agent file, recipe
                TINY_VL_SFT: ("tiny-qwen3-vl-moe", "colours.py", VL_WARM_START)}
-TRANSCRIPT_KEYS = ("transcripts", "with_tools", "from_memory")  # a recipe's options of transcripts(); the rest: train.py's
+# a recipe's options of its transcripts(); the other keys are train.py's
+TRANSCRIPT_KEYS = ("transcripts", "with_tools", "from_memory", "size")
 TINY_MODELS = {"tiny-qwen3-moe": TINY_CONFIG, "tiny-qwen3-vl-moe": TINY_VL_CONFIG, TINY_SFT: TINY_CONFIG,
                TINY_VL_SFT: TINY_VL_CONFIG}  # by name
 
