@@ -96,15 +96,15 @@ def apply(model, cfg):
     return model
 
 
-@torch.no_grad()
-def fill_adapters(model, seed, copy_shard):
-    """Each rank's shard of every adapter's initial value; copy_shard(param, full) cuts a parameter's shard from
-    its full tensor (train.copy_shard). Expert adapters: this rank's experts of the global (E, ...) value."""
+def initial_adapters(model, seed):
+    """(adapter parameter, its initial value) for every adapter: the full value of the parameter as it stands on this
+    rank before FSDP cuts it, so that a sharded trainer copies its shard (train.copy_shard) and an unsharded model
+    the whole. Expert adapters: this rank's experts of the global (E, ...) value."""
     for name, p in model.named_parameters():
         if is_adapter(name):
             experts = model.get_submodule(name.rsplit(".", 1)[0]) if ".mlp.experts." in name else None
             full = initial_adapter(name, [experts.num_experts, *p.shape[1:]] if experts else p.shape, seed)
-            copy_shard(p, full[experts.first_expert:experts.first_expert + p.shape[0]] if experts else full)
+            yield p, full[experts.first_expert:experts.first_expert + p.shape[0]] if experts else full
 
 
 def is_adapter(name):
@@ -123,9 +123,8 @@ def initial_adapter(name, shape, seed):
 @torch.no_grad()
 def init_adapters(model, seed):
     """Fill an unsharded model's adapters (initial_adapter)."""
-    for name, p in model.named_parameters():
-        if is_adapter(name):
-            p.copy_(initial_adapter(name, p.shape, seed))
+    for p, full in initial_adapters(model, seed):
+        p.copy_(full)
 
 
 def adapted_weight(name):

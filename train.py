@@ -180,7 +180,7 @@ def main(argv):
     try:
         cfg = configure(argv)
         if cfg["dry_run"]:
-            return plan.dry_run_report(cfg)
+            return dry_run(cfg)
         check_config(cfg, world_size=plan.launched_world_size())
         if (cfg["resume"] or cfg["export_hf_dir"]) and latest_checkpoint(cfg["out_dir"]) is None:
             raise ConfigError(f"{'resume=True' if cfg['resume'] else 'export_hf_dir'} needs a checkpoint, and out_dir="
@@ -749,9 +749,8 @@ def init_distributed(timeout_s=600):
 
 def build_meshes(world, ep_size, device_type):
     """All device meshes of the trainer: `fsdp` (all ranks, dense weights), `experts` (ep x expert_fsdp, 2-D),
-    and its two 1-D slices `ep` (dispatch/combine) and `expert_fsdp` (FSDP of the local experts)."""
-    if ep_size < 1 or world % ep_size:
-        raise ConfigError(f"ep_size={ep_size} must divide the number of trainer ranks ({world})")
+    and its two 1-D slices `ep` (dispatch/combine) and `expert_fsdp` (FSDP of the local experts). ep_size divides
+    world (plan.check_config)."""
     fsdp = init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",))
     # mesh[ep_index, expert_fsdp_index] = expert_fsdp_index * ep_size + ep_index; the ep dimension comes first so
     # that a (Shard(0), FSDP's Shard) DTensor over it is the global expert tensor in expert order (checkpoints)
@@ -775,11 +774,12 @@ def shard_model(model, meshes, cfg):
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg["param_dtype"]), reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg["cpu_offload_optimizer"] else OffloadPolicy()
     kw = dict(mp_policy=mp, offload_policy=offload)
-    local_experts = experts_stay_local(meshes, cfg)
+    local_experts = experts_skip_fsdp(meshes, cfg)
     kept = set()
     for block in model.model.layers:
         if block.is_moe and local_experts:
-            keep_experts_local(block.mlp.experts, meshes["expert_fsdp"], mp.param_dtype)
+            keep_experts_local(block.mlp.experts, meshes["expert_fsdp"], mp.param_dtype,
+                               reuse_casts=not cfg["activation_checkpointing"])
             kept |= set(block.mlp.experts.parameters())
         elif block.is_moe:  # its own FSDP unit on its own mesh: the block's unit must not gather the experts
             fully_shard(block.mlp.experts, mesh=meshes["expert_fsdp"],
@@ -802,7 +802,7 @@ def shard_model(model, meshes, cfg):
     return model
 
 
-def experts_stay_local(meshes, cfg):
+def experts_skip_fsdp(meshes, cfg):
     """True when the expert FSDP mesh has one rank (ep_size = world): FSDP would have nothing to gather or reduce
     there, yet it would still copy and cast every expert weight at each forward and backward and its gradient once
     per microbatch (about a tenth of a 1-GPU step; README, Performance). Offloaded optimizer state keeps FSDP
@@ -810,37 +810,59 @@ def experts_stay_local(meshes, cfg):
     return meshes["expert_fsdp"].size() == 1 and not cfg["cpu_offload_optimizer"]
 
 
-def keep_experts_local(experts, mesh, dtype):
+def keep_experts_local(experts, mesh, dtype, reuse_casts=False):
     """Experts outside FSDP, on a one-rank expert FSDP mesh: the weights stay fp32 DTensors on that mesh, as FSDP
     would leave them (checkpoints, clipping, the optimizer and the weight export see no difference), and each
     forward computes with a cast of them to the compute dtype (CastForCompute: its backward returns the gradient in
-    fp32); floating inputs are cast as FSDP's mixed precision casts them. Without activation checkpointing
-    the casts stay alive until their layer's backward (plan_memory counts them)."""
+    fp32, or adds it into .grad); floating inputs are cast as FSDP's mixed precision casts them. Without activation
+    checkpointing the casts stay alive until their layer's backward (plan_memory counts them), and with
+    reuse_casts the later microbatches of a window reuse them (one cast per weight per step, not per microbatch: the
+    weights change only at the optimizer step, and the end of forward, the peak, holds every layer's casts anyway)."""
     for name, p in list(experts.named_parameters()):  # the three projections, and their adapters
         setattr(experts, name, nn.Parameter(DTensor.from_local(p.data, mesh, [Shard(0)], run_check=False),
                                             requires_grad=p.requires_grad))
-    experts.cast_weights = lambda w: CastForCompute.apply(w, dtype)
+    casts = {}  # id(param) -> (param's version, its cast)
+
+    def cast(w):
+        # a cast is reused only within one window: the weight's gradient exists (a backward ran since train_step's
+        # zero_grad(set_to_none=True), which follows every optimizer step: the guard that matters, since the fused
+        # AdamW step leaves a DTensor parameter's version counter alone, seen on an H200) and no in-place write
+        # bumped the version counter since
+        kept = casts.get(id(w))
+        if kept is not None and kept[0] == w._version and w.grad is not None and torch.is_grad_enabled():
+            return kept[1]
+        out = CastForCompute.apply(w, dtype)
+        if reuse_casts and torch.is_grad_enabled():
+            casts[id(w)] = (w._version, out)
+        return out
+    experts.cast_weights = cast
     experts.register_forward_pre_hook(
         lambda module, args: tuple(a.to(dtype) if torch.is_floating_point(a) else a for a in args))
 
 
 class CastForCompute(torch.autograd.Function):
     """A local expert weight (an fp32 DTensor on a one-rank mesh) -> its local tensor in the compute dtype. Backward
-    returns the gradient as a new fp32 tensor in the parameter's layout, in one pass (experts.to_contiguous), which
-    autograd then takes as .grad, or adds to it: the grouped GEMM's gradient comes transposed, and autograd's own
-    cast would keep that layout, making every later add into .grad a strided pass. (Adding into .grad inside
-    backward, as Megatron's main_grad does, is a little faster, but torch.autograd.grad would then not see these
-    weights and would write .grad.)"""
+    writes the gradient in the parameter's layout in one pass (experts.to_contiguous): the grouped GEMM's gradient
+    comes transposed, and autograd's own cast would keep that layout, making every later add into .grad a strided
+    pass. The first backward of a window returns it as a new fp32 tensor, which autograd takes as .grad; later ones
+    (gradient accumulation over microbatches) add into .grad in place, in the same pass, and return None, so that
+    no fp32 copy is written only to be added (at Qwen3-30B-A3B's experts 4.8 GB less traffic per layer and
+    microbatch). torch.autograd.grad on these weights while .grad is set would then not see them: the trainer
+    accumulates into .grad."""
 
     @staticmethod
     def forward(ctx, param, dtype):
-        ctx.mesh, ctx.placements, ctx.param_dtype = param.device_mesh, param.placements, param.dtype
+        ctx.param, ctx.param_dtype = param, param.dtype
         return local_tensor(param).to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
+        param = ctx.param
+        if param.grad is not None:
+            to_contiguous(grad, ctx.param_dtype, into=local_tensor(param.grad))
+            return None, None
         main = to_contiguous(grad, ctx.param_dtype)
-        return DTensor.from_local(main, ctx.mesh, ctx.placements, run_check=False), None
+        return DTensor.from_local(main, param.device_mesh, param.placements, run_check=False), None
 
 
 def expert_placement(experts, meshes):
@@ -875,8 +897,8 @@ class ExpertParallel:
     def dispatch(self, x, topk_ids, topk_weights, num_experts):
         return ep_dispatch(x, topk_ids, topk_weights, num_experts, self.group)
 
-    def combine(self, y_recv, plan):
-        return ep_combine(y_recv, plan, self.group)
+    def combine(self, y_recv, routes):
+        return ep_combine(y_recv, routes, self.group)
 
 
 def ep_dispatch(x, topk_ids, topk_weights, num_experts, group):
@@ -885,7 +907,7 @@ def ep_dispatch(x, topk_ids, topk_weights, num_experts, group):
     x (N, D), topk_ids (N, K) global expert ids, topk_weights (N, K). A token with several experts on one rank
     crosses once, not once per expert (with top-8 of 128 experts on 2 ranks: 2 rows per token instead of 8).
     Returns what arrived, x_recv (R, D) with ids_recv (R, K) local expert ids (E_local for choices held elsewhere)
-    and weights_recv (R, K), the number of local choices among them (a host int), and the plan `ep_combine` needs.
+    and weights_recv (R, K), the number of local choices among them (a host int), and the routes `ep_combine` needs.
     """
     N, K = topk_ids.shape
     ep, device = group.size(), x.device
@@ -914,11 +936,50 @@ def ep_dispatch(x, topk_ids, topk_weights, num_experts, group):
     return x_recv, ids_recv, weights_recv, pairs, (slots, position, send_rows, recv_rows)
 
 
-def ep_combine(y_recv, plan, group):
+def ep_combine(y_recv, routes, group):
     """Send each rank's weighted sums back to the tokens' ranks and add up each token's copies."""
-    slots, position, send_rows, recv_rows = plan
+    slots, position, send_rows, recv_rows = routes
     y_back = all_to_all(y_recv, send_rows, recv_rows, group)  # (S, D) in ep_dispatch's send order
     return SumRows.apply(y_back, slots, position, group.size())  # (N, D)
+
+
+def dry_run(cfg):
+    """--dry_run=True: plan the run on paper, in seconds on a CPU for any world size. The model is built on the meta
+    device and sharded by the code above against torch's fake process group of train_world_size ranks; rank 0's
+    shards are measured (FSDP cuts like torch.chunk, so rank 0 holds the largest shard of every parameter: its
+    figures are the per-GPU maximum) and plan.py turns them into memory, GPU counts and the sync volume. Nothing is
+    allocated. Exits with one sentence when the run cannot fit or is inconsistent."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    try:
+        mcfg = check_config(cfg, world_size=plan.launched_world_size())
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg["train_world_size"])
+        try:
+            shards = measure_shards(meta_sharded_model(mcfg, build_meshes(cfg["train_world_size"], cfg["ep_size"],
+                                                                          "cpu"), cfg), cfg)
+        finally:
+            dist.destroy_process_group()
+        figures = plan.plan_run(cfg, mcfg, shards)
+    except ConfigError as e:
+        sys.exit(f"dry run: {e}")
+    plan.print_plan(cfg, figures)
+    return figures
+
+
+def measure_shards(model, cfg):
+    """Rank 0's parameter counts of a sharded (meta) model, for plan.plan_memory: its shards of the dense and the
+    expert weights, of what trains and of the vision tower; the unsharded sizes of the root fully_shard unit and of
+    the largest block (its sub-units, the experts, included): what an all-gather materializes."""
+    local = {n: local_tensor(p).numel() for n, p in model.named_parameters()}
+    units = {name: 0 for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+    for n, p in model.named_parameters():  # the unit that gathers p: the innermost one holding it
+        units[max((u for u in units if u == "" or n.startswith(u + ".")), key=len)] += p.numel()
+    blocks = [f"model.layers.{i}" for i in range(len(model.model.layers))]
+    return dict(dense=sum(v for n, v in local.items() if not is_stacked_experts(n)),
+                expert=sum(v for n, v in local.items() if is_stacked_experts(n)),
+                trainable=sum(local[n] for n, p in model.named_parameters() if p.requires_grad),
+                vision=sum(v for n, v in local.items() if n.startswith("visual.")), root_numel=units[""],
+                block_numel=max(sum(v for u, v in units.items() if u == b or u.startswith(b + ".")) for b in blocks),
+                experts_skip_fsdp=experts_skip_fsdp(model.meshes, cfg))
 
 
 def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_std=0.02):
@@ -936,7 +997,8 @@ def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_
     else:
         generator = torch.Generator(model.lm_head.weight.device).manual_seed(cfg["seed"] + dist.get_rank())
         init_parameters(((n, local_tensor(p)) for n, p in model.named_parameters()), init_std, generator)
-    lora.fill_adapters(model, cfg["seed"], copy_shard)
+    for p, full in lora.initial_adapters(model, cfg["seed"]):
+        copy_shard(p, full)
     return model
 
 
@@ -962,6 +1024,7 @@ def load_hf_weights(model, path):
         copy_shard(p, full)
 
 
+@torch.no_grad()
 def copy_shard(p, full):
     """Copy this rank's FSDP shard of `full` into parameter p (chunks on its shard dim, as FSDP and torch.chunk cut
     them)."""

@@ -99,6 +99,7 @@ BAD_VALUES = [
     ("--eps_low=1.5", "eps_low=1.5, eps_high=0.28: need 0 <= eps_low < 1"),
     ("--engine_memory_fraction=0", "engine_memory_fraction=0.0 is not accepted: it must be in (0, 1]"),
     ("--min_lr=1.0", "min_lr (1.0) is above learning_rate (0.0005)"),
+    ("--ep_size=3", "train_world_size (1) is not divisible by ep_size (3): expert-parallel groups need whole sets"),
     ("--agent=agents/no_such_agent.py", "agent='agents/no_such_agent.py': no such file"),
     ("--prompts=no_such_prompts.jsonl", "prompts='no_such_prompts.jsonl': no such file"),
     ("--model_path=/no/such/model", "model_path='/no/such/model' has no config.json"),

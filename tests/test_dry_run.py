@@ -2,10 +2,11 @@
 
     .venv/bin/python -m pytest tests/test_dry_run.py -q        # CPU, about a minute
 
-Every shipped config is planned with the real sharding code (train.build_meshes / meta_sharded_model /
-shard_model) against a fake process group of its world size; the printed memory of qwen3_30b_a3b is checked
+Every shipped config is planned with the real sharding code (train.dry_run: build_meshes / meta_sharded_model /
+shard_model, measured by measure_shards) against a fake process group of its world size; the printed memory of qwen3_30b_a3b is checked
 against a hand computation from the config's numbers, and the activation estimate against what autograd saves.
 """
+import ast
 import asyncio
 import dataclasses
 import functools
@@ -145,6 +146,25 @@ def test_activation_estimate_matches_what_autograd_saves():
         assert plan.activation_bytes(mcfg, B * T, checkpointing=True, dtype_bytes=2) < estimate
 
 
+def test_all_to_all_projection_counts_the_rows_ep_dispatch_sends():
+    """The dry run's EP all-to-all volume: remote rows per token from C(E - E/ep, k) / C(E, k), against the rows
+    train.ep_dispatch's rule sends (each token once to every other rank holding one of its top-k experts), counted
+    on random top-k choices at Qwen3-30B-A3B's routing (128 experts, top-8) over 8 ranks."""
+    from model import ModelConfig
+    mcfg = ModelConfig(hidden_size=2048, num_experts=128, num_experts_per_tok=8)
+    g = torch.Generator().manual_seed(0)
+    topk = torch.rand(20000, 128, generator=g).topk(8, dim=-1).indices  # (N, K) distinct experts per token
+    for ep in (2, 8):
+        on_rank = torch.zeros(len(topk), ep, dtype=torch.bool).scatter_(1, topk // (128 // ep), True)
+        sent = on_rank[:, 1:].sum(1).float().mean().item()  # from rank 0, to the others
+        rows, nbytes, seconds = plan.ep_all_to_all(mcfg, 16384, ep, checkpointing=False)
+        assert rows == pytest.approx(sent, rel=0.01), ep
+        assert rows < (ep - 1) / ep * 8  # the deduplication: fewer rows than one per remote choice
+        row_bytes = 2 * 2048 + 8 * 10 + 2 * 2048  # dispatched row with weights and ids, combined row back
+        assert nbytes == pytest.approx(16384 * rows * row_bytes * 2)  # forward and backward
+        assert plan.ep_all_to_all(mcfg, 16384, ep, checkpointing=True)[1] == pytest.approx(1.5 * nbytes)
+
+
 def test_vision_activation_estimate_matches_what_autograd_saves():
     """The bytes autograd saves in a bf16 forward of a vision tower (parameters excluded) on 448x448 images, against
     the planner's per-image formula (within 5%); checkpointing keeps less."""
@@ -256,3 +276,45 @@ def test_torchrun_sh_launches_and_the_world_size_check_sees_torchrun():
                        text=True, timeout=300, env=child_env(**env))
     assert r.returncode != 0
     assert "dry run: torchrun started 1 ranks (WORLD_SIZE) but train_world_size is 2" in r.stderr
+
+
+def our_imports(path, ours):
+    """Our top-level modules that a file imports, anywhere in it (inside functions too)."""
+    names = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names & ours
+
+
+def import_cycle(graph):
+    """A cycle of the import graph {module: the modules it imports}, as [a, b, ..., a]; None when there is none."""
+    done = set()
+
+    def visit(path):
+        for n in sorted(graph[path[-1]]):
+            if n in path:
+                return path[path.index(n):] + [n]
+            if n not in done and (found := visit(path + [n])):
+                return found
+        done.add(path[-1])
+
+    return next((c for m in sorted(graph) if m not in done and (c := visit([m]))), None)
+
+
+def test_imports_run_one_way():
+    """No import cycle among our modules, counting imports inside functions, and plan.py reads without the trainer:
+    `python train.py --dry_run=True` loads train.py once (as __main__). Control: the old plan.py's import of train
+    is a cycle the check finds."""
+    ours = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
+    graph = {m: our_imports(os.path.join(ROOT, m + ".py"), ours) - {m} for m in ours}
+    assert import_cycle(graph) is None, import_cycle(graph)
+    reached, todo = set(), ["plan"]
+    while todo:
+        m = todo.pop()
+        todo += sorted(graph[m] - reached)
+        reached.add(m)
+    assert "train" not in reached and "train" in graph["bench"], sorted(reached)
+    assert set(import_cycle(dict(graph, plan=graph["plan"] | {"train"}))) == {"plan", "train"}

@@ -215,7 +215,7 @@ def test_engine_serves_the_synced_adapter_and_matches_the_trainer(tmp_path, tiny
         after = torch.tensor(loop.run_until_complete(engine.prompt_logprobs(ids))[1:])
         full = sum(2 * p.numel() for n, p in model.named_parameters() if not lora.is_adapter(n))
         adapters = sum(4 * p.numel() for n, p in model.named_parameters() if lora.is_adapter(n))
-        assert stats["bytes"] == sum(b["nbytes"] for b in sender.plan(model)[0]) >= adapters
+        assert stats["bytes"] == sum(b["nbytes"] for b in sender.layout(model)[0]) >= adapters
         assert stats["bytes"] < adapters + 64 << 10 and stats["bytes"] < full
         d = want - after
         print(f"\nLoRA sync: {stats['bytes']} bytes (full weights {full}), engine vs trainer max |d| "

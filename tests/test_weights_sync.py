@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import end_rank
 from model import Transformer, load_config, ours_to_hf
-from weights_sync import (BucketReceiver, WeightSender, connect_engines, free_port, plan_buckets,
+from weights_sync import (BucketReceiver, WeightSender, connect_engines, free_port, bucket_layout,
                           stateless_process_group, sync_weights)
 
 BUCKET_BYTES = 256 << 10  # the tiny model (3 MB in bf16) spans a dozen buckets; layers and experts get split
@@ -58,12 +58,12 @@ def trainer_logprobs_bf16(model, ids):
     return sequence_logprobs(copy.deepcopy(model).to(torch.bfloat16), torch.tensor([ids]))
 
 # -----------------------------------------------------------------------------
-# the bucket plan (no engine)
+# the bucket layout (no engine)
 
 
-def test_plan_covers_every_hf_tensor_once_in_bounded_buckets(tiny_model_path):
+def test_layout_covers_every_hf_tensor_once_in_bounded_buckets(tiny_model_path):
     model = Transformer.from_pretrained(tiny_model_path)
-    buckets, pieces = plan_buckets(model, BUCKET_BYTES)
+    buckets, pieces = bucket_layout(model, BUCKET_BYTES)
     hf = ours_to_hf(model.state_dict(), model.config)
     names = [t[0] for b in buckets for t in b["tensors"]]
     assert sorted(names) == sorted(hf) and len(names) == len(set(names))
@@ -79,7 +79,7 @@ def test_plan_covers_every_hf_tensor_once_in_bounded_buckets(tiny_model_path):
     split = [name for name in {p[0] for ps in pieces for p in ps} if sum(p[0] == name for ps in pieces for p in ps) > 1]
     assert any(".mlp.experts." in n for n in split), "some stacked experts should span two buckets at this size"
     with pytest.raises(ValueError, match="bucket_bytes"):
-        plan_buckets(model, 0)
+        bucket_layout(model, 0)
 
 # -----------------------------------------------------------------------------
 # one real engine shared by the engine tests
@@ -127,7 +127,7 @@ def test_engine_logprobs_equal_trainer_after_sync(loop, engine, sender, version,
     after = torch.tensor(loop.run_until_complete(engine.prompt_logprobs(ids))[1:])
     diff = (after - want).abs()
     assert diff.max() <= MAX_DIFF and diff.mean() <= MEAN_DIFF, (diff.max().item(), diff.mean().item())
-    assert stats["bytes"] == sum(b["nbytes"] for b in sender.plan(model)[0]) > 3_000_000
+    assert stats["bytes"] == sum(b["nbytes"] for b in sender.layout(model)[0]) > 3_000_000
 
     # the engine's own tensors changed (CPU-repacked Linears keep theirs inside their GEMM kernels: not listed)
     digest1 = loop.run_until_complete(engine.collective_rpc("weights_digest"))[0]
@@ -214,18 +214,18 @@ def test_failed_load_resumes_engines_and_reconnect_recovers(loop, engine, sender
                                                             monkeypatch):
     ids = fixed_sequence(seed=2)
     model = trained_model(tiny_model_path, ids, steps=4)
-    good_plan = sender.plan
+    good_layout = sender.layout
 
-    def bad_plan(m):  # the first tensor the engine loads is a name its model does not have
-        buckets, pieces = good_plan(m)
+    def bad_layout(m):  # the first tensor the engine loads is a name its model does not have
+        buckets, pieces = good_layout(m)
         buckets[0]["tensors"].insert(0, ["no_such_module.weight", "bfloat16", [4], 0])
         return buckets, pieces
 
-    monkeypatch.setattr(sender, "plan", bad_plan)
+    monkeypatch.setattr(sender, "layout", bad_layout)
     before = loop.run_until_complete(engine.prompt_logprobs(ids))
     with pytest.raises(Exception, match="no_such_module"):
         loop.run_until_complete(sync_weights([engine], sender, model, version["now"] + 1))
-    monkeypatch.setattr(sender, "plan", good_plan)
+    monkeypatch.setattr(sender, "layout", good_layout)
     # resumed on the weights it held, version unchanged
     out = loop.run_until_complete(engine.generate(fixed_sequence(8), {"max_tokens": 3, "seed": 0}, "after-failure"))
     assert out["token_versions"] == [version["now"]] * len(out["token_ids"]) and len(out["token_ids"]) >= 1
@@ -261,7 +261,7 @@ def _trainer_rank(rank, world, ep, ports, path, expert_dim):
     sender = WeightSender(bucket_bytes=BUCKET_BYTES)
     if rank == 0:
         sender.connect("127.0.0.1", ports[1], 2, "gloo")
-    sent = sender.send(model, sender.plan(model))
+    sent = sender.send(model, sender.layout(model))
     assert (sent > 0) == (rank == 0)
     sender.close()
     torch.distributed.destroy_process_group()
@@ -269,8 +269,9 @@ def _trainer_rank(rank, world, ep, ports, path, expert_dim):
 
 
 def _receiver(ports, path, out_file):
-    """Receives like an engine worker; it plans from the unsharded model: the plan depends on global shapes only."""
-    buckets, _ = plan_buckets(Transformer.from_pretrained(path), BUCKET_BYTES)
+    """Receives like an engine worker; it lays out the buckets from the unsharded model: the layout depends on global
+    shapes only."""
+    buckets, _ = bucket_layout(Transformer.from_pretrained(path), BUCKET_BYTES)
     group = stateless_process_group("127.0.0.1", ports[1], 1, 2, "gloo")
     got = {name: t.clone() for name, t in BucketReceiver(group, buckets, torch.device("cpu"))}
     save_file(got, out_file)
