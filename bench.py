@@ -319,7 +319,7 @@ def _lora_sync(rank, opt, cfg, model, group, device, timed):
 
 
 def bench_lora(*args):
-    """The grouped-GEMM experts (model.experts_grouped_mm) forward + backward on `rows` routed rows, bf16: with
+    """The grouped-GEMM experts (experts.experts_grouped_mm) forward + backward on `rows` routed rows, bf16: with
     rank-`rank` adapters on gate, up and down over a frozen base (gradients of the adapters, the rows and the routing
     weights) against full fine-tuning (gradients of the base weights too), and the frozen base without adapters (the
     floor: no weight gradient GEMMs at all). Default shape: Qwen3-30B-A3B's experts (D 2048, H 768), 16 local experts
@@ -330,7 +330,7 @@ def bench_lora(*args):
         python bench.py lora --experts=128 --rows=32768 --rank=8
     """
     import torch
-    from model import experts_grouped_mm
+    from experts import experts_grouped_mm
     if not torch.cuda.is_available():
         sys.exit("bench.py lora needs a GPU (the grouped GEMMs are the CUDA path)")
     opt = _int_options(args, experts=16, dim=2048, hidden=768, rows=32768, rank=8, iters=20, seed=0)
@@ -517,6 +517,7 @@ def bench_capture(*args):
     import openai
 
     import capture
+    from engine import Engine
     from tiny import ensure_tiny_model
     opt = _int_options(args, agents=16, turns=4, tokens=48, rounds=6, spread=0, threads=0)
     path = ensure_tiny_model()
@@ -532,7 +533,7 @@ def bench_capture(*args):
             return out
 
     async def run():
-        engine = capture.Engine(path, max_model_len=2048, enable_prefix_caching=False, worker_extension_cls=None)
+        engine = Engine(path, max_model_len=2048, enable_prefix_caching=False, worker_extension_cls=None)
         backend = TimedEngine(engine)
         server = capture.CaptureServer(backend, path, max_model_len=2048)
 

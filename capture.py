@@ -3,7 +3,8 @@ The capture server. Agents are unchanged programs using the official OpenAI or A
 the OpenAI Agents SDK, LangChain, pydantic-ai, ...); only their base URL points here. It speaks chat completions, the
 Responses API and Anthropic Messages. The server renders each request to token ids with the model's own tokenizer
 and chat template, asks a vLLM engine for tokens (ids in, ids + sampling logprobs out), answers in the protocol the
-client spoke (tool calls parsed by vLLM's Hermes parser), and records the trajectory token-exactly (README, invariant 1).
+client spoke (tool calls parsed by the vLLM parser of the model's call format: Hermes JSON for Qwen3, XML for Qwen3.5 /
+3.6; reasoning as each protocol gives it), and records the trajectory token-exactly (README, invariant 1).
 
     python capture.py                          # serve the tiny model on CPU; prints the address
     python capture.py --model DIR --port 8000  # any local HuggingFace model directory
@@ -18,13 +19,17 @@ attempt_id)` hands the agent `session.base_url` and `session.api_key`, and `serv
 returns its segments (dicts: attempt_id, segment_index, token_ids, action_mask, behavior_logprobs, token_versions,
 routed_experts, reward, finished, images); `write_trajectories(path, segments, tokenizer)` appends them as JSONL.
 
-The segment rule. A session holds the conversation its open segment renders (our last reply included) and the
+The segment rule (the segmenter, `CaptureServer.segment_extension`). A session holds the conversation its open
+segment renders (our last reply included) and the
 segment's token ids. A request whose messages are that conversation followed by new messages generates on the
 exact recorded ids + the template's separator after our end-of-turn token + the tokens of every new message (all
 with action mask 0), so generated tokens are never re-tokenized. Any other request (compaction, an edited or
 dropped turn, changed tools, a template that rewrites earlier turns) seals the segment and opens a new one from a
 full render. Streaming requests get text and tool-call deltas as the engine samples them (with a backend that has
-`stream`; the calls read by vLLM's streaming Hermes parser).
+`stream`; the calls read by vLLM's streaming parser). A turn that begins inside `<think>` (the generation prompt of
+a reasoning template opens it) is split at `</think>`: the reasoning goes to the client as its protocol expects and is
+recorded as the generated tokens it is; a template that drops earlier turns' reasoning at a new user query rewrites
+them, and the segment is sealed there (a tool loop keeps its reasoning shown: one segment).
 
 Images (OpenAI image_url and Responses input_image data URIs, Anthropic base64 image blocks, in user messages and
 tool results) are part of their message: the same text with another image is a rewrite. Each image's placeholder is
@@ -40,7 +45,6 @@ import base64
 import contextlib
 import gc
 import hashlib
-import io
 import json
 import logging
 import os
@@ -65,154 +69,10 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from engine import Engine
 from protocols import (ANSWERS, EVENTS, PARSERS, THINK_TAGS, XML_TOOL_PARSERS, ImageTokens, RequestError, argument_mapping,
                        call_id, call_tags, error_body, error_response, field, parse_anthropic, read_calls, same_json,
                        split_reasoning, stream_deltas, strict_json, tool_call, tool_parser_of)
-
-# -----------------------------------------------------------------------------
-# the engine: one vLLM AsyncLLM (rollout.py wraps it as a Ray actor)
-
-WORKER_EXTENSION = "weights_sync.WeightSyncWorker"
-
-
-class EngineNotStarted(RuntimeError):
-    """A request reached an engine whose actor Ray restarted but nobody started yet (the router then starts it)."""
-
-
-class Engine:
-    """One vLLM AsyncLLM: token ids in; token ids, sampling logprobs, policy versions (and routes) out."""
-
-    def __init__(self, model_path, *, max_model_len=2048, memory_fraction=0.5, tensor_parallel_size=1,
-                 enable_prefix_caching=True, speculative_config=None, seed=0, enable_return_routed_experts=False,
-                 worker_extension_cls=WORKER_EXTENSION, recompute_kv_on_sync=True, max_images_per_prompt=8,
-                 lora_path=None, **engine_kwargs):
-        import torch
-        self.model_path, self.max_model_len = model_path, max_model_len
-        self.recompute_kv_on_sync = recompute_kv_on_sync
-        self.engine_args = dict(
-            model=model_path, dtype="bfloat16", max_model_len=max_model_len, gpu_memory_utilization=memory_fraction,
-            tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=enable_prefix_caching,
-            speculative_config=speculative_config, seed=seed,
-            enable_return_routed_experts=enable_return_routed_experts,
-            limit_mm_per_prompt={"image": max_images_per_prompt, "video": 0},  # vLLM ignores it for a text model
-            # the behavior logprob is the sampling distribution's (after temperature), not the raw model's
-            logprobs_mode="processed_logprobs")
-        if worker_extension_cls:
-            self.engine_args["worker_extension_cls"] = worker_extension_cls
-        config = os.path.join(model_path, "config.json")
-        if os.path.isfile(config) and "vision_config" in json.load(open(config)):
-            self.engine_args["scheduler_cls"] = "weights_sync.ImageScheduler"  # see weights_sync.KeepImages
-        if not torch.cuda.is_available():
-            self.engine_args["enforce_eager"] = True
-            # vLLM's CPU runner rewinds a seeded request's generator when it discards the sample of a partial
-            # prefill, which CPU generators cannot do: the engine dies. Whole-prompt prefills never discard.
-            self.engine_args["enable_chunked_prefill"] = False
-            if torch.cpu._is_amx_tile_supported():
-                self.engine_args["worker_cls"] = "weights_sync.AMXCPUWorker"
-        self.engine_args.update(engine_kwargs)
-        self.llm = None
-        self.policy_version = 0
-        # lora_path: a PEFT adapter directory; every request runs with that adapter (vLLM's LoRA id 1), which each
-        # weight sync then replaces in place (weights_sync.WeightSyncWorker.receive_adapter)
-        self.lora_request = None
-        if lora_path:
-            from vllm.lora.request import LoRARequest
-            self.lora_request = LoRARequest("policy", 1, lora_path)
-
-    async def start(self):  # answers None: under Ray the result travels back, and an Engine cannot be pickled
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
-        await self.set_version(0)
-
-    async def generate(self, prompt_token_ids, sampling, request_id, session_id=None, images=None):
-        """One turn, as the last item of stream()."""
-        async for out in self.stream(prompt_token_ids, sampling, request_id, final_only=True, images=images):
-            pass
-        return out
-
-    async def stream(self, prompt_token_ids, sampling, request_id, session_id=None, final_only=False, images=None):
-        """Sample one turn: {"token_ids": the tokens so far} per engine step, then the turn. `sampling` keys:
-        temperature, top_p, max_tokens, stop, stop_token_ids, seed, routed_experts_start (routes are returned for the
-        tokens from there on: the caller has the earlier ones), ignore_eos (benchmarks), structured
-        (StructuredOutputsParams fields: json, json_object, ...), logit_bias, top_logprobs (k: also return the k
-        likeliest tokens per position). session_id is for routers that keep a session on one engine; one engine
-        ignores it. `images`: the encoded files of the prompt's images, in order; prompt_token_ids holds one
-        placeholder token for each, which vLLM's processor expands to the image's tokens."""
-        if self.llm is None:  # a Ray actor restarted after its process died is a fresh Engine, not started
-            raise EngineNotStarted("this engine's process was restarted and has not started its engine yet")
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-        stop, structured, top = sampling.get("stop") or None, sampling.get("structured"), sampling.get("top_logprobs")
-        params = SamplingParams(
-            n=1, temperature=sampling.get("temperature", 1.0), top_p=sampling.get("top_p", 1.0),
-            max_tokens=sampling.get("max_tokens"), stop=stop, stop_token_ids=sampling.get("stop_token_ids"),
-            seed=sampling.get("seed"), ignore_eos=sampling.get("ignore_eos", False), logprobs=top or 0,
-            routed_experts_prompt_start=sampling.get("routed_experts_start", 0), logit_bias=sampling.get("logit_bias"),
-            # grammar masks and biases act before sampling: processed logprobs are those of the masked distribution
-            structured_outputs=StructuredOutputsParams(**structured) if structured else None,
-            detokenize=stop is not None,  # text only for stop strings
-            output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE)
-        async for out in self.llm.generate(self.prompt(prompt_token_ids, images), params, request_id,
-                                           lora_request=self.lora_request):
-            if not out.finished:
-                yield {"token_ids": list(out.outputs[0].token_ids)}
-        c = out.outputs[0]
-        ids = list(c.token_ids)
-        versions = [self.policy_version] * len(ids)
-        for span in c.weight_versions or []:  # spans of output tokens sampled by each weight version
-            v = 0 if span.version == "default" else int(span.version)
-            versions[span.start:span.end] = [v] * (span.end - span.start)
-        routes = c.routed_experts  # (T - routed_experts_start, L_moe, K) when enabled
-        result = dict(token_ids=ids, logprobs=[c.logprobs[i][t].logprob for i, t in enumerate(ids)],
-                      token_versions=versions, routed_experts=None if routes is None else routes.tolist(),
-                      finish_reason=c.finish_reason, num_prompt_tokens=len(out.prompt_token_ids))
-        if top:  # per position, (token id, logprob) by rank; the sampled token's entry comes too when ranked lower
-            result["top_logprobs"] = [[(t, p.logprob) for t, p in sorted(d.items(), key=lambda x: x[1].rank)
-                                       if p.rank <= top] for d in c.logprobs]
-        yield result
-
-    async def prompt_logprobs(self, token_ids, images=None):
-        """The engine's logprob of each token given the ones before it (None for the first), at temperature 1; with
-        images (as for stream), of the prompt with each image's tokens expanded."""
-        from vllm import SamplingParams
-        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        async for out in self.llm.generate(self.prompt(token_ids, images), params, uuid.uuid4().hex,
-                                           lora_request=self.lora_request):
-            pass
-        return [None if d is None else d[t].logprob for t, d in zip(out.prompt_token_ids, out.prompt_logprobs)]
-
-    @staticmethod
-    def prompt(token_ids, images):
-        from vllm.inputs import TokensPrompt
-        prompt = TokensPrompt(prompt_token_ids=list(token_ids))
-        if images:  # vLLM's processor decodes (PIL opens lazily) and patches them
-            from PIL import Image
-            prompt["multi_modal_data"] = {"image": [Image.open(io.BytesIO(b)) for b in images]}
-        return prompt
-
-    async def pause(self):
-        """Freeze in-flight requests for a weight update (they finish after resume). With recompute_kv_on_sync the
-        prefix cache is emptied and the frozen requests are preempted: after resume they recompute their KV (prompt
-        and tokens so far) with the new weights, so every later token is the new policy's alone. Without it they
-        continue on KV the old weights computed, and a new request can hit an old-weight prefix."""
-        await self.llm.pause_generation(mode="keep", clear_cache=self.recompute_kv_on_sync)
-
-    async def resume(self):
-        await self.llm.resume_generation()
-
-    async def set_version(self, policy_version):
-        self.policy_version = int(policy_version)
-        await self.llm.update_weight_version(str(self.policy_version))
-
-    async def collective_rpc(self, method, args=(), kwargs=None):
-        return await self.llm.collective_rpc(method, args=tuple(args), kwargs=kwargs)
-
-    async def shutdown(self):
-        if self.llm is not None:
-            self.llm.shutdown()
-            self.llm = None
-
 
 # -----------------------------------------------------------------------------
 # sessions and segments: the recorded trajectory
@@ -563,8 +423,9 @@ class CaptureServer:
     def render(self, messages, tools, add_generation_prompt):
         return self.tokenize(self.render_text(messages, tools, add_generation_prompt))
 
-    def extension(self, session, messages, tools):
-        """If `messages` extend the open segment's conversation: (tokens to append, new conversation); else None."""
+    def segment_extension(self, session, messages, tools):
+        """The segment rule (module docstring): if `messages` extend the open segment's conversation, (tokens to
+        append, new conversation); else None, and the request opens a new segment."""
         conv = session.conversation
         if conv is None or tools != session.tools or len(messages) < len(conv):
             return None
@@ -603,7 +464,7 @@ class CaptureServer:
             images = self.vision.check(request.messages)  # the prompt's images, in order
 
             def prepare():  # images are decoded here: those of the new messages
-                ext = self.extension(session, request.messages, request.tools)
+                ext = self.segment_extension(session, request.messages, request.tools)
                 if ext is not None:
                     old = session.segments[-1]
                     appended, counts = self.vision.expand(ext[0], images[len(old.images):])
@@ -772,8 +633,8 @@ class CaptureServer:
 
     async def live(self, request, tokens, first, task, session_id):
         """A streamed turn for the protocols' event writers (protocols.py): the head; text, call and argument deltas
-        as the engine samples (`tokens`: a queue of the token ids so far, `first` its first get; the calls read by
-        vLLM's streaming Hermes parser); what the answer holds beyond what was sent; then the answer, or the error
+        as the engine samples (`tokens`: a queue of the token ids so far, `first` its first get; reasoning first, the
+        calls read by vLLM's streaming parser); what the answer holds beyond what was sent; then the answer, or the error
         that ended the turn. `task` is the request's respond()."""
         await asyncio.wait([first, task], return_when=asyncio.FIRST_COMPLETED)
         done = task.done() and not task.exception()  # answered at once (a retry) or before any token came

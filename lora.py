@@ -4,7 +4,7 @@ LoRA adapters on the model: the adapter layers, their init, their names (ours, P
 A target is an attention projection (q_proj, k_proj, v_proj, o_proj), a dense MLP projection (gate_proj, up_proj,
 down_proj; not the MoE router `mlp.gate`), or `experts`: every routed expert's three projections, with A and B
 stacked (E, ...) like the base experts, so expert parallelism partitions them with their experts and the grouped-GEMM
-path computes them beside the frozen base's GEMMs (model.LoRAGroupedMM). The forward of an adapted
+path computes them beside the frozen base's GEMMs (experts.LoRAGroupedMM). The forward of an adapted
 weight W is x W^T + scaling * (x A^T) B^T, scaling = lora_alpha / lora_rank; A (r, in) starts uniform in
 +-1/sqrt(in) and B (out, r) at zero, as PEFT does, so a fresh adapter leaves the model unchanged.
 
@@ -21,7 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import EXPERT_PROJS, Transformer
+from experts import EXPERT_PROJS
+from model import Transformer
 
 LINEAR_TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                   "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -245,10 +246,10 @@ def served_targets(mcfg, cfg):
 
 
 def engine_options(cfg, mcfg):
-    """capture.Engine keyword arguments of a LoRA run ({} for full fine-tuning)."""
+    """engine.Engine keyword arguments of a LoRA run ({} for full fine-tuning)."""
     if not cfg["lora_rank"]:
         return {}
-    options = dict(worker_extension_cls="weights_sync.LoRAWeightSyncWorker")
+    options = dict(worker_extension_cls="engine.LoRAWeightSyncWorker")
     if served_targets(mcfg, cfg):
         options.update(enable_lora=True, max_loras=1, max_lora_rank=engine_lora_rank(cfg["lora_rank"]),
                        lora_target_modules=served_targets(mcfg, cfg), lora_path=os.path.join(cfg["out_dir"], "engine_adapter"))

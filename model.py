@@ -3,18 +3,17 @@ Qwen3 (dense), Qwen3-MoE and Qwen3-VL (dense or MoE: a vision tower, M-RoPE, dee
 
 A real Qwen3-4B, Qwen3-30B-A3B or Qwen3-VL-30B-A3B checkpoint directory loads unchanged
 (`Transformer.from_pretrained(dir)`), and `save_pretrained` writes a directory that vLLM and transformers load.
-MoE experts are stored stacked (E, ...) and computed with grouped GEMM on CUDA (`torch._grouped_mm`), with a plain
-loop over experts as the readable reference used on CPU. Routing replay: pass the engine's expert ids per token and
-layer and the router uses them instead of its own top-k (the gate weights still come from the router, so it trains).
+MoE experts are stored stacked (E, ...). Routing replay: pass the engine's expert ids per token and layer and the
+router uses them instead of its own top-k (the gate weights still come from the router, so it trains).
 Images: pass `pixel_values` and `image_grid_thw` as the model's image processor makes them; without them a
 Qwen3-VL model runs the text path unchanged.
 
-This file imports nothing of ours. The tiny models the tests and the CPU runs use are built by tiny.py.
+The MoE experts and their kernels live in experts.py; this file imports nothing else of ours. The tiny models the
+tests and the CPU runs use are built by tiny.py.
 
     .venv/bin/python -m pytest tests/test_model.py tests/test_model_vl.py -q
 """
 
-import functools
 import json
 import math
 import os
@@ -26,11 +25,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-try:  # two small kernels on CUDA (sum_slots, to_contiguous); everything else, and all of it on CPU, is plain PyTorch
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
+from experts import EXPERT_PROJS, Experts, cuda_compiled
 
 # -----------------------------------------------------------------------------
 # config
@@ -152,25 +147,6 @@ class ModelConfig:
 # -----------------------------------------------------------------------------
 # layers
 
-COMPILE_ON_CUDA = True  # fuse the elementwise chains below with torch.compile when they run on CUDA
-
-
-def cuda_compiled(fn):
-    """fn through torch.compile when its first argument is a CUDA tensor: a chain of elementwise ops becomes one
-    kernel forward and one backward instead of one fp32 pass per op. Eager elsewhere (CPU runs need no compiler).
-    A new shape recompiles once with dynamic shapes, after which microbatch shapes do not recompile."""
-    compiled = None
-
-    @functools.wraps(fn)
-    def run(x, *args):
-        nonlocal compiled
-        if not (x.is_cuda and COMPILE_ON_CUDA):
-            return fn(x, *args)
-        if compiled is None:
-            compiled = torch.compile(fn)
-        return compiled(x, *args)
-    return run
-
 
 @cuda_compiled
 def rms_norm(x, weight, eps):
@@ -244,323 +220,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def experts_loop(x, counts, scale, gate_proj, up_proj, down_proj, lora=None):
-    """Reference expert compute: x (N, D) sorted by expert, counts (E,) rows per expert, scale (N,) each row's
-    routing weight -> (N, D). The weight scales the H-wide hidden row before the (linear) down projection: the
-    same product as scaling the D-wide output, in less memory traffic. lora: (scaling, ((A, B) of gate, up, down)),
-    stacked adapters A (E, r, in), B (E, out, r) adding scaling * B_e A_e to each expert's weight, or None."""
-    out = torch.empty_like(x)
-    start = 0
-    for e, n in enumerate(counts.tolist()):  # NOTE: .tolist() is a device-to-host sync
-        if n == 0:
-            continue
-        xs = x[start:start + n]
-
-        def mm(h, w, i):
-            y = h @ w[e].T
-            if lora is not None:
-                A, B = lora[1][i]
-                y = y + lora[0] * ((h @ A[e].T) @ B[e].T)
-            return y
-        h = F.silu(mm(xs, gate_proj, 0)) * mm(xs, up_proj, 1) * scale[start:start + n, None]
-        out[start:start + n] = mm(h, down_proj, 2)
-        start += n
-    return out
-
-
-@cuda_compiled
-def silu_mul(gate, up, scale):
-    return F.silu(gate) * up * scale.unsqueeze(-1)
-
-
-def experts_grouped_mm(x, counts, scale, gate_proj, up_proj, down_proj, lora=None):
-    """Same as experts_loop in three grouped GEMMs (CUDA, bf16); no host sync. With LoRA adapters (on a frozen base,
-    as lora.py trains them) through LoRAGroupedMM: gate and up in one call, down in another."""
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    if lora is None:
-        def mm(h, w):  # weights are (E, out, in) like nn.Linear; transposed views are the (E, in, out) operands
-            return torch._grouped_mm(h, w.transpose(-2, -1), offs=offs)
-        return mm(silu_mul(mm(x, gate_proj), mm(x, up_proj), scale), down_proj)
-    s, ((A_g, B_g), (A_u, B_u), (A_d, B_d)) = lora
-    rows = (offs, lowrank_tiles(counts) if x.is_cuda and triton is not None else None)  # for every lowrank_add
-    # gate's and up's adapters as one of rank 2r (x read once for both); the scaling goes into the (E, out, r) Bs
-    gate, up = LoRAGroupedMM.apply(x, rows, torch.cat([A_g, A_u], 1), 2, gate_proj, up_proj, B_g * s, B_u * s)
-    return LoRAGroupedMM.apply(silu_mul(gate, up, scale), rows, A_d, 1, down_proj, B_d * s)[0]
-
-
-class LoRAGroupedMM(torch.autograd.Function):
-    """Grouped GEMMs of x (N, in), rows sorted by expert (rows: offs, the cumulative row counts, and lowrank_tiles or
-    None), with n frozen expert weights W_i (E, out_i, in), each plus a LoRA update: y_i = x W_i^T + (x A_i^T) B_i^T.
-    The A_i come stacked along the rank, A (E, sum r_i, in), so one GEMM reads x for all of them; B_i (E, out_i, r_i),
-    scaled. Gradients: x, A, the B_i; none for the base, so none of its weight-gradient GEMMs (a third of full
-    fine-tuning's FLOPs). The rank-r products that write a full-width output (z B^T forward, dz A backward) add into
-    the base GEMM's output with lowrank_add."""
-
-    @staticmethod
-    def forward(ctx, x, rows, A, n, *weights_and_Bs):
-        (offs, tiles), Ws, Bs = rows, weights_and_Bs[:n], weights_and_Bs[n:]
-        if any(W.requires_grad for W in Ws):
-            raise ValueError("LoRAGroupedMM trains adapters on a frozen base: the expert weights must not need grad")
-        z = torch._grouped_mm(x, A.transpose(-2, -1), offs=offs)  # (N, R)
-        zs = z.split([B.shape[-1] for B in Bs], 1)
-        ys = [lowrank_add(torch._grouped_mm(x, W.transpose(-2, -1), offs=offs), zi, B.transpose(-2, -1), rows)
-              for W, zi, B in zip(Ws, zs, Bs)]
-        ctx.save_for_backward(x, A, z, *weights_and_Bs)
-        ctx.rows = rows
-        ctx.n = n
-        return tuple(ys)
-
-    @staticmethod
-    def backward(ctx, *dys):
-        x, A, z, *weights_and_Bs = ctx.saved_tensors
-        (offs, _), Ws, Bs = ctx.rows, weights_and_Bs[:ctx.n], weights_and_Bs[ctx.n:]
-        dys = [dy.contiguous() for dy in dys]
-        dz = torch.cat([torch._grouped_mm(dy, B, offs=offs) for dy, B in zip(dys, Bs)], 1)  # (N, R)
-        dx = torch._grouped_mm(dys[0], Ws[0], offs=offs)
-        for dy, W in zip(dys[1:], Ws[1:]):
-            dx = dx + torch._grouped_mm(dy, W, offs=offs)
-        dx = lowrank_add(dx, dz, A, ctx.rows)
-        dA = torch._grouped_mm(dz.t(), x, offs=offs)  # (E, R, in): the rows' sum per expert
-        dBs = [torch._grouped_mm(dy.t(), zi.contiguous(), offs=offs) for dy, zi in  # (E, out_i, r_i)
-               zip(dys, z.split([B.shape[-1] for B in Bs], 1))]
-        return dx, None, dA, None, *[None] * ctx.n, *dBs
-
-
-def lowrank_add(y, z, M, rows):
-    """y (N, O) plus each row's z (N, R) @ M[e] (M (E, R, O), any strides) for the expert e of the row (rows sorted
-    by expert; rows: offs, the cumulative row counts, and lowrank_tiles, None off CUDA). On CUDA one Triton kernel
-    adds in place, memory-bound (y read and written once), where a grouped GEMM of inner dimension R writes its
-    full-width output at a fraction of the bandwidth (on an H200 at Qwen3-30B-A3B's expert shape, as long as a base
-    GEMM) and an add then reads it again."""
-    offs, tiles = rows
-    if tiles is None:
-        return y + torch._grouped_mm(z, M, offs=offs)  # the reference; the kernel matches it to bf16 rounding
-    return lowrank_add_triton(y, z, M, offs, tiles)
-
-
-LOWRANK_BM, LOWRANK_BN = 64, 128  # lowrank_add's tile: rows of one expert x output columns
-
-
-def lowrank_tiles(counts):
-    """The cumulative count of lowrank_add's row tiles up to each expert (int32 (E,)), from its row counts."""
-    return torch.cumsum((counts + LOWRANK_BM - 1) // LOWRANK_BM, 0, dtype=torch.int32)
-
-
-def lowrank_add_triton(y, z, M, offs, tiles):
-    (N, O), (E, R), BM, BN = y.shape, M.shape[:2], LOWRANK_BM, LOWRANK_BN
-    _lowrank_add_kernel[(triton.cdiv(N, BM) + E, triton.cdiv(O, BN))](
-        y, z, M, offs, tiles, O, R, E, *z.stride(), *M.stride(), BM=BM, BN=BN, BR=max(16, triton.next_power_of_2(R)),
-        BE=triton.next_power_of_2(E), UPCAST=os.environ.get("TRITON_INTERPRET") == "1")
-    return y
-
-
-if triton is not None:
-    @triton.jit
-    def _lowrank_add_kernel(y, z, M, offs, tiles, O, R, E, sz0, sz1, sm0, sm1, sm2, BM: tl.constexpr,
-                            BN: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr, UPCAST: tl.constexpr):
-        # program (t, j): row tile t counted over the experts (tiles: cumulative tiles up to each expert; the grid has
-        # E spare tiles, as each expert's last tile may be partial), columns j * BN to (j + 1) * BN
-        t = tl.program_id(0)
-        experts = tl.arange(0, BE)
-        e = tl.sum((tl.load(tiles + experts, mask=experts < E, other=2 ** 30) <= t).to(tl.int32))
-        if e < E:
-            first_tile = tl.load(tiles + e - 1, mask=e > 0, other=0)
-            row_end = tl.load(offs + e)
-            rows = (tl.load(offs + e - 1, mask=e > 0, other=0) + (t - first_tile) * BM + tl.arange(0, BM)).to(tl.int64)
-            cols = tl.program_id(1) * BN + tl.arange(0, BN)
-            ks = tl.arange(0, BR)
-            zt = tl.load(z + rows[:, None] * sz0 + ks[None, :] * sz1,
-                         mask=(rows[:, None] < row_end) & (ks[None, :] < R), other=0.0)
-            mt = tl.load(M + e * sm0 + ks[:, None] * sm1 + cols[None, :] * sm2,
-                         mask=(ks[:, None] < R) & (cols[None, :] < O), other=0.0)
-            mask = (rows[:, None] < row_end) & (cols[None, :] < O)
-            ptrs = y + rows[:, None] * O + cols[None, :]
-            if UPCAST:  # Triton's interpreter (the CPU test) gets bf16 dots wrong; on the GPU bf16 in, fp32 out
-                zt, mt = zt.to(tl.float32), mt.to(tl.float32)
-            acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + tl.dot(zt, mt)
-            tl.store(ptrs, acc.to(y.dtype.element_ty), mask=mask)
-
-
-# Rows and slots. Each row of an (N, D) tensor has K slots, slot s = row * K + j: a token's j-th chosen expert, or
-# under expert parallelism a token's copy for rank j. `slots` (S,) lists the slots in use in the order they are
-# wanted, and `position` (N*K,) is its inverse: each slot's index in `slots`, or S for a slot not in use.
-
-def count_ids(ids, n):
-    """How often each of 0..n-1 occurs in `ids` (int64 (n,)). scatter_add, not bincount: bincount on CUDA reads
-    the max id back to the host (a sync)."""
-    return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
-
-
-def slot_positions(slots, n_slots):
-    """The inverse of a selection of slots: position[slots[i]] = i, and S = len(slots) for the others."""
-    S = slots.numel()
-    return torch.full((n_slots,), S, dtype=slots.dtype, device=slots.device).scatter_(
-        0, slots, torch.arange(S, dtype=slots.dtype, device=slots.device))
-
-
-def sum_slots(y, position, K):
-    """y (S, D), one row per slot in use -> (N, D): each row's sum over its K slots, unused slots adding zero.
-    Deterministic (a fixed order, fp32 accumulation, no atomics). On CUDA one Triton kernel reads only the rows in
-    use (about 5x faster than the eager reference below, which a test compares it with)."""
-    if y.is_cuda and triton is not None:
-        return sum_slots_triton(y, position, K)
-    y = torch.cat([y, y.new_zeros(1, y.shape[1])])  # row S: the zero row of unused slots
-    return y.index_select(0, position).view(-1, K, y.shape[1]).sum(1)
-
-
-def sum_slots_triton(y, position, K):
-    y = y.contiguous()
-    (S, D), N = y.shape, position.numel() // K
-    out = y.new_empty(N, D)
-    block = min(1024, triton.next_power_of_2(D))
-    if N:
-        _sum_slots_kernel[(N, triton.cdiv(D, block))](y, position, out, S, D, K=K, BLOCK=block)
-    return out
-
-
-if triton is not None:
-    @triton.jit
-    def _sum_slots_kernel(y, position, out, S, D, K: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)  # one output row, BLOCK of its columns
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for k in tl.static_range(K):
-            p = tl.load(position + row * K + k)  # where slot k of this row sits in y, S if unused
-            acc += tl.load(y + p * D + cols, mask=(cols < D) & (cols * 0 + p < S), other=0.0).to(tl.float32)
-        tl.store(out + row * D + cols, acc.to(out.dtype.element_ty), mask=cols < D)
-
-
-def to_contiguous(x, dtype):
-    """x (E, R, C) of any strides -> a contiguous tensor in `dtype`, in one pass (x itself when it already is one).
-    The backward of a local expert weight's cast uses it: the grouped GEMM's weight gradient comes transposed."""
-    if (x.dtype == dtype and x.is_contiguous()) or not (x.is_cuda and triton is not None and x.dim() == 3):
-        return x.to(dtype, memory_format=torch.contiguous_format)  # the reference; the kernel matches it bit for bit
-    return to_contiguous_triton(x, dtype)
-
-
-def to_contiguous_triton(x, dtype):
-    E, R, C = x.shape
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    _to_contiguous_kernel[(E, triton.cdiv(R, 64), triton.cdiv(C, 64))](out, x, R, C, *x.stride(), BR=64, BC=64)
-    return out
-
-
-if triton is not None:
-    @triton.jit
-    def _to_contiguous_kernel(out, x, R, C, s0, s1, s2, BR: tl.constexpr, BC: tl.constexpr):
-        e = tl.program_id(0).to(tl.int64)  # one (BR, BC) tile of matrix e; Triton reads x along its unit stride
-        rows = tl.program_id(1) * BR + tl.arange(0, BR)[:, None]
-        cols = tl.program_id(2) * BC + tl.arange(0, BC)[None, :]
-        mask = (rows < R) & (cols < C)
-        tile = tl.load(x + e * s0 + rows * s1 + cols * s2, mask=mask)
-        tl.store(out + e * R * C + rows * C + cols, tile.to(out.dtype.element_ty), mask=mask)
-
-
-class GatherRows(torch.autograd.Function):
-    """x (N, D) -> x[slots // K] (S, D): a row once for each of its slots in use. Backward sums each row's slot
-    gradients with `sum_slots` (autograd's own backward of x[index] would scatter with atomics)."""
-
-    @staticmethod
-    def forward(ctx, x, slots, position, K):
-        ctx.save_for_backward(position)
-        ctx.K = K
-        return x.index_select(0, slots // K)
-
-    @staticmethod
-    def backward(ctx, grad):
-        position, = ctx.saved_tensors
-        return sum_slots(grad, position, ctx.K), None, None, None
-
-
-class SumRows(torch.autograd.Function):
-    """The adjoint of GatherRows: y (S, D), one row per slot in use -> (N, D), each row the sum of its slots."""
-
-    @staticmethod
-    def forward(ctx, y, slots, position, K):
-        ctx.save_for_backward(slots)
-        ctx.K = K
-        return sum_slots(y, position, K)
-
-    @staticmethod
-    def backward(ctx, grad):
-        slots, = ctx.saved_tensors
-        return grad.index_select(0, slots // ctx.K), None, None, None
-
-
-class Experts(nn.Module):
-    """E stacked SwiGLU experts. HF checkpoints name them `experts.{e}.gate_proj.weight` etc.; we stack them.
-
-    `expert_parallel` (train.ExpertParallel, or None): its `size` ranks split the experts, and this one holds
-    [first_expert, first_expert + E / size); `forward` sends each token to every rank that holds one of its chosen
-    experts, once, and takes back one weighted sum per rank (its `dispatch` and `combine`: two all-to-alls of rows).
-    """
-
-    def __init__(self, E, D, H, expert_parallel=None):
-        super().__init__()
-        ep = expert_parallel
-        if ep is not None and E % ep.size:
-            raise ValueError(f"{ep.size} expert-parallel ranks cannot split {E} experts evenly")
-        E_local = E if ep is None else E // ep.size
-        self.num_experts = E  # global count; the parameters hold E_local of them
-        self.first_expert = 0 if ep is None else ep.rank * E_local  # global index of local expert 0
-        self.expert_parallel = ep
-        self.gate_proj = nn.Parameter(torch.empty(E_local, H, D))  # (E_local, H, D)
-        self.up_proj = nn.Parameter(torch.empty(E_local, H, D))    # (E_local, H, D)
-        self.down_proj = nn.Parameter(torch.empty(E_local, D, H))  # (E_local, D, H)
-        self.use_grouped_mm = None  # None: grouped GEMM for bf16 on CUDA, loop elsewhere
-        self.cast_weights = None  # train.keep_experts_local sets it when these weights stay outside FSDP
-        self.lora_scaling = None  # lora.add_adapters sets it, with the adapters {proj}_lora_A / {proj}_lora_B
-
-    def weights(self):
-        """(gate_proj, up_proj, down_proj) as the computation uses them: the parameters (under FSDP, its unsharded
-        compute-dtype copies), or what `cast_weights` makes of them (train.keep_experts_local)."""
-        ws = (self.gate_proj, self.up_proj, self.down_proj)
-        return ws if self.cast_weights is None else tuple(self.cast_weights(w) for w in ws)
-
-    def lora_weights(self):
-        """(scaling, ((A, B) of gate, up, down)) of the LoRA adapters as the computation uses them, or None."""
-        if self.lora_scaling is None:
-            return None
-        ws = [getattr(self, f"{p}_lora_{m}") for p in EXPERT_PROJS for m in "AB"]
-        ws = ws if self.cast_weights is None else [self.cast_weights(w) for w in ws]
-        return self.lora_scaling, tuple(zip(ws[0::2], ws[1::2]))
-
-    def compute(self, x, counts, scale):
-        g, u, d = self.weights()
-        lora = self.lora_weights()
-        if x.shape[0] == 0:  # no rows for this rank's experts (expert parallelism): keep the weights and the scale in
-            # the graph so the weights still get a (zero) gradient, FSDP's gradient reduce-scatter runs on every rank,
-            # and so does the backward all-to-all of the routing weights that arrived (empty) from other ranks
-            adapters = sum(w.sum() for ab in lora[1] for w in ab) if lora is not None else 0
-            return x + 0 * (scale.sum() + g.sum() + u.sum() + d.sum() + adapters)
-        grouped = self.use_grouped_mm if self.use_grouped_mm is not None else (x.is_cuda and x.dtype == torch.bfloat16)
-        fn = experts_grouped_mm if grouped else experts_loop
-        return fn(x, counts, scale, g, u, d, lora)
-
-    def forward(self, x, topk_ids, topk_weights):
-        # x (N, D), topk_ids (N, K) global expert ids, topk_weights (N, K)
-        ep = self.expert_parallel
-        if ep is None:
-            return self.local_experts(x, topk_ids, topk_weights, topk_ids.numel())
-        x_recv, ids_recv, weights_recv, pairs, plan = ep.dispatch(x, topk_ids, topk_weights, self.num_experts)
-        return ep.combine(self.local_experts(x_recv, ids_recv, weights_recv, pairs), plan)
-
-    def local_experts(self, x, ids, weights, pairs):
-        """Each row's weighted sum over its chosen experts among this rank's.
-
-        x (N, D); ids (N, K) local expert index of each choice, or E_local for a choice another rank holds;
-        weights (N, K); pairs: how many ids are local (a host int: the row count of the grouped GEMMs)."""
-        N, K = ids.shape
-        E_local = self.gate_proj.shape[0]
-        flat = ids.flatten()  # (N*K,) one slot per (row, choice)
-        slots = flat.argsort(stable=True)[:pairs]  # slots of local choices, grouped by expert
-        counts = count_ids(flat, E_local + 1)[:E_local]  # (E_local,) choices per local expert
-        position = slot_positions(slots, N * K)
-        x_sorted = GatherRows.apply(x, slots, position, K)  # (pairs, D) rows grouped by expert
-        y_sorted = self.compute(x_sorted, counts, weights.flatten().index_select(0, slots))  # weighted outputs
-        return SumRows.apply(y_sorted, slots, position, K)  # (N, D)
 
 
 class MoE(nn.Module):
@@ -918,9 +577,6 @@ def read_safetensors(path):
     for fname in sorted(set(weight_files(path).values())):
         sd.update(load_file(os.path.join(path, fname)))
     return sd
-
-
-EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
 def is_stacked_experts(name):

@@ -145,7 +145,7 @@ def launched_world_size():
     return int(os.environ["WORLD_SIZE"]) if "TORCHELASTIC_RUN_ID" in os.environ else None
 
 
-# capture.Engine's keyword -> the config key that sets it: the one list of engine options
+# engine.Engine's keyword -> the config key that sets it: the one list of engine options
 ENGINE_OPTIONS = {"max_model_len": "engine_max_model_len", "memory_fraction": "engine_memory_fraction",
                   "tensor_parallel_size": "tensor_parallel_size", "enable_prefix_caching": "enable_prefix_caching",
                   "speculative_config": "speculative_config", "recompute_kv_on_sync": "recompute_kv_on_sync",
@@ -153,7 +153,7 @@ ENGINE_OPTIONS = {"max_model_len": "engine_max_model_len", "memory_fraction": "e
 
 
 def engine_options(cfg):
-    """capture.Engine keyword arguments from the config (num_engines says how many engines start); LoRA runs add
+    """engine.Engine keyword arguments from the config (num_engines says how many engines start); LoRA runs add
     vLLM's LoRA options (lora.engine_options)."""
     options = {arg: cfg[key] or None if key == "speculative_config" else cfg[key] for arg, key in ENGINE_OPTIONS.items()}
     return {**options, **(lora.engine_options(cfg, planned_model_config(cfg)) if cfg["lora_rank"] else {})}
@@ -162,12 +162,12 @@ def engine_options(cfg):
 def check_engine_options(cfg, model_dir, **engine_kwargs):
     """Ask vLLM whether it accepts the engine options, with the validation AsyncLLM runs first when an engine starts
     (no weights loaded, no GPU needed, well under a second). Raises ConfigError naming the config key it refuses."""
-    import capture
+    from engine import Engine
     from vllm import AsyncEngineArgs
 
     def refusal(options):
         try:
-            AsyncEngineArgs(**capture.Engine(model_dir, **options, **engine_kwargs).engine_args).create_engine_config()
+            AsyncEngineArgs(**Engine(model_dir, **options, **engine_kwargs).engine_args).create_engine_config()
         except Exception as e:  # pydantic's ValidationError, ValueError, NotImplementedError, ...
             errors = getattr(e, "errors", None)
             msg = errors()[0]["msg"] if callable(errors) else str(e)

@@ -30,17 +30,17 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-import capture
+from engine import Engine, EngineNotStarted
 from agentrl import Context
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 # -----------------------------------------------------------------------------
-# engines: Ray actors of capture.Engine, each on its own placement-group bundle
+# engines: Ray actors of engine.Engine, each on its own placement-group bundle
 
 
-class EngineActor(capture.Engine):
-    """capture.Engine as a Ray actor; started() tells a restarted actor (a fresh, unstarted Engine) from a live one."""
+class EngineActor(Engine):
+    """engine.Engine as a Ray actor; started() tells a restarted actor (a fresh, unstarted Engine) from a live one."""
 
     async def started(self):
         return self.llm is not None
@@ -85,7 +85,7 @@ def check_engine_fits_a_node(tensor_parallel_size, nodes):
 
 def start_engines(model_path, num_engines=1, tensor_parallel_size=1, *, max_restarts=3, ready_timeout_s=600,
                   seed=0, **engine_kwargs):
-    """Start `num_engines` capture.Engine actors (one vLLM AsyncLLM each, sampling seed seed + i) and wait until they
+    """Start `num_engines` engine.Engine actors (one vLLM AsyncLLM each, sampling seed seed + i) and wait until they
     serve, at weight version 0. On GPU each engine gets tensor_parallel_size GPUs of one node; on CPU one logical CPU. Ray restarts a
     killed engine up to max_restarts times (the Router starts it again). Returns (engines, placement group)."""
     on_gpu = ray.cluster_resources().get("GPU", 0) > 0
@@ -98,7 +98,7 @@ def start_engines(model_path, num_engines=1, tensor_parallel_size=1, *, max_rest
     except ray.exceptions.GetTimeoutError:
         raise RuntimeError(f"the cluster cannot place {num_engines} engine(s) of {bundle} next to the trainer: "
                            f"free resources {ray.available_resources()}; lower num_engines or tensor_parallel_size")
-    # the engine's worker processes import weights_sync (its worker extension): give them this directory
+    # vLLM's processes import engine and weights_sync (the classes named in the engine arguments): give them this directory
     env = {"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
     env.update({k: v for k, v in os.environ.items() if k.startswith("VLLM_") or k == "TOKENIZERS_PARALLELISM"})
     actor = ray.remote(EngineActor)
@@ -164,7 +164,7 @@ class Router:
 
     async def stream(self, prompt_token_ids, sampling, request_id, session_id=None, wait_for_engine_s=600.0,
                      images=None):
-        """generate's turn while it is sampled (capture.Engine.stream), through a Ray streaming generator."""
+        """generate's turn while it is sampled (engine.Engine.stream), through a Ray streaming generator."""
         async with self.serving(session_id, wait_for_engine_s) as engine:
             turn = engine.stream.options(num_returns="streaming").remote(prompt_token_ids, sampling, request_id,
                                                                          **images_kwarg(images))
@@ -186,7 +186,7 @@ class Router:
         self._started(i)
         try:
             yield self.engines[i]
-        except (RayActorError, capture.EngineNotStarted):  # dead, or restarted unstarted
+        except (RayActorError, EngineNotStarted):  # dead, or restarted unstarted
             with self._lock:
                 self.failed_requests += 1
             self.revive(i)

@@ -25,6 +25,9 @@ PANELS = {"reward_mean": "train reward", "eval/success": "held-out success (eval
           "response_tokens": "generated tokens per attempt", "tokens_per_s": "generated tokens/s", "loss": "loss"}
 
 
+OVERLAYS = {"eval/success": "eval/success_blank"}  # drawn in the same panel when the log has it
+
+
 def plot_metrics(out_dir):
     """out_dir/curves.png from metrics.jsonl (all steps, including those before a resume): a grid of the PANELS
     that the log has."""
@@ -36,7 +39,12 @@ def plot_metrics(out_dir):
     panels = [(key, title) for key, title in PANELS.items() if any(r.get(key) is not None for r in rows)]
     fig, axes = plt.subplots(2, 3, figsize=(12, 5.6))
     for ax, (key, title) in zip(axes.flat, panels):
-        ax.plot(*zip(*[(r["step"], r[key]) for r in rows if r.get(key) is not None]), marker=".")
+        for line in (key, OVERLAYS.get(key)):  # eval/success_blank beside eval/success: the image ablation
+            points = [(r["step"], r[line]) for r in rows if line and r.get(line) is not None]
+            if points:
+                ax.plot(*zip(*points), marker=".", label=line)
+        if any(r.get(OVERLAYS.get(key, "")) is not None for r in rows):
+            ax.legend(fontsize=7)
         ax.set(title=title, xlabel="step")
         ax.grid(alpha=0.3)
     for ax in axes.flat[len(panels):]:

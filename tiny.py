@@ -35,7 +35,17 @@ TINY_VL_CONFIG = replace(TINY_CONFIG, moe_intermediate_size=192, mrope_section=[
 TINY_SFT = "tiny-qwen3-moe-sft"
 WARM_START = dict(transcripts=8192, with_tools=0.25, from_memory=0.6, max_steps=200, learning_rate=3e-3, min_lr=3e-4,
                   warmup_steps=2, groups_per_batch=10, group_size=4, seed=0)  # train.py config keys, but the transcripts' options
-TINY_MODELS = {"tiny-qwen3-moe": TINY_CONFIG, "tiny-qwen3-vl-moe": TINY_VL_CONFIG, TINY_SFT: TINY_CONFIG}  # by name
+# The tiny VLM's warm start, the same way: worked examples of agents/colours.py (a picture, "What colour is the
+# shape?", a colour word), answered at random. It teaches the format (one colour word, then the end of the turn),
+# not which colour is which: reading the picture is what RL has to learn (configs/tiny_vl.py).
+TINY_VL_SFT = "tiny-qwen3-vl-moe-sft"
+VL_WARM_START = dict(transcripts=4000, max_steps=100, learning_rate=3e-3, min_lr=3e-4, warmup_steps=2,
+                     groups_per_batch=10, group_size=4, seed=0)
+WARM_STARTS = {TINY_SFT: ("tiny-qwen3-moe", "calculator.py", WARM_START),  # name: base model, agent file, recipe
+               TINY_VL_SFT: ("tiny-qwen3-vl-moe", "colours.py", VL_WARM_START)}
+TRANSCRIPT_KEYS = ("transcripts", "with_tools", "from_memory")  # a recipe's options of transcripts(); the rest: train.py's
+TINY_MODELS = {"tiny-qwen3-moe": TINY_CONFIG, "tiny-qwen3-vl-moe": TINY_VL_CONFIG, TINY_SFT: TINY_CONFIG,
+               TINY_VL_SFT: TINY_VL_CONFIG}  # by name
 
 
 def tiny_model_config(path):
@@ -172,7 +182,7 @@ def build_tokenizer(path, vocab_size, vision=False, chat_template=None):
 def ensure_tiny_model(path=TINY_MODEL_PATH, cfg=None, seed=0):
     """Build the tiny model directory once (a few seconds); later calls return at once. Returns the path.
     cfg None: the tiny model the directory's name says (TINY_MODELS), else the tiny Qwen3-MoE."""
-    if os.path.basename(os.path.abspath(path)) == TINY_SFT:
+    if os.path.basename(os.path.abspath(path)) in WARM_STARTS:
         return ensure_warm_start(path)
     if os.path.isfile(os.path.join(path, "model.safetensors")):
         return path
@@ -203,35 +213,36 @@ def ensure_tiny_model(path=TINY_MODEL_PATH, cfg=None, seed=0):
 
 
 def ensure_warm_start(path):
-    """The default model (TINY_SFT), built once and again when WARM_START changes: the random-init tiny Qwen3-MoE
-    after `python train.py --sft_data=FILE`, a supervised run on worked examples of the calculator task
-    (agents/calculator.py: transcripts). Returns the path."""
+    """A warm-started tiny model (WARM_STARTS: the default TINY_SFT, the VLM's TINY_VL_SFT), built once and again
+    when its recipe changes: the random-init tiny model after `python train.py --sft_data=FILE`, a supervised run on
+    worked examples of its task (the agent file's transcripts()). Returns the path."""
     import runpy
     import shutil
     import subprocess
     import sys
     path, root = os.path.abspath(path), os.path.dirname(os.path.abspath(__file__))
+    base_name, agent_file, warm_start = WARM_STARTS[os.path.basename(path)]
     recipe = os.path.join(path, "warm_start.json")
-    if os.path.isfile(recipe) and json.load(open(recipe)) == WARM_START:
+    if os.path.isfile(recipe) and json.load(open(recipe)) == warm_start:
         return path
-    base, work = ensure_tiny_model(os.path.join(os.path.dirname(path), "tiny-qwen3-moe")), path + ".build"
+    base, work = ensure_tiny_model(os.path.join(os.path.dirname(path), base_name)), path + ".build"
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     data = os.path.join(work, "transcripts.jsonl")
-    rows = runpy.run_path(os.path.join(root, "agents", "calculator.py"))["transcripts"](
-        WARM_START["transcripts"], seed=1, with_tools=WARM_START["with_tools"],
-        from_memory=WARM_START["from_memory"])
+    options = {k: v for k, v in warm_start.items() if k in TRANSCRIPT_KEYS and k != "transcripts"}
+    rows = runpy.run_path(os.path.join(root, "agents", agent_file))["transcripts"](
+        warm_start["transcripts"], seed=1, **options)
     with open(data, "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
-    print(f"building {path}: the tiny model's warm start, {WARM_START}", flush=True)
-    keys = [f"--{k}={v}" for k, v in WARM_START.items() if k not in ("transcripts", "with_tools", "from_memory")]
+    print(f"building {path}: the tiny model's warm start, {warm_start}", flush=True)
+    keys = [f"--{k}={v}" for k, v in warm_start.items() if k not in TRANSCRIPT_KEYS]
     # a run of its own, one rank, before any engine starts: every core (make train's one thread is for RL's sharing)
     rendezvous = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")
     subprocess.run([sys.executable, os.path.join(root, "train.py"), f"--model_path={base}", f"--sft_data={data}",
                     f"--out_dir={work}", "--checkpoint_every=1000000", *keys], check=True,
                    env={k: v for k, v in os.environ.items() if k not in rendezvous})
     with open(os.path.join(work, "hf", "warm_start.json"), "w") as f:
-        json.dump(WARM_START, f)
+        json.dump(warm_start, f)
     shutil.rmtree(path, ignore_errors=True)
     os.rename(os.path.join(work, "hf"), path)
     return path

@@ -42,9 +42,9 @@ import loss
 import plan
 import runlog
 import vl
-from model import (EXPERT_PROJS, GatherRows, SumRows, Transformer, checkpoint_reader, copy_hf_extras, count_ids,
-                   hf_name, init_parameters, is_stacked_experts, load_config, ours_to_hf, read_experts,
-                   save_hf_checkpoint, slot_positions, to_contiguous)
+from experts import EXPERT_PROJS, GatherRows, SumRows, count_ids, slot_positions, to_contiguous
+from model import (Transformer, checkpoint_reader, copy_hf_extras, hf_name, init_parameters, is_stacked_experts,
+                   load_config, ours_to_hf, read_experts, save_hf_checkpoint)
 from tiny import ensure_tiny_model, is_tiny_model
 from plan import ConfigError, check_config, loss_config
 from weights_sync import free_port
@@ -300,8 +300,13 @@ def evaluate(run, cfg, v, evals):
     through the rollout pool at eval_temperature, on the weights the engines hold (the driver waits: no weight sync
     meanwhile). Results per prompt go to out_dir/eval_results.jsonl; the means to evals[v], and back ({}: not due)."""
     if cfg["eval_every"] and run["eval_prompts"] and (v % cfg["eval_every"] == 0 or v == cfg["max_steps"]):
-        evals[v] = run["pool"].evaluate(run["eval_prompts"], dict(run["pool"].sampling, temperature=cfg[
-            "eval_temperature"]), os.path.join(cfg["out_dir"], "eval_results.jsonl"), v)
+        sampling = dict(run["pool"].sampling, temperature=cfg["eval_temperature"])
+        evals[v] = run["pool"].evaluate(run["eval_prompts"], sampling,
+                                        os.path.join(cfg["out_dir"], "eval_results.jsonl"), v)
+        if run.get("blank_prompts"):  # the ablation: each image blank (same size, same tokens), eval/success_blank
+            blank = run["pool"].evaluate(run["blank_prompts"], sampling,
+                                         os.path.join(cfg["out_dir"], "eval_results_blank.jsonl"), v)
+            evals[v].update({f"{k}_blank": x for k, x in blank.items()})
         return evals[v]
     return {}
 
@@ -314,14 +319,17 @@ def sft(cfg, model, optimizer, step, rank, world):
     from transformers import AutoTokenizer
     from agentrl import load_transcripts, transcript_tokens
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
-    rows = [transcript_tokens(r, tokenizer) for r in load_transcripts(cfg["sft_data"])]
+    # a VLM's transcripts: each image's placeholder expanded to its tokens, the images patched per step (with_pixels)
+    rows = [vl.transcript_images(*transcript_tokens(r, tokenizer), r["messages"], cfg["model_path"])
+            for r in load_transcripts(cfg["sft_data"])]
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg["seed"])).tolist()
     batch, writer = cfg["groups_per_batch"] * cfg["group_size"], runlog.tensorboard_writer(cfg, rank)
     for step in tqdm(range(step, cfg["max_steps"]), initial=step, total=cfg["max_steps"], disable=rank != 0):
         t0 = time.perf_counter()
         picks = [rows[order[(step * batch + i) % len(rows)]] for i in range(batch)][rank::world]
-        segments = [dict(token_ids=ids, action_mask=mask, behavior_logprobs=[0.0] * len(ids),
-                         token_versions=[0] * len(ids), routed_experts=None) for ids, mask in picks]
+        segments = [vl.with_pixels(dict(token_ids=ids, action_mask=mask, behavior_logprobs=[0.0] * len(ids),
+                                        token_versions=[0] * len(ids), routed_experts=None, images=images),
+                                   cfg["model_path"]) for ids, mask, images in picks]
         m = train_step(model, optimizer, pack_microbatches(segments, [0.0] * len(segments), cfg["microbatch_tokens"]),
                        cfg, step, step, sft=True)
         if rank == 0:
@@ -434,8 +442,9 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
         model_name=server.model_name, trajectory_writer=writer,
         first_prompt=data_position,
         sampling=dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_tokens=cfg["max_tokens"]))
+    blank = [vl.blank_images(p) for p in held_out] if cfg["eval_every"] else []
     return dict(engines=engines, router=router, server=server, pool=pool, placement=placement, cleanup=cleanup,
-                eval_prompts=held_out if cfg["eval_every"] else [])
+                eval_prompts=held_out if cfg["eval_every"] else [], blank_prompts=blank if blank != held_out else [])
 
 
 def stop_rollout(run):
@@ -817,7 +826,7 @@ def keep_experts_local(experts, mesh, dtype):
 
 class CastForCompute(torch.autograd.Function):
     """A local expert weight (an fp32 DTensor on a one-rank mesh) -> its local tensor in the compute dtype. Backward
-    returns the gradient as a new fp32 tensor in the parameter's layout, in one pass (model.to_contiguous), which
+    returns the gradient as a new fp32 tensor in the parameter's layout, in one pass (experts.to_contiguous), which
     autograd then takes as .grad, or adds to it: the grouped GEMM's gradient comes transposed, and autograd's own
     cast would keep that layout, making every later add into .grad a strided pass. (Adding into .grad inside
     backward, as Megatron's main_grad does, is a little faster, but torch.autograd.grad would then not see these
@@ -856,7 +865,7 @@ def all_to_all(x, out_splits, in_splits, group):
 
 
 class ExpertParallel:
-    """The experts of each MoE layer split over the `ep` mesh's ranks, and the two all-to-alls model.Experts calls
+    """The experts of each MoE layer split over the `ep` mesh's ranks, and the two all-to-alls experts.Experts calls
     around its local experts: `dispatch` sends each token to the ranks holding its experts, `combine` brings the
     weighted sums back."""
 

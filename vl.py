@@ -64,3 +64,60 @@ def shard_vision(model, mesh, train_vision, **fsdp_kwargs):
     for block in model.visual.blocks:
         fully_shard(block, mesh=mesh, **fsdp_kwargs)
     fully_shard(model.visual, mesh=mesh, **fsdp_kwargs)
+
+
+@functools.lru_cache(maxsize=4)
+def placeholders(model_path):
+    """The model's image placeholders and its processor's token counts (the capture server's protocols.ImageTokens)."""
+    import protocols
+    from transformers import AutoTokenizer
+    return protocols.ImageTokens(AutoTokenizer.from_pretrained(model_path))
+
+
+def transcript_images(ids, mask, messages, model_path):
+    """A supervised transcript's tokens (agentrl.transcript_tokens: one placeholder per image, as the template
+    renders it) made what the capture server records for the same conversation: each image's placeholder repeated as
+    many times as the model's processor gives the image tokens (context, mask 0). Returns (ids, mask, images), the
+    images as encoded files in order (with_pixels patches them); a transcript without images comes back as it is."""
+    import protocols
+    images = [protocols.image_of(part, f"messages[{i}].content[{j}]") for i, m in enumerate(messages)
+              if isinstance(m.get("content"), list) for j, part in enumerate(m["content"])
+              if isinstance(part, dict) and part.get("type") in protocols.IMAGE_PARTS]
+    if not images:
+        return ids, mask, []
+    vision = placeholders(model_path)
+    at = [i for i, t in enumerate(ids) if t == vision.token_id]
+    if len(at) != len(images):
+        raise ValueError(f"the chat template of {model_path} rendered {len(at)} image placeholders for a transcript "
+                         f"holding {len(images)} images")
+    out_ids, out_mask, done = [], [], 0
+    for i, image in zip(at, images):
+        n = vision.count(image)
+        out_ids += list(ids[done:i]) + [vision.token_id] * n
+        out_mask += list(mask[done:i]) + [0] * n
+        done = i + 1
+    return out_ids + list(ids[done:]), out_mask + list(mask[done:]), [bytes(b) for b in images]
+
+
+def blank_images(prompt):
+    """The prompt row with every inline image (a data URI, an Anthropic base64 block) replaced by a blank white PNG
+    of the same size: the same tokens, no pixels to read (train.py's eval/success_blank)."""
+    import base64
+    from PIL import Image
+
+    def blank(data):
+        with Image.open(io.BytesIO(base64.b64decode(data))) as img:
+            size = img.size
+        buf = io.BytesIO()
+        Image.new("RGB", size, "white").save(buf, format="PNG")
+        return base64.b64encode(buf.getvalue()).decode()
+
+    def walk(x):
+        if isinstance(x, str) and x.startswith("data:image/") and ";base64," in x:
+            return "data:image/png;base64," + blank(x.split(",", 1)[1])
+        if isinstance(x, dict) and x.get("type") == "base64" and isinstance(x.get("data"), str):
+            return dict(x, media_type="image/png", data=blank(x["data"]))
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        return [walk(v) for v in x] if isinstance(x, list) else x
+    return walk(prompt)

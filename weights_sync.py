@@ -25,8 +25,8 @@ A LoRA run (`WeightSender(adapter=lora.sync_config(cfg))`) sends its adapters al
 the same gathers and buckets; the workers' `receive_adapter` serves them with vLLM's LoRA support (attention and
 dense MLPs) and merges the routed-expert ones into the expert weights.
 
-The classes the engines name for vLLM's own processes live here too (the end of the file): the worker extension,
-a CPU worker that asks for AMX, and a vision model's scheduler that keeps its images (KeepImages).
+The worker extension (`WeightSyncWorker`, the engine end of the transfer) is named by engine.Engine; the other
+classes vLLM's processes load by name live in engine.py.
 
 Why not vLLM's weight-transfer engine API (`weight_transfer_config`, `WeightTransferEngineFactory`,
 `init_weight_transfer_engine` -> `start_weight_update` -> `update_weights` -> `finish_weight_update`)? Its
@@ -330,7 +330,7 @@ class WeightSender:
         return self._ep_senders[ep_group]
 
 # -----------------------------------------------------------------------------
-# the flow around a sync, against the engine interface (a capture.Engine, or a Ray actor handle of one)
+# the flow around a sync, against the engine interface (an engine.Engine, or a Ray actor handle of one)
 
 
 def _call(engine, method, *args, **kwargs):
@@ -488,7 +488,7 @@ class WeightSyncWorker:
 
     def receive_adapter(self, buckets, config):
         """Receive a LoRA adapter (PEFT names, lora.peft_config `config`) and serve it. Attention and dense-MLP
-        adapters replace vLLM's LoRA adapter 1 in place (requests name it, capture.Engine's lora_request), so held
+        adapters replace vLLM's LoRA adapter 1 in place (requests name it, engine.Engine's lora_request), so held
         requests go on with the new adapter after resume. Routed-expert adapters are merged into the expert weights
         here, base + scaling * B @ A per expert (vLLM's MoE LoRA needs a LoRA-aware fused-experts kernel: Triton on
         GPU, none on CPU), from a host copy of the base experts read once from the model directory; only adapters
@@ -525,7 +525,7 @@ class WeightSyncWorker:
         return {name: p.detach().double().sum().item() for name, p in model.named_parameters()}
 
 
-LORA_ID = 1  # the one LoRA adapter an engine serves; capture.Engine's requests name it
+LORA_ID = 1  # the one LoRA adapter an engine serves; engine.Engine's requests name it
 
 
 def merged_experts(worker, adapters, scaling):
@@ -547,67 +547,6 @@ def merged_experts(worker, adapters, scaling):
         delta = adapters[a_name.replace(".lora_A.", ".lora_B.")].float() @ adapters[a_name].float()
         out.append((weight, (base.float() + scaling * delta).to(base.dtype)))
     return out
-
-
-def serve_lora_beside_cpu_moe():
-    """Works around vLLM 0.32 on CPU: with enable_lora every FusedMoE layer is marked LoRA-enabled
-    (fused_moe/layer.py: `is_lora_enabled=vllm_config.lora_config is not None`), whatever lora_target_modules says,
-    and the MoE kernel oracle then picks TritonExperts (oracle/unquantized.py), which CPU lacks: the first forward
-    fails with "module 'triton.language' has no attribute 'bfloat16'". Our engines never give the experts to vLLM's
-    LoRA (receive_adapter merges them), so on CPU the MoE layers keep their CPU kernel. Runs in the worker process
-    before the model is built (capture.Engine names LoRAWeightSyncWorker for a LoRA run)."""
-    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
-    from vllm.platforms import current_platform
-    if not current_platform.is_cpu() or getattr(FusedMoEConfig, "lora_experts_off", False):
-        return
-    post_init = FusedMoEConfig.__post_init__
-
-    def without_expert_lora(self):
-        post_init(self)
-        self.is_lora_enabled = False
-    FusedMoEConfig.__post_init__, FusedMoEConfig.lora_experts_off = without_expert_lora, True
-
-
-class KeepImages:
-    """Mixed into vLLM's scheduler (async or not, as the engine decided) for a vision model's engine: a request's
-    images always reach the worker. vLLM drops the pixels of an image that a prefix-cache hit covers when it hands a
-    request to the worker; the worker keeps the request's state across a preemption, so a request preempted when a
-    weight sync empties the prefix cache (recompute_kv_on_sync), or by memory pressure after its cached prefix was
-    evicted, must encode the image again and finds no pixels: the engine dies. Costs a copy per covered image."""
-
-    def schedule(self, *args, **kwargs):
-        out = super().schedule(*args, **kwargs)
-        for new in out.scheduled_new_reqs:  # the scheduler's own request holds every image's pixels
-            new.mm_features = self.requests[new.req_id].mm_features
-        return out
-
-
-def __getattr__(name):
-    # vLLM resolves these names in its own processes (worker_extension_cls and worker_cls in the worker, scheduler_cls
-    # in the engine core); each is built there on first use, as it imports vLLM
-    if name == "LoRAWeightSyncWorker":  # before the worker builds the model: the moment for serve_lora_beside_cpu_moe
-        serve_lora_beside_cpu_moe()
-        return WeightSyncWorker
-    if name == "AMXCPUWorker":
-        # Linux grants AMX tile state only to processes that ask (arch_prctl); vLLM's CPU kernels use AMX whenever
-        # the CPU has it without asking, and die with SIGILL unless something (oneDNN, on some paths) asked first
-        from vllm.v1.worker.cpu_worker import CPUWorker
-
-        class AMXCPUWorker(CPUWorker):
-            def __init__(self, *args, **kwargs):
-                torch.cpu._init_amx()
-                super().__init__(*args, **kwargs)
-        globals()[name] = AMXCPUWorker
-        return AMXCPUWorker
-    if name == "ImageScheduler":
-        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-        from vllm.v1.core.sched.scheduler import Scheduler
-        pick = {a: type("ImageScheduler", (KeepImages, base), {}) for a, base in ((False, Scheduler),
-                                                                                  (True, AsyncScheduler))}
-        globals()[name] = lambda vllm_config, **kw: pick[bool(vllm_config.scheduler_config.async_scheduling)](
-            vllm_config=vllm_config, **kw)
-        return globals()[name]
-    raise AttributeError(f"module 'weights_sync' has no attribute {name!r}")
 
 
 def repack_cpu_moe_experts(model):

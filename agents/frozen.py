@@ -11,7 +11,7 @@ server, served from a background thread so that agent code on any event loop can
 Weight sync reaches only the rollout engines, so this one keeps the weights it loaded. A recipe starts it in its
 `setup(cfg)` (called once per run in the process that runs the attempts; see agentrl.py) and returns
 `close` as the clean-up. Where the engine runs (`placement`):
-    "local"  a capture.Engine in this process (vLLM's engine core in a child process): the CPU default
+    "local"  an engine.Engine in this process (vLLM's engine core in a child process): the CPU default
     "ray"    an engine actor on a placement-group bundle of its own (rollout.start_engines): with GPUs, this keeps
              the frozen model off the GPUs of the trainer ranks (the driver has reserved those) and of the engines
     "auto"   "ray" when Ray is up and the cluster has GPUs, else "local"
@@ -22,6 +22,7 @@ import contextlib
 from openai import AsyncOpenAI
 
 import capture
+from engine import Engine
 
 
 class FrozenModel:
@@ -46,7 +47,7 @@ class FrozenModel:
                 memory_fraction=self.memory_fraction)
             self.actor, backend = engines[0], rollout.Router(engines)
         else:
-            self.engine = backend = capture.Engine(
+            self.engine = backend = Engine(
                 self.model_path, max_model_len=self.max_model_len, memory_fraction=self.memory_fraction,
                 tensor_parallel_size=self.tensor_parallel_size, worker_extension_cls=None)
         self.server = capture.CaptureServer(backend, self.model_path, max_model_len=self.max_model_len,

@@ -1,7 +1,15 @@
-# python train.py --config configs/tiny_vl.py   (CPU)
-# A random-init tiny Qwen3-VL-MoE (the tiny text MoE with M-RoPE, a 3-layer vision tower with deepstack into both
-# layers) on the geometry recipe: questions over images drawn locally, multi-turn with the calculator tool.
-# The model directory is built on first use (python model.py .cache/tiny-qwen3-vl-moe builds it by hand).
+# python train.py --config configs/tiny_vl.py   (CPU; README: "Learning from pixels")
+# The tiny Qwen3-VL-MoE (the tiny text MoE with M-RoPE, a 3-layer vision tower with deepstack into both layers) on
+# agents/colours.py: which colour is the shape in a 64x64 picture. It starts from a warm start built once and cached
+# (.cache/tiny-qwen3-vl-moe-sft, tiny.py: VL_WARM_START) that answers with a colour word at random; RL with the
+# exact-answer reward has to learn to read the picture. Every evaluation also runs the held-out pictures blanked
+# (eval/success_blank): what a policy that ignores the image scores.
 out_dir = "out/tiny_vl"
-model_path = ".cache/tiny-qwen3-vl-moe"
-agent = "agents/geometry.py"
+model_path = ".cache/tiny-qwen3-vl-moe-sft"
+agent = "agents/colours.py"
+max_tokens = 8
+max_steps = 30
+learning_rate = 1e-3
+min_lr = 1e-4
+eval_every = 10
+attempt_timeout_s = 300.0  # 200 held-out pictures and their blanks at once, beside training, on 2 cores

@@ -24,6 +24,7 @@ import torch
 
 import capture
 from conftest import RecordingBackend
+from engine import Engine
 import loss
 import train
 from agentrl import Context, load_agent, load_prompts, setup_agent
@@ -45,7 +46,7 @@ def tool_turn(*calls):
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_path):
-    engine = capture.Engine(tiny_model_path, max_model_len=MAX_MODEL_LEN, worker_extension_cls=None)
+    engine = Engine(tiny_model_path, max_model_len=MAX_MODEL_LEN, worker_extension_cls=None)
     server = capture.CaptureServer(None, tiny_model_path, max_model_len=MAX_MODEL_LEN)
     server.backend = backend = RecordingBackend(engine, server.tokenizer)
     server.start_in_thread()

@@ -18,6 +18,7 @@ import pytest
 
 import capture
 from conftest import RecordingBackend
+from engine import Engine
 
 MAX_MODEL_LEN = 1024
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.",
@@ -33,7 +34,7 @@ FORCED_TOOL_TURN = "\n".join('<tool_call>\n{"name": "%s", "arguments": %s}\n</to
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_path):
-    engine = capture.Engine(tiny_model_path, max_model_len=MAX_MODEL_LEN, worker_extension_cls=None)
+    engine = Engine(tiny_model_path, max_model_len=MAX_MODEL_LEN, worker_extension_cls=None)
     server = capture.CaptureServer(None, tiny_model_path, max_model_len=MAX_MODEL_LEN)
     server.backend = recorder = RecordingBackend(engine, server.tokenizer)
     server.start_in_thread()

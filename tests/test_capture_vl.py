@@ -21,6 +21,7 @@ from PIL import Image, ImageDraw
 
 import capture
 from conftest import ROOT, RecordingBackend
+from engine import Engine
 from test_capture import FORCED_TOOL_TURN, check_token_identity
 
 MAX_MODEL_LEN = 2048
@@ -57,7 +58,7 @@ def vl_model_path():
 @pytest.fixture(scope="module")
 def stack():
     path = vl_model_path()
-    engine = capture.Engine(path, max_model_len=MAX_MODEL_LEN, worker_extension_cls=None,
+    engine = Engine(path, max_model_len=MAX_MODEL_LEN, worker_extension_cls=None,
                             max_images_per_prompt=MAX_IMAGES)
     server = capture.CaptureServer(None, path, max_model_len=MAX_MODEL_LEN, max_images_per_prompt=MAX_IMAGES,
                                    max_pixels=400 * 400)
@@ -254,7 +255,7 @@ def test_responses_input_image_and_bad_images_get_a_400_naming_the_part(stack):
 def test_a_request_whose_image_a_cached_prefix_covers_survives_a_sync_pause(stack):
     """A second attempt at the same prompt finds its image in the prefix cache (vLLM then hands the worker no pixels
     for it); a weight-sync pause empties the cache and preempts it, so it must encode the image again after resume.
-    Without weights_sync.KeepImages the engine died here (every in-flight session got EngineDeadError)."""
+    Without engine.KeepImages the engine died here (every in-flight session got EngineDeadError)."""
     server, recorder, _ = stack
     engine, tok = recorder.engine, server.tokenizer
     image = [tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")]

@@ -206,14 +206,14 @@ def test_check_config(overrides, msg):
 
 
 def test_engine_receives_the_config_options(tiny_model_path):
-    import capture
+    from engine import Engine
     cfg = tiny_cfg(engine_max_model_len=1024, engine_memory_fraction=0.3, tensor_parallel_size=2,
                    enable_prefix_caching=False, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    args = capture.Engine(tiny_model_path, **plan.engine_options(cfg)).engine_args
+    args = Engine(tiny_model_path, **plan.engine_options(cfg)).engine_args
     assert (args["max_model_len"], args["gpu_memory_utilization"], args["tensor_parallel_size"]) == (1024, 0.3, 2)
     assert args["enable_prefix_caching"] is False
     assert args["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2}
-    assert capture.Engine(tiny_model_path, **plan.engine_options(tiny_cfg())).engine_args["speculative_config"] is None
+    assert Engine(tiny_model_path, **plan.engine_options(tiny_cfg())).engine_args["speculative_config"] is None
 
 
 @pytest.mark.parametrize("overrides,key", [
@@ -233,13 +233,13 @@ def test_vllm_refusal_names_the_option(tiny_model_path, overrides, key):
 
 @pytest.mark.stack
 def test_real_engine_start_refuses_the_same_option(tiny_model_path):
-    """check_engine_options asks the validation a real start runs: a real capture.Engine start with the refused
+    """check_engine_options asks the validation a real start runs: a real engine.Engine start with the refused
     option fails at once (before any worker process starts) with the same message."""
-    import capture
+    from engine import Engine
     bad = {"method": "mtp", "num_speculative_tokens": 1}
     with pytest.raises(ConfigError) as checked:
         plan.check_engine_options(tiny_cfg(speculative_config=bad), tiny_model_path)
-    engine = capture.Engine(tiny_model_path, **plan.engine_options(tiny_cfg(speculative_config=bad)))
+    engine = Engine(tiny_model_path, **plan.engine_options(tiny_cfg(speculative_config=bad)))
     with pytest.raises(Exception) as started:
         asyncio.run(engine.start())
     assert engine.llm is None

@@ -1,6 +1,6 @@
-"""The geometry recipe end to end on the tiny Qwen3-VL-MoE: `python train.py --config configs/tiny_vl.py` as a
-process (real Ray, a real vLLM engine serving images, the capture server, the FSDP2 trainer, weight sync), then
-its checkpoint exported: the diagrams reached the model (image tokens recorded as context) and the trainer (the
+"""The geometry recipe end to end on the random-init tiny Qwen3-VL-MoE: `python train.py --config configs/tiny_vl.py
+--agent=agents/geometry.py` as a process (real Ray, a real vLLM engine serving images, the capture server, the FSDP2
+trainer, weight sync), then its checkpoint exported: the diagrams reached the model (image tokens recorded as context) and the trainer (the
 vision tower's weights moved: only images give it gradients).
 
     .venv/bin/python -m pytest tests/test_loop_vl.py -q     # several minutes on 2 cores
@@ -26,7 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_geometry_recipe_trains_the_tiny_vlm_end_to_end(tmp_path, tiny_vl_model_path):
     out, export = tmp_path / "run", tmp_path / "hf"
     args = [sys.executable, "train.py", "--config", "configs/tiny_vl.py", f"--out_dir={out}", "--max_steps=2",
-            "--eval_every=0", "--group_size=2", "--groups_per_batch=2", "--groups_in_flight=2", "--max_tokens=24",
+            "--agent=agents/geometry.py", f"--model_path={tiny_vl_model_path}", "--max_tokens=24",
+            "--eval_every=0", "--group_size=2", "--groups_per_batch=2", "--groups_in_flight=2",
             "--save_trajectories=True", "--warmup_steps=0", "--attempt_timeout_s=600",  # a loaded 2-core machine
             "--entropy_coef=0.01"]  # a random-init model never answers right: the entropy bonus gives gradients
     r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=1800,

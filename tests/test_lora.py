@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 import lora
 import train
-from model import Transformer, experts_grouped_mm, experts_loop
+from experts import experts_grouped_mm, experts_loop
+from model import Transformer
 from test_train import CFG, GRAD_TOL, PARAM_TOL, STEPS, make_weights, reference_run, run_steps, spawn, trainer_config, \
     windows
 
@@ -62,7 +63,7 @@ def test_adapted_model_equals_its_merged_weights_and_trains_the_adapters_alone()
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA"))])
 def test_grouped_gemm_expert_adapters_match_the_loop_with_gradients(device):
-    # the grouped path (model.LoRAGroupedMM: gate's and up's adapters as one of rank 2r, the frozen base without
+    # the grouped path (experts.LoRAGroupedMM: gate's and up's adapters as one of rank 2r, the frozen base without
     # weight gradients) against the per-expert loop: outputs and the gradients of the adapters, of x, of the routing
     # weights
     torch.manual_seed(0)
@@ -89,7 +90,7 @@ def test_grouped_gemm_expert_adapters_match_the_loop_with_gradients(device):
 
 
 LOWRANK_ADD_CHECK = """
-import torch, model
+import torch, experts
 torch.manual_seed(0)
 for E, R, O, sizes in ((5, 8, 130, (70, 0, 64, 1, 200)), (3, 16, 256, (128, 65, 3)), (4, 4, 64, (0, 0, 10, 0))):
     counts = torch.tensor(sizes)  # experts without rows, partial tiles, sizes not multiples of the 64 x 128 tiles
@@ -99,7 +100,7 @@ for E, R, O, sizes in ((5, 8, 130, (70, 0, 64, 1, 200)), (3, 16, 256, (128, 65, 
     M = torch.randn(E, O, R).bfloat16().transpose(1, 2)  # (E, R, O) of B's strides, as the forward passes B^T
     want = torch.cat([y[a:b].float() + z[a:b].float() @ M[e].float() for e, (a, b) in
                       enumerate(zip([0] + offs[:-1].tolist(), offs.tolist()))])
-    got = model.lowrank_add_triton(y, z, M, offs, model.lowrank_tiles(counts))
+    got = experts.lowrank_add_triton(y, z, M, offs, experts.lowrank_tiles(counts))
     torch.testing.assert_close(got.float(), want, atol=0.06, rtol=0.02)
 """
 
@@ -183,7 +184,7 @@ MAX_DIFF, MEAN_DIFF = 0.05, 0.01  # as tests/test_weights_sync.py: bf16 on two s
 
 @pytest.mark.stack
 def test_engine_serves_the_synced_adapter_and_matches_the_trainer(tmp_path, tiny_model_path):
-    from capture import Engine
+    from engine import Engine
     from model import load_config
     from test_weights_sync import fixed_sequence, sequence_logprobs
     from weights_sync import WeightSender, connect_engines, sync_weights

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import ModelConfig, Transformer, experts_grouped_mm, experts_loop, hf_to_ours, ours_to_hf, read_safetensors, num_params
+from experts import experts_grouped_mm, experts_loop
+from model import ModelConfig, Transformer, hf_to_ours, ours_to_hf, read_safetensors, num_params
 from tiny import TINY_CONFIG
 
 DENSE = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -166,21 +167,21 @@ def test_num_params_counts_the_module():
 
 
 SUM_SLOTS_CHECK = """
-import torch, model
+import torch, experts
 torch.manual_seed(0)
 for N, K, D in ((50, 8, 2048), (37, 2, 100), (3, 4, 64), (0, 4, 64)):
     slots = torch.randperm(N * K)[: N * K * 5 // 8]  # some slots unused
-    position = model.slot_positions(slots, N * K)
+    position = experts.slot_positions(slots, N * K)
     y = torch.randn(slots.numel(), D)
     expected = torch.zeros(N, D).index_add_(0, slots // K, y)
-    torch.testing.assert_close(model.sum_slots_triton(y, position, K), expected)
-    torch.testing.assert_close(model.sum_slots(y, position, K), expected)
+    torch.testing.assert_close(experts.sum_slots_triton(y, position, K), expected)
+    torch.testing.assert_close(experts.sum_slots(y, position, K), expected)
 # to_contiguous: a bf16 gradient of any strides (the grouped GEMM's comes transposed; an unused expert's is an
 # expanded zero) into a contiguous fp32 tensor, bit-equal to .to(); sizes not multiples of the 64 x 64 tiles
 E, R, C = 5, 70, 130
 for name, grad in {"contiguous": torch.randn(E, R, C).bfloat16(), "transposed": torch.randn(E, C, R).bfloat16().transpose(1, 2),
                    "expanded": torch.ones((), dtype=torch.bfloat16).expand(E, R, C)}.items():
-    out = model.to_contiguous_triton(grad, torch.float32)
+    out = experts.to_contiguous_triton(grad, torch.float32)
     assert out.is_contiguous(), name
     torch.testing.assert_close(out, grad.float(), rtol=0, atol=0, msg=name)
 """

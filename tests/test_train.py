@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 import loss
 import train
 from conftest import child_env, end_rank
+import experts
 import model
 from model import ModelConfig, Transformer, is_stacked_experts
 
@@ -440,7 +441,7 @@ def test_to_contiguous_takes_any_layout_on_cuda():
              "transposed": torch.randn(E, C, R, device="cuda", generator=g).bfloat16().transpose(1, 2),
              "expanded": torch.ones((), device="cuda", dtype=torch.bfloat16).expand(E, R, C)}
     for name, grad in grads.items():
-        out = model.to_contiguous(grad, torch.float32)
+        out = experts.to_contiguous(grad, torch.float32)
         assert out.is_contiguous(), name
         torch.testing.assert_close(out, grad.float(), rtol=0, atol=0, msg=name)
 

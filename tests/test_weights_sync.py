@@ -1,4 +1,4 @@
-"""Weight sync, trainer -> vLLM engine, on CPU with real components: one real engine (capture.Engine around vLLM's
+"""Weight sync, trainer -> vLLM engine, on CPU with real components: one real engine (engine.Engine around vLLM's
 AsyncLLM, shared by the engine tests), a real gloo weight group, train.py's FSDP2 + expert-parallel model on
 spawned gloo ranks, and bench.py's sync benchmark in its CPU form.
 
@@ -94,7 +94,7 @@ def loop():
 
 @pytest.fixture(scope="module")
 def engine(loop, tiny_model_path):
-    from capture import Engine
+    from engine import Engine
     eng = Engine(tiny_model_path, max_model_len=1024, memory_fraction=0.5, seed=0)
     loop.run_until_complete(eng.start())
     yield eng

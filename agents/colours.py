@@ -1,0 +1,111 @@
+"""
+The colour of a shape: the model sees a small picture drawn here with PIL, one filled shape (circle, square or
+triangle, of a random size, place and shade) on a light background, and answers which of four colours it is. The
+question is the same for every picture, so the answer is only in the pixels: with the picture replaced by a blank one
+(train.py's eval/success_blank) a policy can do no better than guess (0.25 on the balanced held-out set).
+
+    python train.py --config configs/tiny_vl.py      # warm start (tiny.py: VL_WARM_START), then RL on this task
+
+Reward 1.0 when the reply is exactly the colour's name (case, spaces and a final full stop aside), else 0.0;
+Result.info["success"] is the same. Held out: a picture is drawn from a seed, and a seed whose CRC-32 is divisible by
+8 is never in the training stream (nor in the warm start's transcripts); eval_prompts() draws 200 of them, 50 of
+each colour.
+"""
+import base64
+import io
+import random
+import zlib
+
+from openai import AsyncOpenAI
+
+from agentrl import ChatAgent, Result
+
+SIZE = 64  # pixels a side: 4 x 4 patches of 16, 4 image tokens after Qwen3-VL's 2 x 2 merge
+COLOURS = {"red": (210, 40, 40), "green": (40, 160, 50), "blue": (40, 70, 210), "yellow": (225, 200, 30)}
+SHAPES = ("circle", "square", "triangle")
+QUESTION = "What colour is the shape? Answer red, green, blue or yellow."
+
+
+def picture(seed, colour=None):
+    """(PIL image, colour name) of the picture drawn from `seed`; `colour` fixes the colour, else the seed picks it."""
+    from PIL import Image, ImageDraw
+    rng = random.Random(seed)
+    colour = colour or rng.choice(list(COLOURS))
+    fill = tuple(min(255, max(0, c + rng.randint(-25, 25))) for c in COLOURS[colour])
+    shade = rng.randint(225, 255)
+    image = Image.new("RGB", (SIZE, SIZE), (shade, shade, shade))
+    draw = ImageDraw.Draw(image)
+    r = rng.randint(SIZE // 5, SIZE * 2 // 5)  # half the shape's width: 12-25 pixels
+    cx, cy = rng.randint(r, SIZE - r), rng.randint(r, SIZE - r)
+    shape = rng.choice(SHAPES)
+    if shape == "circle":
+        draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
+    elif shape == "square":
+        draw.rectangle([cx - r, cy - r, cx + r, cy + r], fill=fill)
+    else:
+        draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
+    return image, colour
+
+
+def png_data_uri(image):
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def user_turn(image):
+    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_uri(image)}},
+                                        {"type": "text", "text": QUESTION}]}
+
+
+def held_out(seed):
+    return zlib.crc32(f"colour:{seed}".encode()) % 8 == 0
+
+
+def seeds(seed, split):
+    """Endless picture seeds of one split ("train" or "eval")."""
+    rng = random.Random(seed)
+    while True:
+        s = rng.randrange(2**31)
+        if held_out(s) == (split == "eval"):
+            yield s
+
+
+def prompts(seed=0):
+    """Endless pictures of the training split."""
+    for s in seeds(seed, "train"):
+        image, colour = picture(s)
+        yield {"messages": [user_turn(image)], "label": colour}
+
+
+def eval_prompts(n=200):
+    """n held-out pictures in a fixed order, the colours in turn (balanced: a guess scores 0.25)."""
+    names = list(COLOURS)
+    return [{"messages": [user_turn(picture(s, names[i % len(names)])[0])], "label": names[i % len(names)]}
+            for i, s in zip(range(n), seeds(10**6, "eval"))]
+
+
+def transcripts(n, seed=1):
+    """The warm start's worked examples (train.py --sft_data): training-split pictures, each answered with a colour
+    name drawn at random, whatever the picture. The warm-started model answers in the task's format (one colour
+    word, then the end of its turn) but has no reason to look at the picture: which colour is which is what RL learns
+    from the reward."""
+    rng, names = random.Random(seed), list(COLOURS)
+    return [{"messages": [user_turn(picture(s)[0]), {"role": "assistant", "content": rng.choice(names)}]}
+            for s, _ in zip(seeds(seed, "train"), range(n))]
+
+
+def is_correct(reply, colour):
+    return reply.strip().rstrip(".").strip().lower() == colour
+
+
+class Colours(ChatAgent):
+    async def run(self, ctx):
+        async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+            reply = (await client.chat.completions.create(model=ctx.model, messages=ctx.messages,
+                                                          **ctx.sampling)).choices[0].message
+        success = float(is_correct(reply.content or "", ctx.label))
+        return Result(success, {"success": success})
+
+
+agent = Colours()

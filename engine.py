@@ -1,0 +1,224 @@
+"""
+Our side of vLLM: the engine wrapper (`Engine`: one AsyncLLM; token ids in, token ids, sampling logprobs, policy
+versions and routes out; rollout.EngineActor runs it as a Ray actor, the capture server and agents/frozen.py run it
+in their own process) and the classes that vLLM's own processes load by name, as engine arguments:
+
+    worker_extension_cls  weights_sync.WeightSyncWorker (receives the weights), engine.LoRAWeightSyncWorker (the
+                          same, after serve_lora_beside_cpu_moe) for a LoRA run
+    worker_cls            engine.AMXCPUWorker on a CPU with AMX
+    scheduler_cls         engine.ImageScheduler for a vision model (KeepImages)
+
+Nothing here imports vLLM at module level: the trainer imports this file's names without it.
+"""
+import io
+import json
+import os
+import uuid
+
+WORKER_EXTENSION = "weights_sync.WeightSyncWorker"
+
+
+class EngineNotStarted(RuntimeError):
+    """A request reached an engine whose actor Ray restarted but nobody started yet (the router then starts it)."""
+
+
+class Engine:
+    """One vLLM AsyncLLM: token ids in; token ids, sampling logprobs, policy versions (and routes) out."""
+
+    def __init__(self, model_path, *, max_model_len=2048, memory_fraction=0.5, tensor_parallel_size=1,
+                 enable_prefix_caching=True, speculative_config=None, seed=0, enable_return_routed_experts=False,
+                 worker_extension_cls=WORKER_EXTENSION, recompute_kv_on_sync=True, max_images_per_prompt=8,
+                 lora_path=None, **engine_kwargs):
+        import torch
+        self.model_path, self.max_model_len = model_path, max_model_len
+        self.recompute_kv_on_sync = recompute_kv_on_sync
+        self.engine_args = dict(
+            model=model_path, dtype="bfloat16", max_model_len=max_model_len, gpu_memory_utilization=memory_fraction,
+            tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=enable_prefix_caching,
+            speculative_config=speculative_config, seed=seed,
+            enable_return_routed_experts=enable_return_routed_experts,
+            limit_mm_per_prompt={"image": max_images_per_prompt, "video": 0},  # vLLM ignores it for a text model
+            # the behavior logprob is the sampling distribution's (after temperature), not the raw model's
+            logprobs_mode="processed_logprobs")
+        if worker_extension_cls:
+            self.engine_args["worker_extension_cls"] = worker_extension_cls
+        config = os.path.join(model_path, "config.json")
+        if os.path.isfile(config) and "vision_config" in json.load(open(config)):
+            self.engine_args["scheduler_cls"] = "engine.ImageScheduler"  # see KeepImages
+        if not torch.cuda.is_available():
+            self.engine_args["enforce_eager"] = True
+            # vLLM's CPU runner rewinds a seeded request's generator when it discards the sample of a partial
+            # prefill, which CPU generators cannot do: the engine dies. Whole-prompt prefills never discard.
+            self.engine_args["enable_chunked_prefill"] = False
+            if torch.cpu._is_amx_tile_supported():
+                self.engine_args["worker_cls"] = "engine.AMXCPUWorker"
+        self.engine_args.update(engine_kwargs)
+        self.llm = None
+        self.policy_version = 0
+        # lora_path: a PEFT adapter directory; every request runs with that adapter (vLLM's LoRA id 1), which each
+        # weight sync then replaces in place (weights_sync.WeightSyncWorker.receive_adapter)
+        self.lora_request = None
+        if lora_path:
+            from vllm.lora.request import LoRARequest
+            from weights_sync import LORA_ID
+            self.lora_request = LoRARequest("policy", LORA_ID, lora_path)
+
+    async def start(self):  # answers None: under Ray the result travels back, and an Engine cannot be pickled
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+        await self.set_version(0)
+
+    async def generate(self, prompt_token_ids, sampling, request_id, session_id=None, images=None):
+        """One turn, as the last item of stream()."""
+        async for out in self.stream(prompt_token_ids, sampling, request_id, final_only=True, images=images):
+            pass
+        return out
+
+    async def stream(self, prompt_token_ids, sampling, request_id, session_id=None, final_only=False, images=None):
+        """Sample one turn: {"token_ids": the tokens so far} per engine step, then the turn. `sampling` keys:
+        temperature, top_p, max_tokens, stop, stop_token_ids, seed, routed_experts_start (routes are returned for the
+        tokens from there on: the caller has the earlier ones), ignore_eos (benchmarks), structured
+        (StructuredOutputsParams fields: json, json_object, ...), logit_bias, top_logprobs (k: also return the k
+        likeliest tokens per position). session_id is for routers that keep a session on one engine; one engine
+        ignores it. `images`: the encoded files of the prompt's images, in order; prompt_token_ids holds one
+        placeholder token for each, which vLLM's processor expands to the image's tokens."""
+        if self.llm is None:  # a Ray actor restarted after its process died is a fresh Engine, not started
+            raise EngineNotStarted("this engine's process was restarted and has not started its engine yet")
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+        stop, structured, top = sampling.get("stop") or None, sampling.get("structured"), sampling.get("top_logprobs")
+        params = SamplingParams(
+            n=1, temperature=sampling.get("temperature", 1.0), top_p=sampling.get("top_p", 1.0),
+            max_tokens=sampling.get("max_tokens"), stop=stop, stop_token_ids=sampling.get("stop_token_ids"),
+            seed=sampling.get("seed"), ignore_eos=sampling.get("ignore_eos", False), logprobs=top or 0,
+            routed_experts_prompt_start=sampling.get("routed_experts_start", 0), logit_bias=sampling.get("logit_bias"),
+            # grammar masks and biases act before sampling: processed logprobs are those of the masked distribution
+            structured_outputs=StructuredOutputsParams(**structured) if structured else None,
+            detokenize=stop is not None,  # text only for stop strings
+            output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE)
+        async for out in self.llm.generate(self.prompt(prompt_token_ids, images), params, request_id,
+                                           lora_request=self.lora_request):
+            if not out.finished:
+                yield {"token_ids": list(out.outputs[0].token_ids)}
+        c = out.outputs[0]
+        ids = list(c.token_ids)
+        versions = [self.policy_version] * len(ids)
+        for span in c.weight_versions or []:  # spans of output tokens sampled by each weight version
+            v = 0 if span.version == "default" else int(span.version)
+            versions[span.start:span.end] = [v] * (span.end - span.start)
+        routes = c.routed_experts  # (T - routed_experts_start, L_moe, K) when enabled
+        result = dict(token_ids=ids, logprobs=[c.logprobs[i][t].logprob for i, t in enumerate(ids)],
+                      token_versions=versions, routed_experts=None if routes is None else routes.tolist(),
+                      finish_reason=c.finish_reason, num_prompt_tokens=len(out.prompt_token_ids))
+        if top:  # per position, (token id, logprob) by rank; the sampled token's entry comes too when ranked lower
+            result["top_logprobs"] = [[(t, p.logprob) for t, p in sorted(d.items(), key=lambda x: x[1].rank)
+                                       if p.rank <= top] for d in c.logprobs]
+        yield result
+
+    async def prompt_logprobs(self, token_ids, images=None):
+        """The engine's logprob of each token given the ones before it (None for the first), at temperature 1; with
+        images (as for stream), of the prompt with each image's tokens expanded."""
+        from vllm import SamplingParams
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        async for out in self.llm.generate(self.prompt(token_ids, images), params, uuid.uuid4().hex,
+                                           lora_request=self.lora_request):
+            pass
+        return [None if d is None else d[t].logprob for t, d in zip(out.prompt_token_ids, out.prompt_logprobs)]
+
+    @staticmethod
+    def prompt(token_ids, images):
+        from vllm.inputs import TokensPrompt
+        prompt = TokensPrompt(prompt_token_ids=list(token_ids))
+        if images:  # vLLM's processor decodes (PIL opens lazily) and patches them
+            from PIL import Image
+            prompt["multi_modal_data"] = {"image": [Image.open(io.BytesIO(b)) for b in images]}
+        return prompt
+
+    async def pause(self):
+        """Freeze in-flight requests for a weight update (they finish after resume). With recompute_kv_on_sync the
+        prefix cache is emptied and the frozen requests are preempted: after resume they recompute their KV (prompt
+        and tokens so far) with the new weights, so every later token is the new policy's alone. Without it they
+        continue on KV the old weights computed, and a new request can hit an old-weight prefix."""
+        await self.llm.pause_generation(mode="keep", clear_cache=self.recompute_kv_on_sync)
+
+    async def resume(self):
+        await self.llm.resume_generation()
+
+    async def set_version(self, policy_version):
+        self.policy_version = int(policy_version)
+        await self.llm.update_weight_version(str(self.policy_version))
+
+    async def collective_rpc(self, method, args=(), kwargs=None):
+        return await self.llm.collective_rpc(method, args=tuple(args), kwargs=kwargs)
+
+    async def shutdown(self):
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+
+# -----------------------------------------------------------------------------
+# the classes vLLM's processes load by name
+
+
+def serve_lora_beside_cpu_moe():
+    """Works around vLLM 0.32 on CPU: with enable_lora every FusedMoE layer is marked LoRA-enabled
+    (fused_moe/layer.py: `is_lora_enabled=vllm_config.lora_config is not None`), whatever lora_target_modules says,
+    and the MoE kernel oracle then picks TritonExperts (oracle/unquantized.py), which CPU lacks: the first forward
+    fails with "module 'triton.language' has no attribute 'bfloat16'". Our engines never give the experts to vLLM's
+    LoRA (receive_adapter merges them), so on CPU the MoE layers keep their CPU kernel. Runs in the worker process
+    before the model is built (lora.engine_options names LoRAWeightSyncWorker)."""
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu() or getattr(FusedMoEConfig, "lora_experts_off", False):
+        return
+    post_init = FusedMoEConfig.__post_init__
+
+    def without_expert_lora(self):
+        post_init(self)
+        self.is_lora_enabled = False
+    FusedMoEConfig.__post_init__, FusedMoEConfig.lora_experts_off = without_expert_lora, True
+
+
+class KeepImages:
+    """Mixed into vLLM's scheduler (async or not, as the engine decided) for a vision model's engine: a request's
+    images always reach the worker. vLLM drops the pixels of an image that a prefix-cache hit covers when it hands a
+    request to the worker; the worker keeps the request's state across a preemption, so a request preempted when a
+    weight sync empties the prefix cache (recompute_kv_on_sync), or by memory pressure after its cached prefix was
+    evicted, must encode the image again and finds no pixels: the engine dies. Costs a copy per covered image."""
+
+    def schedule(self, *args, **kwargs):
+        out = super().schedule(*args, **kwargs)
+        for new in out.scheduled_new_reqs:  # the scheduler's own request holds every image's pixels
+            new.mm_features = self.requests[new.req_id].mm_features
+        return out
+
+
+def __getattr__(name):
+    # vLLM resolves these names in its own processes (worker_extension_cls and worker_cls in the worker, scheduler_cls
+    # in the engine core); each is built there on first use, as it imports vLLM
+    if name == "LoRAWeightSyncWorker":  # before the worker builds the model: the moment for serve_lora_beside_cpu_moe
+        serve_lora_beside_cpu_moe()
+        from weights_sync import WeightSyncWorker
+        return WeightSyncWorker
+    if name == "AMXCPUWorker":
+        # Linux grants AMX tile state only to processes that ask (arch_prctl); vLLM's CPU kernels use AMX whenever
+        # the CPU has it without asking, and die with SIGILL unless something (oneDNN, on some paths) asked first
+        import torch
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        class AMXCPUWorker(CPUWorker):
+            def __init__(self, *args, **kwargs):
+                torch.cpu._init_amx()
+                super().__init__(*args, **kwargs)
+        globals()[name] = AMXCPUWorker
+        return AMXCPUWorker
+    if name == "ImageScheduler":
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        from vllm.v1.core.sched.scheduler import Scheduler
+        pick = {a: type("ImageScheduler", (KeepImages, base), {}) for a, base in ((False, Scheduler),
+                                                                                  (True, AsyncScheduler))}
+        globals()[name] = lambda vllm_config, **kw: pick[bool(vllm_config.scheduler_config.async_scheduling)](
+            vllm_config=vllm_config, **kw)
+        return globals()[name]
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")
