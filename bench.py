@@ -1,32 +1,26 @@
 """
 Benchmarks. Each measures ours and a baseline side by side in the same run and prints, as its last line,
-one JSON object with the figures and `ratio`.
+one JSON object with the figures and `ratio`. This file holds the entry point and the system benchmarks (capture
+server, rollout, weight sync, object store, logprobs); bench_model.py the model and trainer speed benchmarks.
 
     python bench.py logprobs     # chunked vs naive token logprobs: peak extra memory
     python bench.py capture      # agents through the capture server vs calling the engine directly
     python bench.py train        # our FSDP2+EP trainer vs transformers' Qwen3MoeForCausalLM under FSDP2 (GPU)
+    python bench.py layer        # the MoE decoder layer alone (two layer counts): ours vs transformers, torchtitan (GPU)
     python bench.py async        # streaming rollout pool vs synchronous generate-then-train
     python bench.py sync         # trainer -> engine weight broadcast vs raw NCCL broadcast (2 GPUs)
     python bench.py lora         # grouped-GEMM experts with LoRA adapters on a frozen base vs full fine-tuning (GPU)
     python bench.py objectstore  # image trajectories to trainer ranks by ref vs gathered in the driver: driver memory
     python bench.py vl           # our Qwen3-VL-MoE forward/backward vs transformers' (1 GPU): parity, tokens/s
+
+Each benchmark is a function bench_NAME whose keyword arguments are its options (all integers): `--key=value`
+sets one, a bare `--key` means 1, an unknown key is an error.
 """
+import inspect
 import json
 import sys
 
-# -----------------------------------------------------------------------------
-# each benchmark is one function bench_NAME(args) returning a dict with at least "ratio"; their options
-
-
-def _int_options(args, **defaults):
-    """--key=value overrides of integer defaults; an unknown key is an error."""
-    out = dict(defaults)
-    for arg in args:
-        key, _, value = arg.lstrip("-").partition("=")
-        if key not in out:
-            sys.exit(f"unknown option {arg!r}; options: {', '.join('--%s=%s' % kv for kv in defaults.items())}")
-        out[key] = int(value)
-    return out
+import bench_model
 
 # -----------------------------------------------------------------------------
 # logprobs: chunked token logprobs (loss.token_logprobs) vs the naive full-logits computation
@@ -86,13 +80,13 @@ def _peak_extra_bytes(logprob_fn, T, V, D, chunk_size, with_entropy, fake):
     return tracker.peak, result
 
 
-def bench_logprobs(*args):
+def bench_logprobs(T=32768, V=151936, D=64, chunk_size=1024, with_entropy=1, check_T=512):
     """Peak extra memory of token logprobs + entropy, forward and backward, chunked vs naive, for a long sequence
     with Qwen3's vocabulary (measured on fake tensors), then a real-tensor check at check_T tokens: the same
     peaks as the fake measurement there, and chunked values and gradients equal to naive."""
+    opt = dict(locals())  # the options, as bench.py's command line set them
     import torch
     from loss import naive_token_logprobs, token_logprobs
-    opt = _int_options(args, T=32768, V=151936, D=64, chunk_size=1024, with_entropy=1, check_T=512)
     shape = (opt["V"], opt["D"], opt["chunk_size"], bool(opt["with_entropy"]))
     naive, _ = _peak_extra_bytes(naive_token_logprobs, opt["T"], *shape, fake=True)
     chunked, _ = _peak_extra_bytes(token_logprobs, opt["T"], *shape, fake=True)
@@ -117,7 +111,7 @@ def bench_logprobs(*args):
 # sync: the trainer's bucketed weight broadcast (weights_sync) vs one raw broadcast of the same bytes
 
 
-def bench_sync(*args):
+def bench_sync(layers=4, bucket_mb=0, iters=0, tiny=-1, lora_rank=8):
     """Rank 0 holds a Qwen3-30B-A3B-shaped model with a few layers (fp32 master weights, several GB in bf16) and
     sends it with weights_sync.WeightSender (cast to bf16, pack per-expert HF tensors into buckets, broadcast with
     double buffering) to rank 1, which receives like an engine worker (weights_sync.BucketReceiver) and copies
@@ -131,13 +125,14 @@ def bench_sync(*args):
         python bench.py sync                                     # spawns the 2 ranks itself (CPU: gloo, tiny)
         python bench.py sync --layers=2 --bucket_mb=256 --iters=5 --tiny=0 --lora_rank=16
     """
+    opt = dict(locals())  # the options, as bench.py's command line set them
     import os
     import torch
     import torch.multiprocessing as mp
     from weights_sync import free_port
     cuda = torch.cuda.is_available()
-    opt = _int_options(args, layers=4, bucket_mb=512 if cuda else 1, iters=5 if cuda else 3, tiny=int(not cuda),
-                       lora_rank=8)
+    opt.update(bucket_mb=bucket_mb or (512 if cuda else 1), iters=iters or (5 if cuda else 3),
+               tiny=int(not cuda) if tiny < 0 else tiny)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun
         if int(os.environ["WORLD_SIZE"]) != 2:
             sys.exit(f"bench.py sync needs exactly 2 ranks (sender and receiver), "
@@ -315,64 +310,11 @@ def _lora_sync(rank, opt, cfg, model, group, device, timed):
 
 
 # -----------------------------------------------------------------------------
-# lora: the routed experts' forward + backward with adapters on a frozen base vs full fine-tuning
-
-
-def bench_lora(*args):
-    """The grouped-GEMM experts (experts.experts_grouped_mm) forward + backward on `rows` routed rows, bf16: with
-    rank-`rank` adapters on gate, up and down over a frozen base (gradients of the adapters, the rows and the routing
-    weights) against full fine-tuning (gradients of the base weights too), and the frozen base without adapters (the
-    floor: no weight gradient GEMMs at all). Default shape: Qwen3-30B-A3B's experts (D 2048, H 768), 16 local experts
-    (128 over expert parallelism 8). Prints ms of each and ratio = LoRA / full fine-tuning (target: <= 1.0). Each step
-    is timed as the trainer runs it, launches from Python included: at a few thousand rows per expert the LoRA step
-    launches more kernels than the GPU needs time for on a slow host CPU.
-
-        python bench.py lora --experts=128 --rows=32768 --rank=8
-    """
-    import torch
-    from experts import experts_grouped_mm
-    if not torch.cuda.is_available():
-        sys.exit("bench.py lora needs a GPU (the grouped GEMMs are the CUDA path)")
-    opt = _int_options(args, experts=16, dim=2048, hidden=768, rows=32768, rank=8, iters=20, seed=0)
-    E, D, H, N, r = opt["experts"], opt["dim"], opt["hidden"], opt["rows"], opt["rank"]
-    g = torch.Generator(device="cuda").manual_seed(opt["seed"])
-    randn = lambda *shape, std=0.02: (torch.randn(*shape, device="cuda", generator=g) * std).bfloat16()  # noqa: E731
-    counts = torch.bincount(torch.randint(0, E, (N,), device="cuda", generator=g), minlength=E)  # uniform routing
-    x, scale = randn(N, D, std=1.0), torch.rand(N, device="cuda", generator=g).bfloat16()
-    base = [randn(E, H, D), randn(E, H, D), randn(E, D, H)]
-    adapters = [randn(E, r, D), randn(E, H, r), randn(E, r, D), randn(E, H, r), randn(E, r, H), randn(E, D, r)]
-    grad = randn(N, D, std=1.0)
-
-    def step(train_base, with_lora):
-        leaves = [t.detach().requires_grad_() for t in [x, scale]]
-        ws = [t.detach().requires_grad_(train_base) for t in base]
-        lo = [t.detach().requires_grad_() for t in adapters]
-        lora = (2.0, tuple(zip(lo[0::2], lo[1::2]))) if with_lora else None
-        experts_grouped_mm(leaves[0], counts, leaves[1], *ws, lora).backward(grad)
-
-    def ms(*variant):  # CUDA events around `iters` steps after warm-up (the first calls compile silu_mul)
-        for _ in range(5):
-            step(*variant)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(opt["iters"]):
-            step(*variant)
-        end.record()
-        torch.cuda.synchronize()
-        return round(start.elapsed_time(end) / opt["iters"], 3)
-    full, lora, floor = ms(True, False), ms(False, True), ms(False, False)
-    result = dict(opt, full_ms=full, lora_ms=lora, frozen_base_ms=floor, ratio=round(lora / full, 3),
-                  over_frozen_base=round(lora / floor, 3))
-    print(f"experts {E} x D {D} x H {H}, {N} rows, rank {r}: LoRA {lora} ms, full fine-tuning {full} ms, "
-          f"frozen base without adapters {floor} ms (fwd + bwd)")
-    return result
-
-
-# -----------------------------------------------------------------------------
 # async: the streaming rollout pool vs a synchronous generate-then-train loop, same engine and trainer
 
 
-def bench_async(*args):
+def bench_async(steps=8, group_size=4, groups_per_batch=4, groups_in_flight=8, max_tokens=16, tool_median_ms=500,
+                tool_sigma_pct=150, seed=0):
     """Agents with two model turns around a tool whose latency is heavy-tailed (lognormal, median tool_median_ms,
     sigma tool_sigma_pct / 100, capped at 30 s), trained on by the real trainer with real weight syncs to one real
     engine. Baseline, same run, same engine and trainer: a synchronous loop that starts groups_per_batch groups,
@@ -384,6 +326,7 @@ def bench_async(*args):
         python bench.py async
         python bench.py async --steps=10 --groups_in_flight=12 --tool_sigma_pct=200
     """
+    opt = dict(locals())  # the options, as bench.py's command line set them
     import asyncio
     import math
     import os
@@ -402,8 +345,6 @@ def bench_async(*args):
     from agentrl import as_run_function
     from tiny import ensure_tiny_model
     # tools like code execution or search answer in about a second, with a long tail: median 0.5 s, p99 ~16 s
-    opt = _int_options(args, steps=8, group_size=4, groups_per_batch=4, groups_in_flight=8, max_tokens=16,
-                       tool_median_ms=500, tool_sigma_pct=150, seed=0)
     path = ensure_tiny_model()
     # a tiny learning rate: both phases do the same work (train step, weight sync) on a policy that stays put
     cfg = train.configure([f"--model_path={path}", "--learning_rate=1e-7", "--min_lr=1e-7", "--max_staleness=8",
@@ -481,7 +422,7 @@ def bench_async(*args):
 # capture: agents through the capture server (loopback HTTP) vs the same agents calling the engine directly
 
 
-def bench_capture(*args):
+def bench_capture(agents=16, turns=4, tokens=48, rounds=6, spread=0, threads=0):
     """N agents run the same multi-turn workload on one tiny-model engine, in one process and one event loop,
     five ways: calling Engine.generate directly with token ids they extend themselves (the baseline); through the
     capture server with the async OpenAI SDK, as agents do (chat completions, and the Responses API with the output
@@ -507,6 +448,7 @@ def bench_capture(*args):
         python bench.py capture --threads=1          # agents on their own thread, as in training
         python bench.py capture --agents=32 --turns=6 --tokens=64 --rounds=3
     """
+    opt = dict(locals())  # the options, as bench.py's command line set them
     import asyncio
     import os
     import statistics
@@ -519,7 +461,6 @@ def bench_capture(*args):
     import capture
     from engine import Engine
     from tiny import ensure_tiny_model
-    opt = _int_options(args, agents=16, turns=4, tokens=48, rounds=6, spread=0, threads=0)
     path = ensure_tiny_model()
 
     class TimedEngine:  # the server's backend: the engine, with the time of each call kept per session
@@ -693,162 +634,6 @@ def bench_capture(*args):
 
 
 # -----------------------------------------------------------------------------
-# train: our FSDP2 + expert-parallel trainer vs transformers' Qwen3MoeForCausalLM under FSDP2, same GPUs, same run
-
-
-def bench_train(*args):
-    """Training throughput on a Qwen3-30B-A3B-shaped MoE with few layers (hidden 2048, 32 heads, 4 kv heads,
-    head_dim 128, 128 experts top-8, expert hidden 768, vocab 151936), bf16 compute, fp32 master weights, AdamW,
-    `accum` microbatches of `batch` sequences of `seq` tokens per GPU per optimizer step. Ours: train.py's model,
-    fully_shard, expert parallel over `ep` GPUs (default: all), grouped-GEMM experts, the real train_step (chunked
-    logprobs, PPO loss, clipping, AdamW). Baseline, same run and GPUs: transformers' Qwen3MoeForCausalLM (its
-    default experts implementation) with each decoder layer and the root under fully_shard (same mixed precision),
-    full logits + log_softmax, the same optimizer. Prints tokens/s, MFU, peak memory of both and ratio = ours / transformers tokens/s.
-
-        torchrun --nproc_per_node=1 bench.py train               # 1 GPU
-        torchrun --nproc_per_node=2 bench.py train               # 2 GPUs, ep=2
-        torchrun --nproc_per_node=2 bench.py train --layers=8 --batch=2 --compile=1
-        python bench.py train --smoke                            # CPU, tiny shape: exercises both code paths
-
-    Options: --layers=4 --seq=4096 --batch=4 (sequences per microbatch) --accum=1 (microbatches per optimizer step,
-    both trainers: the optimizer step and gradient clipping are per-step costs that a real RL window, many
-    microbatches long, spreads out) --steps=6 --warmup=3 --ep=0 (0 = all ranks) --compile=0 (1: compile
-    attention and norms of both models) --ac=0 (activation checkpointing, both) --baseline=1 --smoke=0
-    --chunk=2048 (ours: tokens per logprob chunk) --keep_logits=1 (ours keeps the bf16 logits for backward, 5 GB
-    at 16K tokens, instead of recomputing them; the baseline holds full logits anyway) --lora=0 (ours trains LoRA
-    adapters of this rank on every target, experts included, on the frozen bf16 base; the baseline stays full).
-    MFU = 6 * N * tokens/s / (989e12 * GPUs), N = active matmul weights per token (attention projections, router,
-    the top-8 experts, dense MLPs, lm_head; not the embedding lookup); attention scores are not in `mfu`, and
-    `mfu_with_attention` adds 6 * L * T * heads * head_dim per token (causal QK^T and AV, forward + backward).
-    """
-    import os
-    import time
-    args = ["--smoke=1" if a == "--smoke" else a for a in args]
-    opt = _int_options(args, layers=4, seq=4096, batch=4, steps=6, warmup=3, ep=0, compile=0, ac=0, baseline=1,
-                       smoke=0, profile=0, keep_logits=1, chunk=2048, accum=1, lora=0)
-    if opt["smoke"]:
-        opt.update(seq=64, batch=2, steps=2, warmup=1)
-    import torch
-    import torch.distributed as dist
-    import train
-    from model import ModelConfig, num_params
-    if "TORCHELASTIC_RUN_ID" not in os.environ and torch.cuda.device_count() > 1:
-        print("bench.py train: running on 1 GPU; use torchrun --nproc_per_node=N for N GPUs", flush=True)
-    rank, world, device = train.init_distributed()
-    cuda = device.type == "cuda"
-    if not cuda and not opt["smoke"]:
-        sys.exit("bench.py train needs CUDA GPUs (run it under torchrun); on CPU use --smoke")
-    ep = opt["ep"] or world
-    mcfg = ModelConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=opt["layers"],
-                       num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-                       num_experts_per_tok=8, moe_intermediate_size=768, max_position_embeddings=40960)
-    if opt["smoke"]:
-        mcfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-                           num_experts_per_tok=2, moe_intermediate_size=32, max_position_embeddings=512)
-    cfg = train.configure([f"--ep_size={ep}", f"--param_dtype={'bfloat16' if cuda else 'float32'}",
-                           f"--activation_checkpointing={bool(opt['ac'])}", f"--logprob_chunk_size={opt['chunk']}",
-                           f"--logprob_keep_logits={bool(opt['keep_logits'])}", f"--lora_rank={opt['lora']}",
-                           "--learning_rate=1e-5", "--min_lr=1e-6", "--warmup_steps=1", "--max_steps=1000"])
-    B, T, A = opt["batch"], opt["seq"], opt["accum"]
-    g = torch.Generator(device=device).manual_seed(1000 + rank)  # each rank its own data, as in training
-    ids = torch.randint(0, mcfg.vocab_size, (B, T + 1), device=device, generator=g)
-    microbatch = dict(input_ids=ids[:, :-1], targets=ids[:, 1:], action_mask=torch.ones(B, T, device=device),
-                      behavior_logprobs=torch.full((B, T), -12.0, device=device),
-                      token_versions=torch.zeros(B, T, dtype=torch.long, device=device),
-                      advantages=torch.randn(B, device=device, generator=g), routed_experts=None)
-    n_active = num_params(mcfg, active=True) - mcfg.vocab_size * mcfg.hidden_size  # minus the embedding lookup
-    attn_per_token = 6 * mcfg.num_hidden_layers * T * mcfg.num_attention_heads * mcfg.head_dim
-
-    def measure(name, step_fn):
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        for i in range(opt["warmup"]):
-            step_fn(i)
-        if cuda:
-            torch.cuda.synchronize(device)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for i in range(opt["steps"]):
-            step_fn(opt["warmup"] + i)
-        if cuda:
-            torch.cuda.synchronize(device)
-        dist.barrier()
-        seconds = (time.perf_counter() - t0) / opt["steps"]
-        peak = torch.tensor(torch.cuda.max_memory_allocated(device) if cuda else 0, device=device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        tokens_per_s = world * B * T * A / seconds
-        out = dict(tokens_per_s=round(tokens_per_s), step_s=round(seconds, 4), peak_gb=round(peak.item() / 1e9, 2),
-                   mfu=round(6 * n_active * tokens_per_s / (989e12 * world), 4),
-                   mfu_with_attention=round((6 * n_active + attn_per_token) * tokens_per_s / (989e12 * world), 4))
-        train.print0(f"{name}: {out}")
-        if opt["profile"]:  # one more step under the profiler: where the time goes, per kernel
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] +
-                                        ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])) as prof:
-                step_fn(opt["warmup"] + opt["steps"])
-                if cuda:
-                    torch.cuda.synchronize(device)
-            train.print0(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
-                                                   row_limit=opt["profile"]))
-        return out
-
-    def free_memory():
-        import gc
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-
-    # ours
-    meshes = train.build_meshes(world, ep, device.type)
-    model = train.build_model(cfg, meshes, device, model_config=mcfg)
-    if opt["compile"]:
-        _compile_attention_and_norms(model)
-    optimizer = train.build_optimizer(model, cfg)
-    last = {}
-
-    def ours_step(i):
-        last.update(train.train_step(model, optimizer, [microbatch] * A, cfg, policy_version=0, step=i))
-    result = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", gpus=world if cuda else 0, ep=ep,
-                  layers=mcfg.num_hidden_layers, seq=T, batch_per_gpu=B, microbatches_per_step=A,
-                  tokens_per_step=world * B * T * A,
-                  active_params=n_active, compile=bool(opt["compile"]), activation_checkpointing=bool(opt["ac"]),
-                  keep_logits=bool(opt["keep_logits"]), lora_rank=opt["lora"])
-    result["ours"] = measure("ours", ours_step)
-    result["ours"]["loss"], result["ours"]["skipped_steps"] = last["loss"], int(last["skipped"])
-    model = optimizer = None  # the closure's references too: the baseline gets the whole GPU
-    free_memory()
-
-    # transformers' Qwen3MoeForCausalLM under FSDP2
-    result["ratio"] = None
-    if opt["baseline"]:
-        try:
-            hf, hf_optimizer, info = _hf_fsdp_model(mcfg, cfg, device, bool(opt["compile"]), bool(opt["ac"]))
-            result["transformers"] = info
-
-            def hf_step(i):
-                for _ in range(A):  # gradient accumulation over the window, like ours
-                    logits = hf(input_ids=microbatch["input_ids"], use_cache=False).logits  # (B, T, V)
-                    logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, microbatch["targets"][..., None])
-                    loss = -(microbatch["advantages"][:, None] * logprobs.squeeze(-1)).mean() / A
-                    loss.backward()
-                torch.nn.utils.clip_grad_norm_(hf.parameters(), cfg["grad_clip"])
-                for group in hf_optimizer.param_groups:
-                    group["lr"] = train.learning_rate_at(i, cfg)
-                hf_optimizer.step()
-                hf_optimizer.zero_grad(set_to_none=True)
-            result["transformers"].update(measure("transformers", hf_step))
-            result["ratio"] = round(result["ours"]["tokens_per_s"] / result["transformers"]["tokens_per_s"], 3)
-        except Exception as e:  # report ours even when the baseline cannot run here
-            result["transformers_error"] = f"{type(e).__name__}: {e}"
-            train.print0(f"transformers baseline failed: {result['transformers_error']}")
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank != 0:
-        sys.exit(0)  # rank 0 prints the result
-    return result
-
-
-# -----------------------------------------------------------------------------
 # objectstore: image trajectories to the trainer ranks by ref (ours) vs gathered in the driver first
 
 
@@ -874,7 +659,7 @@ def _image_files(n, size, noise, seed):
     return files
 
 
-def bench_objectstore(*args):
+def bench_objectstore(attempts=256, images=4, size=448, ranks=2, noise=1, baseline_first=0):
     """The driver's peak host memory while a batch of image trajectories reaches the trainer ranks. `attempts`
     segments of `images` PNG images of size x size each (plus ~200 text tokens) are recorded by a rollout-side
     actor, which puts each one in its node's object store (rollout.put_experience) and hands the driver the light
@@ -888,12 +673,12 @@ def bench_objectstore(*args):
         python bench.py objectstore --noise=0             # geometry diagrams instead (PNG compresses them ~40x)
     Options: --attempts=256 --images=4 --size=448 --ranks=2 --noise=1 --baseline_first=0
     """
+    opt = dict(locals())  # the options, as bench.py's command line set them
     import os
     import threading
     import time
     import psutil
     import ray
-    opt = _int_options(args, attempts=256, images=4, size=448, ranks=2, noise=1, baseline_first=0)
     here = os.path.dirname(os.path.abspath(__file__))
     from tiny import ensure_tiny_model
     model_path = ensure_tiny_model(os.path.join(here, ".cache", "tiny-qwen3-vl-moe"))
@@ -975,254 +760,28 @@ def bench_objectstore(*args):
     return result
 
 
-# -----------------------------------------------------------------------------
-# vl: our Qwen3-VL-MoE (vision tower, M-RoPE, deepstack) vs transformers' Qwen3VLMoeForConditionalGeneration, 1 GPU
-
-
-def _vl_batch(vc, rows, T, vocab, generator, device):
-    """Rows of T tokens with images in them (random text, then per image vision_start, its t*h*w/m^2 image
-    tokens, vision_end, a few text tokens), the patches of all images in order, and image_grid_thw."""
-    m2 = vc.spatial_merge_size ** 2
-    special = min(vc.image_token_id, vc.video_token_id, vc.vision_start_token_id, vc.vision_end_token_id)
-    import torch
-    ids = torch.randint(0, min(vocab, special), (len(rows), T), generator=generator, device=device)
-    for r, grids in enumerate(rows):
-        at = 8
-        for t, h, w in grids:
-            n = t * h * w // m2
-            if at + n + 10 > T:
-                raise ValueError(f"images {grids} do not fit in {T} tokens")
-            ids[r, at], ids[r, at + 1:at + 1 + n], ids[r, at + 1 + n] = (vc.vision_start_token_id, vc.image_token_id,
-                                                                         vc.vision_end_token_id)
-            at += n + 10
-    flat = [thw for grids in rows for thw in grids]
-    patch = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
-    pixel_values = torch.randn(sum(t * h * w for t, h, w in flat), patch, generator=generator, device=device)
-    return ids, pixel_values, torch.tensor(flat, device=device)
-
-
-def bench_vl(*args):
-    """The VLM's training forward + backward on one GPU at Qwen3-VL-30B-A3B shapes (configs/qwen3_vl_30b_a3b.py:
-    hidden 2048, 128 experts top-8, vocab 151936, the 27-layer 1152-wide vision tower with deepstack into the
-    first 3 layers) with `layers` text layers and random weights, ours (model.py) against transformers'
-    Qwen3VLMoeForConditionalGeneration loaded from the checkpoint ours writes.
-    1. Parity, fp32 (TF32 off): logits on sequences holding several images of several sizes (one beyond the
-       48x48 learned position grid), and every parameter's gradient of a token-logprob loss, each relative to
-       the reference tensor's largest entry. Then both models in bf16 against the fp32 reference logits.
-    2. Speed, bf16 weights: `batch` sequences of `seq` tokens with `images` 448x448 images each (784 patches,
-       196 image tokens), forward + backward of the mean token logprob (ours: hidden_states + chunked logprobs;
-       transformers: full logits + log_softmax). ratio = ours / transformers tokens/s.
-
-        python bench.py vl                      # GPU
-        python bench.py vl --smoke              # CPU, tiny shapes: exercises both code paths
-    Options: --layers=4 --depth=27 (vision blocks) --seq=4096 --batch=2 --images=4 --steps=6 --warmup=3 --smoke=0
-    --profile=0 (N: after each measurement, one step under torch.profiler, its N costliest ops)
-    """
-    import dataclasses
-    import runpy
-    import tempfile
-    import time
-    import torch
-    import torch.nn.functional as F
-    import transformers
-    from transformers import AutoModelForImageTextToText
-    from loss import token_logprobs
-    from model import ModelConfig, Transformer, init_parameters, ours_to_hf
-    args = ["--smoke=1" if a == "--smoke" else a for a in args]
-    opt = _int_options(args, layers=4, depth=27, seq=4096, batch=2, images=4, steps=6, warmup=3, smoke=0, profile=0)
-    cuda = torch.cuda.is_available() and not opt["smoke"]
-    if not cuda and not opt["smoke"]:
-        sys.exit("bench.py vl needs a CUDA GPU; on CPU use --smoke")
-    device = torch.device("cuda" if cuda else "cpu")
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 parity means fp32
-    hf_cfg = runpy.run_path("configs/qwen3_vl_30b_a3b.py")["model_config"]
-    cfg = ModelConfig.from_hf(hf_cfg)
-    vision = dataclasses.replace(cfg.vision, depth=opt["depth"],
-                                 deepstack_visual_indexes=[i for i in cfg.vision.deepstack_visual_indexes
-                                                           if i < opt["depth"]])
-    cfg = dataclasses.replace(cfg, num_hidden_layers=opt["layers"], vision=vision)
-    grids_448 = [(1, 28, 28)] * opt["images"]
-    parity_rows = [[(1, 28, 28), (1, 16, 40)], [(1, 60, 52), (1, 4, 6)]]  # 60x52: beyond the 48x48 learned grid
-    parity_T = 1024
-    if opt["smoke"]:
-        cfg = dataclasses.replace(cfg, vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                  num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-                                  moe_intermediate_size=48, mrope_section=[2, 3, 3], vision=dataclasses.replace(
-                                      vision, depth=3, hidden_size=64, intermediate_size=96, num_heads=2,
-                                      out_hidden_size=64, patch_size=4, num_position_embeddings=64,
-                                      deepstack_visual_indexes=[0, 2], image_token_id=500, video_token_id=501,
-                                      vision_start_token_id=502, vision_end_token_id=503))
-        opt.update(seq=128, steps=1, warmup=1)
-        grids_448 = [(1, 8, 8)] * opt["images"]
-        parity_rows, parity_T = [[(1, 4, 6), (1, 10, 8)], [(1, 2, 2), (1, 14, 20)]], 160
-    vc = cfg.vision
-    g = torch.Generator(device).manual_seed(0)
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize(device)
-
-    with torch.device(device):
-        ours = Transformer(cfg)
-    init_parameters(ours.named_parameters(), 0.02, g)
-    with torch.no_grad():  # non-trivial norms and LayerNorm biases, so a misplaced norm would show
-        for n, p in ours.named_parameters():
-            if "norm" in n.rsplit(".", 2)[-2]:
-                p.uniform_(0.5, 1.5, generator=g) if n.endswith("weight") else p.uniform_(-0.2, 0.2, generator=g)
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        ours.save_pretrained(tmp)
-        hf = AutoModelForImageTextToText.from_pretrained(tmp, dtype=torch.float32).to(device)
-    print(f"checkpoint written and loaded by transformers in {time.perf_counter() - t0:.0f} s", flush=True)
-
-    def hf_logits(ids, pv, grid):
-        return hf(input_ids=ids, pixel_values=pv, image_grid_thw=grid, mm_token_type_ids=(ids == vc.image_token_id).int(),
-                  use_cache=False).logits
-
-    def rel(a, b):
-        return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-
-    # 1. parity
-    ids, pv, grid = _vl_batch(vc, parity_rows, parity_T, cfg.vocab_size, g, device)
-    targets = torch.randint(0, cfg.vocab_size, ids.shape, generator=g, device=device)
-    result = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", transformers_version=transformers.__version__,
-                  torch=torch.__version__, text_layers=cfg.num_hidden_layers, vision_depth=vc.depth,
-                  experts=cfg.num_experts, params=sum(p.numel() for p in ours.parameters()),
-                  experts_implementation=getattr(hf.config, "_experts_implementation", None),
-                  attn_implementation=hf.config._attn_implementation)
-    parity = result["parity"] = dict(tokens=ids.numel(), images=len(grid), patches=len(pv))
-    ref = hf_logits(ids, pv, grid)
-    logits = ours(ids, pixel_values=pv, image_grid_thw=grid)
-    parity["fp32_logits_max_abs"] = (logits - ref).abs().max().item()
-    parity["fp32_logits_rel"] = rel(logits, ref)
-    for model, out in ((ours, logits), (hf, ref)):
-        (-F.log_softmax(out, -1).gather(-1, targets[..., None]).mean()).backward()
-    logits = ref = None
-    theirs = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
-    mine = ours_to_hf({n: p.grad for n, p in ours.named_parameters()}, cfg)
-    worst = {}
-    for name, ref_g in theirs.items():
-        if name in mine:
-            g_ = mine[name]
-        else:  # transformers' fused experts (E, 2H, D) / (E, D, H) in memory; ours stacked per projection
-            stem = name.rsplit(".", 1)[0].replace("model.language_model.", "model.") + "."
-            w = {k: p.grad for k, p in ours.named_parameters() if k.startswith(stem)}
-            g_ = torch.cat([w[stem + "gate_proj"], w[stem + "up_proj"]], 1) if name.endswith("gate_up_proj") else w[stem + "down_proj"]
-            g_ = g_ if g_.shape == ref_g.shape else g_.transpose(1, 2)
-        part = "vision" if ".visual." in name else "experts" if ".experts" in name else "text"
-        worst[part] = max(worst.get(part, 0.0), rel(g_, ref_g))
-    parity["fp32_grad_rel_max"] = worst
-    parity["grads_compared"] = len(theirs)
-    ours.zero_grad(set_to_none=True)
-    hf.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        ref = hf_logits(ids, pv, grid)
-        ours.to(torch.bfloat16)
-        hf.to(torch.bfloat16)
-        pv16 = pv.to(torch.bfloat16)
-        parity["bf16_ours_vs_fp32_rel"] = rel(ours(ids, pixel_values=pv16, image_grid_thw=grid), ref)
-        parity["bf16_transformers_vs_fp32_rel"] = rel(hf_logits(ids, pv16, grid), ref)
-    ref = None
-    print(f"parity: {parity}", flush=True)
-
-    # 2. speed, bf16
-    B, T = opt["batch"], opt["seq"]
-    ids, pv, grid = _vl_batch(vc, [grids_448] * B, T, cfg.vocab_size, g, device)
-    pv = pv.to(torch.bfloat16)
-    targets = torch.randint(0, cfg.vocab_size, ids.shape, generator=g, device=device)
-    ours.train()
-    hf.train()
-
-    def ours_step():
-        h = ours.hidden_states(ids, pixel_values=pv, image_grid_thw=grid)
-        lp, _ = token_logprobs(h, ours.lm_head.weight, targets, chunk_size=2048)
-        (-lp.mean()).backward()
-        ours.zero_grad(set_to_none=True)
-
-    def hf_step():
-        lp = F.log_softmax(hf_logits(ids, pv, grid).float(), -1).gather(-1, targets[..., None])
-        (-lp.mean()).backward()
-        hf.zero_grad(set_to_none=True)
-
-    def measure(name, step):
-        for _ in range(opt["warmup"]):
-            step()
-        sync()
-        base = torch.cuda.memory_allocated(device) if cuda else 0
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        t0 = time.perf_counter()
-        for _ in range(opt["steps"]):
-            step()
-        sync()
-        s = (time.perf_counter() - t0) / opt["steps"]
-        out = dict(step_s=round(s, 4), tokens_per_s=round(B * T / s), images_per_s=round(len(grid) / s, 1),
-                   peak_extra_gb=round(((torch.cuda.max_memory_allocated(device) if cuda else 0) - base) / 1e9, 2))
-        print(f"{name}: {out}", flush=True)
-        if opt["profile"]:  # one more step under the profiler: where the time goes, per kernel
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] +
-                                        ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])) as prof:
-                step()
-                sync()
-            print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
-                                            row_limit=opt["profile"]), flush=True)
-        return out
-    result.update(seq=T, batch=B, images_per_sequence=opt["images"], image_tokens_per_sequence=int(
-        (ids[0] == vc.image_token_id).sum()), ours=measure("ours", ours_step), transformers=measure("transformers", hf_step))
-    result["ratio"] = round(result["ours"]["tokens_per_s"] / result["transformers"]["tokens_per_s"], 3)
-    return result
-
-
-def _compile_attention_and_norms(model):
-    """torch.compile the attention and RMSNorm modules (elementwise fusion); experts and all-to-alls stay eager."""
-    for module in model.modules():
-        if type(module).__name__.endswith(("Attention", "RMSNorm")):
-            module.compile()
-
-
-def _hf_fsdp_model(mcfg, cfg, device, compile_modules, checkpointing):
-    """transformers' Qwen3MoeForCausalLM built on the meta device, each decoder layer and the root under
-    fully_shard with our mixed precision, shards initialized like ours, AdamW like ours."""
-    import torch
-    import transformers
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    import train
-    hf_cfg = Qwen3MoeConfig(**{k: v for k, v in mcfg.to_hf().items()
-                               if k not in ("model_type", "architectures", "torch_dtype")})
-    hf_cfg._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        hf = Qwen3MoeForCausalLM(hf_cfg)
-    if checkpointing:
-        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg["param_dtype"]), reduce_dtype=torch.float32)
-    for layer in hf.model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(hf, mp_policy=mp)
-    hf.to_empty(device=device)
-    from model import init_parameters
-    generator = torch.Generator(device).manual_seed(cfg["seed"] + torch.distributed.get_rank())
-    init_parameters(((n, train.local_tensor(p)) for n, p in hf.named_parameters()), 0.02, generator)
-    # to_empty left the rotary inv_freq buffers uninitialized: build the rotary embedding again
-    hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_cfg).to(device)
-    if compile_modules:
-        _compile_attention_and_norms(hf)
-    hf.train()
-    fused = device.type == "cuda"
-    optimizer = torch.optim.AdamW(hf.parameters(), lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
-                                  weight_decay=cfg["weight_decay"], fused=fused)
-    info = dict(version=transformers.__version__, attn_implementation=hf.config._attn_implementation,
-                experts_implementation=getattr(hf.config, "_experts_implementation", None),
-                params=sum(p.numel() for p in hf.parameters()))
-    return hf, optimizer, info
+def options(fn, argv):
+    """--key=value command-line overrides of fn's keyword defaults (integers; a bare --key is 1)."""
+    defaults = {k: p.default for k, p in inspect.signature(fn).parameters.items()}
+    out = {}
+    for arg in argv:
+        key, eq, value = arg.lstrip("-").partition("=")
+        if key not in defaults:
+            sys.exit(f"unknown option {arg!r}; options: {', '.join('--%s=%s' % kv for kv in defaults.items())}")
+        try:
+            out[key] = int(value) if eq else 1
+        except ValueError:
+            sys.exit(f"option {arg!r} takes an integer")
+    return out
 
 
 def main():
-    names = sorted(k[len("bench_"):] for k in globals() if k.startswith("bench_"))
-    if len(sys.argv) < 2 or sys.argv[1] not in names:
-        sys.exit(f"usage: python bench.py NAME [--key=value ...], NAME one of: {', '.join(names)}")
-    result = globals()["bench_" + sys.argv[1]](*sys.argv[2:])
-    print(json.dumps(result))
+    benches = {k[len("bench_"):]: f for module in (sys.modules[__name__], bench_model)
+               for k, f in vars(module).items() if k.startswith("bench_") and callable(f)}
+    if len(sys.argv) < 2 or sys.argv[1] not in benches:
+        sys.exit(f"usage: python bench.py NAME [--key=value ...], NAME one of: {', '.join(sorted(benches))}")
+    fn = benches[sys.argv[1]]
+    print(json.dumps(fn(**options(fn, sys.argv[2:]))))
 
 
 if __name__ == "__main__":

@@ -231,30 +231,38 @@ if triton is not None:
         tl.store(out + row * D + cols, acc.to(out.dtype.element_ty), mask=cols < D)
 
 
-def to_contiguous(x, dtype):
+def to_contiguous(x, dtype, into=None):
     """x (E, R, C) of any strides -> a contiguous tensor in `dtype`, in one pass (x itself when it already is one).
-    The backward of a local expert weight's cast uses it: the grouped GEMM's weight gradient comes transposed."""
-    if (x.dtype == dtype and x.is_contiguous()) or not (x.is_cuda and triton is not None and x.dim() == 3):
+    With `into` (a contiguous (E, R, C) tensor): into += x in place, in one pass (x read once, `into` read and written
+    once), and returns `into`. The backward of a local expert weight's cast uses it: the grouped GEMM's weight
+    gradient comes transposed, and from a window's second microbatch on it adds into the fp32 gradient."""
+    kernel = x.is_cuda and triton is not None and x.dim() == 3
+    if into is not None:
+        return to_contiguous_triton(x, into, True) if kernel else into.add_(x)  # the reference
+    if (x.dtype == dtype and x.is_contiguous()) or not kernel:
         return x.to(dtype, memory_format=torch.contiguous_format)  # the reference; the kernel matches it bit for bit
-    return to_contiguous_triton(x, dtype)
+    return to_contiguous_triton(x, torch.empty(x.shape, dtype=dtype, device=x.device), False)
 
 
-def to_contiguous_triton(x, dtype):
+def to_contiguous_triton(x, out, accumulate):
     E, R, C = x.shape
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    _to_contiguous_kernel[(E, triton.cdiv(R, 64), triton.cdiv(C, 64))](out, x, R, C, *x.stride(), BR=64, BC=64)
+    _to_contiguous_kernel[(E, triton.cdiv(R, 64), triton.cdiv(C, 64))](out, x, R, C, *x.stride(), BR=64, BC=64,
+                                                                      ACCUMULATE=accumulate)
     return out
 
 
 if triton is not None:
     @triton.jit
-    def _to_contiguous_kernel(out, x, R, C, s0, s1, s2, BR: tl.constexpr, BC: tl.constexpr):
+    def _to_contiguous_kernel(out, x, R, C, s0, s1, s2, BR: tl.constexpr, BC: tl.constexpr, ACCUMULATE: tl.constexpr):
         e = tl.program_id(0).to(tl.int64)  # one (BR, BC) tile of matrix e; Triton reads x along its unit stride
         rows = tl.program_id(1) * BR + tl.arange(0, BR)[:, None]
         cols = tl.program_id(2) * BC + tl.arange(0, BC)[None, :]
         mask = (rows < R) & (cols < C)
-        tile = tl.load(x + e * s0 + rows * s1 + cols * s2, mask=mask)
-        tl.store(out + e * R * C + rows * C + cols, tile.to(out.dtype.element_ty), mask=mask)
+        tile = tl.load(x + e * s0 + rows * s1 + cols * s2, mask=mask).to(out.dtype.element_ty)
+        ptrs = out + e * R * C + rows * C + cols
+        if ACCUMULATE:
+            tile = tl.load(ptrs, mask=mask) + tile
+        tl.store(ptrs, tile, mask=mask)
 
 
 class GatherRows(torch.autograd.Function):

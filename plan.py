@@ -238,6 +238,27 @@ def vision_activation_bytes(vc, checkpointing, dtype_bytes=2, patches=784):
     return patches * (once + vc.depth * per_block + mergers)
 
 
+# NCCL bandwidth the all-to-all projection uses: a broadcast between 2 H200s over NVLink measured 370 GB/s
+# (README, `torchrun --nproc_per_node=2 bench.py sync`); an 8-GPU all-to-all was not measured
+NCCL_GBPS = 370.0
+
+
+def ep_all_to_all(mcfg, tokens, ep, checkpointing):
+    """What expert parallelism sends per rank, MoE layer and microbatch of `tokens` tokens: each token crosses once
+    to every other rank that holds one of its top-k experts (train.ep_dispatch), as bf16 rows of the model width
+    with its routing weights and expert ids, and comes back the same way (ep_combine); backward sends the
+    gradients back along both routes, and activation checkpointing runs the forward's two again. Uniform routing:
+    a rank holds none of a token's k experts with probability C(E - E/ep, k) / C(E, k). Returns (remote rows per
+    token, bytes, seconds at NCCL_GBPS, unoverlapped)."""
+    E, k, D = mcfg.num_experts, mcfg.num_experts_per_tok, mcfg.hidden_size
+    none_here = math.comb(E - E // ep, k) / math.comb(E, k)
+    remote_rows = (ep - 1) * (1 - none_here)
+    dispatch_row = 2 * D + k * (2 + 8)  # the bf16 row, its k bf16 routing weights and int64 expert ids
+    passes = 3 if checkpointing else 2  # forward, backward (gradients the other way), the recomputed forward
+    nbytes = tokens * remote_rows * (dispatch_row + 2 * D) * passes  # dispatch, then combine's bf16 row back
+    return remote_rows, nbytes, nbytes / (NCCL_GBPS * 1e9)
+
+
 def fsdp_unit_params(model):
     """{unit name: [its parameters]}: the fully_shard units and the parameters each one all-gathers."""
     from torch.distributed.fsdp import FSDPModule
@@ -313,6 +334,9 @@ def plan_memory(cfg, mcfg, model):
     plan["engine_budget_bytes"] = cfg["engine_memory_fraction"] * plan["gpu_bytes"]
     plan["kv_tokens"] = int((plan["engine_budget_bytes"] - plan["engine_weight_bytes"]) // plan["kv_bytes_per_token"])
     plan["rollout_gpus"] = cfg["num_engines"] * tp
+    plan["moe_layers"] = len(mcfg.moe_layers)
+    if mcfg.is_moe:
+        plan["all_to_all"] = ep_all_to_all(mcfg, tokens, ep, cfg["activation_checkpointing"])
     return plan
 
 
@@ -415,6 +439,14 @@ def print_plan(cfg, plan):
         f"for {plan['kv_tokens']:,} tokens = {plan['kv_tokens'] // cfg['engine_max_model_len']:,} full "
         f"{cfg['engine_max_model_len']}-token sequences per engine",
         f"engine options: {plan['engine_check']}",
+    ]
+    if ep > 1 and plan["moe_layers"]:
+        rows, nbytes, seconds = plan["all_to_all"]
+        lines.append(f"expert-parallel all-to-all per rank, MoE layer and microbatch: {nbytes / 1e9:.2f} GB "
+                     f"({rows:.2f} remote rows per token at ep_size {ep}, forward and backward"
+                     f"{', forward again under activation checkpointing' if ckpt else ''}), about {seconds * 1e3:.1f} "
+                     f"ms at {NCCL_GBPS:g} GB/s unoverlapped, x {plan['moe_layers']} MoE layers per microbatch")
+    lines += [
         f"weight sync per step: {plan['sync_bytes'] / 1e9:.2f} GB ("
         f"{'fp32 LoRA adapters; the engines merge the expert ones' if cfg['lora_rank'] else 'bf16 HF state dict'}), "
         "received by each engine",

@@ -145,6 +145,25 @@ def test_activation_estimate_matches_what_autograd_saves():
         assert plan.activation_bytes(mcfg, B * T, checkpointing=True, dtype_bytes=2) < estimate
 
 
+def test_all_to_all_projection_counts_the_rows_ep_dispatch_sends():
+    """The dry run's EP all-to-all volume: remote rows per token from C(E - E/ep, k) / C(E, k), against the rows
+    train.ep_dispatch's rule sends (each token once to every other rank holding one of its top-k experts), counted
+    on random top-k choices at Qwen3-30B-A3B's routing (128 experts, top-8) over 8 ranks."""
+    from model import ModelConfig
+    mcfg = ModelConfig(hidden_size=2048, num_experts=128, num_experts_per_tok=8)
+    g = torch.Generator().manual_seed(0)
+    topk = torch.rand(20000, 128, generator=g).topk(8, dim=-1).indices  # (N, K) distinct experts per token
+    for ep in (2, 8):
+        on_rank = torch.zeros(len(topk), ep, dtype=torch.bool).scatter_(1, topk // (128 // ep), True)
+        sent = on_rank[:, 1:].sum(1).float().mean().item()  # from rank 0, to the others
+        rows, nbytes, seconds = plan.ep_all_to_all(mcfg, 16384, ep, checkpointing=False)
+        assert rows == pytest.approx(sent, rel=0.01), ep
+        assert rows < (ep - 1) / ep * 8  # the deduplication: fewer rows than one per remote choice
+        row_bytes = 2 * 2048 + 8 * 10 + 2 * 2048  # dispatched row with weights and ids, combined row back
+        assert nbytes == pytest.approx(16384 * rows * row_bytes * 2)  # forward and backward
+        assert plan.ep_all_to_all(mcfg, 16384, ep, checkpointing=True)[1] == pytest.approx(1.5 * nbytes)
+
+
 def test_vision_activation_estimate_matches_what_autograd_saves():
     """The bytes autograd saves in a bf16 forward of a vision tower (parameters excluded) on 448x448 images, against
     the planner's per-image formula (within 5%); checkpointing keeps less."""

@@ -181,9 +181,14 @@ for N, K, D in ((50, 8, 2048), (37, 2, 100), (3, 4, 64), (0, 4, 64)):
 E, R, C = 5, 70, 130
 for name, grad in {"contiguous": torch.randn(E, R, C).bfloat16(), "transposed": torch.randn(E, C, R).bfloat16().transpose(1, 2),
                    "expanded": torch.ones((), dtype=torch.bfloat16).expand(E, R, C)}.items():
-    out = experts.to_contiguous_triton(grad, torch.float32)
+    out = experts.to_contiguous_triton(grad, torch.empty(E, R, C), False)
     assert out.is_contiguous(), name
     torch.testing.assert_close(out, grad.float(), rtol=0, atol=0, msg=name)
+    # accumulate (a window's later microbatches): into += grad in place, equal to the reference add
+    into = torch.randn(E, R, C)
+    want = into + grad.float()
+    assert experts.to_contiguous_triton(grad, into, True) is into
+    torch.testing.assert_close(into, want, rtol=0, atol=0, msg=name)
 """
 
 

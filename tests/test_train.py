@@ -444,6 +444,10 @@ def test_to_contiguous_takes_any_layout_on_cuda():
         out = experts.to_contiguous(grad, torch.float32)
         assert out.is_contiguous(), name
         torch.testing.assert_close(out, grad.float(), rtol=0, atol=0, msg=name)
+        into = torch.randn(E, R, C, device="cuda", generator=g)
+        want = into + grad.float()
+        assert experts.to_contiguous(grad, torch.float32, into=into) is into
+        torch.testing.assert_close(into, want, rtol=0, atol=0, msg=name)
 
 
 def test_collate_places_per_token_advantages_shifted_like_the_targets():
