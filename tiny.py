@@ -189,7 +189,8 @@ def ensure_tiny_model(path=TINY_MODEL_PATH, cfg=None, seed=0):
     cfg = cfg or tiny_model_config(path) or TINY_CONFIG
     tmp = f"{path}.tmp{os.getpid()}"  # build aside, then rename: concurrent builders never see a half model
     os.makedirs(tmp, exist_ok=True)
-    tok = build_tokenizer(tmp, cfg.vocab_size, vision=cfg.vision is not None)
+    tok = build_tokenizer(tmp, cfg.vocab_size, vision=cfg.vision is not None,  # the hybrid: the Qwen3.5 format
+                          chat_template=QWEN35_CHAT_TEMPLATE if getattr(cfg, "family", None) == "qwen3_5" else None)
     eos, pad = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
     if cfg.vision is not None:
         save_image_processor(tmp, cfg.vision)
