@@ -176,7 +176,7 @@ def _sync_rank(rank, opt, results):
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")  # only to hand the plan and the port to rank 1
+    dist.init_process_group("nccl" if cuda else "gloo")  # only to hand the layout and the port to rank 1
     cfg = TINY_CONFIG if opt["tiny"] else ModelConfig(  # Qwen3-30B-A3B, fewer layers
         vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=opt["layers"],
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
@@ -189,8 +189,8 @@ def _sync_rank(rank, opt, results):
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0.0, 0.02)
-        plan = sender.plan(model)
-        shared = [plan[0], free_port(os.environ["MASTER_ADDR"])]
+        layout = sender.layout(model)
+        shared = [layout[0], free_port(os.environ["MASTER_ADDR"])]
     else:
         shared = [None, None]
     dist.broadcast_object_list(shared, src=0)
@@ -214,7 +214,7 @@ def _sync_rank(rank, opt, results):
 
     def ours():
         if rank == 0:
-            sender.send(model, plan)
+            sender.send(model, layout)
         else:  # one multi-tensor copy per bucket: ~170 tensors of 3 MB per 512 MB bucket cost ~1 ms of launches
             for tensors in BucketReceiver(group, buckets, device).iter_buckets():
                 torch._foreach_copy_([dest[name] for name, _ in tensors], [t for _, t in tensors])
@@ -281,8 +281,8 @@ def _lora_sync(rank, opt, cfg, model, group, device, timed):
             for name, p in model.named_parameters():
                 if lora.is_adapter(name):
                     p.normal_(0.0, 0.02)
-        plan = sender.plan(model)
-        shared = [plan[0]]
+        layout = sender.layout(model)
+        shared = [layout[0]]
         sender.group = group
     dist.broadcast_object_list(shared, src=0)
     buckets = shared[0]
@@ -291,7 +291,7 @@ def _lora_sync(rank, opt, cfg, model, group, device, timed):
 
     def send():
         if rank == 0:
-            sender.send(model, plan)
+            sender.send(model, layout)
         else:
             for tensors in BucketReceiver(group, buckets, device).iter_buckets():
                 torch._foreach_copy_([dest[name] for name, _ in tensors], [t for _, t in tensors])

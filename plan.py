@@ -5,10 +5,10 @@ Before any work: every config key checked, and the dry-run planner (per-GPU memo
     .venv/bin/python -m pytest tests/test_config.py tests/test_dry_run.py -q
 
 `check_config` runs before Ray, the engines or the model start: a wrong value stops the run with one sentence naming
-the key and what it accepts. The dry run builds the model on the meta device and runs the trainer's own sharding
-code (train.build_meshes, train.shard_model) against torch's fake process group of train_world_size ranks, then
-reads each parameter's shard shape on rank 0. FSDP cuts dim 0 like torch.chunk, so rank 0 holds the largest shard
-of every parameter: its figures are the per-GPU maximum. No memory is allocated.
+the key and what it accepts. The dry run (train.dry_run) shards the model on the meta device with the trainer's own
+code against torch's fake process group and hands this file rank 0's shard sizes (train.measure_shards); the
+arithmetic here turns them into bytes per GPU, GPU counts and the weight-sync volume. This file never imports the
+trainer.
 """
 
 import dataclasses
@@ -16,13 +16,12 @@ import importlib.util
 import json
 import math
 import os
-import sys
 
 import torch
 
 import lora
 import loss
-from model import ModelConfig, is_stacked_experts, load_config, num_params
+from model import ModelConfig, load_config, num_params
 from tiny import tiny_model_config
 
 
@@ -42,6 +41,8 @@ RANGES = {
     (lambda v: v >= 2, ">= 2"): ("engine_max_model_len",),
     (lambda v: v >= 0, ">= 0"): ("warmup_steps", "min_lr", "weight_decay", "eval_temperature"),
     (lambda v: v >= 0, ">= 0 (0: no evaluation)"): ("eval_every",),
+    (lambda v: v >= 0, ">= 0 (0: none)"): ("view_groups_per_step", "view_max_attempts"),
+    (lambda v: 0 <= v <= 65535, "a port in [0, 65535] (0: no viewer)"): ("view_port",),
     (lambda v: 0 <= v <= 512, "in [0, 512] (0: full fine-tuning; vLLM serves ranks up to 512)"): ("lora_rank",),
     (lambda v: v >= 0, ">= 0 (0 never stops)"): ("max_failed_rounds",),
     (lambda v: v >= 0, ">= 0 (0 never clips)"): ("grad_clip",),
@@ -87,6 +88,9 @@ def check_config(cfg, mcfg=None, world_size=None):
     if cfg["tensorboard_dir"] and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("tensorboard_dir is set, but the tensorboard package is missing: pip install tensorboard, or "
                           "leave tensorboard_dir empty")
+    if cfg["wandb_project"] and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("wandb_project is set, but the wandb package is missing: pip install wandb (see "
+                          "requirements-extras.txt), or leave wandb_project empty")
     mcfg = mcfg or planned_model_config(cfg)
     if not cfg["train_vision"] and mcfg.vision is None:
         raise ConfigError("train_vision=False freezes a vision tower, but the model has none (a text model): "
@@ -259,44 +263,23 @@ def ep_all_to_all(mcfg, tokens, ep, checkpointing):
     return remote_rows, nbytes, nbytes / (NCCL_GBPS * 1e9)
 
 
-def fsdp_unit_params(model):
-    """{unit name: [its parameters]}: the fully_shard units and the parameters each one all-gathers."""
-    from torch.distributed.fsdp import FSDPModule
-    units = {name: [] for name, m in model.named_modules() if isinstance(m, FSDPModule)}
-    for pname, p in model.named_parameters():
-        owner = max((u for u in units if u == "" or pname.startswith(u + ".")), key=len)
-        units[owner].append(p)
-    return units
-
-
-def plan_memory(cfg, mcfg, model):
-    """Per-GPU bytes of rank 0 from the sharded meta model, and the rollout side from the config. Returns a dict."""
-    from train import experts_stay_local, local_tensor
+def plan_memory(cfg, mcfg, shards):
+    """Per-GPU bytes of rank 0 from its measured shards (train.measure_shards: parameter counts of the sharded meta
+    model), and the rollout side from the config. Returns a dict of figures."""
     W, ep = cfg["train_world_size"], cfg["ep_size"]
     b = getattr(torch, cfg["param_dtype"]).itemsize  # compute dtype: what FSDP all-gathers and activations are in
-    p_dense = p_expert = 0
-    for name, p in model.named_parameters():
-        local = local_tensor(p)  # rank 0's shard (meta): FSDP pads every rank to this size
-        if is_stacked_experts(name):
-            p_expert += local.numel()
-        else:
-            p_dense += local.numel()
+    p_dense, p_expert, trainable = shards["dense"], shards["expert"], shards["trainable"]
     params = p_dense + p_expert
     # LoRA: the adapters train (fp32 master, gradient, AdamW m and v); the frozen base (LoRA's; with train_vision
     # False, the tower) is stored in param_dtype under LoRA, else in fp32
-    trainable = sum(local_tensor(p).numel() for p in model.parameters() if p.requires_grad)
-    units = fsdp_unit_params(model)
-    unit_numel = {u: sum(p.numel() for p in ps) for u, ps in units.items()}  # unsharded (on its own mesh)
-    blocks = [f"model.layers.{i}" for i in range(mcfg.num_hidden_layers)]
-    block_numel = max(sum(n for u, n in unit_numel.items() if u == blk or u.startswith(blk + ".")) for blk in blocks)
     tokens = max(cfg["microbatch_tokens"], cfg["engine_max_model_len"])
-    plan = dict(
+    root_numel, block_numel = shards["root_numel"], shards["block_numel"]
+    figures = dict(
         world=W, ep=ep, params_total=num_params(mcfg), params_active=num_params(mcfg, active=True),
         params_dense_local=p_dense, params_expert_local=p_expert,
         # fp32 master weights (FSDP keeps the sharded parameters fp32), fp32 gradients, AdamW m and v in fp32
         params_bytes=4 * trainable + (b if cfg["lora_rank"] else 4) * (params - trainable), grads_bytes=4 * trainable,
-        optimizer_bytes=8 * trainable, params_trainable_local=trainable,
-        params_vision_local=sum(local_tensor(p).numel() for n, p in model.named_parameters() if n.startswith("visual.")),
+        optimizer_bytes=8 * trainable, params_trainable_local=trainable, params_vision_local=shards["vision"],
         # a trained tower's activations, at most one 448x448 image (784 patches, 196 tokens) per 196 tokens of the
         # microbatch: the bound where every token is an image token (a frozen tower keeps none)
         images=tokens // (784 // mcfg.vision.spatial_merge_size ** 2) if mcfg.vision else 0,
@@ -305,86 +288,66 @@ def plan_memory(cfg, mcfg, model):
         # the root unit (embeddings, final norm, lm_head) stays gathered from forward to the end of backward, with
         # its gradient; blocks: the one computing plus the next one prefetched, and the computing one's gradient
         # unsharded in the compute dtype and in fp32 for the reduce-scatter
-        gather_bytes=2 * b * unit_numel[""] + 2 * b * block_numel + (b + 4) * block_numel,
-        root_numel=unit_numel[""], block_numel=block_numel, tokens=tokens,
+        gather_bytes=2 * b * root_numel + 2 * b * block_numel + (b + 4) * block_numel,
+        root_numel=root_numel, block_numel=block_numel, tokens=tokens,
         act_bytes_ckpt=activation_bytes(mcfg, tokens, True, b, ep > 1),
-        # + experts kept outside FSDP (experts_stay_local): autograd keeps each layer's cast of them to the compute
-        # dtype (none when that is fp32 itself)
+        # + experts kept outside FSDP (train.experts_skip_fsdp): autograd keeps each layer's cast of them to the
+        # compute dtype (none when that is fp32 itself)
         act_bytes_full=activation_bytes(mcfg, tokens, False, b, ep > 1) +
-        (b * p_expert if experts_stay_local(model.meshes, cfg) and b < 4 else 0),
+        (b * p_expert if shards["experts_skip_fsdp"] and b < 4 else 0),
         # chunked logprobs: fp32 logits of one chunk, their softmax and its gradient (loss.token_logprobs)
         logits_bytes=3 * 4 * min(cfg["logprob_chunk_size"], tokens) * mcfg.vocab_size,
         gpu_bytes=cfg["gpu_memory_gib"] * GiB)
-    on_gpu_state = 0 if cfg["cpu_offload_optimizer"] else plan["params_bytes"] + plan["grads_bytes"] + plan["optimizer_bytes"]
-    transient = plan["gather_bytes"] + plan["logits_bytes"]
+    on_gpu_state = 0 if cfg["cpu_offload_optimizer"] else (figures["params_bytes"] + figures["grads_bytes"] +
+                                                          figures["optimizer_bytes"])
+    transient = figures["gather_bytes"] + figures["logits_bytes"]
     for c in (True, False):  # the image bound's vision activations join the text's
-        plan["act_bytes_" + ("ckpt" if c else "full")] += plan["images"] * plan["vision_act_bytes_per_image"][c]
-    act = plan["act_bytes_ckpt"] if cfg["activation_checkpointing"] else plan["act_bytes_full"]
-    plan["total_bytes"] = on_gpu_state + transient + act
-    plan["total_bytes_other_ckpt"] = on_gpu_state + transient + (
-        plan["act_bytes_full"] if cfg["activation_checkpointing"] else plan["act_bytes_ckpt"])
+        figures["act_bytes_" + ("ckpt" if c else "full")] += (figures["images"] *
+                                                             figures["vision_act_bytes_per_image"][c])
+    act = figures["act_bytes_ckpt"] if cfg["activation_checkpointing"] else figures["act_bytes_full"]
+    figures["total_bytes"] = on_gpu_state + transient + act
+    figures["total_bytes_other_ckpt"] = on_gpu_state + transient + (
+        figures["act_bytes_full"] if cfg["activation_checkpointing"] else figures["act_bytes_ckpt"])
     # rollout: bf16 weights split over tensor_parallel_size GPUs; KV heads split too (replicated past nkv)
     tp = cfg["tensor_parallel_size"]
-    plan["engine_weight_bytes"] = 2 * plan["params_total"] / tp  # bf16
+    figures["engine_weight_bytes"] = 2 * figures["params_total"] / tp  # bf16
     # sent to the engines every step: the bf16 HF state dict, or a LoRA run's fp32 adapters
-    plan["sync_bytes"] = 4 * sum(math.prod(s) for s in lora.adapter_shapes(mcfg, cfg).values()) if cfg[
-        "lora_rank"] else 2 * plan["params_total"]
+    figures["sync_bytes"] = 4 * sum(math.prod(s) for s in lora.adapter_shapes(mcfg, cfg).values()) if cfg[
+        "lora_rank"] else 2 * figures["params_total"]
     kv_heads = max(1, math.ceil(mcfg.num_key_value_heads / tp))
-    plan["kv_bytes_per_token"] = 2 * mcfg.num_hidden_layers * kv_heads * mcfg.head_dim * 2
-    plan["engine_budget_bytes"] = cfg["engine_memory_fraction"] * plan["gpu_bytes"]
-    plan["kv_tokens"] = int((plan["engine_budget_bytes"] - plan["engine_weight_bytes"]) // plan["kv_bytes_per_token"])
-    plan["rollout_gpus"] = cfg["num_engines"] * tp
-    plan["moe_layers"] = len(mcfg.moe_layers)
+    figures["kv_bytes_per_token"] = 2 * mcfg.num_hidden_layers * kv_heads * mcfg.head_dim * 2
+    figures["engine_budget_bytes"] = cfg["engine_memory_fraction"] * figures["gpu_bytes"]
+    figures["kv_tokens"] = int((figures["engine_budget_bytes"] - figures["engine_weight_bytes"]) //
+                               figures["kv_bytes_per_token"])
+    figures["rollout_gpus"] = cfg["num_engines"] * tp
+    figures["moe_layers"] = len(mcfg.moe_layers)
     if mcfg.is_moe:
-        plan["all_to_all"] = ep_all_to_all(mcfg, tokens, ep, cfg["activation_checkpointing"])
-    return plan
+        figures["all_to_all"] = ep_all_to_all(mcfg, tokens, ep, cfg["activation_checkpointing"])
+    return figures
 
 
-def dry_run_report(cfg):
-    """Plan the run on paper: print per-GPU memory, GPU counts and the weight-sync volume; exit with one sentence
-    if it cannot fit or is inconsistent. Runs in seconds on a CPU for any world size."""
-    try:
-        plan = plan_run(cfg)
-    except ConfigError as e:
-        sys.exit(f"dry run: {e}")
-    print_plan(cfg, plan)
-    return plan
-
-
-def plan_run(cfg):
-    """Checks, the sharded meta model against a fake process group of train_world_size ranks, the memory plan, and
-    vLLM's verdict on the engine options. Raises ConfigError when the run cannot work."""
+def plan_run(cfg, mcfg, shards):
+    """The figures of a dry run (train.dry_run measured the shards), the checks that the run fits, and vLLM's
+    verdict on the engine options. Raises ConfigError when the run cannot work."""
     import tempfile
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    import train  # the trainer's own sharding code
-    mcfg = check_config(cfg, world_size=launched_world_size())
-    if dist.is_initialized():
-        raise RuntimeError("the dry run needs a process without a process group (it makes a fake one)")
-    W = cfg["train_world_size"]
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=W)
-    try:
-        model = train.meta_sharded_model(mcfg, train.build_meshes(W, cfg["ep_size"], "cpu"), cfg)
-        plan = plan_memory(cfg, mcfg, model)
-    finally:
-        dist.destroy_process_group()
+    figures = plan_memory(cfg, mcfg, shards)
     gib = lambda n: f"{n / GiB:.1f} GiB"
-    if plan["total_bytes"] > plan["gpu_bytes"]:
-        raise ConfigError(f"training needs about {gib(plan['total_bytes'])} per GPU, more than the "
+    if figures["total_bytes"] > figures["gpu_bytes"]:
+        raise ConfigError(f"training needs about {gib(figures['total_bytes'])} per GPU, more than the "
                           f"{cfg['gpu_memory_gib']:g} GiB of one GPU: raise train_world_size, lower microbatch_tokens, "
                           "turn on activation_checkpointing or cpu_offload_optimizer")
-    one_sequence = plan["kv_bytes_per_token"] * cfg["engine_max_model_len"]
-    if plan["engine_weight_bytes"] + one_sequence > plan["engine_budget_bytes"]:
-        raise ConfigError(f"a rollout engine cannot hold the model: {gib(plan['engine_weight_bytes'])} of bf16 weights "
-                          f"per GPU plus the KV cache of one {cfg['engine_max_model_len']}-token sequence exceed "
-                          f"engine_memory_fraction x GPU = {gib(plan['engine_budget_bytes'])}: raise "
+    one_sequence = figures["kv_bytes_per_token"] * cfg["engine_max_model_len"]
+    if figures["engine_weight_bytes"] + one_sequence > figures["engine_budget_bytes"]:
+        raise ConfigError(f"a rollout engine cannot hold the model: {gib(figures['engine_weight_bytes'])} of bf16 "
+                          f"weights per GPU plus the KV cache of one {cfg['engine_max_model_len']}-token sequence exceed "
+                          f"engine_memory_fraction x GPU = {gib(figures['engine_budget_bytes'])}: raise "
                           "tensor_parallel_size or engine_memory_fraction")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its config notes would bury the plan
     try:
         import vllm  # noqa: F401
     except ImportError:
-        plan["engine_check"] = "not checked: vLLM is not installed here"
-        return plan
+        figures["engine_check"] = "not checked: vLLM is not installed here"
+        return figures
     if os.path.isfile(os.path.join(cfg["model_path"], "config.json")):
         check_engine_options(cfg, cfg["model_path"])
     else:  # the model is not here: vLLM validates against its config.json alone
@@ -392,62 +355,63 @@ def plan_run(cfg):
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump(mcfg.to_hf(), f)
             check_engine_options(cfg, tmp, skip_tokenizer_init=True)
-    plan["engine_check"] = "accepted by vLLM's engine-config validation"
-    return plan
+    figures["engine_check"] = "accepted by vLLM's engine-config validation"
+    return figures
 
 
-def print_plan(cfg, plan):
+def print_plan(cfg, p):
+    """The dry run's report of plan_run's figures `p`."""
     gib = lambda n: f"{n / GiB:8.2f} GiB"
     M = lambda n: f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.1f}M"
-    W, ep = plan["world"], plan["ep"]
+    W, ep = p["world"], p["ep"]
     ckpt = cfg["activation_checkpointing"]
-    lora_note = (f"LoRA rank {cfg['lora_rank']}: {M(plan['params_trainable_local'])} fp32 adapter parameters, frozen "
+    lora_note = (f"LoRA rank {cfg['lora_rank']}: {M(p['params_trainable_local'])} fp32 adapter parameters, frozen "
                  f"base in {cfg['param_dtype']}; " if cfg["lora_rank"] else "fp32, ")
     where = "host memory (cpu_offload_optimizer)" if cfg["cpu_offload_optimizer"] else "GPU"
     lines = [
-        f"dry run: {M(plan['params_total'])} parameters ({M(plan['params_active'])} active), "
+        f"dry run: {M(p['params_total'])} parameters ({M(p['params_active'])} active), "
         f"{W} trainer ranks, ep_size {ep} (fake process group; rank 0 shown: FSDP gives it the largest shard)",
         f"per-GPU memory, training ({cfg['param_dtype']} compute; fp32 master weights, gradients and AdamW state):",
-        f"  parameters        {gib(plan['params_bytes'])}  {lora_note}{M(plan['params_dense_local'])} dense + "
-        f"{M(plan['params_expert_local'])} expert parameters on this rank  [{where}]",
-        f"  gradients         {gib(plan['grads_bytes'])}  fp32, sharded like the parameters{' they train' * bool(lora_note)}"
+        f"  parameters        {gib(p['params_bytes'])}  {lora_note}{M(p['params_dense_local'])} dense + "
+        f"{M(p['params_expert_local'])} expert parameters on this rank  [{where}]",
+        f"  gradients         {gib(p['grads_bytes'])}  fp32, sharded like the parameters{' they train' * bool(lora_note)}"
         f"  [{where}]",
-        f"  optimizer         {gib(plan['optimizer_bytes'])}  AdamW m and v, fp32  [{where}]",
-    ] + ([f"  vision tower      {M(plan['params_vision_local'])} of the dense parameters on this rank, " + (
-        f"trained: activations below include {plan['images']} 448x448 images per microbatch (every token an image "
-        f"token) at {gib(plan['vision_act_bytes_per_image'][ckpt]).strip()} each" if cfg["train_vision"] else
+        f"  optimizer         {gib(p['optimizer_bytes'])}  AdamW m and v, fp32  [{where}]",
+    ] + ([f"  vision tower      {M(p['params_vision_local'])} of the dense parameters on this rank, " + (
+        f"trained: activations below include {p['images']} 448x448 images per microbatch (every token an image "
+        f"token) at {gib(p['vision_act_bytes_per_image'][ckpt]).strip()} each" if cfg["train_vision"] else
         "frozen (train_vision=False): no gradients, no AdamW state, no activations kept")]
-        if plan["params_vision_local"] else []) + [
-        f"  all-gather        {gib(plan['gather_bytes'])}  unsharded: root unit ({M(plan['root_numel'])}, gathered "
-        f"forward to end of backward, with its gradient) + 2 x largest block ({M(plan['block_numel'])} incl. "
+        if p["params_vision_local"] else []) + [
+        f"  all-gather        {gib(p['gather_bytes'])}  unsharded: root unit ({M(p['root_numel'])}, gathered "
+        f"forward to end of backward, with its gradient) + 2 x largest block ({M(p['block_numel'])} incl. "
         "its experts) + that block's gradient for the reduce-scatter",
-        f"  activations       {gib(plan['act_bytes_ckpt'])}  with activation checkpointing, "
-        f"{plan['tokens']:,} tokens per microbatch (max of microbatch_tokens, engine_max_model_len)",
-        f"  activations       {gib(plan['act_bytes_full'])}  without activation checkpointing",
-        f"  logprob chunk     {gib(plan['logits_bytes'])}  fp32 logits, softmax, gradient of one "
+        f"  activations       {gib(p['act_bytes_ckpt'])}  with activation checkpointing, "
+        f"{p['tokens']:,} tokens per microbatch (max of microbatch_tokens, engine_max_model_len)",
+        f"  activations       {gib(p['act_bytes_full'])}  without activation checkpointing",
+        f"  logprob chunk     {gib(p['logits_bytes'])}  fp32 logits, softmax, gradient of one "
         f"{cfg['logprob_chunk_size']}-token chunk",
-        f"  total             {gib(plan['total_bytes'])}  of {cfg['gpu_memory_gib']:g} GiB "
-        f"({100 * plan['total_bytes'] / plan['gpu_bytes']:.0f}%), activation checkpointing {'on' if ckpt else 'off'}; "
-        f"{'off' if ckpt else 'on'}: {gib(plan['total_bytes_other_ckpt']).strip()}",
+        f"  total             {gib(p['total_bytes'])}  of {cfg['gpu_memory_gib']:g} GiB "
+        f"({100 * p['total_bytes'] / p['gpu_bytes']:.0f}%), activation checkpointing {'on' if ckpt else 'off'}; "
+        f"{'off' if ckpt else 'on'}: {gib(p['total_bytes_other_ckpt']).strip()}",
     ]
     tp = cfg["tensor_parallel_size"]
     lines += [
-        f"GPUs: {W} training + {plan['rollout_gpus']} rollout ({cfg['num_engines']} engines x tensor_parallel_size "
-        f"{tp}) = {W + plan['rollout_gpus']}",
-        f"rollout engine, per GPU: {gib(plan['engine_weight_bytes']).strip()} bf16 weights of "
-        f"{gib(plan['engine_budget_bytes']).strip()} (engine_memory_fraction {cfg['engine_memory_fraction']:g}); KV cache "
-        f"for {plan['kv_tokens']:,} tokens = {plan['kv_tokens'] // cfg['engine_max_model_len']:,} full "
+        f"GPUs: {W} training + {p['rollout_gpus']} rollout ({cfg['num_engines']} engines x tensor_parallel_size "
+        f"{tp}) = {W + p['rollout_gpus']}",
+        f"rollout engine, per GPU: {gib(p['engine_weight_bytes']).strip()} bf16 weights of "
+        f"{gib(p['engine_budget_bytes']).strip()} (engine_memory_fraction {cfg['engine_memory_fraction']:g}); KV cache "
+        f"for {p['kv_tokens']:,} tokens = {p['kv_tokens'] // cfg['engine_max_model_len']:,} full "
         f"{cfg['engine_max_model_len']}-token sequences per engine",
-        f"engine options: {plan['engine_check']}",
+        f"engine options: {p['engine_check']}",
     ]
-    if ep > 1 and plan["moe_layers"]:
-        rows, nbytes, seconds = plan["all_to_all"]
+    if ep > 1 and p["moe_layers"]:
+        rows, nbytes, seconds = p["all_to_all"]
         lines.append(f"expert-parallel all-to-all per rank, MoE layer and microbatch: {nbytes / 1e9:.2f} GB "
                      f"({rows:.2f} remote rows per token at ep_size {ep}, forward and backward"
                      f"{', forward again under activation checkpointing' if ckpt else ''}), about {seconds * 1e3:.1f} "
-                     f"ms at {NCCL_GBPS:g} GB/s unoverlapped, x {plan['moe_layers']} MoE layers per microbatch")
+                     f"ms at {NCCL_GBPS:g} GB/s unoverlapped, x {p['moe_layers']} MoE layers per microbatch")
     lines += [
-        f"weight sync per step: {plan['sync_bytes'] / 1e9:.2f} GB ("
+        f"weight sync per step: {p['sync_bytes'] / 1e9:.2f} GB ("
         f"{'fp32 LoRA adapters; the engines merge the expert ones' if cfg['lora_rank'] else 'bf16 HF state dict'}), "
         "received by each engine",
     ]

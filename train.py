@@ -41,6 +41,7 @@ import lora
 import loss
 import plan
 import runlog
+import viewer
 import vl
 from experts import EXPERT_PROJS, GatherRows, SumRows, count_ids, slot_positions, to_contiguous
 from model import (Transformer, checkpoint_reader, copy_hf_extras, hf_name, init_parameters, is_stacked_experts,
@@ -69,6 +70,12 @@ eval_every = 10            # held-out evaluation every this many steps, at the s
 eval_prompts = ""          # JSONL/Parquet of held-out prompts; "" takes the agent module's eval_prompts(), if any
 eval_temperature = 0.0     # the evaluation's sampling (0: greedy)
 tensorboard_dir = ""       # also write every logged number there as TensorBoard scalars (pip install tensorboard)
+wandb_project = ""         # also log every number to this Weights & Biases project (pip install wandb;
+                           # WANDB_MODE=offline keeps the run in out_dir/wandb)
+view_port = 0              # serve the trajectory viewer on 127.0.0.1:PORT during the run (viewer.py; 0: no server)
+view_groups_per_step = 1   # GRPO groups of each batch recorded for the viewer in out_dir/view/ (0: none), with the
+                           # trainer's logprobs of their tokens; written off the trainer's path
+view_max_attempts = 256    # the newest this many recorded attempts are kept there (older ones are deleted)
 # rollout
 num_engines = 1
 tensor_parallel_size = 1
@@ -180,7 +187,7 @@ def main(argv):
     try:
         cfg = configure(argv)
         if cfg["dry_run"]:
-            return plan.dry_run_report(cfg)
+            return dry_run(cfg)
         check_config(cfg, world_size=plan.launched_world_size())
         if (cfg["resume"] or cfg["export_hf_dir"]) and latest_checkpoint(cfg["out_dir"]) is None:
             raise ConfigError(f"{'resume=True' if cfg['resume'] else 'export_hf_dir'} needs a checkpoint, and out_dir="
@@ -239,7 +246,7 @@ def train(cfg, model, optimizer, run, step, rank, world):
     out_dir = cfg["out_dir"]
     loop = asyncio.new_event_loop()  # runs the weight-sync coroutines of this thread
     sender = weights_sync.WeightSender(adapter=lora.sync_config(cfg))  # LoRA: the adapters alone travel
-    writer, evals = runlog.tensorboard_writer(cfg, rank), {}
+    writer, evals = runlog.scalar_writer(cfg, rank), {}
     policy_version = step  # one optimizer step = one policy version; the engines start at version 0
     # the engines get the trainer's weights first: a resumed run's, or whatever they were started or left with
     push_weights(run, loop, sender, model, policy_version, rank, world)
@@ -256,6 +263,7 @@ def train(cfg, model, optimizer, run, step, rank, world):
         segments, advantages = share_batch(records, cfg, rank, world)
         m = train_step(model, optimizer, pack_microbatches(segments, advantages, cfg["microbatch_tokens"]), cfg,
                        policy_version, step)
+        rank == 0 and run["recorder"] and run["recorder"].add(step, records, segments, advantages, m["logprobs"])
         policy_version += 1
         sync_s = push_weights(run, loop, sender, model, policy_version, rank, world)
         if rank == 0:
@@ -323,7 +331,7 @@ def sft(cfg, model, optimizer, step, rank, world):
     rows = [vl.transcript_images(*transcript_tokens(r, tokenizer), r["messages"], cfg["model_path"])
             for r in load_transcripts(cfg["sft_data"])]
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg["seed"])).tolist()
-    batch, writer = cfg["groups_per_batch"] * cfg["group_size"], runlog.tensorboard_writer(cfg, rank)
+    batch, writer = cfg["groups_per_batch"] * cfg["group_size"], runlog.scalar_writer(cfg, rank)
     for step in tqdm(range(step, cfg["max_steps"]), initial=step, total=cfg["max_steps"], disable=rank != 0):
         t0 = time.perf_counter()
         picks = [rows[order[(step * batch + i) % len(rows)]] for i in range(batch)][rank::world]
@@ -443,8 +451,10 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
         first_prompt=data_position,
         sampling=dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_tokens=cfg["max_tokens"]))
     blank = [vl.blank_images(p) for p in held_out] if cfg["eval_every"] else []
-    return dict(engines=engines, router=router, server=server, pool=pool, placement=placement, cleanup=cleanup,
-                eval_prompts=held_out if cfg["eval_every"] else [], blank_prompts=blank if blank != held_out else [])
+    # the viewer's sample ("recorder") and live page ("view"), as the view_* keys ask; "cleanup" stops them too
+    return dict(engines=engines, router=router, server=server, pool=pool, placement=placement,
+                eval_prompts=held_out if cfg["eval_every"] else [], blank_prompts=blank if blank != held_out else [],
+                **viewer.start(cfg, cleanup))
 
 
 def stop_rollout(run):
@@ -494,7 +504,8 @@ def share_batch(records, cfg, rank, world):
 
 def pack_microbatches(segments, advantages, microbatch_tokens):
     """Segments sorted by length into microbatches of at most microbatch_tokens padded tokens (one longer segment
-    gets its own). A rank with no segment trains on one empty row, so that it joins the collectives."""
+    gets its own); segment_rows: which segment each row holds. A rank with no segment trains on one empty row, so
+    that it joins the collectives."""
     if not segments:
         segments, advantages = [dict(token_ids=[0, 0], action_mask=[0, 0], behavior_logprobs=[0.0, 0.0],
                                      token_versions=[-1, -1], routed_experts=None)], [0.0]
@@ -506,7 +517,7 @@ def pack_microbatches(segments, advantages, microbatch_tokens):
             current = []
         current.append(i)
     groups.append(current)
-    return [collate([segments[i] for i in g], [advantages[i] for i in g]) for g in groups]
+    return [dict(collate([segments[i] for i in g], [advantages[i] for i in g]), segment_rows=g) for g in groups]
 
 
 def push_weights(run, loop, sender, model, policy_version, rank, world):
@@ -611,7 +622,7 @@ def empty_microbatch(like):
     """A 1-token microbatch with nothing to learn from: ranks with fewer microbatches run these so that every rank
     takes part in the same number of FSDP and expert-parallel collectives."""
     return {k: (torch.zeros_like(v[:1, :1] if v.dim() > 1 else v[:1]) if torch.is_tensor(v) else v)
-            for k, v in like.items() if k not in vl.IMAGE_FIELDS}
+            for k, v in like.items() if k not in (*vl.IMAGE_FIELDS, "segment_rows")}
 
 
 def microbatch_logprobs(model, mb, cfg, with_entropy=False):
@@ -656,7 +667,8 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
     behavior_logprobs, token_versions, advantages (B,) or (B, T), optional ref_logprobs, and routed_experts
     (B, T, L_moe, K) or None (see `collate`). The loss is normalized by the window's kept-token count, all-reduced
     before the first backward, and gradients are summed over ranks (shard_model), so the step is the same however
-    the window is split into microbatches and ranks.
+    the window is split into microbatches and ranks. "logprobs": (segment_rows, the trainer's logprobs (B, T),
+    detached) of each microbatch from pack_microbatches, for the viewer's sample (viewer.Recorder.add).
     """
     t0 = time.perf_counter()
     step = policy_version if step is None else step
@@ -680,7 +692,7 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
             mb["token_versions"], policy_version, lcfg) for old, mb in zip(old_logprobs, microbatches)]
     window_tokens = loss.count_window_tokens(kept)  # one all-reduce, before the first backward
 
-    metrics = []
+    metrics, kept_logprobs = [], []
     for old, mb in zip(old_logprobs, microbatches):
         logprobs, entropy = microbatch_logprobs(model, mb, dict(cfg, temperature=1.0) if sft else cfg,
                                                 with_entropy=lcfg.entropy_coef > 0 and not sft)
@@ -690,6 +702,7 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
             ref_logprobs=mb.get("ref_logprobs"), entropy=entropy)
         mb_loss.backward()
         metrics.append(mb_metrics)
+        kept_logprobs.append((mb.get("segment_rows"), logprobs.detach()))  # B x T floats kept until the step returns
 
     grad_norm = clip_grad_norm(model, cfg["grad_clip"], device, optimizer)
     lr = learning_rate_at(step, cfg)
@@ -706,7 +719,7 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
     tokens = torch.tensor(sum(mb["input_ids"].numel() for mb in microbatches), device=device)
     dist.all_reduce(tokens)
     out.update(grad_norm=grad_norm, lr=lr, skipped=skipped, window_tokens=int(window_tokens.item()),
-               tokens=int(tokens.item()), step_time=time.perf_counter() - t0)
+               tokens=int(tokens.item()), step_time=time.perf_counter() - t0, logprobs=kept_logprobs)
     return out
 
 
@@ -749,9 +762,8 @@ def init_distributed(timeout_s=600):
 
 def build_meshes(world, ep_size, device_type):
     """All device meshes of the trainer: `fsdp` (all ranks, dense weights), `experts` (ep x expert_fsdp, 2-D),
-    and its two 1-D slices `ep` (dispatch/combine) and `expert_fsdp` (FSDP of the local experts)."""
-    if ep_size < 1 or world % ep_size:
-        raise ConfigError(f"ep_size={ep_size} must divide the number of trainer ranks ({world})")
+    and its two 1-D slices `ep` (dispatch/combine) and `expert_fsdp` (FSDP of the local experts). ep_size divides
+    world (plan.check_config)."""
     fsdp = init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",))
     # mesh[ep_index, expert_fsdp_index] = expert_fsdp_index * ep_size + ep_index; the ep dimension comes first so
     # that a (Shard(0), FSDP's Shard) DTensor over it is the global expert tensor in expert order (checkpoints)
@@ -775,9 +787,9 @@ def shard_model(model, meshes, cfg):
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg["param_dtype"]), reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg["cpu_offload_optimizer"] else OffloadPolicy()
     kw = dict(mp_policy=mp, offload_policy=offload)
-    local_experts = experts_stay_local(meshes, cfg)
+    local_experts = experts_skip_fsdp(meshes, cfg)
     kept = set()
-    for block in model.model.layers:
+    for block in [*model.model.layers, *(model.mtp.layers if model.mtp is not None else [])]:
         if block.is_moe and local_experts:
             keep_experts_local(block.mlp.experts, meshes["expert_fsdp"], mp.param_dtype,
                                reuse_casts=not cfg["activation_checkpointing"])
@@ -803,7 +815,7 @@ def shard_model(model, meshes, cfg):
     return model
 
 
-def experts_stay_local(meshes, cfg):
+def experts_skip_fsdp(meshes, cfg):
     """True when the expert FSDP mesh has one rank (ep_size = world): FSDP would have nothing to gather or reduce
     there, yet it would still copy and cast every expert weight at each forward and backward and its gradient once
     per microbatch (about a tenth of a 1-GPU step; README, Performance). Offloaded optimizer state keeps FSDP
@@ -898,8 +910,8 @@ class ExpertParallel:
     def dispatch(self, x, topk_ids, topk_weights, num_experts):
         return ep_dispatch(x, topk_ids, topk_weights, num_experts, self.group)
 
-    def combine(self, y_recv, plan):
-        return ep_combine(y_recv, plan, self.group)
+    def combine(self, y_recv, routes):
+        return ep_combine(y_recv, routes, self.group)
 
 
 def ep_dispatch(x, topk_ids, topk_weights, num_experts, group):
@@ -908,7 +920,7 @@ def ep_dispatch(x, topk_ids, topk_weights, num_experts, group):
     x (N, D), topk_ids (N, K) global expert ids, topk_weights (N, K). A token with several experts on one rank
     crosses once, not once per expert (with top-8 of 128 experts on 2 ranks: 2 rows per token instead of 8).
     Returns what arrived, x_recv (R, D) with ids_recv (R, K) local expert ids (E_local for choices held elsewhere)
-    and weights_recv (R, K), the number of local choices among them (a host int), and the plan `ep_combine` needs.
+    and weights_recv (R, K), the number of local choices among them (a host int), and the routes `ep_combine` needs.
     """
     N, K = topk_ids.shape
     ep, device = group.size(), x.device
@@ -937,11 +949,50 @@ def ep_dispatch(x, topk_ids, topk_weights, num_experts, group):
     return x_recv, ids_recv, weights_recv, pairs, (slots, position, send_rows, recv_rows)
 
 
-def ep_combine(y_recv, plan, group):
+def ep_combine(y_recv, routes, group):
     """Send each rank's weighted sums back to the tokens' ranks and add up each token's copies."""
-    slots, position, send_rows, recv_rows = plan
+    slots, position, send_rows, recv_rows = routes
     y_back = all_to_all(y_recv, send_rows, recv_rows, group)  # (S, D) in ep_dispatch's send order
     return SumRows.apply(y_back, slots, position, group.size())  # (N, D)
+
+
+def dry_run(cfg):
+    """--dry_run=True: plan the run on paper, in seconds on a CPU for any world size. The model is built on the meta
+    device and sharded by the code above against torch's fake process group of train_world_size ranks; rank 0's
+    shards are measured (FSDP cuts like torch.chunk, so rank 0 holds the largest shard of every parameter: its
+    figures are the per-GPU maximum) and plan.py turns them into memory, GPU counts and the sync volume. Nothing is
+    allocated. Exits with one sentence when the run cannot fit or is inconsistent."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    try:
+        mcfg = check_config(cfg, world_size=plan.launched_world_size())
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg["train_world_size"])
+        try:
+            shards = measure_shards(meta_sharded_model(mcfg, build_meshes(cfg["train_world_size"], cfg["ep_size"],
+                                                                          "cpu"), cfg), cfg)
+        finally:
+            dist.destroy_process_group()
+        figures = plan.plan_run(cfg, mcfg, shards)
+    except ConfigError as e:
+        sys.exit(f"dry run: {e}")
+    plan.print_plan(cfg, figures)
+    return figures
+
+
+def measure_shards(model, cfg):
+    """Rank 0's parameter counts of a sharded (meta) model, for plan.plan_memory: its shards of the dense and the
+    expert weights, of what trains and of the vision tower; the unsharded sizes of the root fully_shard unit and of
+    the largest block (its sub-units, the experts, included): what an all-gather materializes."""
+    local = {n: local_tensor(p).numel() for n, p in model.named_parameters()}
+    units = {name: 0 for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+    for n, p in model.named_parameters():  # the unit that gathers p: the innermost one holding it
+        units[max((u for u in units if u == "" or n.startswith(u + ".")), key=len)] += p.numel()
+    blocks = [f"model.layers.{i}" for i in range(len(model.model.layers))]
+    return dict(dense=sum(v for n, v in local.items() if not is_stacked_experts(n)),
+                expert=sum(v for n, v in local.items() if is_stacked_experts(n)),
+                trainable=sum(local[n] for n, p in model.named_parameters() if p.requires_grad),
+                vision=sum(v for n, v in local.items() if n.startswith("visual.")), root_numel=units[""],
+                block_numel=max(sum(v for u, v in units.items() if u == b or u.startswith(b + ".")) for b in blocks),
+                experts_skip_fsdp=experts_skip_fsdp(model.meshes, cfg))
 
 
 def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_std=0.02):
@@ -958,8 +1009,10 @@ def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_
         load_hf_weights(model, weights_path)
     else:
         generator = torch.Generator(model.lm_head.weight.device).manual_seed(cfg["seed"] + dist.get_rank())
-        init_parameters(((n, local_tensor(p)) for n, p in model.named_parameters()), init_std, generator)
-    lora.fill_adapters(model, cfg["seed"], copy_shard)
+        init_parameters(((n, local_tensor(p)) for n, p in model.named_parameters()), init_std, generator,
+                        mcfg.family == "qwen3_5")
+    for p, full in lora.initial_adapters(model, cfg["seed"]):
+        copy_shard(p, full)
     return model
 
 
@@ -985,6 +1038,7 @@ def load_hf_weights(model, path):
         copy_shard(p, full)
 
 
+@torch.no_grad()
 def copy_shard(p, full):
     """Copy this rank's FSDP shard of `full` into parameter p (chunks on its shard dim, as FSDP and torch.chunk cut
     them)."""

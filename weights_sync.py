@@ -100,10 +100,10 @@ def free_port(host="127.0.0.1"):
         return s.getsockname()[1]
 
 # -----------------------------------------------------------------------------
-# the bucket plan: which tensor goes where, computed from global shapes alone (no communication)
+# the bucket layout: which tensor goes where, computed from global shapes alone (no communication)
 
 
-def plan_buckets(model, bucket_bytes, dtype=torch.bfloat16, adapters_only=False):
+def bucket_layout(model, bucket_bytes, dtype=torch.bfloat16, adapters_only=False):
     """Lay the model's weights, in HF names, into flat byte buckets of at most `bucket_bytes` (a tensor larger
     than that gets a bucket of its own). Stacked experts are split at expert boundaries. adapters_only: the LoRA
     adapters alone, in PEFT names (lora.peft_names), the frozen base stays where it is.
@@ -246,16 +246,16 @@ class WeightSender:
             self.group.shutdown()
             self.group = None
 
-    def plan(self, model):
-        return plan_buckets(model, self.bucket_bytes, self.dtype, adapters_only=self.adapter is not None)
+    def layout(self, model):
+        return bucket_layout(model, self.bucket_bytes, self.dtype, adapters_only=self.adapter is not None)
 
     @torch.no_grad()
-    def send(self, model, plan):
-        """Gather, cast, pack and broadcast every bucket of `plan`. Every trainer rank calls it (in the same
-        parameter order); returns the bytes sent (0 off the sender)."""
+    def send(self, model, layout):
+        """Gather, cast, pack and broadcast every bucket of `layout` (from `layout(model)`). Every trainer rank calls
+        it (in the same parameter order); returns the bytes sent (0 off the sender)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # we may run in a helper thread, which starts on device 0
-        buckets, pieces = plan
+        buckets, pieces = layout
         if self.is_sender and self.group is None:
             raise RuntimeError("WeightSender.send before connect: call connect_engines(engines, sender) first")
         by_param = {}
@@ -268,7 +268,7 @@ class WeightSender:
             buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(min(2, len(buckets)))]
         works, current = [], -1
         for name, p in model.named_parameters():
-            if name not in by_param:  # every rank knows the plan: a frozen base is not gathered
+            if name not in by_param:  # every rank knows the layout: a frozen base is not gathered
                 continue
             full = self.gather(model, name, p)
             if full is None:
@@ -289,7 +289,7 @@ class WeightSender:
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         if self.is_sender and len(works) != len(buckets):
-            raise RuntimeError(f"sent {len(works)} of {len(buckets)} buckets: the model changed since plan()")
+            raise RuntimeError(f"sent {len(works)} of {len(buckets)} buckets: the model changed since layout()")
         return sum(b["nbytes"] for b in buckets) if self.is_sender else 0
 
     def gather(self, model, name, p):
@@ -369,18 +369,18 @@ async def sync_weights(engines, sender, model, policy_version):
     error instead of waiting for the timeout), the engines resume on the weights they hold (layers that had not
     arrived keep their old values; the version is not bumped), and the error is raised, an engine's own first
     (e.g. Ray's RayActorError for a dead engine). Call connect_engines again before the next sync."""
-    plan = sender.plan(model)
+    layout = sender.layout(model)
     if not sender.is_sender:
-        await asyncio.to_thread(sender.send, model, plan)
+        await asyncio.to_thread(sender.send, model, layout)
         return {"bytes": 0, "pause_s": 0.0, "transfer_s": 0.0}
     t0 = time.perf_counter()
     await asyncio.gather(*(_call(e, "pause") for e in engines))
     t1 = time.perf_counter()
     try:
         # the workers block in the broadcasts of receive_weights while the sender (in a thread) feeds them
-        rpc = ("receive_adapter", (plan[0], sender.adapter)) if sender.adapter else ("receive_weights", (plan[0],))
+        rpc = ("receive_adapter", (layout[0], sender.adapter)) if sender.adapter else ("receive_weights", (layout[0],))
         loads = [asyncio.ensure_future(_call(e, "collective_rpc", *rpc)) for e in engines]
-        send = asyncio.ensure_future(asyncio.to_thread(sender.send, model, plan))
+        send = asyncio.ensure_future(asyncio.to_thread(sender.send, model, layout))
         done, _ = await asyncio.wait([*loads, send], return_when=asyncio.FIRST_EXCEPTION)
         failed = [f for f in [*loads, send] if f in done and f.exception() is not None]
         if failed:
