@@ -20,7 +20,8 @@ import ray
 import train
 
 METRIC_KEYS = {"step", "reward_mean", "policy_version", "mismatch_kl", "mismatch_kl_current", "stale_dropped",
-               "failed_attempts", "tokens_per_s", "step_time_s"}
+               "failed_attempts", "tokens_per_s", "step_time_s", "is_masked_frac", "dual_clip_frac", "advantage_mean",
+               "advantage_std", "advantage_min", "advantage_max", "grad_norm", "skipped"}
 
 
 class RecordingEngine:
@@ -90,7 +91,7 @@ def test_tiny_default_end_to_end_then_resume(tmp_path, tiny_model_path, rollout_
 
     # the log, the curve, the checkpoint
     assert [r["step"] for r in rows] == [1, 2] and [r["policy_version"] for r in rows] == [1, 2]
-    assert all(METRIC_KEYS <= set(r) for r in rows)
+    assert all(METRIC_KEYS <= set(r) for r in rows) and not any(r["skipped"] for r in rows)
     # the numbers the agent returns in Result.info, averaged over the step's attempts
     assert all(0.0 <= r["info/tool_called"] <= 1.0 and r["info/answer_chars"] >= 0 for r in rows)
     assert all(0.0 <= r["reward_mean"] <= 1.0 and r["tokens_per_s"] > 0 and r["kept_tokens"] > 0 for r in rows)
