@@ -7,6 +7,7 @@ client spoke (tool calls parsed by vLLM's Hermes parser), and records the trajec
 
     python capture.py                          # serve the tiny model on CPU; prints the address
     python capture.py --model DIR --port 8000  # any local HuggingFace model directory
+    python capture.py --view out/tiny          # the trajectory viewer over a run's out_dir (viewer.py), no engine
     curl -X POST http://127.0.0.1:8000/sessions               # -> {"id", "base_url", "api_key"}
     OpenAI(base_url=base_url, api_key=api_key)  /  Anthropic(base_url=base_url, api_key=api_key)
     curl -H "x-api-key: KEY" http://127.0.0.1:8000/sessions/ID  # the recorded segments
@@ -32,9 +33,11 @@ tool results) are part of their message: the same text with another image is a r
 expanded to the tokens the model's processor gives it (context, mask 0), and the segment keeps the image files
 (`images`: the bytes the client sent, in the order of their tokens) for the trainer's forward.
 
-Forced tool calls put the template's call opening in the context (mask 0); structured output and tool_choice "none"
-sample under a mask, and the behavior logprob is the masked distribution's (constrained_tokens: "train" records them
-as generated tokens, "mask" as context). A stop string ends the answer and the recorded tokens at one place.
+Forced tool calls put the template's call opening in the context (mask 0), and the rest of the one call is sampled
+under the tool's JSON schema (protocols.call_grammar: a vLLM structural tag in the tool parser's own call format), as
+are calls to `strict` tools and structured output; tool_choice "none" bans the call opening. What is sampled under
+a mask has the masked distribution's behavior logprob (constrained_tokens: "train" records it as generated tokens,
+"mask" as context). A stop string ends the answer and the recorded tokens at one place.
 """
 import asyncio
 import base64
@@ -66,8 +69,8 @@ from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from engine import Engine
-from protocols import (ANSWERS, EVENTS, PARSERS, ImageTokens, RequestError, call_id, error_body, error_response,
-                       field, parse_anthropic, read_calls, same_json, stream_deltas, strict_json, tool_call)
+from protocols import (ANSWERS, EVENTS, PARSERS, ImageTokens, RequestError, call_grammar, call_id, error_body,
+                       error_response, field, parse_anthropic, read_calls, same_json, stream_deltas, strict_json, tool_call)
 
 # -----------------------------------------------------------------------------
 # sessions and segments: the recorded trajectory
@@ -79,6 +82,7 @@ class Segment:
         self.token_ids, self.action_mask, self.behavior_logprobs, self.token_versions = [], [], [], []
         self.routed_experts = None
         self.images, self.image_tokens = [], []  # the images in token_ids (ImageBytes) and how many tokens each takes
+        self.opened = None  # why the request that opened it did not extend the segment before (CaptureServer.opening)
 
     def append(self, token_ids, generated=None):
         """Context tokens (mask 0), or, given the engine's output dict, generated tokens (mask 1)."""
@@ -95,7 +99,7 @@ class Segment:
         return dict(attempt_id=self.attempt_id, segment_index=self.index, token_ids=list(self.token_ids),
                     action_mask=list(self.action_mask), behavior_logprobs=list(self.behavior_logprobs),
                     token_versions=list(self.token_versions), routed_experts=routes, reward=reward, finished=finished,
-                    images=[bytes(b) for b in self.images])
+                    images=[bytes(b) for b in self.images], opened=self.opened)
 
 
 class Session:
@@ -140,6 +144,13 @@ def failure(e, session_id):
         return e.status, e.message, e.param
     print(f"capture: request on session {session_id} failed: {e!r}", file=sys.stderr)
     return 500, f"The engine failed on this request: {type(e).__name__}: {e}", None
+
+
+DROPPED_RECORDS = 8192  # dropped sessions remembered (~0.3 KB each); older ones answer 404
+
+
+def key_digest(api_key):
+    return hashlib.blake2b(api_key.encode(), digest_size=16).digest()
 
 
 def end_token_ids(tokenizer):
@@ -278,6 +289,7 @@ class CaptureServer:
         self.backend = backend
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.tool_parser = Hermes2ProToolParser(self.tokenizer)  # extract_tool_calls is stateless
+        self.call_format = type(self.tool_parser).structural_tag_model  # its calls' grammar (protocols.call_grammar)
         # a malformed tool call is the policy's output, not our error (its text goes back as content): no traceback
         logging.getLogger("vllm.tool_parsers.hermes_tool_parser").setLevel(logging.CRITICAL)
         self.end_ids = end_token_ids(self.tokenizer)
@@ -312,6 +324,9 @@ class CaptureServer:
         self.socket = bind_socket(host, port)  # bound now so that url (and sessions' base URLs) exist before serving
         self.url = f"http://{host}:{self.socket.getsockname()[1]}"
         self.sessions = {}
+        # sessions dropped lately (finished, expired, or dropped by the pool): id -> (key digest, why), so that a late
+        # request hears that its session is gone rather than that its key is wrong; the oldest are forgotten first
+        self.dropped = OrderedDict()
         self.uvicorn = self.loop = self.thread = None
         routes = [Route("/sessions", self.http_new_session, methods=["POST"]),
                   Route("/sessions/{sid}", self.http_get_session, methods=["GET"]),
@@ -333,18 +348,23 @@ class CaptureServer:
         return session
 
     def finish_session(self, session_id, reward):
-        """End an attempt: later requests get 401; every segment gets the reward (the first finish's: a later one
-        changes nothing). Returns the segment dicts."""
+        """End an attempt: later requests for turns get 410; every segment gets the reward (the first finish's: a later
+        one changes nothing). Returns the segment dicts."""
         session = self.sessions[session_id]
         with session.record_lock:
             if not session.finished:
                 session.finished, session.reward = True, None if reward is None else float(reward)
         return session.segment_dicts()
 
-    def drop_session(self, session_id):
-        self.sessions.pop(session_id, None)
+    def drop_session(self, session_id, why=None):
+        session = self.sessions.pop(session_id, None)
         if self.http_sessions.pop(session_id, None) is not None and hasattr(self.backend, "forget"):
             self.backend.forget(session_id)  # the router's engine affinity
+        if session is not None:
+            why = why or ("it finished and was dropped" if session.finished else "it was dropped unfinished")
+            self.dropped[session_id] = key_digest(session.api_key), why
+            if len(self.dropped) > DROPPED_RECORDS:
+                self.dropped.popitem(last=False)
 
     def make_room_for_http_session(self):
         """Drop HTTP sessions idle past their lifetime, and finished ones (least recently used first) while their
@@ -355,7 +375,7 @@ class CaptureServer:
             if not (idle or full):
                 break
             if (idle or s.finished) and not s.lock.locked():  # a request in flight keeps its session
-                self.drop_session(s.id)
+                self.drop_session(s.id, None if s.finished else self.expiry(s))
         return len(self.http_sessions) < self.max_http_sessions
 
     # --- rendering and the segmenter
@@ -403,6 +423,15 @@ class CaptureServer:
     def render(self, messages, tools, add_generation_prompt):
         return self.tokenize(self.render_text(messages, tools, add_generation_prompt))
 
+    def opening(self, session, messages, tools):
+        """Why a request that does not extend the open segment opens a new one (the trajectory viewer shows it)."""
+        conv = session.conversation
+        changed = next((i for i, (a, b) in enumerate(zip(conv or [], messages)) if not same_message(a, b)), None)
+        return ("the attempt's first request" if conv is None else "changed tools" if tools != session.tools else
+                f"compaction: {len(messages)} messages, the segment had {len(conv)}" if len(messages) < len(conv) else
+                f"a rewrite of message {changed} ({conv[changed]['role']})" if changed is not None else
+                "a chat template that renders the earlier turns differently")
+
     def segment_extension(self, session, messages, tools):
         """The segment rule (module docstring): if `messages` extend the open segment's conversation, (tokens to
         append, new conversation); else None, and the request opens a new segment."""
@@ -430,7 +459,7 @@ class CaptureServer:
         and a backend that streams, on_tokens(the turn's token ids so far) is called as the engine samples."""
         async with session.lock:
             if session.finished:
-                raise RequestError(401, f"Session {session.id} has finished; its attempt is over.")
+                raise RequestError(410, f"Session {session.id} has finished; its attempt is over.")
             if request.retry and request.key in session.answers:
                 return session.answers[request.key]
             if request.previous_response_id is not None:  # Responses API: the stored conversation goes first
@@ -467,11 +496,17 @@ class CaptureServer:
                                         f"{self.max_model_len} tokens.", "messages")
             room = self.max_model_len - len(prompt)  # a longer max_tokens is cut to it (finish_reason "length")
             routes = (session.segments[-1].routed_experts or []) if ext is not None else []
-            sampling = dict(request.sampling, stop_token_ids=self.end_ids + [self.call_ids[1]] * (not request.parallel),
+            # forced and strict calls: their arguments sampled under the schema; the grammar also ends the turn after
+            # the first call when calls are not parallel (a stop token would be one the grammar could not write)
+            grammar, trigger = call_grammar(self.call_format, request) or (None, None)
+            stop_at_call = not request.parallel and grammar is None
+            sampling = dict(request.sampling, stop_token_ids=self.end_ids + [self.call_ids[1]] * stop_at_call,
                             routed_experts_start=len(routes), max_tokens=min(request.sampling["max_tokens"] or room, room),
                             top_logprobs=request.top_logprobs)
+            if grammar:
+                sampling["structured"] = {"structural_tag": grammar}
             refuse_calls = bool(request.tools) and not request.parse_tools  # tool_choice "none"
-            if None in self.call_ids and (refuse_calls or not request.parallel):
+            if None in self.call_ids and (refuse_calls or stop_at_call):
                 raise RequestError(400, "This tokenizer has no single tokens that open and close a tool call, so "
                                         "tool_choice \"none\" and parallel_tool_calls false cannot be honoured.")
             # the model never writes an image placeholder (one in its text would read as an image slot)
@@ -499,13 +534,16 @@ class CaptureServer:
                 raise RequestError(400, f"The reply cannot be encoded as JSON: {e}.")
             with session.record_lock:  # recorded only now: a failed generation leaves the trajectory as it was
                 if session.finished:
-                    raise RequestError(401, f"Session {session.id} finished while this request was generating.")
+                    raise RequestError(410, f"Session {session.id} finished while this request was generating.")
                 if ext is None:
                     session.segments.append(Segment(session.attempt_id, len(session.segments)))
+                    session.segments[-1].opened = self.opening(session, request.messages, request.tools)
                 segment = session.segments[-1]
                 segment.append(appended)
                 segment.images, segment.image_tokens = images, counts
-                segment.append(out["token_ids"], None if masked else out)
+                free = self.free_tokens(out["token_ids"], trigger) if masked else len(out["token_ids"])
+                segment.append(out["token_ids"][:free], {k: out[k][:free] for k in ("logprobs", "token_versions")})
+                segment.append(out["token_ids"][free:])
                 if out.get("routed_experts") is not None:  # routes of the tokens the engine computed this turn
                     segment.routed_experts = routes + out["routed_experts"]
                 session.conversation = conversation + [result["message"]]
@@ -517,6 +555,15 @@ class CaptureServer:
                 if len(session.answers) > self.max_cached_answers:
                     session.answers.popitem(last=False)
             return result
+
+    def free_tokens(self, ids, trigger):
+        """How many of a turn's tokens came before its grammar constrained any: those up to the end of the trigger's
+        text ("auto" calls to strict tools), none without a trigger (the whole turn constrained)."""
+        lo, hi = 0, len(ids) if trigger else 0  # the shortest prefix whose text holds the trigger
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if trigger in self.tokenizer.decode(ids[:mid]) else (mid + 1, hi)
+        return lo
 
     def call_opening(self, request):
         """The template's text that opens a tool call, up to the name (tool_choice "required") or up to the arguments
@@ -625,16 +672,29 @@ class CaptureServer:
 
     # --- HTTP
 
+    def expiry(self, session):
+        return f"it expired after {self.http_session_idle_s:g} s without a request (http_session_idle_s)"
+
     def authorize(self, request):
-        session = self.sessions.get(request.path_params["sid"])
-        key = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
-        if session is None or not secrets.compare_digest(key.strip().encode(), session.api_key.encode()):
-            raise RequestError(401, "Unknown session or wrong API key: use the base_url and api_key issued for "
-                                    "this attempt.")
+        sid = request.path_params["sid"]
+        session, gone = self.sessions.get(sid), self.dropped.get(sid)
+        key = (request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer "))
+        if session is None and gone is None:
+            raise RequestError(404, f"No session {sid} on this server: it never existed, or it ended and was dropped "
+                                    f"long ago (the server keeps at most {self.max_http_sessions} sessions made over "
+                                    "HTTP, finished ones dropped first).")
+        expected = key_digest(session.api_key) if session else gone[0]
+        if not secrets.compare_digest(key_digest(key.strip()), expected):
+            raise RequestError(401, "Wrong API key for this session: use the base_url and api_key issued for this "
+                                    "attempt.")
+        if session is None:
+            raise RequestError(410, f"Session {sid} is gone: {gone[1]}. The server keeps at most "
+                                    f"{self.max_http_sessions} sessions made over HTTP and drops finished ones first "
+                                    "(max_http_sessions): read a session's segments from its finish reply.")
         if session.id in self.http_sessions:
             if time.monotonic() - session.last_used > self.http_session_idle_s and not session.lock.locked():
-                self.drop_session(session.id)
-                raise RequestError(401, f"Session {session.id} expired after {self.http_session_idle_s:g} s idle.")
+                self.drop_session(session.id, self.expiry(session))
+                raise RequestError(410, f"Session {session.id} is gone: {self.expiry(session)}.")
             self.http_sessions.move_to_end(session.id)
         session.last_used = time.monotonic()
         return session
@@ -687,7 +747,7 @@ class CaptureServer:
         try:
             session = self.authorize(request)
             if session.finished:
-                raise RequestError(401, f"Session {session.id} has finished; its attempt is over.")
+                raise RequestError(410, f"Session {session.id} has finished; its attempt is over.")
             raw, body = await self.read_json(request)
             messages = body.get("input" if protocol == "responses" else "messages") if isinstance(body, dict) else None
             if isinstance(messages, list) and len(messages) > self.max_model_len:  # before reading each of them
@@ -836,8 +896,8 @@ class CaptureServer:
 
 
 def trajectory_record(segment, tokenizer):
-    """A segment dict as JSON (images in base64) plus decoded text for humans: the whole segment, and each run of
-    generated tokens."""
+    """A segment dict as JSON (images in base64) plus decoded text for humans: the whole segment, each run of
+    generated tokens, and each token."""
     runs, start = [], None
     for i, m in enumerate(segment["action_mask"] + [0]):
         if m and start is None:
@@ -846,6 +906,7 @@ def trajectory_record(segment, tokenizer):
             runs.append(tokenizer.decode(segment["token_ids"][start:i], skip_special_tokens=False))
             start = None
     return dict(segment, text=tokenizer.decode(segment["token_ids"], skip_special_tokens=False), generated=runs,
+                tokens=tokenizer.batch_decode([[t] for t in segment["token_ids"]]),  # each token's text (viewer.py)
                 images=[base64.b64encode(b).decode() for b in segment.get("images", [])])
 
 
@@ -866,7 +927,11 @@ def main(argv=None):
     parser.add_argument("--model", help="HuggingFace model directory (default: the tiny model, built on first use)")
     parser.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--view", metavar="OUT_DIR", help="serve the trajectory viewer over a run's out_dir instead")
     args = parser.parse_args(argv)
+    if args.view:  # no engine: the page over the run's files (viewer.py)
+        import viewer
+        return viewer.main(args.view, args.port)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (else half the RAM); GPU ignores it
     model = args.model
     if model is None:

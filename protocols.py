@@ -64,6 +64,7 @@ class ChatRequest:
         self.key, self.retry = None, False  # the answer's key (Idempotency-Key or the raw body); whether a client retry
         self.body_bytes = 0  # the body's size: a large request renders off the event loop
         self.forced = None  # a forced tool call: "" (any tool) or the tool's name
+        self.strict = set()  # the tools marked `strict`: their calls are sampled under their schema
         self.opening = ""  # a forced call's opening from the call tag on: the text the tool parser reads first
         self.parallel, self.top_logprobs, self.previous_response_id, self.store = True, None, None, True
         self.instructions = 0  # Responses API: 1 when messages[0] holds this request's `instructions`
@@ -168,6 +169,99 @@ def tool_choice_of(request, kind, name, parallel=True):
     return request
 
 
+MAX_JSON_WHITESPACE = 1  # consecutive whitespace characters in constrained JSON (a random model loops on them)
+SAFE_NUMBERS = {"integer": 2**53 - 1, "number": 1e15}  # the bounds constrained JSON numbers get where a schema has none
+
+
+def bounded(schema):
+    """A copy of a JSON schema whose integers and numbers without bounds get them (+-(2**53 - 1), +-1e15: the range
+    JSON readers keep exactly): xgrammar then allows finitely many digits, where a random model writes digits until
+    max_tokens."""
+    if isinstance(schema, list):
+        return [bounded(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in ("const", "enum", "default", "examples") else bounded(v) for k, v in schema.items()}
+    limit = SAFE_NUMBERS.get(schema["type"]) if isinstance(schema.get("type"), str) else None
+    if limit is not None:
+        for side, sign in (("minimum", -1), ("maximum", 1)):
+            if side not in out and "exclusiveM" + side[1:] not in out:
+                out[side] = sign * limit
+    return out
+
+
+def call_grammar(format_name, request):
+    """The structural tag (vLLM structured outputs over xgrammar) that this turn is sampled under, as (JSON, trigger),
+    or None. A forced call's arguments fit its tool's schema (the prompt already holds the call's opening: the grammar
+    takes over from there); under "auto" so do the arguments of a call to a `strict` tool (other tools': any JSON);
+    an answer in a response format fits its schema. `trigger` is the text after which an "auto" turn samples under the
+    grammar (None: from its start). `format_name` is the tool parser's call format (vLLM's `structural_tag_model`:
+    "hermes" for <tool_call> JSON, "qwen_3_coder" for Qwen3.5's XML, ...): the schema constrains the arguments
+    whatever wraps them. JSON whitespace runs are capped (a random model can loop on them: the turn never ends)."""
+    structured = request.sampling.get("structured")
+    constrained = request.strict or request.forced is not None
+    if not (format_name and request.tools and request.parse_tools and constrained or structured):
+        return None
+    from pydantic import BaseModel
+    from xgrammar import Grammar, StructuralTag
+    from xgrammar.structural_tag import (ConstStringFormat, JSONSchemaFormat, OrFormat, SequenceFormat, TagFormat,
+                                         TagsWithSeparatorFormat, TriggeredTagsFormat)
+    answer = structured and JSONSchemaFormat(json_schema=bounded(structured.get("json", {"type": "object"})),
+                                             max_whitespace_cnt=MAX_JSON_WHITESPACE)
+    if not (format_name and request.tools and request.parse_tools and constrained):
+        return StructuralTag(format=answer).model_dump_json(), None
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
+    from vllm.tool_parsers.structural_tag_registry import get_model_structural_tag
+
+    def nodes(node):
+        if isinstance(node, BaseModel):
+            yield node
+            for name in type(node).model_fields:
+                yield from nodes(getattr(node, name))
+        elif isinstance(node, (list, tuple)):
+            for item in node:
+                yield from nodes(item)
+
+    def grammar(choice):  # the format's own: (the whole, its parts, the list of calls in it)
+        tag = get_model_structural_tag(format_name, tools, choice, False)
+        found = list(nodes(tag.format))
+        for n in found:
+            if isinstance(n, JSONSchemaFormat):
+                n.max_whitespace_cnt = MAX_JSON_WHITESPACE
+            if isinstance(n, (TriggeredTagsFormat, TagsWithSeparatorFormat)):
+                n.stop_after_first = not request.parallel
+        return tag.format, found, next(n for n in found if isinstance(n, (TriggeredTagsFormat, TagsWithSeparatorFormat)))
+    def readable(schema):  # one xgrammar cannot compile keeps its object's shape: property names, required ones
+        try:
+            Grammar.from_json_schema(json.dumps(schema))
+            return schema
+        except RuntimeError:
+            names = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+            required = [k for k in schema.get("required") or [] if k in names]
+            return {"type": "object", "properties": {k: {} for k in names}, "required": required}
+    tools = [ChatCompletionToolsParam(type="function", function=dict(
+        t["function"], parameters=readable(bounded(t["function"]["parameters"])),
+        strict=request.forced is not None or t["function"]["name"] in request.strict)) for t in request.tools]
+    trigger = None
+    if request.forced is not None:  # one of the calls the opening begins, and the turn ends
+        _, found, _ = grammar("required")
+        first = [SequenceFormat(elements=[e for e in (ConstStringFormat(value=n.begin[len(request.opening):]) if
+                                                      n.begin != request.opening else None, n.content,
+                                                      ConstStringFormat(value=n.end)) if e is not None])
+                 for n in found if isinstance(n, TagFormat) and isinstance(n.begin, str) and isinstance(n.end, str)
+                 and n.begin.startswith(request.opening)]
+        if not first:
+            raise RequestError(400, f"The chat template opens a forced call as {request.opening!r}, which no call of the "
+                                    f"tool parser's format ({format_name}) begins with.", "tool_choice")
+        fmt = first[0] if len(first) == 1 else OrFormat(elements=first)
+    elif structured:  # an answer in the response format, or calls
+        fmt = OrFormat(elements=[answer, grammar("required")[2]])
+    else:
+        fmt, _, calls = grammar("auto")
+        trigger = getattr(calls, "triggers", [None])[0]
+    return StructuralTag(format=fmt).model_dump_json(), trigger
+
+
 def structured_of(fmt, where):
     """A response format (json_schema / json_object / text) as vLLM's structured-output fields, or None."""
     kind = fmt.get("type")
@@ -266,7 +360,7 @@ def parse_openai(body, server):
                                f"{w}.role")
     if not messages:
         raise RequestError(400, "`messages` must not be empty.", "messages")
-    tools = []
+    tools, strict = [], set()
     for i, t in enumerate(field(body, "tools", list, [])):
         fn = field(t if isinstance(t, dict) else {}, "function", dict, required=True, where=f"tools[{i}].")
         spec = {"name": field(fn, "name", str, required=True, where=f"tools[{i}].function.")}
@@ -275,6 +369,7 @@ def parse_openai(body, server):
         spec["parameters"] = field(fn, "parameters", dict, {"type": "object", "properties": {}},
                                    where=f"tools[{i}].function.")
         tools.append({"type": "function", "function": spec})
+        strict |= {spec["name"]} if field(fn, "strict", bool, where=f"tools[{i}].function.") else set()
     max_tokens = field(body, "max_completion_tokens", int, field(body, "max_tokens", int))
     sampling = sampling_of(server, field(body, "temperature", (int, float)), field(body, "top_p", (int, float)),
                            max_tokens, field(body, "stop", (str, list)), field(body, "seed", int), 2.0)
@@ -282,7 +377,7 @@ def parse_openai(body, server):
     options = field(body, "stream_options", dict, {})
     request = ChatRequest("openai", messages, tools, True, sampling, field(body, "stream", bool, False),
                           bool(options.get("include_usage")), model)
-    request.top_logprobs = top_logprobs
+    request.top_logprobs, request.strict = top_logprobs, strict
     return tool_choice_of(request, *openai_choice(field(body, "tool_choice", (str, dict), "auto"), "function"),
                           field(body, "parallel_tool_calls", bool, True))
 
@@ -360,7 +455,7 @@ def parse_anthropic(body, server, counting=False):
             messages.append({"role": "user", "content": joined(text)})
     if len(messages) == (system is not None):
         raise RequestError(400, "`messages` must not be empty.", "messages")
-    tools = []
+    tools, strict = [], set()
     for i, t in enumerate(field(body, "tools", list, [])):
         t = t if isinstance(t, dict) else {}
         if t.get("type") not in (None, "custom"):
@@ -371,6 +466,7 @@ def parse_anthropic(body, server, counting=False):
             spec["description"] = t["description"]
         spec["parameters"] = field(t, "input_schema", dict, required=True, where=f"tools[{i}].")
         tools.append({"type": "function", "function": spec})
+        strict |= {spec["name"]} if field(t, "strict", bool, where=f"tools[{i}].") else set()
     choice = field(body, "tool_choice", dict, {"type": "auto"})
     kind = choice.get("type")
     kind = {"any": "required", "tool": "function"}.get(kind, kind) if isinstance(kind, str) else kind
@@ -382,6 +478,7 @@ def parse_anthropic(body, server, counting=False):
                            None, 1.0)
     request = ChatRequest("anthropic", messages, tools, True, sampling, field(body, "stream", bool, False), True,
                           field(body, "model", str, ""))
+    request.strict = strict
     return tool_choice_of(request, kind, choice.get("name"),
                           not field(choice, "disable_parallel_tool_use", bool, False, where="tool_choice."))
 
@@ -425,7 +522,7 @@ def parse_responses(body, server):
         else:
             raise RequestError(400, f"`{w}type` {kind!r} is not supported (items: {RESPONSES_ITEMS}; message roles "
                                     "system, developer, user, assistant).", w + "type")
-    tools = []
+    tools, strict = [], set()
     for i, t in enumerate(field(body, "tools", list, [])):
         t = t if isinstance(t, dict) else {}
         if t.get("type") != "function":
@@ -435,6 +532,7 @@ def parse_responses(body, server):
             spec["description"] = t["description"]
         spec["parameters"] = field(t, "parameters", dict, {"type": "object", "properties": {}}, where=f"tools[{i}].")
         tools.append({"type": "function", "function": spec})
+        strict |= {spec["name"]} if field(t, "strict", bool, where=f"tools[{i}].") else set()
     include = field(body, "include", list, [])
     top_logprobs = field(body, "top_logprobs", int, 0) if "message.output_text.logprobs" in include else None
     if top_logprobs is not None and not 0 <= top_logprobs <= 20:
@@ -445,7 +543,7 @@ def parse_responses(body, server):
                                                  where="text."), "text.format")
     request = ChatRequest("responses", messages, tools, True, sampling, field(body, "stream", bool, False), True,
                           field(body, "model", str, ""))
-    request.top_logprobs, request.instructions = top_logprobs, int(bool(instructions))
+    request.top_logprobs, request.instructions, request.strict = top_logprobs, int(bool(instructions)), strict
     request.previous_response_id = field(body, "previous_response_id", str)
     request.store = field(body, "store", bool, True)
     if not items:
@@ -472,6 +570,10 @@ class ImageTokens:
             video = getattr(self.processor, "video_token", None)  # logit biases that keep placeholders unsampled
             self.banned = {t: -100 for t in (self.token_id, video and tokenizer.convert_tokens_to_ids(video)) if t}
         self.max_per_prompt, self.max_pixels, self.max_bytes = max_per_prompt, max_pixels, max_bytes
+        # the most tokens an image may take: a huge square's, resized to the processor's pixel budget, as vLLM sizes
+        # its encoder cache (a very long image can resize to a little more: the engine would refuse it)
+        self.max_tokens = self.processor and self.processor._get_num_multimodal_tokens(
+            image_sizes=[(1 << 20, 1 << 20)]).num_image_tokens[0]
 
     def check(self, messages):
         """The images of internal messages, in the order templates render them, within the limits."""
@@ -485,8 +587,10 @@ class ImageTokens:
         return images
 
     def count(self, image):
-        """How many tokens an image takes; the whole file is decoded (a corrupt one fails here, not in the engine)."""
+        """How many tokens an image takes; the whole file is decoded (a corrupt one fails here, not in the engine) and
+        the processor's rules are checked on the image vLLM will hand it (EXIF orientation applied, in RGB)."""
         from PIL import Image
+        from vllm.multimodal.image import convert_image_mode, normalize_image
         where = image.where
         if len(image) > self.max_bytes:
             raise RequestError(400, f"`{where}`: the image is {len(image)} bytes, more than {self.max_bytes}.", where)
@@ -497,11 +601,20 @@ class ImageTokens:
                     raise RequestError(400, f"`{where}`: the image is {w}x{h} pixels, more than {self.max_pixels}.",
                                        where)
                 img.load()
+                w, h = convert_image_mode(normalize_image(img), "RGB").size  # a photo turned on its side swaps them
         except RequestError:
             raise
         except Exception as e:  # PIL raises many kinds (UnidentifiedImageError, OSError, DecompressionBombError...)
             raise RequestError(400, f"`{where}` is not an image this server can decode: {e}.", where)
-        return self.processor._get_num_multimodal_tokens(image_sizes=[(h, w)]).num_image_tokens[0]
+        try:
+            n = self.processor._get_num_multimodal_tokens(image_sizes=[(h, w)]).num_image_tokens[0]
+        except ValueError as e:  # the processor's own rules (Qwen-VL: an aspect ratio of at most 200)
+            raise RequestError(400, f"`{where}`: this model's image processor refuses a {w}x{h} image: {e}.", where)
+        if n > self.max_tokens:
+            raise RequestError(400, f"`{where}`: resized by this model's processor, the {w}x{h} image takes {n} tokens, "
+                                    f"more than the {self.max_tokens} of its pixel budget (the engine's limit for one "
+                                    "image); crop or pad it closer to square.", where)
+        return n
 
     def expand(self, ids, images):
         """Rendered ids with each image's placeholder token repeated as many times as the image takes tokens, and

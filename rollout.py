@@ -288,7 +288,9 @@ def put_experience(segment, reward, group_id, failed=False, error=None):
     """ray.put a recorded segment's per-token arrays; return the light record that travels on the queue."""
     mask = np.asarray(segment["action_mask"], dtype=np.int8)  # (T,)
     versions = np.asarray(segment["token_versions"], dtype=np.int32)  # (T,)
-    arrays = dict(token_ids=np.asarray(segment["token_ids"], dtype=np.int32),
+    arrays = dict(attempt_id=segment["attempt_id"], segment_index=segment["segment_index"],
+                  opened=segment.get("opened"),  # why this segment began (capture.CaptureServer.opening)
+                  token_ids=np.asarray(segment["token_ids"], dtype=np.int32),
                   action_mask=mask,
                   behavior_logprobs=np.asarray(segment["behavior_logprobs"], dtype=np.float32),
                   token_versions=versions,

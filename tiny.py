@@ -6,6 +6,7 @@ the template, a 3-layer vision tower and its image processor. A directory is bui
 
     python tiny.py                            # builds .cache/tiny-qwen3-moe if missing and prints it
     python tiny.py .cache/tiny-qwen3-vl-moe   # the tiny Qwen3-VL-MoE
+    python tiny.py .cache/tiny-qwen36-moe     # the tiny Qwen3.6-style hybrid MoE VLM (Gated DeltaNet, MTP)
 """
 import json
 import os
@@ -28,6 +29,19 @@ TINY_CONFIG = ModelConfig(
 TINY_VL_CONFIG = replace(TINY_CONFIG, moe_intermediate_size=192, mrope_section=[12, 10, 10], vision=VisionConfig(
     depth=3, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, deepstack_visual_indexes=[0, 1],
     vision_start_token_id=3, vision_end_token_id=4, image_token_id=5, video_token_id=6))  # VISION_TOKENS' ids
+# The tiny Qwen3.6-style hybrid VLM (Qwen3_5MoeForConditionalGeneration): Gated DeltaNet and gated full attention in
+# an irregular pattern, a shared expert, partial rotary (16 of 64 dims) with interleaved M-RoPE, a 2-layer tower
+# without deepstack, one MTP layer. Head dims 64: vLLM's CPU attention has no kernel for 32.
+TINY_QWEN36_CONFIG = ModelConfig(
+    family="qwen3_5", vocab_size=2048, hidden_size=128, num_hidden_layers=5, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, rope_theta=10000.0, partial_rotary_factor=0.25,
+    mrope_section=[3, 3, 2], layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention",
+                                          "full_attention"],
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, shared_expert_intermediate_size=192,
+    mtp_num_hidden_layers=1, vision=VisionConfig(
+        depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, deepstack_visual_indexes=[],
+        vision_start_token_id=3, vision_end_token_id=4, image_token_id=5, video_token_id=6))
 # The default model_path: the tiny Qwen3-MoE after a short supervised warm start on worked examples of the calculator
 # task, which train.py builds with its own trainer and loss (ensure_warm_start) and rebuilds when WARM_START changes.
 # It teaches the protocol (call the tool, copy the numbers in and the result out), not which operation a word names
@@ -44,8 +58,8 @@ VL_WARM_START = dict(transcripts=4000, max_steps=100, learning_rate=3e-3, min_lr
 WARM_STARTS = {TINY_SFT: ("tiny-qwen3-moe", "calculator.py", WARM_START),  # name: base model, agent file, recipe
                TINY_VL_SFT: ("tiny-qwen3-vl-moe", "colours.py", VL_WARM_START)}
 TRANSCRIPT_KEYS = ("transcripts", "with_tools", "from_memory")  # a recipe's options of transcripts(); the rest: train.py's
-TINY_MODELS = {"tiny-qwen3-moe": TINY_CONFIG, "tiny-qwen3-vl-moe": TINY_VL_CONFIG, TINY_SFT: TINY_CONFIG,
-               TINY_VL_SFT: TINY_VL_CONFIG}  # by name
+TINY_MODELS = {"tiny-qwen3-moe": TINY_CONFIG, "tiny-qwen3-vl-moe": TINY_VL_CONFIG, "tiny-qwen36-moe": TINY_QWEN36_CONFIG,
+               TINY_SFT: TINY_CONFIG, TINY_VL_SFT: TINY_VL_CONFIG}  # by name
 
 
 def tiny_model_config(path):

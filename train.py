@@ -41,6 +41,7 @@ import lora
 import loss
 import plan
 import runlog
+import viewer
 import vl
 from experts import EXPERT_PROJS, GatherRows, SumRows, count_ids, slot_positions, to_contiguous
 from model import (Transformer, checkpoint_reader, copy_hf_extras, hf_name, init_parameters, is_stacked_experts,
@@ -69,6 +70,12 @@ eval_every = 10            # held-out evaluation every this many steps, at the s
 eval_prompts = ""          # JSONL/Parquet of held-out prompts; "" takes the agent module's eval_prompts(), if any
 eval_temperature = 0.0     # the evaluation's sampling (0: greedy)
 tensorboard_dir = ""       # also write every logged number there as TensorBoard scalars (pip install tensorboard)
+wandb_project = ""         # also log every number to this Weights & Biases project (pip install wandb;
+                           # WANDB_MODE=offline keeps the run in out_dir/wandb)
+view_port = 0              # serve the trajectory viewer on 127.0.0.1:PORT during the run (viewer.py; 0: no server)
+view_groups_per_step = 1   # GRPO groups of each batch recorded for the viewer in out_dir/view/ (0: none), with the
+                           # trainer's logprobs of their tokens; written off the trainer's path
+view_max_attempts = 256    # the newest this many recorded attempts are kept there (older ones are deleted)
 # rollout
 num_engines = 1
 tensor_parallel_size = 1
@@ -240,7 +247,7 @@ def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
     out_dir = cfg["out_dir"]
     loop = asyncio.new_event_loop()  # runs the weight-sync coroutines of this thread
     sender = weights_sync.WeightSender(adapter=lora.sync_config(cfg))  # LoRA: the adapters alone travel
-    writer, evals = runlog.tensorboard_writer(cfg, rank), {}
+    writer, evals = runlog.scalar_writer(cfg, rank), {}
     # one optimizer step that changes the weights = one policy version (a resumed run: the checkpoint's); the engines
     # start at version 0
     policy_version = step if policy_version is None else policy_version
@@ -259,6 +266,7 @@ def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
         segments, advantages = share_batch(records, cfg, rank, world)
         m = train_step(model, optimizer, pack_microbatches(segments, advantages, cfg["microbatch_tokens"]), cfg,
                        policy_version, step)
+        rank == 0 and run["recorder"] and run["recorder"].add(step, records, segments, advantages, m["logprobs"])
         trained = policy_version  # the version this step trained on
         if not m["skipped"]:  # a skipped step (non-finite gradients) changed no weight: no new version, no sync
             policy_version += 1
@@ -282,7 +290,8 @@ def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
                        attempts=len(rewards), segments=len(records))
             # every number the loss and the step report: loss, entropy, kl_ref, clip, dual-clip and importance-mask
             # fractions, advantage statistics, grad_norm, lr, skipped
-            row.update({k: v for k, v in m.items() if k not in row}, **runlog.info_means(records))
+            row.update({k: v for k, v in m.items() if k not in row and (v is None or isinstance(v, (int, float)))},
+                       **runlog.info_means(records))
             row.update(evaluate(run, cfg, policy_version, evals))  # after step_time: eval_s
             runlog.log_step(out_dir, row, writer)
             run["router"].reset_idle_clock()
@@ -330,7 +339,7 @@ def sft(cfg, model, optimizer, step, rank, world):
     rows = [vl.transcript_images(*transcript_tokens(r, tokenizer), r["messages"], cfg["model_path"])
             for r in load_transcripts(cfg["sft_data"])]
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg["seed"])).tolist()
-    batch, writer = cfg["groups_per_batch"] * cfg["group_size"], runlog.tensorboard_writer(cfg, rank)
+    batch, writer = cfg["groups_per_batch"] * cfg["group_size"], runlog.scalar_writer(cfg, rank)
     for step in tqdm(range(step, cfg["max_steps"]), initial=step, total=cfg["max_steps"], disable=rank != 0):
         t0 = time.perf_counter()
         picks = [rows[order[(step * batch + i) % len(rows)]] for i in range(batch)][rank::world]
@@ -441,8 +450,10 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
         first_prompt=data_position,
         sampling=dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_tokens=cfg["max_tokens"]))
     blank = [vl.blank_images(p) for p in held_out] if cfg["eval_every"] else []
-    return dict(engines=engines, router=router, server=server, pool=pool, placement=placement, cleanup=cleanup,
-                eval_prompts=held_out if cfg["eval_every"] else [], blank_prompts=blank if blank != held_out else [])
+    # the viewer's sample ("recorder") and live page ("view"), as the view_* keys ask; "cleanup" stops them too
+    return dict(engines=engines, router=router, server=server, pool=pool, placement=placement,
+                eval_prompts=held_out if cfg["eval_every"] else [], blank_prompts=blank if blank != held_out else [],
+                **viewer.start(cfg, cleanup))
 
 
 def stop_rollout(run):
@@ -492,7 +503,8 @@ def share_batch(records, cfg, rank, world):
 
 def pack_microbatches(segments, advantages, microbatch_tokens):
     """Segments sorted by length into microbatches of at most microbatch_tokens padded tokens (one longer segment
-    gets its own). A rank with no segment trains on one empty row, so that it joins the collectives."""
+    gets its own); segment_rows: which segment each row holds. A rank with no segment trains on one empty row, so
+    that it joins the collectives."""
     if not segments:
         segments, advantages = [dict(token_ids=[0, 0], action_mask=[0, 0], behavior_logprobs=[0.0, 0.0],
                                      token_versions=[-1, -1], routed_experts=None)], [0.0]
@@ -504,7 +516,7 @@ def pack_microbatches(segments, advantages, microbatch_tokens):
             current = []
         current.append(i)
     groups.append(current)
-    return [collate([segments[i] for i in g], [advantages[i] for i in g]) for g in groups]
+    return [dict(collate([segments[i] for i in g], [advantages[i] for i in g]), segment_rows=g) for g in groups]
 
 
 def push_weights(run, loop, sender, model, policy_version, rank, world):
@@ -601,7 +613,7 @@ def empty_microbatch(like):
     """A 1-token microbatch with nothing to learn from: ranks with fewer microbatches run these so that every rank
     takes part in the same number of FSDP and expert-parallel collectives."""
     return {k: (torch.zeros_like(v[:1, :1] if v.dim() > 1 else v[:1]) if torch.is_tensor(v) else v)
-            for k, v in like.items() if k not in vl.IMAGE_FIELDS}
+            for k, v in like.items() if k not in (*vl.IMAGE_FIELDS, "segment_rows")}
 
 
 def microbatch_logprobs(model, mb, cfg, with_entropy=False):
@@ -646,7 +658,8 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
     behavior_logprobs, token_versions, advantages (B,) or (B, T), optional ref_logprobs, and routed_experts
     (B, T, L_moe, K) or None (see `collate`). The loss is normalized by the window's kept-token count, all-reduced
     before the first backward, and gradients are summed over ranks (shard_model), so the step is the same however
-    the window is split into microbatches and ranks.
+    the window is split into microbatches and ranks. "logprobs": (segment_rows, the trainer's logprobs (B, T),
+    detached) of each microbatch from pack_microbatches, for the viewer's sample (viewer.Recorder.add).
     """
     t0 = time.perf_counter()
     step = policy_version if step is None else step
@@ -670,7 +683,7 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
             mb["token_versions"], policy_version, lcfg) for old, mb in zip(old_logprobs, microbatches)]
     window_tokens = loss.count_window_tokens(kept)  # one all-reduce, before the first backward
 
-    metrics = []
+    metrics, kept_logprobs = [], []
     for old, mb in zip(old_logprobs, microbatches):
         logprobs, entropy = microbatch_logprobs(model, mb, dict(cfg, temperature=1.0) if sft else cfg,
                                                 with_entropy=lcfg.entropy_coef > 0 and not sft)
@@ -680,6 +693,7 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
             ref_logprobs=mb.get("ref_logprobs"), entropy=entropy)
         mb_loss.backward()
         metrics.append(mb_metrics)
+        kept_logprobs.append((mb.get("segment_rows"), logprobs.detach()))  # B x T floats kept until the step returns
 
     grad_norm = clip_grad_norm(model, cfg["grad_clip"], device, optimizer)
     lr = learning_rate_at(step, cfg)
@@ -696,7 +710,8 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
     tokens = torch.tensor(sum(mb["input_ids"].numel() for mb in microbatches), device=device)
     dist.all_reduce(tokens)
     out.update(grad_norm=grad_norm, lr=lr, skipped=skipped, window_tokens=int(window_tokens.item()),
-               tokens=int(tokens.item()), train_step_s=time.perf_counter() - t0)
+               tokens=int(tokens.item()), train_step_s=time.perf_counter() - t0,
+               logprobs=kept_logprobs)
     return out
 
 
@@ -766,7 +781,7 @@ def shard_model(model, meshes, cfg):
     kw = dict(mp_policy=mp, offload_policy=offload)
     local_experts = experts_skip_fsdp(meshes, cfg)
     kept = set()
-    for block in model.model.layers:
+    for block in [*model.model.layers, *(model.mtp.layers if model.mtp is not None else [])]:
         if block.is_moe and local_experts:
             keep_experts_local(block.mlp.experts, meshes["expert_fsdp"], mp.param_dtype,
                                reuse_casts=not cfg["activation_checkpointing"])
@@ -986,7 +1001,8 @@ def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_
         load_hf_weights(model, weights_path)
     else:
         generator = torch.Generator(model.lm_head.weight.device).manual_seed(cfg["seed"] + dist.get_rank())
-        init_parameters(((n, local_tensor(p)) for n, p in model.named_parameters()), init_std, generator)
+        init_parameters(((n, local_tensor(p)) for n, p in model.named_parameters()), init_std, generator,
+                        mcfg.family == "qwen3_5")
     for p, full in lora.initial_adapters(model, cfg["seed"]):
         copy_shard(p, full)
     return model

@@ -30,9 +30,26 @@ def test_defaults_file_and_overrides(tmp_path):
 
 
 def test_every_shipped_config_resolves():
-    for name in sorted(os.listdir(os.path.join(ROOT, "configs"))):
-        if name.endswith(".py"):
-            configure(["--config", os.path.join(ROOT, "configs", name)])
+    """Each file of configs/ opens with the command that runs it, and resolves to the defaults with exactly the file's
+    assignments over them (values of the defaults' types: configure raises on any other)."""
+    names = sorted(n for n in os.listdir(os.path.join(ROOT, "configs")) if n.endswith(".py"))
+    assert "tiny.py" in names and len(names) >= 6
+    defaults = configure([])
+    for name in names:
+        path = os.path.join(ROOT, "configs", name)
+        with open(path) as f:
+            text = f.read()
+        first = text.splitlines()[0]
+        assert first.startswith("# ") and f"--config configs/{name}" in first and (
+            "python train.py" in first or "./torchrun.sh" in first), (name, first)
+        scope = {}
+        exec(compile(text, path, "exec"), {}, scope)
+        assigned = {k: v for k, v in scope.items() if not k.startswith("_")}
+        assert assigned and set(assigned) <= set(defaults), (name, set(assigned) - set(defaults))
+        cfg = configure(["--config", path])
+        assert set(cfg) == set(defaults), name
+        assert {k: cfg[k] for k in cfg if cfg[k] != defaults[k]} == {
+            k: v for k, v in assigned.items() if v != defaults[k]}, name
 
 
 def test_a_lora_run_schedules_lora_learning_rate():
