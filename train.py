@@ -221,11 +221,12 @@ def main(argv):
     # a model in training writes malformed tool calls all the time; vLLM's parser logs a traceback for each
     logging.getLogger("vllm.tool_parsers.hermes_tool_parser").setLevel(logging.CRITICAL)
     ray = connect_ray(cfg, rank, world)
-    gpus = trainer_gpus(ray, world)
+    import rollout  # after connect_ray: the other ranks import ray only once its auth mode is set
+    gpus = rollout.trainer_gpus(ray, world)
     # a resumed run's pool continues the prompt stream after the prompts its earlier life drew
     run = start_rollout(cfg, trainer_gpus=gpus, data_position=extra.get("data_position", 0)) if rank == 0 else None
 
-    evals = train(cfg, model, optimizer, run, step, rank, world)
+    evals = train(cfg, model, optimizer, run, step, rank, world, extra.get("policy_version", step))
 
     if rank == 0:
         stop_rollout(run)
@@ -237,7 +238,7 @@ def main(argv):
     dist.destroy_process_group()
 
 
-def train(cfg, model, optimizer, run, step, rank, world):
+def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
     """The loop, from `step` to max_steps: batch -> advantages -> each rank's refs -> train step -> weight sync ->
     held-out evaluation (every eval_every steps) -> log -> checkpoint. Rank 0 drives (run: start_rollout's dict);
     the others follow through collectives. Returns rank 0's evaluations, {policy_version: metrics}."""
@@ -247,7 +248,9 @@ def train(cfg, model, optimizer, run, step, rank, world):
     loop = asyncio.new_event_loop()  # runs the weight-sync coroutines of this thread
     sender = weights_sync.WeightSender(adapter=lora.sync_config(cfg))  # LoRA: the adapters alone travel
     writer, evals = runlog.scalar_writer(cfg, rank), {}
-    policy_version = step  # one optimizer step = one policy version; the engines start at version 0
+    # one optimizer step that changes the weights = one policy version (a resumed run: the checkpoint's); the engines
+    # start at version 0
+    policy_version = step if policy_version is None else policy_version
     # the engines get the trainer's weights first: a resumed run's, or whatever they were started or left with
     push_weights(run, loop, sender, model, policy_version, rank, world)
     if rank == 0:
@@ -264,8 +267,10 @@ def train(cfg, model, optimizer, run, step, rank, world):
         m = train_step(model, optimizer, pack_microbatches(segments, advantages, cfg["microbatch_tokens"]), cfg,
                        policy_version, step)
         rank == 0 and run["recorder"] and run["recorder"].add(step, records, segments, advantages, m["logprobs"])
-        policy_version += 1
-        sync_s = push_weights(run, loop, sender, model, policy_version, rank, world)
+        trained = policy_version  # the version this step trained on
+        if not m["skipped"]:  # a skipped step (non-finite gradients) changed no weight: no new version, no sync
+            policy_version += 1
+        sync_s = None if m["skipped"] else push_weights(run, loop, sender, model, policy_version, rank, world)
         if rank == 0:
             pool = run["pool"].stats()
             rewards = {r["attempt_id"]: r["reward"] for r in records}  # an attempt counts once
@@ -281,10 +286,13 @@ def train(cfg, model, optimizer, run, step, rank, world):
                        response_tokens=sum(r["action_tokens"] for r in records) / max(len(rewards), 1),
                        batch_wait_s=t_batch - t0, sync_s=sync_s, engine_idle=run["router"].idle_fraction(),
                        # versions between the policy that sampled a segment's oldest token and the one training on it
-                       staleness=sum(policy_version - 1 - r["min_version"] for r in generated) / max(len(generated), 1),
-                       loss=m["loss"], grad_norm=m["grad_norm"], lr=m["lr"], kept_tokens=m["kept_tokens"],
-                       clip_frac=m["clip_frac"], attempts=len(rewards), segments=len(records))
-            row.update(info_means(records), **evaluate(run, cfg, policy_version, evals))  # after step_time: eval_s
+                       staleness=sum(trained - r["min_version"] for r in generated) / max(len(generated), 1),
+                       attempts=len(rewards), segments=len(records))
+            # every number the loss and the step report: loss, entropy, kl_ref, clip, dual-clip and importance-mask
+            # fractions, advantage statistics, grad_norm, lr, skipped
+            row.update({k: v for k, v in m.items() if k not in row and (v is None or isinstance(v, (int, float)))},
+                       **runlog.info_means(records))
+            row.update(evaluate(run, cfg, policy_version, evals))  # after step_time: eval_s
             runlog.log_step(out_dir, row, writer)
             run["router"].reset_idle_clock()
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", step_s=f"{step_time:.1f}",
@@ -392,15 +400,6 @@ def connect_ray(cfg, rank, world):
         import ray
         ray.init(address=address[0][0])
     return ray
-
-
-def trainer_gpus(ray, world):
-    """{ray node id: GPUs used by trainer ranks there}, gathered from every rank (a collective); {} on CPU."""
-    if not torch.cuda.is_available():
-        return {}
-    nodes = [None] * world
-    dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
-    return {n: nodes.count(n) for n in set(nodes)}
 
 
 def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
@@ -544,14 +543,6 @@ def push_weights(run, loop, sender, model, policy_version, rank, world):
         print0(f"weight sync at version {policy_version} lost an engine ({type(e).__name__}); the run goes on")
         run["router"].mark_connected([])
     return time.perf_counter() - t0
-
-
-def info_means(records):
-    """{"info/KEY": mean over attempts} of the numbers agents returned in Result.info (an attempt counts once)."""
-    per_attempt = {r["attempt_id"]: r.get("info") or {} for r in records}
-    keys = sorted({k for info in per_attempt.values() for k in info})
-    return {f"info/{k}": sum(info[k] for info in per_attempt.values() if k in info) /
-            sum(k in info for info in per_attempt.values()) for k in keys}
 
 
 # -----------------------------------------------------------------------------
@@ -719,7 +710,8 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
     tokens = torch.tensor(sum(mb["input_ids"].numel() for mb in microbatches), device=device)
     dist.all_reduce(tokens)
     out.update(grad_norm=grad_norm, lr=lr, skipped=skipped, window_tokens=int(window_tokens.item()),
-               tokens=int(tokens.item()), step_time=time.perf_counter() - t0, logprobs=kept_logprobs)
+               tokens=int(tokens.item()), train_step_s=time.perf_counter() - t0,
+               logprobs=kept_logprobs)
     return out
 
 

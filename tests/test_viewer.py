@@ -282,7 +282,7 @@ def device():
 
 
 def test_live_during_a_tiny_run_then_over_its_directory(tmp_path, tiny_model_path, rollout_engine, device,
-                                                        monkeypatch):
+                                                        monkeypatch, request):
     """A 3-step run of the tiny default with the viewer served (view_port) and W&B offline: while it trains, the page
     shows the curves growing and the sampled attempts with the trainer's logprobs; after it, `python capture.py
     --view OUT_DIR` serves the same directory; W&B's offline run holds the config and the last numbers."""
@@ -317,6 +317,7 @@ def test_live_during_a_tiny_run_then_over_its_directory(tmp_path, tiny_model_pat
     thread = threading.Thread(target=go)
     thread.start()
     browser = Browser(str(tmp_path / "profile")) if CHROMIUM else None
+    browser and request.addfinalizer(browser.close)  # whatever fails below
     try:
         assert get(url + "/api/attempts", 401)  # up at once, and keyed
         if browser:
@@ -398,4 +399,3 @@ def test_live_during_a_tiny_run_then_over_its_directory(tmp_path, tiny_model_pat
     finally:
         proc.terminate()
         proc.wait(30)
-        browser and browser.close()
