@@ -2,9 +2,10 @@
 LoRA adapters on the model: the adapter layers, their init, their names (ours, PEFT's, vLLM's) and the merge.
 
 A target is an attention projection (q_proj, k_proj, v_proj, o_proj), a dense MLP projection (gate_proj, up_proj,
-down_proj; not the MoE router `mlp.gate`), or `experts`: every routed expert's three projections, with A and B
-stacked (E, ...) like the base experts, so expert parallelism partitions them with their experts and the grouped-GEMM
-path computes them beside the frozen base's GEMMs (experts.LoRAGroupedMM). The forward of an adapted
+down_proj; not the MoE router `mlp.gate`), a Gated DeltaNet projection (GDN_TARGETS, named explicitly: "all" leaves
+them out), or `experts`: every routed expert's three projections, with A and B stacked (E, ...) like the base
+experts, so expert parallelism partitions them with their experts and the grouped-GEMM path computes them beside the
+frozen base's GEMMs (experts.LoRAGroupedMM). The forward of an adapted
 weight W is x W^T + scaling * (x A^T) B^T, scaling = lora_alpha / lora_rank; A (r, in) starts uniform in
 +-1/sqrt(in) and B (out, r) at zero, as PEFT does, so a fresh adapter leaves the model unchanged.
 
@@ -26,10 +27,15 @@ from model import Transformer
 
 LINEAR_TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                   "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-TARGETS = (*LINEAR_TARGETS, "experts")
+TARGETS = (*LINEAR_TARGETS, "experts")  # "all"
+# Gated DeltaNet's projections (Qwen3.5's linear-attention layers): named explicitly, not part of "all"
+GDN_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+LINEAR_TARGETS.update({t: "linear_attn" for t in GDN_TARGETS})
 # our target -> the module vLLM wraps with LoRA (it packs q/k/v and gate/up into one layer each)
 VLLM_MODULES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
-                "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+                "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj",
+                "in_proj_qkv": "in_proj_qkvz", "in_proj_z": "in_proj_qkvz", "in_proj_b": "in_proj_ba",
+                "in_proj_a": "in_proj_ba", "out_proj": "out_proj"}
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted max_lora_rank values
 PEFT_PREFIX = "base_model.model."
 
@@ -37,10 +43,10 @@ PEFT_PREFIX = "base_model.model."
 def parse_targets(spec):
     """"q_proj,v_proj,experts" -> ("q_proj", "v_proj", "experts"); "all" is every target. ValueError names a bad one."""
     names = TARGETS if spec.strip() == "all" else tuple(t.strip() for t in spec.split(",") if t.strip())
-    bad = [t for t in names if t not in TARGETS]
+    bad = [t for t in names if t not in TARGETS + GDN_TARGETS]
     if bad or not names:
         raise ValueError(f"lora_targets={spec!r}: {'unknown ' + ', '.join(bad) if bad else 'empty'}; "
-                         f"use 'all' or a comma-separated list of {', '.join(TARGETS)}")
+                         f"use 'all' or a comma-separated list of {', '.join(TARGETS + GDN_TARGETS)}")
     return names
 
 
@@ -64,7 +70,7 @@ def add_adapters(model, rank, alpha, targets):
     scaling = alpha / rank
     for block in model.model.layers:
         for name, where in LINEAR_TARGETS.items():
-            parent = getattr(block, where)
+            parent = getattr(block, where, None)  # a block has self_attn or linear_attn
             old = getattr(parent, name, None)
             if name not in targets or not isinstance(old, nn.Linear) or block.is_moe and where == "mlp":
                 continue

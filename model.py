@@ -17,7 +17,7 @@ tests and the CPU runs use are built by tiny.py.
 import json
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.nn as nn
@@ -26,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from experts import EXPERT_PROJS, Experts, cuda_compiled
+from gdn import GatedDeltaNet
 
 # -----------------------------------------------------------------------------
 # config
@@ -78,9 +79,29 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: list = field(default_factory=list)
-    # Qwen3-VL: the vision tower (None: a text model) and M-RoPE's frequencies per t/h/w axis (sum head_dim / 2)
+    # Qwen3-VL: the vision tower (None: a text model) and M-RoPE's frequencies per t/h/w axis (sum rotary_dim / 2)
     vision: VisionConfig = None
     mrope_section: list = field(default_factory=lambda: [24, 20, 20])
+    # Qwen3.5 / Qwen3.6 (family "qwen3_5"): each layer's kind (layer_types: "linear_attention", Gated DeltaNet, or
+    # "full_attention"; None: all full attention), attention with an output gate and partial rotary, zero-centred
+    # norms, a shared expert beside the routed ones, MTP layers kept with the weights
+    family: str = "qwen3"
+    layer_types: list = None
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    shared_expert_intermediate_size: int = 0
+    partial_rotary_factor: float = 1.0
+    mtp_num_hidden_layers: int = 0
+
+    @property
+    def rotary_dim(self):
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_type(self, i):
+        return self.layer_types[i] if self.layer_types else "full_attention"
 
     @property
     def is_moe(self):
@@ -95,29 +116,41 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf):
-        """From a config.json dict of model_type qwen3, qwen3_moe, qwen3_vl or qwen3_vl_moe."""
+        """From a config.json dict: qwen3, qwen3_moe, qwen3_vl, qwen3_vl_moe, or the Qwen3.5 family's qwen3_5_moe
+        (the VLM), qwen3_5_moe_text (its text-only CausalLM) and their dense qwen3_5, qwen3_5_text."""
         mt = hf.get("model_type")
-        if mt not in ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe"):
-            raise ValueError(f"model_type {mt!r} is not a Qwen3, Qwen3-MoE or Qwen3-VL model "
-                             "(expected 'qwen3', 'qwen3_moe', 'qwen3_vl' or 'qwen3_vl_moe' in config.json)")
-        vl = mt.startswith("qwen3_vl")
+        if mt not in MODEL_TYPES:
+            raise ValueError(f"model_type {mt!r} is not a Qwen3, Qwen3-VL or Qwen3.5 model (config.json's model_type "
+                             f"must be one of {', '.join(MODEL_TYPES)})")
+        vl, family = "text_config" in hf, "qwen3_5" if mt.startswith("qwen3_5") else "qwen3"
         text = {**hf["text_config"], "tie_word_embeddings": hf.get("tie_word_embeddings", False)} if vl else hf
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}  # transformers 5 nests rope_theta here
-        names = {f.name for f in fields(cls)} - {"vision", "mrope_section"}
+        names = {f.name for f in fields(cls)} - {"vision", "mrope_section", "family"}
         kw = {k: v for k, v in text.items() if k in names and v is not None}
         kw.setdefault("rope_theta", rope.get("rope_theta", cls.rope_theta))
-        if mt in ("qwen3", "qwen3_vl"):
+        kw["family"] = family
+        if family == "qwen3_5":
+            kw["partial_rotary_factor"] = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+            kw.setdefault("layer_types", ["linear_attention" if (i + 1) % text.get("full_attention_interval", 4)
+                                          else "full_attention" for i in range(text["num_hidden_layers"])])
+            kw["norm_topk_prob"] = True  # Qwen3.5's router always renormalizes its top-k
+        if mt in ("qwen3", "qwen3_vl", "qwen3_5", "qwen3_5_text"):
             kw["num_experts"] = 0
         kw.setdefault("head_dim", text["hidden_size"] // text["num_attention_heads"])
         if vl:
             v = {k: x for k, x in hf["vision_config"].items() if k in {f.name for f in fields(VisionConfig)}}
             v.update({k: hf[k] for k in VL_TOKEN_IDS if k in hf})  # top-level in HF's config
+            if family == "qwen3_5":
+                v["deepstack_visual_indexes"] = []  # Qwen3.5's tower has no deepstack
             kw["vision"] = VisionConfig(**v)
-            kw["mrope_section"] = list(rope.get("mrope_section", cls().mrope_section))
+        if "mrope_section" in rope or vl:
+            kw["mrope_section"] = list(rope.get("mrope_section", [11, 11, 10] if family == "qwen3_5" else [24, 20, 20]))
         return cls(**kw)
 
     def to_hf(self):
-        hf = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("vision", "mrope_section")}
+        if self.family == "qwen3_5":
+            return self.to_hf_qwen3_5()
+        hf = {f.name: getattr(self, f.name) for f in fields(self) if f.name in QWEN3_FIELDS}
         hf.update(model_type="qwen3_moe" if self.is_moe else "qwen3",
                   architectures=["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"],
                   hidden_act="silu", torch_dtype="bfloat16", attention_dropout=0.0,
@@ -137,33 +170,69 @@ class ModelConfig:
             hf.pop(k)
         hf.update(model_type=mt + "_text", rope_parameters=dict(
             rope_type="default", rope_theta=self.rope_theta, mrope_section=self.mrope_section, mrope_interleaved=True))
+        return self.nest_vision(hf, mt, "Qwen3VLMoeForConditionalGeneration" if self.is_moe else
+                                "Qwen3VLForConditionalGeneration")
+
+    def to_hf_qwen3_5(self):
+        """Qwen3_5MoeForConditionalGeneration's config.json (Qwen3_5MoeForCausalLM's without a tower)."""
+        moe, mt = self.is_moe, "qwen3_5_moe" if self.is_moe else "qwen3_5"
+        keep = QWEN3_FIELDS - {"rope_theta", "decoder_sparse_step", "mlp_only_layers"} | QWEN3_5_FIELDS
+        if moe:
+            keep = keep - {"intermediate_size"}
+        else:
+            keep = keep - {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                           "shared_expert_intermediate_size"}
+        text = {k: getattr(self, k) for k in sorted(keep)}
+        text.update(model_type=mt + "_text", hidden_act="silu", attention_dropout=0.0, initializer_range=0.02,
+                    use_cache=True, torch_dtype="bfloat16", rope_parameters=dict(
+                        rope_type="default", rope_theta=self.rope_theta, partial_rotary_factor=self.partial_rotary_factor,
+                        mrope_section=self.mrope_section, mrope_interleaved=True))
+        if moe:
+            text.update(output_router_logits=False, router_aux_loss_coef=0.001)
+        if self.vision is None:
+            return dict(text, architectures=["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"])
+        return self.nest_vision(text, mt, "Qwen3_5MoeForConditionalGeneration" if moe else
+                                "Qwen3_5ForConditionalGeneration")
+
+    def nest_vision(self, text, mt, architecture):
         v = {f.name: getattr(self.vision, f.name) for f in fields(self.vision)}
         tokens = {k: v.pop(k) for k in VL_TOKEN_IDS}
-        return dict(model_type=mt, architectures=["Qwen3VLMoeForConditionalGeneration" if self.is_moe else
-                                                  "Qwen3VLForConditionalGeneration"],
-                    text_config=hf, vision_config={**v, "model_type": mt, "initializer_range": 0.02}, **tokens,
+        if self.family == "qwen3_5":
+            v.pop("deepstack_visual_indexes")
+        return dict(model_type=mt, architectures=[architecture], text_config=text,
+                    vision_config={**v, "model_type": mt, "initializer_range": 0.02}, **tokens,
                     tie_word_embeddings=self.tie_word_embeddings, torch_dtype="bfloat16")
+
+
+MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5",
+               "qwen3_5_text")
+QWEN3_FIELDS = {f.name for f in fields(ModelConfig)[:list(f.name for f in fields(ModelConfig)).index("vision")]}
+QWEN3_5_FIELDS = {"layer_types", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                  "linear_num_key_heads", "linear_num_value_heads", "shared_expert_intermediate_size",
+                  "mtp_num_hidden_layers"}
 
 # -----------------------------------------------------------------------------
 # layers
 
 
 @cuda_compiled
-def rms_norm(x, weight, eps):
+def rms_norm(x, weight, eps, zero_centred=False):
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centred:  # Qwen3.5: the weight is an offset from 1 (init 0), applied in fp32
+        return (x * (1.0 + weight.float())).to(dtype)
     return weight * x.to(dtype)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim, eps):
+    def __init__(self, dim, eps, zero_centred=False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
+        self.eps, self.zero_centred = eps, zero_centred
 
     def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.zero_centred)
 
 
 def rope_inv_freq(dim, theta, device):
@@ -171,44 +240,58 @@ def rope_inv_freq(dim, theta, device):
 
 
 def rope_cos_sin(freqs, dtype):
-    emb = torch.cat((freqs, freqs), dim=-1)  # (..., hd): the "rotate half" layout
+    emb = torch.cat((freqs, freqs), dim=-1)  # (..., rd): the "rotate half" layout
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x, cos, sin):
-    # x (B, nh, T, hd); the "rotate half" convention of HF Qwen3 checkpoints
+    # x (B, nh, T, hd); the "rotate half" convention of HF Qwen3 checkpoints, over the first rd = cos.shape[-1]
+    # dims of each head (partial rotary: the rest pass unrotated)
+    rd = cos.shape[-1]
+    x, rest = x[..., :rd], x[..., rd:]
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((x * cos + torch.cat((-x2, x1), dim=-1) * sin, rest), dim=-1)
 
 
 @cuda_compiled
-def norm_rope(x, weight, eps, cos, sin):
+def norm_rope(x, weight, eps, zero_centred, cos, sin):
     """Qwen3's per-head RMSNorm of q or k, then RoPE: x (B, T, nh, hd) -> (B, nh, T, hd)."""
-    return apply_rope(rms_norm.__wrapped__(x, weight, eps).transpose(1, 2), cos, sin)
+    return apply_rope(rms_norm.__wrapped__(x, weight, eps, zero_centred).transpose(1, 2), cos, sin)
 
 
 class Attention(nn.Module):
+    """Grouped-query attention with per-head q/k norms (Qwen3). Qwen3.5's adds an output gate: q_proj makes each
+    head's query and its gate side by side, and the heads' outputs are scaled by sigmoid(gate) before o_proj."""
+
     def __init__(self, cfg):
         super().__init__()
         self.n_head, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.gated = cfg.family == "qwen3_5"
         D, b = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(D, self.n_head * self.hd, bias=b)
+        self.q_proj = nn.Linear(D, self.n_head * self.hd * (2 if self.gated else 1), bias=b)
         self.k_proj = nn.Linear(D, self.n_kv * self.hd, bias=b)
         self.v_proj = nn.Linear(D, self.n_kv * self.hd, bias=b)
         self.o_proj = nn.Linear(self.n_head * self.hd, D, bias=b)
-        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)  # Qwen3: per-head norm of q and k before RoPE
-        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, self.gated)  # per-head norm of q and k before RoPE
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, self.gated)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, mask=None):
+        """mask (B, 1, T, T) bool, True where a query may attend (packed rows); None: causal within each row."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.hd)  # (B, T, nh, hd)
+        q = self.q_proj(x).view(B, T, self.n_head, -1)  # (B, T, nh, hd), or (B, T, nh, 2 hd) with the gate
+        if self.gated:
+            q, gate = q.chunk(2, dim=-1)
         k = self.k_proj(x).view(B, T, self.n_kv, self.hd)    # (B, T, nkv, hd)
-        q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)  # (B, nh, T, hd)
-        k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin)  # (B, nkv, T, hd)
+        q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, self.gated, cos, sin)  # (B, nh, T, hd)
+        k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, self.gated, cos, sin)  # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
         # right-padded batches need no mask beyond causal: padding only follows real tokens
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_head)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.hd))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=self.n_kv != self.n_head)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.hd)
+        if self.gated:
+            y = y * torch.sigmoid(gate.reshape(B, T, -1))
+        return self.o_proj(y)
 
 
 class MLP(nn.Module):
@@ -223,11 +306,17 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
+    """Softmax router, top-k experts; Qwen3.5 adds a shared expert that every token passes through, scaled by
+    sigmoid(shared_expert_gate(x))."""
+
     def __init__(self, cfg, expert_parallel=None):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, expert_parallel)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x, replay_ids=None):
         # x (B, T, D); replay_ids (B, T, K) expert ids chosen by the engine, or None to route ourselves
@@ -242,20 +331,33 @@ class MoE(nn.Module):
         if self.norm_topk_prob:
             topk_probs = topk_probs / topk_probs.sum(-1, keepdim=True)
         y = self.experts(x, topk_ids, topk_probs.to(x.dtype))
+        if hasattr(self, "shared_expert"):
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y.view(B, T, D), topk_ids.view(B, T, -1)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg, i, expert_parallel=None):
+    """One decoder layer: token mixing by attention (`self_attn`) or, for a Qwen3.5 "linear_attention" layer, by
+    Gated DeltaNet (`linear_attn`), then the MLP or MoE. layer_type overrides cfg's (the MTP layer is full attention)."""
+
+    def __init__(self, cfg, i, expert_parallel=None, layer_type=None):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        zc = cfg.family == "qwen3_5"
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zc)
+        self.is_linear = (layer_type or cfg.layer_type(i)) == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zc)
         self.is_moe = cfg.is_moe_layer(i)
         self.mlp = MoE(cfg, expert_parallel) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, replay_ids=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x, cos, sin, replay_ids=None, mask=None, cu_seqlens=None):
+        """mask: the attention mask of packed rows (None: causal per row); cu_seqlens (S+1,): the segments' offsets in
+        the B*T tokens, where Gated DeltaNet restarts its state."""
+        h = self.input_layernorm(x)
+        x = x + (self.linear_attn(h, cu_seqlens) if self.is_linear else self.self_attn(h, cos, sin, mask))
         h = self.post_attention_layernorm(x)
         if self.is_moe:
             h, ids = self.mlp(h, replay_ids)
@@ -268,7 +370,23 @@ class Decoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i, expert_parallel) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.family == "qwen3_5")
+
+
+class MTP(nn.Module):
+    """Qwen3.5's multi-token-prediction layers (`mtp.*`): fc over [pre_fc_norm_embedding(embedding of token t+1),
+    pre_fc_norm_hidden(trunk's hidden state at t)], full-attention MoE layers, a norm; the embeddings and lm_head are
+    the trunk's. vLLM drafts with them; here they are kept through load, train and save."""
+
+    def __init__(self, cfg, expert_parallel=None):
+        super().__init__()
+        D, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.fc = nn.Linear(2 * D, D, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(D, eps, True)
+        self.pre_fc_norm_hidden = RMSNorm(D, eps, True)
+        self.layers = nn.ModuleList(Block(cfg, cfg.num_hidden_layers + j, expert_parallel, "full_attention")
+                                    for j in range(cfg.mtp_num_hidden_layers))
+        self.norm = RMSNorm(D, eps, True)
 
 # -----------------------------------------------------------------------------
 # vision (Qwen3-VL): the vision tower, and the image tokens' place in the text model (M-RoPE, deepstack)
@@ -387,10 +505,11 @@ class VisionModel(nn.Module):
         return self.merger(x), deepstack
 
 
-def mrope_positions(input_ids, image_grid_thw, vc):
+def mrope_positions(input_ids, image_grid_thw, vc, segment_start=None):
     """(3, B, T) t/h/w positions of Qwen3-VL's M-RoPE. Text tokens count up on all three axes; the tokens of an
     image (its t x h x w merged grid, in order) sit at start + (t, h, w) index, and the text after it resumes at
-    start + max(h, w). Images are matched to runs of image tokens in order, row by row."""
+    start + max(h, w). Images are matched to runs of image tokens in order, row by row. segment_start (B, T): the
+    index of each token's segment start in a packed row (None: one segment a row)."""
     m = vc.spatial_merge_size
     grid = image_grid_thw.to(input_ids.device).long() // torch.tensor([1, m, m], device=input_ids.device)  # (I, 3)
     n = grid.prod(-1)  # tokens per image
@@ -402,20 +521,22 @@ def mrope_positions(input_ids, image_grid_thw, vc):
     step[mask] = torch.where(k == n[img] - 1, torch.maximum(h, w), 0)
     pos = (step.cumsum(-1) - step).expand(3, -1, -1).clone()
     pos[:, mask] += torch.stack([k // (h * w), k // w % h, k % w])
+    if segment_start is not None:  # packed rows: each segment counts from 0 (its first token is at base + 0)
+        pos = pos - pos.gather(2, segment_start.expand(3, -1, -1))
     return pos
 
 
 def mrope_cos_sin(pos, cfg, dtype):
     """Interleaved M-RoPE: frequency j of the head rotates with the t, h or w position (t, h, w, t, h, w, ... as
-    mrope_section allots them, the rest t). pos (3, B, T) -> cos, sin (B, 1, T, hd)."""
-    hd, (_, s_h, s_w) = cfg.head_dim, cfg.mrope_section
-    axis = torch.zeros(hd // 2, dtype=torch.long, device=pos.device)
+    mrope_section allots them, the rest t). pos (3, B, T) -> cos, sin (B, 1, T, rd), rd = cfg.rotary_dim."""
+    rd, (_, s_h, s_w) = cfg.rotary_dim, cfg.mrope_section
+    axis = torch.zeros(rd // 2, dtype=torch.long, device=pos.device)
     axis[1:3 * s_h:3], axis[2:3 * s_w:3] = 1, 2
-    freqs = pos[axis].permute(1, 2, 0).float() * rope_inv_freq(hd, cfg.rope_theta, pos.device)  # (B, T, hd/2)
+    freqs = pos[axis].permute(1, 2, 0).float() * rope_inv_freq(rd, cfg.rope_theta, pos.device)  # (B, T, rd/2)
     return rope_cos_sin(freqs[:, None], dtype)
 
 
-def embed_images(model, input_ids, x, pixel_values, image_grid_thw):
+def embed_images(model, input_ids, x, pixel_values, image_grid_thw, segment_start=None):
     """The text embeddings x (B, T, D) with the image tokens replaced by the tower's output; M-RoPE's cos and sin;
     the image tokens' (row, column) indices, and the deepstack features the first decoder layers add there."""
     image_tokens, deepstack = model.visual(pixel_values, image_grid_thw,
@@ -426,7 +547,8 @@ def embed_images(model, input_ids, x, pixel_values, image_grid_thw):
                          f"{image_grid_thw.tolist()}) make {image_tokens.shape[0]}: expand each image to its "
                          "t*h*w/merge_size^2 tokens, as this model's processor does")
     x = x.index_put(where, image_tokens.to(x.dtype))
-    cos, sin = mrope_cos_sin(mrope_positions(input_ids, image_grid_thw, model.config.vision), model.config, x.dtype)
+    pos = mrope_positions(input_ids, image_grid_thw, model.config.vision, segment_start)
+    cos, sin = mrope_cos_sin(pos, model.config, x.dtype)
     return x, cos, sin, where, [d.to(x.dtype) for d in deepstack]
 
 
@@ -439,6 +561,23 @@ def idle_vision(visual, x):
     blank = x.new_zeros(m * m, vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2)
     tokens, deepstack = visual(blank, torch.tensor([[1, m, m]]))  # the grid on the host: no sync
     return x + 0 * sum(t.sum() for t in [tokens, *deepstack]).to(x.dtype)
+
+
+def packing(segment_ids, B, T, device):
+    """What packed rows change: (mask (B, 1, T, T) bool: causal within each segment, cu_seqlens (S+1,) the segments'
+    offsets in the B*T tokens taken row after row, start (B, T) the index of each token's segment start). Without
+    segment_ids: (None, one segment a row, None), no host sync."""
+    if segment_ids is None:
+        return None, torch.arange(B + 1, device=device) * T, None
+    idx = torch.arange(T, device=device).expand(B, T)
+    new = torch.ones(B, T, dtype=torch.bool, device=device)
+    new[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    start = torch.where(new, idx, 0).cummax(-1).values
+    end = torch.tensor([B * T], device=device)
+    cu_seqlens = torch.cat([new.flatten().nonzero()[:, 0], end])  # NOTE: a device-to-host sync
+    # NOTE: a (T, T) mask a row, which attention kernels read instead of skipping the blocks it masks
+    mask = (idx[:, :, None] >= idx[:, None, :]) & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    return mask[:, None], cu_seqlens, start
 
 
 # -----------------------------------------------------------------------------
@@ -456,29 +595,35 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.visual = VisionModel(cfg.vision) if cfg.vision is not None else None  # Qwen3-VL's vision tower
+        self.mtp = MTP(cfg, expert_parallel) if cfg.mtp_num_hidden_layers else None  # Qwen3.5's mtp.*
         self.vision_in_every_forward = False  # True under FSDP over several ranks: see idle_vision
         self.activation_checkpointing = False
 
     def hidden_states(self, input_ids, routed_experts=None, return_routes=False, pixel_values=None,
-                      image_grid_thw=None):
+                      image_grid_thw=None, segment_ids=None):
         """input_ids (B, T) -> final-normed hidden states (B, T, D).
 
         routed_experts (B, T, L_moe, K): expert ids per token and MoE layer (routing replay), or None.
         return_routes: also return the expert ids used, (B, T, L_moe, K), for recording and replay.
         pixel_values, image_grid_thw: a Qwen3-VL model's images, as its image processor makes them, for the image
         tokens of input_ids in order (each image's tokens in one row); None for text alone.
+        segment_ids (B, T): packed rows, each token's segment number within its row (non-decreasing along it):
+        positions restart, attention stays within a segment, Gated DeltaNet restarts its state. None: a row is one
+        segment (right padding needs no segment of its own: nothing real follows it).
         """
         B, T = input_ids.shape
         x = self.model.embed_tokens(input_ids)  # (B, T, D)
+        mask, cu_seqlens, start = packing(segment_ids, B, T, x.device)
         deepstack = []
         if pixel_values is None:  # text: M-RoPE with t = h = w is plain RoPE
-            inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, x.device)
-            t = torch.arange(T, device=x.device, dtype=torch.float32)
-            cos, sin = rope_cos_sin(torch.outer(t, inv_freq), x.dtype)  # (T, hd)
+            inv_freq = rope_inv_freq(self.config.rotary_dim, self.config.rope_theta, x.device)
+            t = torch.arange(T, device=x.device) - (0 if start is None else start)  # (T,) or (B, T)
+            cos, sin = rope_cos_sin(t[..., None].float() * inv_freq, x.dtype)  # (T, rd) or (B, T, rd)
+            cos, sin = (cos, sin) if start is None else (cos[:, None], sin[:, None])  # (B, 1, T, rd)
             if self.visual is not None and self.vision_in_every_forward:
                 x = idle_vision(self.visual, x)
         else:
-            x, cos, sin, image_tokens, deepstack = embed_images(self, input_ids, x, pixel_values, image_grid_thw)
+            x, cos, sin, image_tokens, deepstack = embed_images(self, input_ids, x, pixel_values, image_grid_thw, start)
         routes, m = [], 0
         for i, block in enumerate(self.model.layers):
             replay = None
@@ -486,9 +631,10 @@ class Transformer(nn.Module):
                 replay = routed_experts[:, :, m]
             if self.activation_checkpointing and self.training:
                 # recompute the block in backward: activations of one block instead of all of them
-                x, ids = torch.utils.checkpoint.checkpoint(block, x, cos, sin, replay, use_reentrant=False)
+                x, ids = torch.utils.checkpoint.checkpoint(block, x, cos, sin, replay, mask, cu_seqlens,
+                                                           use_reentrant=False)
             else:
-                x, ids = block(x, cos, sin, replay)
+                x, ids = block(x, cos, sin, replay, mask, cu_seqlens)
             if block.is_moe:
                 routes.append(ids)
                 m += 1
@@ -499,13 +645,13 @@ class Transformer(nn.Module):
             return x, (torch.stack(routes, dim=2) if routes else None)
         return x
 
-    def forward(self, input_ids, routed_experts=None, pixel_values=None, image_grid_thw=None):
+    def forward(self, input_ids, routed_experts=None, pixel_values=None, image_grid_thw=None, segment_ids=None):
         """input_ids (B, T) -> logits (B, T, V). The trainer uses hidden_states + chunked logprobs instead."""
         return self.lm_head(self.hidden_states(input_ids, routed_experts, pixel_values=pixel_values,
-                                               image_grid_thw=image_grid_thw))
+                                               image_grid_thw=image_grid_thw, segment_ids=segment_ids))
 
     def init_weights(self, seed=0, std=0.02):
-        init_parameters(self.named_parameters(), std, torch.Generator().manual_seed(seed))
+        init_parameters(self.named_parameters(), std, torch.Generator().manual_seed(seed), self.config.family == "qwen3_5")
 
     # -------------------------------------------------------------------------
     # HF checkpoints
@@ -526,12 +672,17 @@ class Transformer(nn.Module):
 
 
 @torch.no_grad()
-def init_parameters(named_tensors, std, generator):
-    """The init rule: norm weights 1, every other weight N(0, std^2), drawn from `generator` on the tensor's device
-    (the trainer calls it on each rank's shards)."""
+def init_parameters(named_tensors, std, generator, zero_centred_norms=False):
+    """The init rule: norm weights 1 (0 for Qwen3.5's zero-centred norms; its GDN output norm is not one), Gated
+    DeltaNet's dt_bias 1 and A_log log(U(1, 16)), every other weight N(0, std^2), drawn from `generator` on the
+    tensor's device (the trainer calls it on each rank's shards)."""
     for name, t in named_tensors:
         if "norm" in name.rsplit(".", 2)[-2]:  # RMSNorm and LayerNorm: identity
-            t.fill_(1.0 if name.endswith("weight") else 0.0)
+            zc = zero_centred_norms and "linear_attn.norm" not in name and "visual." not in name
+            t.fill_(0.0 if zc or not name.endswith("weight") else 1.0)
+        elif name.endswith(("dt_bias", "A_log")):
+            u = torch.rand(t.shape, generator=generator, device=t.device, dtype=torch.float32)
+            t.copy_(torch.ones_like(t) if name.endswith("dt_bias") else torch.log(1 + 15 * u))
         else:
             t.copy_(torch.randn(t.shape, generator=generator, device=t.device, dtype=t.dtype) * std)
 
@@ -541,7 +692,11 @@ def load_config(path):
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"{path} is not a model directory: it has no config.json")
     with open(cfg_file) as f:
-        return ModelConfig.from_hf(json.load(f))
+        cfg = ModelConfig.from_hf(json.load(f))
+    has_weights = any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json"))
+    if cfg.mtp_num_hidden_layers and has_weights and not any(k.startswith("mtp.") for k in weight_files(path)):
+        cfg = replace(cfg, mtp_num_hidden_layers=0)  # transformers writes Qwen3.5 without its mtp.* weights
+    return cfg
 
 
 def weight_files(path):
@@ -587,13 +742,14 @@ def is_stacked_experts(name):
 def hf_to_ours(sd, cfg):
     """HF names -> our state dict: per-expert `experts.{e}.P.weight` are stacked into `experts.P` (E, ...)."""
     out, experts = {}, {}
-    if cfg.vision is not None:  # Qwen3-VL: model.language_model.* and model.visual.* are our model.* and visual.*
+    if cfg.vision is not None or cfg.family == "qwen3_5":  # Qwen3-VL, Qwen3.5 (text-only too): model.language_model.*
+        # and model.visual.* are our model.* and visual.*; Qwen3.5's mtp.* keep their names
         sd = {k.replace("model.language_model.", "model.", 1).replace("model.visual.", "visual.", 1): v
               for k, v in sd.items()}
     for name, t in sd.items():
         if is_stacked_experts(name):
             prefix, rest = name.split(".mlp.experts.")
-            if cfg.vision is not None and rest in ("gate_up_proj", "down_proj"):
+            if cfg.vision is not None and cfg.family == "qwen3" and rest in ("gate_up_proj", "down_proj"):
                 t = t.transpose(1, 2)  # Qwen3-VL-MoE checkpoints stack experts as (E, in, out)
             if rest.startswith("gate_up_proj"):  # transformers 5's fused layout (E, 2H, D)
                 g, u = t.chunk(2, dim=1)
@@ -641,10 +797,14 @@ def read_experts(read, name, experts, cfg):
     read(hf_name, rows=None): per-expert tensors, or Qwen3-VL-MoE's fused (E, D, 2H) / (E, H, D), of which only
     those experts' rows are read."""
     prefix, proj = name.split(".mlp.experts.")
-    if cfg.vision is None:
-        return torch.stack([read(f"{prefix}.mlp.experts.{e}.{proj}.weight") for e in experts])
     fused = hf_name(prefix, cfg) + ".mlp.experts." + ("down_proj" if proj == "down_proj" else "gate_up_proj")
-    t = read(fused, rows=slice(experts.start, experts.stop)).transpose(1, 2)
+    if cfg.vision is None or cfg.family == "qwen3_5":  # per-expert, or transformers' fused (E, 2H, D) / (E, D, H)
+        try:
+            t = read(fused, rows=slice(experts.start, experts.stop))
+        except KeyError:
+            return torch.stack([read(f"{hf_name(prefix, cfg)}.mlp.experts.{e}.{proj}.weight") for e in experts])
+    else:
+        t = read(fused, rows=slice(experts.start, experts.stop)).transpose(1, 2)
     return t if proj == "down_proj" else t.chunk(2, dim=1)[proj == "up_proj"]
 
 
@@ -662,7 +822,7 @@ def fuse_vl_experts(hf_sd, cfg):
 def save_hf_checkpoint(path, hf_sd, cfg, max_shard_bytes=5 * 2**30, dtype=None):
     """Write config.json + model.safetensors (or shards + index) from HF-named tensors."""
     os.makedirs(path, exist_ok=True)
-    if cfg.vision is not None and cfg.is_moe:
+    if cfg.vision is not None and cfg.is_moe and cfg.family == "qwen3":
         hf_sd = fuse_vl_experts(hf_sd, cfg)
     hf_sd = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu() for k, v in hf_sd.items()}
     hf = cfg.to_hf()
@@ -710,18 +870,11 @@ def copy_hf_extras(source_dir, path):
 
 
 def num_params(cfg, active=False):
-    """Parameter count from the config alone (active=True counts top-k experts only), for FLOPs and plans."""
-    D, hd = cfg.hidden_size, cfg.head_dim
-    attn = D * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + 2 * hd + 2 * D
-    total = 0
-    for i in range(cfg.num_hidden_layers):
-        if cfg.is_moe_layer(i):
-            e = cfg.num_experts_per_tok if active else cfg.num_experts
-            total += attn + D * cfg.num_experts + e * 3 * D * cfg.moe_intermediate_size
-        else:
-            total += attn + 3 * D * cfg.intermediate_size
-    emb = cfg.vocab_size * D
-    if cfg.vision is not None:  # the vision tower, counted on the meta device (no memory)
-        with torch.device("meta"):
-            total += sum(p.numel() for p in VisionModel(cfg.vision).parameters())
-    return total + emb + D + (0 if cfg.tie_word_embeddings else emb)
+    """Parameter count from the config alone (active=True counts top-k experts only), for FLOPs and plans: the
+    model built on the meta device (no memory)."""
+    with torch.device("meta"):
+        total = sum(p.numel() for p in Transformer(cfg).parameters())
+    if active:
+        moe = len(cfg.moe_layers) + cfg.mtp_num_hidden_layers
+        total -= moe * (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    return total

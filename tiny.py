@@ -6,6 +6,7 @@ the template, a 3-layer vision tower and its image processor. A directory is bui
 
     python tiny.py                            # builds .cache/tiny-qwen3-moe if missing and prints it
     python tiny.py .cache/tiny-qwen3-vl-moe   # the tiny Qwen3-VL-MoE
+    python tiny.py .cache/tiny-qwen36-moe     # the tiny Qwen3.6-style hybrid MoE VLM (Gated DeltaNet, MTP)
 """
 import json
 import os
@@ -28,6 +29,19 @@ TINY_CONFIG = ModelConfig(
 TINY_VL_CONFIG = replace(TINY_CONFIG, moe_intermediate_size=192, mrope_section=[12, 10, 10], vision=VisionConfig(
     depth=3, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, deepstack_visual_indexes=[0, 1],
     vision_start_token_id=3, vision_end_token_id=4, image_token_id=5, video_token_id=6))  # VISION_TOKENS' ids
+# The tiny Qwen3.6-style hybrid VLM (Qwen3_5MoeForConditionalGeneration): Gated DeltaNet and gated full attention in
+# an irregular pattern, a shared expert, partial rotary (16 of 64 dims) with interleaved M-RoPE, a 2-layer tower
+# without deepstack, one MTP layer. Head dims 64: vLLM's CPU attention has no kernel for 32.
+TINY_QWEN36_CONFIG = ModelConfig(
+    family="qwen3_5", vocab_size=2048, hidden_size=128, num_hidden_layers=5, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, rope_theta=10000.0, partial_rotary_factor=0.25,
+    mrope_section=[3, 3, 2], layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention",
+                                          "full_attention"],
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, shared_expert_intermediate_size=192,
+    mtp_num_hidden_layers=1, vision=VisionConfig(
+        depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, deepstack_visual_indexes=[],
+        vision_start_token_id=3, vision_end_token_id=4, image_token_id=5, video_token_id=6))
 # The default model_path: the tiny Qwen3-MoE after a short supervised warm start on worked examples of the calculator
 # task, which train.py builds with its own trainer and loss (ensure_warm_start) and rebuilds when WARM_START changes.
 # It teaches the protocol (call the tool, copy the numbers in and the result out), not which operation a word names
@@ -45,8 +59,8 @@ WARM_STARTS = {TINY_SFT: ("tiny-qwen3-moe", "calculator.py", WARM_START),  # nam
                TINY_VL_SFT: ("tiny-qwen3-vl-moe", "colours.py", VL_WARM_START)}
 # a recipe's options of its transcripts(); the other keys are train.py's
 TRANSCRIPT_KEYS = ("transcripts", "with_tools", "from_memory", "size")
-TINY_MODELS = {"tiny-qwen3-moe": TINY_CONFIG, "tiny-qwen3-vl-moe": TINY_VL_CONFIG, TINY_SFT: TINY_CONFIG,
-               TINY_VL_SFT: TINY_VL_CONFIG}  # by name
+TINY_MODELS = {"tiny-qwen3-moe": TINY_CONFIG, "tiny-qwen3-vl-moe": TINY_VL_CONFIG, "tiny-qwen36-moe": TINY_QWEN36_CONFIG,
+               TINY_SFT: TINY_CONFIG, TINY_VL_SFT: TINY_VL_CONFIG}  # by name
 
 
 def tiny_model_config(path):
@@ -127,6 +141,16 @@ VL_CHAT_TEMPLATE = (
     "message.content if message.content is string else ''", "render(message.content)")
 
 
+# The Qwen3.5 / Qwen3.6 conversation format (the tiny hybrid's template, tiny_qwen35.jinja), written from the published
+# checkpoints' template behaviour: tools as JSON lines in the system turn; tool calls in XML, `<tool_call>\n<function=
+# NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>` (arguments a mapping: a string value as it
+# is, others as JSON); reasoning on by default (the generation prompt opens `<think>\n`; `enable_thinking=False` closes
+# it empty); an assistant turn after the last user query shows its reasoning, earlier ones drop it (a rewrite of
+# earlier turns: the capture server seals the segment there); tool results in a user turn as <tool_response>; image
+# parts as in Qwen3-VL.
+QWEN35_CHAT_TEMPLATE = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_qwen35.jinja")).read().strip()
+
+
 def tiny_corpus(n=4000, seed=0):
     """Deterministic text for the tokenizer: digits, arithmetic, JSON tool calls, chat markup."""
     import random
@@ -148,7 +172,7 @@ def tiny_corpus(n=4000, seed=0):
     return lines
 
 
-def build_tokenizer(path, vocab_size, vision=False):
+def build_tokenizer(path, vocab_size, vision=False, chat_template=None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers, AddedToken
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -162,7 +186,7 @@ def build_tokenizer(path, vocab_size, vision=False):
     tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096,
                "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
                "unk_token": None, "add_bos_token": False, "clean_up_tokenization_spaces": False,
-               "chat_template": VL_CHAT_TEMPLATE if vision else CHAT_TEMPLATE}
+               "chat_template": chat_template or (VL_CHAT_TEMPLATE if vision else CHAT_TEMPLATE)}
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump(tok_cfg, f, indent=2)
     with open(os.path.join(path, "special_tokens_map.json"), "w") as f:
@@ -180,7 +204,8 @@ def ensure_tiny_model(path=TINY_MODEL_PATH, cfg=None, seed=0):
     cfg = cfg or tiny_model_config(path) or TINY_CONFIG
     tmp = f"{path}.tmp{os.getpid()}"  # build aside, then rename: concurrent builders never see a half model
     os.makedirs(tmp, exist_ok=True)
-    tok = build_tokenizer(tmp, cfg.vocab_size, vision=cfg.vision is not None)
+    tok = build_tokenizer(tmp, cfg.vocab_size, vision=cfg.vision is not None,  # the hybrid: the Qwen3.5 format
+                          chat_template=QWEN35_CHAT_TEMPLATE if getattr(cfg, "family", None) == "qwen3_5" else None)
     eos, pad = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
     if cfg.vision is not None:
         save_image_processor(tmp, cfg.vision)

@@ -157,7 +157,7 @@ def test_not_a_qwen3_directory_is_one_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         Transformer.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
-    with pytest.raises(ValueError, match="not a Qwen3, Qwen3-MoE or Qwen3-VL model"):
+    with pytest.raises(ValueError, match="not a Qwen3, Qwen3-VL or Qwen3.5 model"):
         Transformer.from_pretrained(tmp_path)
 
 

@@ -1,0 +1,142 @@
+"""
+Gated DeltaNet, the linear-attention layer of the Qwen3.5 / Qwen3.6 hybrid models (`linear_attn` in their
+checkpoints), with packed-sequence boundaries respected: the short causal convolution and the delta-rule
+recurrence restart at every segment of a packed row, so no state leaks from one segment into the next.
+
+The recurrence is the chunked gated delta rule. `chunk_gated_delta_rule_torch` is the readable fp32 reference and
+the CPU path; on CUDA the same call goes to fla's Triton kernel (`fla-core`, installed with the GPU requirements
+only: it cannot compute on a CPU, so it is imported only when a CUDA tensor arrives). A test compares the two
+forward and backward.
+
+This file imports nothing of ours.
+
+    .venv/bin/python -m pytest tests/test_hybrid.py -q
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def l2norm(x, eps=1e-6):
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def segment_positions(cu_seqlens, N):
+    """Each of the N packed tokens' index within its segment, and its segment: cu_seqlens (S+1,) int -> (N,), (N,)."""
+    lengths = cu_seqlens.diff()
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths, output_size=N)
+    return torch.arange(N, device=cu_seqlens.device) - cu_seqlens[segment], segment
+
+
+def chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, chunk=64):
+    """The gated delta rule over packed segments, in fp32 (fp64 for fp64 inputs), as transformers' and fla's chunked form computes it:
+    per segment S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T, o_t = S_t^T q_t, with q, k
+    L2-normalized and q scaled by dk^-0.5, the state zero at each segment's start.
+
+    q, k (1, N, H, dk), v (1, N, H, dv), g, beta (1, N, H): the N tokens of all segments in a row (fla's varlen
+    layout), cu_seqlens (S+1,) the segments' offsets. Returns (1, N, H, dv) in v's dtype. The segments are padded to
+    one length (padding at the end of a segment cannot reach its tokens: the recurrence is causal) and run as a batch.
+    """
+    N, H, dk, dv, dtype = q.shape[1], q.shape[2], q.shape[3], v.shape[3], v.dtype
+    acc = torch.promote_types(dtype, torch.float32)  # fp32 (fp64 inputs stay fp64: the exactness test)
+    pos, seg = segment_positions(cu_seqlens, N)
+    S, L = len(cu_seqlens) - 1, int(cu_seqlens.diff().max())  # NOTE: a device-to-host sync
+    L += -L % chunk
+    n = L // chunk
+
+    def padded(x):  # (1, N, H, ...) -> (S, H, n, chunk, ...) in fp32, zeros after each segment's end
+        out = x.new_zeros(S, L, *x.shape[2:], dtype=acc).index_put((seg, pos), x[0].to(acc))
+        return out.transpose(1, 2).reshape(S, H, n, chunk, *x.shape[3:])
+    q, k = l2norm(padded(q)) * dk ** -0.5, l2norm(padded(k))
+    v, g, beta = padded(v), padded(g), padded(beta)
+    decay = g.cumsum(-1)  # (S, H, n, C): log of the decay from the chunk's start to each position
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    pair = (decay[..., :, None] - decay[..., None, :]).masked_fill(upper, float("-inf")).exp()  # (S, H, n, C, C)
+    # the delta rule within a chunk is a unit lower-triangular system (the WY/UT form): solve it for all chunks at once
+    system = (k * beta[..., None]) @ k.transpose(-1, -2) * pair
+    values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    keys_read = torch.linalg.solve_triangular(system, k * (beta * decay.exp())[..., None], upper=False,
+                                              unitriangular=True)
+    within = q @ k.transpose(-1, -2) * pair  # causal, diagonal included
+    q_decayed = q * decay.exp()[..., None]
+    k_decayed = k * (decay[..., -1:] - decay).exp()[..., None]
+    state = q.new_zeros(S, H, dk, dv)  # fp32 (acc)
+    out = []
+    for i in range(n):  # the scan over chunks: the state carries what earlier chunks wrote
+        new = values[:, :, i] - keys_read[:, :, i] @ state
+        out.append(q_decayed[:, :, i] @ state + within[:, :, i] @ new)
+        state = state * decay[:, :, i, -1, None, None].exp() + k_decayed[:, :, i].transpose(-1, -2) @ new
+    out = torch.stack(out, 2).reshape(S, H, L, dv).transpose(1, 2)  # (S, L, H, dv)
+    return out[seg, pos][None].to(dtype)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens):
+    """fla's Triton kernel on CUDA (the same function, fused, in the inputs' dtype with an fp32 state), the torch
+    reference elsewhere."""
+    if not q.is_cuda:
+        return chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule  # the GPU install's fla-core
+    out, _ = fla_rule(q, k, v, g=g, beta=beta, scale=q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True,
+                      cu_seqlens=cu_seqlens.long())
+    return out
+
+
+def causal_conv(x, weight, pos):
+    """Depthwise causal convolution (no bias) restarted at each segment: x (N, C), weight (C, 1, K), pos (N,) each
+    token's index in its segment -> (N, C). Tap j reads the token K-1-j back, zero when that is before the segment."""
+    K, out = weight.shape[-1], x * weight[:, 0, -1]
+    for back in range(1, K):
+        shifted = F.pad(x[:-back], (0, 0, back, 0)) * (pos >= back)[:, None].to(x.dtype)
+        out = out + shifted * weight[:, 0, K - 1 - back]
+    return out
+
+
+class GatedRMSNorm(nn.Module):
+    """w * rmsnorm(x) * silu(z) per head: the GDN output norm (weight init ones, not zero-centred)."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x, z):
+        dtype = x.dtype
+        x = x.float()
+        x = self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        return (x * F.silu(z.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_k, self.n_v = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        D, key_dim, value_dim = cfg.hidden_size, self.n_k * self.dk, self.n_v * self.dv
+        conv_dim = 2 * key_dim + value_dim
+        self.in_proj_qkv = nn.Linear(D, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(D, value_dim, bias=False)  # the output gate
+        self.in_proj_b = nn.Linear(D, self.n_v, bias=False)  # beta: the write strength
+        self.in_proj_a = nn.Linear(D, self.n_v, bias=False)  # the decay's input
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.linear_conv_kernel_dim, groups=conv_dim, bias=False,
+                                padding=cfg.linear_conv_kernel_dim - 1)  # only its weight is used: causal_conv
+        self.dt_bias = nn.Parameter(torch.ones(self.n_v))
+        self.A_log = nn.Parameter(torch.zeros(self.n_v))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(value_dim, D, bias=False)
+
+    def forward(self, x, cu_seqlens):
+        """x (B, T, D); cu_seqlens (S+1,) the segments' offsets in the B*T tokens taken row after row (a row's
+        padding may be a segment of its own: nothing after it reads it)."""
+        B, T, D = x.shape
+        x = x.reshape(1, B * T, D)
+        pos, _ = segment_positions(cu_seqlens, B * T)
+        qkv = F.silu(causal_conv(self.in_proj_qkv(x)[0], self.conv1d.weight, pos))  # (N, 2 Hk dk + Hv dv)
+        q, k, v = qkv.split([self.n_k * self.dk, self.n_k * self.dk, self.n_v * self.dv], dim=-1)
+        q, k = (t.view(1, B * T, self.n_k, self.dk).repeat_interleave(self.n_v // self.n_k, dim=2) for t in (q, k))
+        v = v.view(1, B * T, self.n_v, self.dv)
+        beta = self.in_proj_b(x).sigmoid()  # (1, N, Hv)
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # log decay, fp32
+        y = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens)  # (1, N, Hv, dv)
+        y = self.norm(y, self.in_proj_z(x).view(1, B * T, self.n_v, self.dv))
+        return self.out_proj(y.reshape(B, T, -1))

@@ -1,0 +1,283 @@
+"""The Qwen3.5 / Qwen3.6 hybrid (Gated DeltaNet, gated attention, shared expert, vision without deepstack, MTP
+weights) against transformers' qwen3_5_moe in fp32 on random weights; packed rows against each sequence alone;
+checkpoints; fla's kernel against the torch reference (CUDA only).
+
+    .venv/bin/python -m pytest tests/test_hybrid.py -q
+"""
+import json
+
+import pytest
+import torch
+
+from gdn import GatedDeltaNet, chunk_gated_delta_rule, chunk_gated_delta_rule_torch
+from model import ModelConfig, Transformer, VisionConfig, hf_to_ours, ours_to_hf, read_safetensors
+from tiny import TINY_QWEN36_CONFIG
+
+# a shape the tiny model does not have: 6 layers in an irregular pattern, 3 value heads per key head, rotary 8 of 32
+VISION = VisionConfig(depth=2, hidden_size=64, intermediate_size=96, num_heads=2, out_hidden_size=96, patch_size=4,
+                      num_position_embeddings=64, deepstack_visual_indexes=[], image_token_id=500, video_token_id=501,
+                      vision_start_token_id=502, vision_end_token_id=503)
+LINEAR, FULL = "linear_attention", "full_attention"
+HYBRID = ModelConfig(
+    family="qwen3_5", vocab_size=512, hidden_size=96, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, rope_theta=10000.0, partial_rotary_factor=0.25, mrope_section=[2, 1, 1],
+    layer_types=[LINEAR, FULL, LINEAR, LINEAR, LINEAR, FULL], linear_num_key_heads=2, linear_num_value_heads=6,
+    linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4, num_experts=6, num_experts_per_tok=2,
+    moe_intermediate_size=40, shared_expert_intermediate_size=56, mtp_num_hidden_layers=1, vision=VISION)
+TEXT_ONLY = ModelConfig(**{**HYBRID.__dict__, "vision": None, "mrope_section": [2, 1, 1]})
+GRIDS = [[(1, 4, 6), (1, 10, 8)], [(1, 2, 2), (1, 14, 20), (1, 6, 4)]]  # in patches: several sizes, one merged token
+
+
+def random_model(cfg, seed=0):
+    torch.manual_seed(seed)
+    m = Transformer(cfg)
+    m.init_weights(seed, std=0.1)
+    with torch.no_grad():  # non-trivial norms so that a wrong norm placement or a missing (1 + w) would show
+        for n, p in m.named_parameters():
+            if "norm" in n.rsplit(".", 2)[-2]:
+                p.uniform_(-0.5, 0.5) if n.endswith("weight") else p.uniform_(-0.2, 0.2)
+    return m
+
+
+def image_rows(vc, grids, seed=0):
+    """Per row: token ids with images in them (vision_start, the image's tokens, vision_end), and the images' grids."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for row in grids:
+        ids = []
+        for t, h, w in row:
+            ids += torch.randint(0, 400, (3,), generator=g).tolist() + [vc.vision_start_token_id]
+            ids += [vc.image_token_id] * (t * h * w // vc.spatial_merge_size ** 2) + [vc.vision_end_token_id]
+        rows.append(ids + torch.randint(0, 400, (5,), generator=g).tolist())
+    return rows
+
+
+def pixels(vc, grids, seed=0):
+    patch = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+    return torch.randn(sum(t * h * w for t, h, w in grids), patch, generator=torch.Generator().manual_seed(seed))
+
+
+def padded(rows):
+    T = max(map(len, rows))
+    return torch.tensor([r + [0] * (T - len(r)) for r in rows])
+
+
+def hf_model(cfg, path):
+    import transformers
+    cls = transformers.Qwen3_5MoeForConditionalGeneration if cfg.vision else transformers.Qwen3_5MoeForCausalLM
+    hf, info = cls.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    return hf
+
+
+def assert_close_rel(got, want, what, rel=1e-5):
+    """Within rel of the tensor's largest entry: fp32 sums over a few hundred tokens and logits."""
+    assert want.abs().max() > 0, what
+    err = (got - want).abs().max().item()
+    assert err <= rel * want.abs().max().item(), f"{what}: max |diff| {err:.2e}, max |want| {want.abs().max():.2e}"
+
+
+@pytest.mark.parametrize("images", [False, True], ids=["text", "images"])
+def test_logits_and_every_gradient_match_transformers(images, tmp_path):
+    """fp32 on both sides. Both run Gated DeltaNet's chunked rule in fp32 (transformers casts to it whatever the
+    model's dtype), so they agree to its rounding: logits within 1e-5 of their largest, gradients within 1e-4 of
+    each tensor's largest (measured: most below 1e-5, the decay's A_log and dt_bias up to 6e-5; their gradient sums
+    many cancelling terms). test_chunked_rule_is_the_recurrence shows the rule itself exact in fp64."""
+    ours = random_model(HYBRID)
+    ours.save_pretrained(tmp_path)
+    hf = hf_model(HYBRID, tmp_path)
+    flat = [thw for row in GRIDS for thw in row]
+    input_ids = padded(image_rows(VISION, GRIDS) if images else [list(range(7, 90)), list(range(200, 260))])
+    kw = dict(pixel_values=pixels(VISION, flat), image_grid_thw=torch.tensor(flat)) if images else {}
+    probe = torch.randn(*input_ids.shape, HYBRID.vocab_size, generator=torch.Generator().manual_seed(1))
+    logits = ours(input_ids, **kw)
+    ref = hf(input_ids=input_ids, mm_token_type_ids=(input_ids == VISION.image_token_id).int(), **kw).logits
+    assert_close_rel(logits, ref, "logits")
+    (logits * probe).sum().backward()
+    (ref * probe).sum().backward()
+    theirs = hf_to_ours({n: p.grad for n, p in hf.named_parameters() if p.grad is not None}, HYBRID)
+    mine = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
+    expected = {n for n, _ in ours.named_parameters() if not n.startswith("mtp.") and (images or "visual." not in n)}
+    assert set(mine) == set(theirs) == expected
+    for name in mine:
+        assert_close_rel(mine[name], theirs[name], name, rel=1e-4)
+
+
+def test_packed_rows_match_each_sequence_alone():
+    """Three sequences (two with images) packed into one row with segment_ids: logits and gradients equal those of
+    each sequence run alone. Without the segments the conv and the delta rule would carry state across."""
+    model = random_model(HYBRID)
+    grids = [[(1, 4, 6)], [], [(1, 2, 2), (1, 6, 4)]]
+    seqs = [image_rows(VISION, [g], seed=i)[0] for i, g in enumerate(grids)]
+    seqs[1] = seqs[1][:40] + list(range(10, 80))  # a text segment longer than a chunk of the delta rule (64)
+    probes = [torch.randn(len(s), HYBRID.vocab_size, generator=torch.Generator().manual_seed(i)) for i, s in
+              enumerate(seqs)]
+    alone, grads_alone = [], {}
+    for s, g, probe in zip(seqs, grids, probes):
+        kw = dict(pixel_values=pixels(VISION, g), image_grid_thw=torch.tensor(g)) if g else {}
+        out = model(torch.tensor([s]), **kw)[0]
+        (out * probe).sum().backward()
+        alone.append(out.detach())
+    grads_alone = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    flat = [thw for g in grids for thw in g]
+    ids = torch.tensor([sum(seqs, [])])
+    segment_ids = torch.tensor([[i for i, s in enumerate(seqs) for _ in s]])
+    out = model(ids, pixel_values=torch.cat([pixels(VISION, g) for g in grids if g]),
+                image_grid_thw=torch.tensor(flat), segment_ids=segment_ids)[0]
+    (out * torch.cat(probes)).sum().backward()
+    assert_close_rel(out, torch.cat(alone), "packed logits")
+    for n, p in model.named_parameters():  # the same sums in another order: fp32 rounding, as above
+        if n in grads_alone:
+            assert_close_rel(p.grad, grads_alone[n], n, rel=1e-4)
+    # negative control: the same row without its segments is a different function
+    leaky = model(ids, pixel_values=torch.cat([pixels(VISION, g) for g in grids if g]), image_grid_thw=torch.tensor(flat))
+    assert (leaky[0, len(seqs[0]):] - torch.cat(alone[1:])).abs().max() > 1e-2
+
+
+def recurrence(q, k, v, g, beta):
+    """The gated delta rule token by token (one segment, (T, H, d) each, fp64): the definition."""
+    q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k))  # fla's l2norm, eps 1e-6
+    q = q * q.shape[-1] ** -0.5
+    state, out = q.new_zeros(q.shape[1], q.shape[2], v.shape[2]), []
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()[:, None, None]
+        delta = (v[t] - torch.einsum("hkv,hk->hv", state, k[t])) * beta[t][:, None]
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        out.append(torch.einsum("hkv,hk->hv", state, q[t]))
+    return torch.stack(out)
+
+
+def test_chunked_rule_is_the_recurrence():
+    """In fp64 the chunked form over packed segments equals the token-by-token recurrence run on each segment from
+    a zero state (to 1e-10): the algorithm and the segment restarts are exact, whatever fp32 rounds."""
+    gen = torch.Generator().manual_seed(0)
+    lengths, H, dk, dv = [70, 1, 5, 130], 3, 8, 6
+    N = sum(lengths)
+    q, k = torch.randn(2, 1, N, H, dk, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, N, H, dv, generator=gen, dtype=torch.float64)
+    g = -torch.rand(1, N, H, generator=gen, dtype=torch.float64)
+    beta = torch.rand(1, N, H, generator=gen, dtype=torch.float64)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    got = chunk_gated_delta_rule_torch(q, k, v, g, beta, cu)[0]
+    want = torch.cat([recurrence(*(t[0, a:b] for t in (q, k, v, g, beta))) for a, b in zip(cu[:-1], cu[1:])])
+    assert (got - want).abs().max() < 1e-10
+    run_on = torch.cat([recurrence(*(t[0] for t in (q, k, v, g, beta)))])  # negative control: no restarts
+    assert (run_on[70:] - want[70:]).abs().max() > 1e-3
+
+
+def test_gdn_layer_restarts_at_segment_boundaries():
+    """The GDN layer alone against transformers' on each segment (its torch fallback runs one sequence at a time)."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
+    from transformers import Qwen3_5MoeTextConfig
+    hc = Qwen3_5MoeTextConfig(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                              linear_value_head_dim=16, num_hidden_layers=1, layer_types=[LINEAR])
+    torch.manual_seed(0)
+    ref = Qwen3_5MoeGatedDeltaNet(hc, 0)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.3)
+    ours = GatedDeltaNet(ModelConfig(**{k: getattr(hc, k) for k in ("hidden_size", "linear_num_key_heads",
+                                       "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")}))
+    ours.load_state_dict(ref.state_dict())
+    lengths = [100, 1, 3, 70]  # across chunk boundaries, shorter than the conv kernel
+    x = torch.randn(1, sum(lengths), 64)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    want = torch.cat([ref(s) for s in x.split(lengths, 1)], 1)
+    assert_close_rel(ours(x, cu), want, "packed GDN")
+
+
+def test_checkpoint_layout_sharded_round_trip_and_mtp(tmp_path):
+    m = random_model(HYBRID)
+    m.save_pretrained(tmp_path, max_shard_bytes=200_000)
+    index = json.load(open(tmp_path / "model.safetensors.index.json"))["weight_map"]
+    assert len(set(index.values())) > 1  # sharded
+    hf = json.load(open(tmp_path / "config.json"))
+    assert hf["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
+    assert hf["text_config"]["layer_types"] == HYBRID.layer_types
+    for name in ("model.language_model.layers.0.linear_attn.in_proj_qkv.weight",
+                 "model.language_model.layers.0.linear_attn.A_log", "model.language_model.layers.0.linear_attn.conv1d.weight",
+                 "model.language_model.layers.1.self_attn.q_proj.weight",
+                 "model.language_model.layers.1.mlp.shared_expert_gate.weight",
+                 "model.language_model.layers.1.mlp.experts.5.down_proj.weight", "model.visual.merger.linear_fc2.weight",
+                 "mtp.fc.weight", "mtp.layers.0.mlp.experts.0.gate_proj.weight", "mtp.norm.weight", "lm_head.weight"):
+        assert name in index, name
+    assert not any("deepstack" in k for k in index)
+    m2 = Transformer.from_pretrained(tmp_path)
+    assert m2.config == HYBRID
+    sd2 = m2.state_dict()
+    for n, t in m.state_dict().items():
+        assert torch.equal(t, sd2[n]), n
+
+
+def test_text_only_causal_lm_checkpoint_loads(tmp_path):
+    """A Qwen3_5MoeForCausalLM directory written by transformers (its own layout: fused experts) loads and computes
+    transformers' logits; our save of it loads back in transformers."""
+    import transformers
+    ours = random_model(TEXT_ONLY)
+    ours.save_pretrained(tmp_path / "ours")
+    hf = hf_model(TEXT_ONLY, tmp_path / "ours")
+    hf.save_pretrained(tmp_path / "theirs")
+    theirs = Transformer.from_pretrained(tmp_path / "theirs")
+    assert theirs.config.layer_types == TEXT_ONLY.layer_types and theirs.config.vision is None
+    ids = torch.randint(0, 500, (2, 50), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert_close_rel(theirs(ids), hf(input_ids=ids).logits, "text-only logits")
+    assert isinstance(hf, transformers.Qwen3_5MoeForCausalLM)
+
+
+def test_tiny_hybrid_config_round_trips():
+    hf = TINY_QWEN36_CONFIG.to_hf()
+    assert ModelConfig.from_hf(json.loads(json.dumps(hf))) == TINY_QWEN36_CONFIG
+    assert TINY_QWEN36_CONFIG.head_dim == TINY_QWEN36_CONFIG.linear_key_head_dim == 64  # vLLM's CPU kernels
+    kinds = TINY_QWEN36_CONFIG.layer_types
+    assert set(kinds) == {LINEAR, FULL} and kinds != [LINEAR, LINEAR, LINEAR, FULL] * (len(kinds) // 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's Triton kernel computes on CUDA only")
+def test_fla_matches_the_torch_reference():
+    """fla's chunk_gated_delta_rule (varlen) against chunk_gated_delta_rule_torch, forward and backward, in fp32 and
+    bf16, on packed segments of several lengths at 35B-A3B's head counts."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [1000, 1, 63, 65, 2967]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    N, H, dk, dv = sum(lengths), 32, 128, 128
+    for dtype, rel in ((torch.float32, 2e-3), (torch.bfloat16, 2e-2)):
+        q, k = (torch.randn(1, N, H, dk, device="cuda", generator=g).to(dtype).requires_grad_() for _ in range(2))
+        v = torch.randn(1, N, H, dv, device="cuda", generator=g).to(dtype).requires_grad_()
+        a = torch.randn(1, N, H, device="cuda", generator=g)
+        gate = (-torch.nn.functional.softplus(a) * 0.5).requires_grad_()  # log decay <= 0, fp32 as the layer makes it
+        beta = torch.rand(1, N, H, device="cuda", generator=g).to(dtype).requires_grad_()
+        probe = torch.randn(1, N, H, dv, device="cuda", generator=g)
+        outs, grads = [], []
+        for fn in (chunk_gated_delta_rule, chunk_gated_delta_rule_torch):
+            out = fn(q, k, v, gate, beta, cu)
+            grads.append(torch.autograd.grad((out.float() * probe).sum(), (q, k, v, gate, beta)))
+            outs.append(out.float())
+        assert_close_rel(outs[0], outs[1], f"{dtype} output", rel)
+        for name, a_, b_ in zip("q k v g beta".split(), *grads):
+            assert_close_rel(a_.float(), b_.float(), f"{dtype} d{name}", rel)
+
+
+def test_lora_targets_the_gdn_projections():
+    """LoRA on Gated DeltaNet's five projections beside attention and the experts; a fresh adapter leaves the
+    function unchanged and the adapters train."""
+    import lora
+    model = random_model(TEXT_ONLY)
+    ids = torch.randint(0, 500, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids)
+    lora.add_adapters(model, 4, 8, lora.TARGETS + lora.GDN_TARGETS)
+    for n, p in model.named_parameters():
+        if n.endswith("lora_A"):
+            torch.nn.init.uniform_(p, -0.1, 0.1)
+        elif n.endswith("lora_B"):
+            torch.nn.init.zeros_(p)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    for proj in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+        assert f"model.layers.0.linear_attn.{proj}.lora_A" in names, proj
+    assert "model.layers.1.self_attn.q_proj.lora_B" in names
+    out = model(ids)
+    assert_close_rel(out, before, "fresh adapters")
+    out.square().mean().backward()
+    assert model.model.layers[0].linear_attn.in_proj_qkv.lora_B.grad.abs().max() > 0
