@@ -17,6 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 import loss
+import checkpoint
 import train
 from conftest import child_env, end_rank
 import experts
@@ -145,7 +146,7 @@ def _rank_main(rank, world, port, scenario, args):
 
 
 def full_grads(model):
-    return {name: train.gather_full(name, p.grad, model.meshes) for name, p in model.named_parameters()
+    return {name: checkpoint.gather_full(name, p.grad, model.meshes) for name, p in model.named_parameters()
             if p.grad is not None}
 
 
@@ -172,7 +173,7 @@ def my_share(window, rank, world):
     return window[rank::world]  # uneven on purpose: 6 microbatches over 4 ranks
 
 
-def run_steps(rank, world, cfg, weights, wins, out, first_step=0, steps=STEPS, checkpoint=None, resume=None,
+def run_steps(rank, world, cfg, weights, wins, out, first_step=0, steps=STEPS, checkpoint_dir=None, resume=None,
               export=None, checkpoint_at=None):
     model, meshes = build(cfg, weights, world)
     opt = train.build_optimizer(model, cfg)
@@ -181,22 +182,22 @@ def run_steps(rank, world, cfg, weights, wins, out, first_step=0, steps=STEPS, c
     recorded = record_grads_before_step(opt, model)
     resumed = None
     if resume is not None:
-        first_step, extra = train.load_checkpoint(resume, model, opt)
-        resumed = dict(step=first_step, extra=extra, params={n: t for n, t in train.full_parameters(model)})
+        first_step, extra = checkpoint.load_checkpoint(resume, model, opt)
+        resumed = dict(step=first_step, extra=extra, params={n: t for n, t in checkpoint.full_parameters(model)})
     metrics, checkpointed = [], None
     for step in range(first_step, steps):
         metrics.append(train.train_step(model, opt, my_share(wins[step], rank, world), cfg, policy_version=step))
-        if checkpoint is not None and step + 1 == (checkpoint_at or steps):  # and the run goes on past it
-            train.save_checkpoint(checkpoint, model, opt, step + 1, cfg, extra={"note": "hello"})
-            checkpointed = {n: t for n, t in train.full_parameters(model)}
+        if checkpoint_dir is not None and step + 1 == (checkpoint_at or steps):  # and the run goes on past it
+            checkpoint.save_checkpoint(checkpoint_dir, model, opt, step + 1, cfg, extra={"note": "hello"})
+            checkpointed = {n: t for n, t in checkpoint.full_parameters(model)}
     logits = None
     if export is not None:
-        train.export_hf(model, export, dtype=torch.float32, source_dir=weights)
+        checkpoint.export_hf(model, export, dtype=torch.float32, source_dir=weights)
         model.eval()
         with torch.no_grad():
             x = torch.arange(2 * 10).view(2, 10) % CFG.vocab_size
             logits = model.lm_head(model.hidden_states(x)).float()  # (B, T, V)
-    params = {n: t for n, t in train.full_parameters(model)}
+    params = {n: t for n, t in checkpoint.full_parameters(model)}
     shard_dims = {p.placements[0].dim for n, p in model.named_parameters() if is_stacked_experts(n)}
     if rank == 0:
         torch.save(dict(metrics=metrics, grads=recorded, params=params, resumed=resumed, logits=logits,
@@ -254,7 +255,7 @@ def test_checkpoint_from_4_ranks_resumes_on_2_and_exports_to_transformers(tmp_pa
     # 2 ranks, no expert parallelism: every expert tensor is re-cut from (ep=2 x fsdp=2) to (fsdp=2)
     cfg2 = trainer_config(ep_size=1, **extra)
     spawn(2, "run_steps", cfg2, weights, wins, str(tmp_path / "out2.pt"), 0, STEPS, None,
-          train.latest_checkpoint(ckpt))
+          checkpoint.latest_checkpoint(ckpt))
     got2 = torch.load(tmp_path / "out2.pt", weights_only=False)
     assert got2["resumed"]["step"] == 2 and got2["resumed"]["extra"] == {"note": "hello"}
     for name, p in got4["checkpointed"].items():
@@ -275,15 +276,15 @@ def test_checkpoint_from_4_ranks_resumes_on_2_and_exports_to_transformers(tmp_pa
 def nonfinite(rank, world, cfg, weights, out):
     model, _ = build(cfg, weights, world)
     opt = train.build_optimizer(model, cfg)
-    before = dict(train.full_parameters(model))
+    before = dict(checkpoint.full_parameters(model))
     window = make_window(0, 2, seed=7)
     poisoned = [dict(mb) for mb in my_share(window, rank, world)]
     if rank == 1:  # one bad number on one rank poisons the whole step
         poisoned[0]["advantages"] = poisoned[0]["advantages"].clone().fill_(float("nan"))
     bad = train.train_step(model, opt, poisoned, cfg, policy_version=0)
-    after_bad = dict(train.full_parameters(model))
+    after_bad = dict(checkpoint.full_parameters(model))
     good = train.train_step(model, opt, my_share(window, rank, world), cfg, policy_version=0)
-    after_good = dict(train.full_parameters(model))
+    after_good = dict(checkpoint.full_parameters(model))
     if rank == 0:
         torch.save(dict(bad=bad, good=good, before=before, after_bad=after_bad, after_good=after_good,
                         adam_state=len(opt.state)), out)
