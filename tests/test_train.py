@@ -30,6 +30,14 @@ CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidde
                   moe_intermediate_size=16, mlp_only_layers=[1])
 # 6 experts: with ep=2 each EP rank's 3 experts do not split over 2 FSDP ranks, so FSDP cuts them on dim 1
 CFG6 = dataclasses.replace(CFG, num_experts=6)
+# the Qwen3.5 hybrid at the same width: a Gated DeltaNet layer and a gated full-attention layer, both MoE with a
+# shared expert (2 MoE layers, as make_window's routes), partial rotary, an MTP layer that the step leaves alone
+HYBRID = ModelConfig(family="qwen3_5", vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=8, rope_theta=10000.0, partial_rotary_factor=0.5,
+                     mrope_section=[1, 1, 0], layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                     linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=8,
+                     num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                     mtp_num_hidden_layers=1)
 TRAIN = dict(learning_rate=1e-2, min_lr=1e-3, warmup_steps=1, max_steps=4, weight_decay=0.1, grad_clip=0.5,
              logprob_chunk_size=16, max_staleness=1, temperature=0.9)
 STEPS = 3
@@ -206,11 +214,11 @@ def run_steps(rank, world, cfg, weights, wins, out, first_step=0, steps=STEPS, c
 
 
 @pytest.mark.parametrize("world,ep,extra,mcfg", [
-    (2, 2, {}, CFG),
+    (2, 2, {}, HYBRID),
     (4, 2, {"is_mode": "mask"}, CFG),  # ep=2 x fsdp=2; rejection needs the trainer's logprobs before the window count
-    (4, 4, {"activation_checkpointing": True}, CFG),
+    (4, 4, {"activation_checkpointing": True}, HYBRID),  # both layer kinds recomputed in backward
     (4, 2, {}, CFG6),
-], ids=["world2-ep2", "world4-ep2-fsdp2", "world4-ep4-ac", "world4-ep2-fsdp2-experts-cut-on-dim1"])
+], ids=["world2-ep2-hybrid", "world4-ep2-fsdp2", "world4-ep4-ac-hybrid", "world4-ep2-fsdp2-experts-cut-on-dim1"])
 @pytest.mark.stack
 def test_matches_single_process(tmp_path, world, ep, extra, mcfg):
     weights = make_weights(str(tmp_path / "weights"), mcfg)
@@ -224,8 +232,11 @@ def test_matches_single_process(tmp_path, world, ep, extra, mcfg):
         assert not m["skipped"]
         assert m["loss"] == pytest.approx(r["loss"], rel=1e-4, abs=1e-6), step
         assert m["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4), step
+        # the hybrid's chunked delta rule amplifies the rounding of the params after two steps: 4.4e-6 measured
+        # (embed_tokens, step 2, 2 ranks); its steps 0 and 1 meet GRAD_TOL
+        tol = dict(GRAD_TOL, atol=1e-5) if mcfg is HYBRID and step == 2 else GRAD_TOL
         for name, g in r["grads"].items():
-            torch.testing.assert_close(got["grads"][step][name], g, **GRAD_TOL, msg=lambda s: f"step {step} {name}: {s}")
+            torch.testing.assert_close(got["grads"][step][name], g, **tol, msg=lambda s: f"step {step} {name}: {s}")
     for name, p in ref[-1]["params"].items():
         torch.testing.assert_close(got["params"][name], p, **PARAM_TOL, msg=lambda s: f"{name}: {s}")
 
