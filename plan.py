@@ -41,6 +41,8 @@ RANGES = {
     (lambda v: v >= 2, ">= 2"): ("engine_max_model_len",),
     (lambda v: v >= 0, ">= 0"): ("warmup_steps", "min_lr", "weight_decay", "eval_temperature"),
     (lambda v: v >= 0, ">= 0 (0: no evaluation)"): ("eval_every",),
+    (lambda v: v >= 0, ">= 0 (0: none)"): ("view_groups_per_step", "view_max_attempts"),
+    (lambda v: 0 <= v <= 65535, "a port in [0, 65535] (0: no viewer)"): ("view_port",),
     (lambda v: 0 <= v <= 512, "in [0, 512] (0: full fine-tuning; vLLM serves ranks up to 512)"): ("lora_rank",),
     (lambda v: v >= 0, ">= 0 (0 never stops)"): ("max_failed_rounds",),
     (lambda v: v >= 0, ">= 0 (0 never clips)"): ("grad_clip",),
@@ -86,6 +88,9 @@ def check_config(cfg, mcfg=None, world_size=None):
     if cfg["tensorboard_dir"] and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("tensorboard_dir is set, but the tensorboard package is missing: pip install tensorboard, or "
                           "leave tensorboard_dir empty")
+    if cfg["wandb_project"] and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("wandb_project is set, but the wandb package is missing: pip install wandb (see "
+                          "requirements-extras.txt), or leave wandb_project empty")
     mcfg = mcfg or planned_model_config(cfg)
     if not cfg["train_vision"] and mcfg.vision is None:
         raise ConfigError("train_vision=False freezes a vision tower, but the model has none (a text model): "
@@ -127,7 +132,10 @@ def planned_model_config(cfg):
     built on first use); else, in a dry run, model_config (a model not downloaded yet)."""
     path = cfg["model_path"]
     if os.path.isfile(os.path.join(path, "config.json")):
-        return load_config(path)
+        try:
+            return load_config(path)
+        except ValueError as e:  # model.py names the model types it implements
+            raise ConfigError(f"model_path={path!r}: {e}") from None
     if tiny_model_config(path):
         return tiny_model_config(path)
     if cfg["dry_run"] and cfg["model_config"]:

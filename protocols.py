@@ -64,9 +64,12 @@ class ChatRequest:
         self.key, self.retry = None, False  # the answer's key (Idempotency-Key or the raw body); whether a client retry
         self.body_bytes = 0  # the body's size: a large request renders off the event loop
         self.forced = None  # a forced tool call: "" (any tool) or the tool's name
+        self.strict = set()  # the tools marked `strict`: their calls are sampled under their schema
         self.opening = ""  # a forced call's opening from the call tag on: the text the tool parser reads first
         self.parallel, self.top_logprobs, self.previous_response_id, self.store = True, None, None, True
         self.instructions = 0  # Responses API: 1 when messages[0] holds this request's `instructions`
+        # the turn starts inside <think> (the server sets it from the prompt); the client asked for no reasoning
+        self.reasoning, self.close_reasoning = False, False
         self.id, self.created, self.prompt_tokens = uuid.uuid4().hex[:24], int(time.time()), None  # its answer's
 
 
@@ -168,6 +171,99 @@ def tool_choice_of(request, kind, name, parallel=True):
     return request
 
 
+MAX_JSON_WHITESPACE = 1  # consecutive whitespace characters in constrained JSON (a random model loops on them)
+SAFE_NUMBERS = {"integer": 2**53 - 1, "number": 1e15}  # the bounds constrained JSON numbers get where a schema has none
+
+
+def bounded(schema):
+    """A copy of a JSON schema whose integers and numbers without bounds get them (+-(2**53 - 1), +-1e15: the range
+    JSON readers keep exactly): xgrammar then allows finitely many digits, where a random model writes digits until
+    max_tokens."""
+    if isinstance(schema, list):
+        return [bounded(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in ("const", "enum", "default", "examples") else bounded(v) for k, v in schema.items()}
+    limit = SAFE_NUMBERS.get(schema["type"]) if isinstance(schema.get("type"), str) else None
+    if limit is not None:
+        for side, sign in (("minimum", -1), ("maximum", 1)):
+            if side not in out and "exclusiveM" + side[1:] not in out:
+                out[side] = sign * limit
+    return out
+
+
+def call_grammar(format_name, request):
+    """The structural tag (vLLM structured outputs over xgrammar) that this turn is sampled under, as (JSON, trigger),
+    or None. A forced call's arguments fit its tool's schema (the prompt already holds the call's opening: the grammar
+    takes over from there); under "auto" so do the arguments of a call to a `strict` tool (other tools': any JSON);
+    an answer in a response format fits its schema. `trigger` is the text after which an "auto" turn samples under the
+    grammar (None: from its start). `format_name` is the tool parser's call format (vLLM's `structural_tag_model`:
+    "hermes" for <tool_call> JSON, "qwen_3_coder" for Qwen3.5's XML, ...): the schema constrains the arguments
+    whatever wraps them. JSON whitespace runs are capped (a random model can loop on them: the turn never ends)."""
+    structured = request.sampling.get("structured")
+    constrained = request.strict or request.forced is not None
+    if not (format_name and request.tools and request.parse_tools and constrained or structured):
+        return None
+    from pydantic import BaseModel
+    from xgrammar import Grammar, StructuralTag
+    from xgrammar.structural_tag import (ConstStringFormat, JSONSchemaFormat, OrFormat, SequenceFormat, TagFormat,
+                                         TagsWithSeparatorFormat, TriggeredTagsFormat)
+    answer = structured and JSONSchemaFormat(json_schema=bounded(structured.get("json", {"type": "object"})),
+                                             max_whitespace_cnt=MAX_JSON_WHITESPACE)
+    if not (format_name and request.tools and request.parse_tools and constrained):
+        return StructuralTag(format=answer).model_dump_json(), None
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
+    from vllm.tool_parsers.structural_tag_registry import get_model_structural_tag
+
+    def nodes(node):
+        if isinstance(node, BaseModel):
+            yield node
+            for name in type(node).model_fields:
+                yield from nodes(getattr(node, name))
+        elif isinstance(node, (list, tuple)):
+            for item in node:
+                yield from nodes(item)
+
+    def grammar(choice):  # the format's own: (the whole, its parts, the list of calls in it)
+        tag = get_model_structural_tag(format_name, tools, choice, False)
+        found = list(nodes(tag.format))
+        for n in found:
+            if isinstance(n, JSONSchemaFormat):
+                n.max_whitespace_cnt = MAX_JSON_WHITESPACE
+            if isinstance(n, (TriggeredTagsFormat, TagsWithSeparatorFormat)):
+                n.stop_after_first = not request.parallel
+        return tag.format, found, next(n for n in found if isinstance(n, (TriggeredTagsFormat, TagsWithSeparatorFormat)))
+    def readable(schema):  # one xgrammar cannot compile keeps its object's shape: property names, required ones
+        try:
+            Grammar.from_json_schema(json.dumps(schema))
+            return schema
+        except RuntimeError:
+            names = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+            required = [k for k in schema.get("required") or [] if k in names]
+            return {"type": "object", "properties": {k: {} for k in names}, "required": required}
+    tools = [ChatCompletionToolsParam(type="function", function=dict(
+        t["function"], parameters=readable(bounded(t["function"]["parameters"])),
+        strict=request.forced is not None or t["function"]["name"] in request.strict)) for t in request.tools]
+    trigger = None
+    if request.forced is not None:  # one of the calls the opening begins, and the turn ends
+        _, found, _ = grammar("required")
+        first = [SequenceFormat(elements=[e for e in (ConstStringFormat(value=n.begin[len(request.opening):]) if
+                                                      n.begin != request.opening else None, n.content,
+                                                      ConstStringFormat(value=n.end)) if e is not None])
+                 for n in found if isinstance(n, TagFormat) and isinstance(n.begin, str) and isinstance(n.end, str)
+                 and n.begin.startswith(request.opening)]
+        if not first:
+            raise RequestError(400, f"The chat template opens a forced call as {request.opening!r}, which no call of the "
+                                    f"tool parser's format ({format_name}) begins with.", "tool_choice")
+        fmt = first[0] if len(first) == 1 else OrFormat(elements=first)
+    elif structured:  # an answer in the response format, or calls
+        fmt = OrFormat(elements=[answer, grammar("required")[2]])
+    else:
+        fmt, _, calls = grammar("auto")
+        trigger = getattr(calls, "triggers", [None])[0]
+    return StructuralTag(format=fmt).model_dump_json(), trigger
+
+
 def structured_of(fmt, where):
     """A response format (json_schema / json_object / text) as vLLM's structured-output fields, or None."""
     kind = fmt.get("type")
@@ -266,7 +362,7 @@ def parse_openai(body, server):
                                f"{w}.role")
     if not messages:
         raise RequestError(400, "`messages` must not be empty.", "messages")
-    tools = []
+    tools, strict = [], set()
     for i, t in enumerate(field(body, "tools", list, [])):
         fn = field(t if isinstance(t, dict) else {}, "function", dict, required=True, where=f"tools[{i}].")
         spec = {"name": field(fn, "name", str, required=True, where=f"tools[{i}].function.")}
@@ -275,6 +371,7 @@ def parse_openai(body, server):
         spec["parameters"] = field(fn, "parameters", dict, {"type": "object", "properties": {}},
                                    where=f"tools[{i}].function.")
         tools.append({"type": "function", "function": spec})
+        strict |= {spec["name"]} if field(fn, "strict", bool, where=f"tools[{i}].function.") else set()
     max_tokens = field(body, "max_completion_tokens", int, field(body, "max_tokens", int))
     sampling = sampling_of(server, field(body, "temperature", (int, float)), field(body, "top_p", (int, float)),
                            max_tokens, field(body, "stop", (str, list)), field(body, "seed", int), 2.0)
@@ -282,7 +379,7 @@ def parse_openai(body, server):
     options = field(body, "stream_options", dict, {})
     request = ChatRequest("openai", messages, tools, True, sampling, field(body, "stream", bool, False),
                           bool(options.get("include_usage")), model)
-    request.top_logprobs = top_logprobs
+    request.top_logprobs, request.strict = top_logprobs, strict
     return tool_choice_of(request, *openai_choice(field(body, "tool_choice", (str, dict), "auto"), "function"),
                           field(body, "parallel_tool_calls", bool, True))
 
@@ -313,9 +410,9 @@ def parse_anthropic(body, server, counting=False):
         raise RequestError(400, f"Unsupported field `{unknown[0]}`: this server cannot honour it.", unknown[0])
     if field(body, "top_k", int) is not None:
         raise RequestError(400, "`top_k` is not supported: the trainer's logprobs cover the full vocabulary.", "top_k")
-    thinking = field(body, "thinking", dict)
-    if thinking and thinking.get("type") != "disabled":
-        raise RequestError(400, "extended `thinking` is not supported by this server.", "thinking")
+    thinking = field(body, "thinking", dict, {}).get("type")  # a reasoning model thinks unless it is "disabled"
+    if thinking not in (None, "enabled", "adaptive", "disabled"):
+        raise RequestError(400, f"`thinking.type` must be enabled, adaptive or disabled, got {thinking!r}.", "thinking")
     system = body.get("system")
     messages = [] if system is None else [{"role": "system", "content": text_of(system, "system")}]
     for i, m in enumerate(field(body, "messages", list, required=True)):
@@ -328,7 +425,7 @@ def parse_anthropic(body, server, counting=False):
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise RequestError(400, f"`{w}.content` must be a string or an array of content blocks.", f"{w}.content")
-        text, calls = [], []  # text: the text (and image) parts in order
+        text, calls, reasoning = [], [], []  # text: the text (and image) parts in order
         for j, b in enumerate(blocks):
             wb = f"{w}.content[{j}]."
             kind = b.get("type") if isinstance(b, dict) else None
@@ -336,6 +433,8 @@ def parse_anthropic(body, server, counting=False):
                 text.append({"type": "text", "text": field(b, "text", str, required=True, where=wb)})
             elif kind == "image" and role == "user":
                 text.append({"type": "image", "image": image_of(b, wb[:-1])})
+            elif kind == "thinking" and role == "assistant":  # our own reasoning, sent back (its signature unread)
+                reasoning.append(field(b, "thinking", str, required=True, where=wb))
             elif kind == "tool_use" and role == "assistant":
                 calls.append(tool_call(field(b, "id", str, required=True, where=wb),
                                        field(b, "name", str, required=True, where=wb),
@@ -351,16 +450,17 @@ def parse_anthropic(body, server, counting=False):
                                  "content": error + result if isinstance(result, str) else
                                  [{"type": "text", "text": error}] * bool(error) + result})
             else:
-                allowed = "text and tool_use" if role == "assistant" else "text, image and tool_result"
+                allowed = "text, thinking and tool_use" if role == "assistant" else "text, image and tool_result"
                 raise RequestError(400, f"`{wb}type` {kind!r} is not supported in {role} messages ({allowed} are).",
                                    wb + "type")
         if role == "assistant":
-            messages.append({"role": "assistant", "content": joined(text), **({"tool_calls": calls} if calls else {})})
+            messages.append({"role": "assistant", "content": joined(text), **({"tool_calls": calls} if calls else {}),
+                             **({"reasoning_content": "".join(reasoning)} if reasoning else {})})
         elif text or not blocks:
             messages.append({"role": "user", "content": joined(text)})
     if len(messages) == (system is not None):
         raise RequestError(400, "`messages` must not be empty.", "messages")
-    tools = []
+    tools, strict = [], set()
     for i, t in enumerate(field(body, "tools", list, [])):
         t = t if isinstance(t, dict) else {}
         if t.get("type") not in (None, "custom"):
@@ -371,6 +471,7 @@ def parse_anthropic(body, server, counting=False):
             spec["description"] = t["description"]
         spec["parameters"] = field(t, "input_schema", dict, required=True, where=f"tools[{i}].")
         tools.append({"type": "function", "function": spec})
+        strict |= {spec["name"]} if field(t, "strict", bool, where=f"tools[{i}].") else set()
     choice = field(body, "tool_choice", dict, {"type": "auto"})
     kind = choice.get("type")
     kind = {"any": "required", "tool": "function"}.get(kind, kind) if isinstance(kind, str) else kind
@@ -382,6 +483,8 @@ def parse_anthropic(body, server, counting=False):
                            None, 1.0)
     request = ChatRequest("anthropic", messages, tools, True, sampling, field(body, "stream", bool, False), True,
                           field(body, "model", str, ""))
+    request.close_reasoning = thinking == "disabled"
+    request.strict = strict
     return tool_choice_of(request, kind, choice.get("name"),
                           not field(choice, "disable_parallel_tool_use", bool, False, where="tool_choice."))
 
@@ -389,7 +492,7 @@ RESPONSES_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "p
                     "temperature", "top_p", "stream", "previous_response_id", "store", "text", "include", "top_logprobs",
                     "truncation", "reasoning", "metadata", "user", "service_tier", "prompt_cache_key",
                     "safety_identifier", "stream_options", "seed"}  # seed: as in chat completions (an extension)
-RESPONSES_ITEMS = "message, function_call, function_call_output"
+RESPONSES_ITEMS = "message, reasoning, function_call, function_call_output"
 
 
 def parse_responses(body, server):
@@ -405,17 +508,24 @@ def parse_responses(body, server):
     instructions = field(body, "instructions", str)
     messages = [{"role": "system", "content": instructions}] if instructions else []
     items = field(body, "input", (str, list), required=True)
+    reasoning = ""  # reasoning items' text (ours, sent back): a turn's first item, the next assistant message's
     for i, item in enumerate([{"role": "user", "content": items}] if isinstance(items, str) else items):
         w = f"input[{i}]."
         item = item if isinstance(item, dict) else {"type": None}
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            for j, part in enumerate(field(item, "content", list, [], where=w)):
+                if not (isinstance(part, dict) and part.get("type") == "reasoning_text"):
+                    raise RequestError(400, f"`{w}content[{j}]` must be a reasoning_text part.", f"{w}content[{j}]")
+                reasoning += field(part, "text", str, "", where=f"{w}content[{j}].")
+            continue
         if kind == "message" and item.get("role") in ("system", "developer", "user", "assistant"):
             role = {"developer": "system"}.get(item["role"], item["role"])
             messages.append({"role": role, "content": text_of(item.get("content"), w + "content", images=role == "user")})
         elif kind == "function_call":
             call = tool_call(field(item, "call_id", str, required=True, where=w), field(item, "name", str, required=True,
                              where=w), field(item, "arguments", str, required=True, where=w))
-            if not (messages and messages[-1]["role"] == "assistant"):
+            if not (messages and messages[-1]["role"] == "assistant") or reasoning:
                 messages.append({"role": "assistant", "content": ""})  # calls without text before them
             messages[-1].setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
@@ -425,7 +535,9 @@ def parse_responses(body, server):
         else:
             raise RequestError(400, f"`{w}type` {kind!r} is not supported (items: {RESPONSES_ITEMS}; message roles "
                                     "system, developer, user, assistant).", w + "type")
-    tools = []
+        if reasoning and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"], reasoning = reasoning, ""
+    tools, strict = [], set()
     for i, t in enumerate(field(body, "tools", list, [])):
         t = t if isinstance(t, dict) else {}
         if t.get("type") != "function":
@@ -435,6 +547,7 @@ def parse_responses(body, server):
             spec["description"] = t["description"]
         spec["parameters"] = field(t, "parameters", dict, {"type": "object", "properties": {}}, where=f"tools[{i}].")
         tools.append({"type": "function", "function": spec})
+        strict |= {spec["name"]} if field(t, "strict", bool, where=f"tools[{i}].") else set()
     include = field(body, "include", list, [])
     top_logprobs = field(body, "top_logprobs", int, 0) if "message.output_text.logprobs" in include else None
     if top_logprobs is not None and not 0 <= top_logprobs <= 20:
@@ -445,7 +558,7 @@ def parse_responses(body, server):
                                                  where="text."), "text.format")
     request = ChatRequest("responses", messages, tools, True, sampling, field(body, "stream", bool, False), True,
                           field(body, "model", str, ""))
-    request.top_logprobs, request.instructions = top_logprobs, int(bool(instructions))
+    request.top_logprobs, request.instructions, request.strict = top_logprobs, int(bool(instructions)), strict
     request.previous_response_id = field(body, "previous_response_id", str)
     request.store = field(body, "store", bool, True)
     if not items:
@@ -472,6 +585,10 @@ class ImageTokens:
             video = getattr(self.processor, "video_token", None)  # logit biases that keep placeholders unsampled
             self.banned = {t: -100 for t in (self.token_id, video and tokenizer.convert_tokens_to_ids(video)) if t}
         self.max_per_prompt, self.max_pixels, self.max_bytes = max_per_prompt, max_pixels, max_bytes
+        # the most tokens an image may take: a huge square's, resized to the processor's pixel budget, as vLLM sizes
+        # its encoder cache (a very long image can resize to a little more: the engine would refuse it)
+        self.max_tokens = self.processor and self.processor._get_num_multimodal_tokens(
+            image_sizes=[(1 << 20, 1 << 20)]).num_image_tokens[0]
 
     def check(self, messages):
         """The images of internal messages, in the order templates render them, within the limits."""
@@ -485,8 +602,10 @@ class ImageTokens:
         return images
 
     def count(self, image):
-        """How many tokens an image takes; the whole file is decoded (a corrupt one fails here, not in the engine)."""
+        """How many tokens an image takes; the whole file is decoded (a corrupt one fails here, not in the engine) and
+        the processor's rules are checked on the image vLLM will hand it (EXIF orientation applied, in RGB)."""
         from PIL import Image
+        from vllm.multimodal.image import convert_image_mode, normalize_image
         where = image.where
         if len(image) > self.max_bytes:
             raise RequestError(400, f"`{where}`: the image is {len(image)} bytes, more than {self.max_bytes}.", where)
@@ -497,11 +616,20 @@ class ImageTokens:
                     raise RequestError(400, f"`{where}`: the image is {w}x{h} pixels, more than {self.max_pixels}.",
                                        where)
                 img.load()
+                w, h = convert_image_mode(normalize_image(img), "RGB").size  # a photo turned on its side swaps them
         except RequestError:
             raise
         except Exception as e:  # PIL raises many kinds (UnidentifiedImageError, OSError, DecompressionBombError...)
             raise RequestError(400, f"`{where}` is not an image this server can decode: {e}.", where)
-        return self.processor._get_num_multimodal_tokens(image_sizes=[(h, w)]).num_image_tokens[0]
+        try:
+            n = self.processor._get_num_multimodal_tokens(image_sizes=[(h, w)]).num_image_tokens[0]
+        except ValueError as e:  # the processor's own rules (Qwen-VL: an aspect ratio of at most 200)
+            raise RequestError(400, f"`{where}`: this model's image processor refuses a {w}x{h} image: {e}.", where)
+        if n > self.max_tokens:
+            raise RequestError(400, f"`{where}`: resized by this model's processor, the {w}x{h} image takes {n} tokens, "
+                                    f"more than the {self.max_tokens} of its pixel budget (the engine's limit for one "
+                                    "image); crop or pad it closer to square.", where)
+        return n
 
     def expand(self, ids, images):
         """Rendered ids with each image's placeholder token repeated as many times as the image takes tokens, and
@@ -551,6 +679,8 @@ def error_response(protocol, status, message, param=None):
 def openai_completion(result):
     m = result["message"]
     message = {"role": "assistant", "content": m["content"] if m["content"] or "tool_calls" not in m else None}
+    if m.get("reasoning_content"):  # as vLLM's reasoning parsers and DeepSeek's API give it
+        message["reasoning_content"] = m["reasoning_content"]
     if "tool_calls" in m:
         message["tool_calls"] = m["tool_calls"]
     usage = result["prompt_tokens"], result["completion_tokens"]
@@ -568,10 +698,57 @@ def sse(name, data):
 def read_calls(parser, previous, text):
     """A streaming tool parser of vLLM's (a fresh one per turn: it holds the turn's state) reads the turn's text so far
     (`previous`: the text it read last): the new text before any call opens, and the calls begun, as (name, the
-    arguments as written so far)."""
+    arguments as streamed so far), gathered from the parser's deltas (kept on the parser: `calls_read`)."""
     delta = parser.extract_tool_calls_streaming(previous, text, text[len(previous):], [], [], [], None)
-    return (delta and delta.content) or "", [(c["name"], arguments) for c, arguments in zip(
-        parser.prev_tool_call_arr, parser.streamed_args_for_tool) if "name" in c]
+    calls = parser.__dict__.setdefault("calls_read", [])
+    for d in (delta and delta.tool_calls) or []:
+        calls += [["", ""] for _ in range(d.index + 1 - len(calls))]
+        if d.function is not None:
+            calls[d.index][0] += d.function.name or ""
+            calls[d.index][1] += d.function.arguments or ""
+    return (delta and delta.content) or "", [tuple(c) for c in calls if c[0]]
+
+
+# the call formats: the XML ones (Qwen3.5 / 3.6, Qwen3-Coder) render arguments from mappings; reasoning tags (Qwen)
+XML_TOOL_PARSERS = ("qwen3_coder", "qwen3_xml")
+THINK_TAGS = ("<think>", "</think>")
+
+
+def tool_parser_of(tokenizer):
+    """vLLM's tool parser for the call format the model's chat template writes."""
+    return "qwen3_coder" if "<function=" in (tokenizer.chat_template or "") else "hermes"
+
+
+def call_tags(parser):
+    """The texts that open and close a tool call in a vLLM tool parser's format (None where it has none)."""
+    engine = getattr(parser, "_parser_engine", None)  # the grammar-engine parsers (qwen3_coder, ...)
+    terminals = engine.parser_engine_config.terminals if engine is not None else {}
+    return (getattr(parser, "tool_call_start_token", terminals.get("TOOL_START")),
+            getattr(parser, "tool_call_end_token", terminals.get("TOOL_END")))
+
+
+def argument_mapping(call):
+    """A tool call with its JSON arguments as a mapping (for XML templates); arguments that are no JSON object are
+    refused: such a template could not show them."""
+    arguments = call["function"]["arguments"]
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except (ValueError, RecursionError):
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise RequestError(400, f"The arguments of tool call {call.get('id')!r} are not a JSON object, which this "
+                                    "model's call format (XML parameters) cannot show.", "messages")
+    return dict(call, function=dict(call["function"], arguments=arguments))
+
+
+def split_reasoning(text, call_start=None):
+    """(reasoning, the rest) of a turn that began inside <think>: the reasoning ends at </think> (the newlines the
+    template trims off it dropped), or where a tool call opens without it (as vLLM's qwen3 parser reads it)."""
+    end, call = text.find(THINK_TAGS[1]), text.find(call_start) if call_start else -1
+    if end >= 0 and (call < 0 or end < call):
+        return text[:end].strip(), text[end + len(THINK_TAGS[1]):].lstrip("\n")
+    return (text[:call].strip(), text[call:]) if call >= 0 else (text.strip(), "")
 
 
 def same_json(a, b):
@@ -581,11 +758,15 @@ def same_json(a, b):
         return False
 
 
-def stream_deltas(sent, content, calls):
-    """The stream items that extend what was sent (sent: [text, [[id, name, arguments], ...]], updated) to `content`
-    and `calls` ([(id, name, arguments), ...]): ("text", delta), ("call", index, id, name), ("args", index, delta).
-    Only where they extend it, as a stream cannot take anything back: no text once a call began (an answer's text
-    comes before its calls), arguments only for the latest call (the earlier ones ended)."""
+def stream_deltas(sent, content, calls, reasoning=""):
+    """The stream items that extend what was sent (sent: [text, [[id, name, arguments], ...], reasoning], updated) to
+    `reasoning`, `content` and `calls` ([(id, name, arguments), ...]): ("reasoning", delta), ("text", delta), ("call",
+    index, id, name), ("args", index, delta). Only where they extend it, as a stream cannot take anything back: no
+    reasoning once text or a call began, no text once a call began (an answer's reasoning comes first, then its text,
+    then its calls), arguments only for the latest call (the earlier ones ended)."""
+    if reasoning and reasoning.startswith(sent[2]) and len(reasoning) > len(sent[2]) and not sent[0] and not sent[1]:
+        yield "reasoning", reasoning[len(sent[2]):]
+        sent[2] = reasoning
     if content.startswith(sent[0]) and len(content) > len(sent[0]) and not sent[1]:
         yield "text", content[len(sent[0]):]
         sent[0] = content
@@ -612,6 +793,7 @@ async def openai_events(items, request):
         if kind == "head":
             base = {"id": "chatcmpl-" + item[1], "object": "chat.completion.chunk", "created": item[2], "model": item[3]}
         delta = {"role": "assistant", "content": ""} if kind == "head" else {"content": item[1]} if kind == "text" else {
+            "reasoning_content": item[1]} if kind == "reasoning" else {
             "tool_calls": [dict(tool_call(item[2], item[3], ""), index=item[1]) if kind == "call" else
                            {"index": item[1], "function": {"arguments": item[2]}}]}
         yield sse(None, {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
@@ -629,7 +811,10 @@ async def openai_events(items, request):
 
 def anthropic_message(result):
     m = result["message"]
-    content = [{"type": "text", "text": m["content"]}] if m["content"] else []
+    # no signature: nothing here signs reasoning; a thinking block sent back is read by its text
+    content = [{"type": "thinking", "thinking": m["reasoning_content"], "signature": ""}] if m.get("reasoning_content") \
+        else []
+    content += [{"type": "text", "text": m["content"]}] if m["content"] else []
     content += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
                  "input": json.loads(c["function"]["arguments"])} for c in m.get("tool_calls", [])]
     stop_reason = {"tool_calls": "tool_use", "length": "max_tokens"}.get(
@@ -650,15 +835,16 @@ async def anthropic_events(items, request=None):
                 "id": "msg_" + item[1], "type": "message", "role": "assistant", "model": item[3], "content": [],
                 "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": item[4], "output_tokens": 0}}})
             continue
-        if kind == "call" or block is None:  # a block begins (a tool_use block per call): the open one ends
-            index, block = index + 1, kind
-            start = {"type": "text", "text": ""} if kind == "text" else {"type": "tool_use", "id": item[2],
-                                                                         "name": item[3], "input": {}}
+        if kind == "call" or block is None or (block == "reasoning" and kind == "text"):  # a block begins (a
+            index, block = index + 1, kind  # tool_use block per call): the open one ends
+            start = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "",
+                     "signature": ""} if kind == "reasoning" else {"type": "tool_use", "id": item[2], "name": item[3],
+                                                                   "input": {}}
             yield (sse("content_block_stop", {"index": index - 1}) if index else "") + sse(
                 "content_block_start", {"index": index, "content_block": start})
         if kind != "call":
-            delta = {"type": "text_delta", "text": item[1]} if kind == "text" else {"type": "input_json_delta",
-                                                                                   "partial_json": item[2]}
+            delta = {"type": "text_delta", "text": item[1]} if kind == "text" else {"type": "thinking_delta", "thinking":
+                     item[1]} if kind == "reasoning" else {"type": "input_json_delta", "partial_json": item[2]}
             yield sse("content_block_delta", {"index": index, "delta": delta})
     if kind == "error":
         yield sse("error", {"error": error_body("anthropic", item[1], item[2])["error"]})
@@ -675,6 +861,11 @@ def message_item(answer_id, text, logprobs):
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]}
 
 
+def reasoning_item(answer_id, text):
+    return {"type": "reasoning", "id": "rs_" + answer_id, "summary": [], "status": "completed",
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def call_item(call):
     return {"type": "function_call", "id": "fc_" + call["id"], "call_id": call["id"], "name": call["function"]["name"],
             "arguments": call["function"]["arguments"], "status": "completed"}
@@ -682,7 +873,8 @@ def call_item(call):
 
 def responses_object(result):
     m = result["message"]
-    output = [message_item(result["id"], m["content"], result["logprobs"] or [])] if m["content"] or \
+    output = [reasoning_item(result["id"], m["reasoning_content"])] if m.get("reasoning_content") else []
+    output += [message_item(result["id"], m["content"], result["logprobs"] or [])] if m["content"] or \
         "tool_calls" not in m else []
     output += [call_item(c) for c in m.get("tool_calls", [])]
     cut = result["finish_reason"] == "length"
@@ -691,7 +883,7 @@ def responses_object(result):
             "status": "incomplete" if cut else "completed", "incomplete_details": {"reason": "max_output_tokens"}
             if cut else None, "error": None, "output": output, "parallel_tool_calls": True, "tool_choice": "auto",
             "tools": [], "usage": {"input_tokens": usage[0], "input_tokens_details": {"cached_tokens": 0},
-                                   "output_tokens": usage[1], "output_tokens_details": {"reasoning_tokens": 0},
+                                   "output_tokens": usage[1], "output_tokens_details": {"reasoning_tokens": result.get("reasoning_tokens", 0)},
                                    "total_tokens": sum(usage)}}
 
 
@@ -705,9 +897,9 @@ async def responses_events(items, request=None):
 
     def add(out):
         output.append(out)
-        if out["type"] == "function_call":
-            return event("response.output_item.added", output_index=len(output) - 1,
-                         item=dict(out, arguments="", status="in_progress"))
+        if out["type"] in ("function_call", "reasoning"):
+            return event("response.output_item.added", output_index=len(output) - 1, item=dict(
+                out, status="in_progress", **({"arguments": ""} if out["type"] == "function_call" else {"content": []})))
         return event("response.output_item.added", output_index=len(output) - 1,
                      item=dict(out, status="in_progress", content=[])) + event(
             "response.content_part.added", output_index=len(output) - 1, item_id=out["id"], content_index=0,
@@ -717,6 +909,8 @@ async def responses_events(items, request=None):
         out, at = output[i], {"output_index": i, "item_id": output[i]["id"]}
         if out["type"] == "function_call":
             done = event("response.function_call_arguments.done", **at, arguments=out["arguments"], name=out["name"])
+        elif out["type"] == "reasoning":
+            done = event("response.reasoning_text.done", **at, content_index=0, text=out["content"][0]["text"])
         else:
             part = out["content"][0]
             done = event("response.output_text.done", **at, content_index=0, text=part["text"],
@@ -733,11 +927,15 @@ async def responses_events(items, request=None):
                     "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
             yield event("response.created", response=head) + event("response.in_progress", response=head)
             continue
-        if kind == "call" or not output:  # text comes before any call: it opens the message
-            yield (close(len(output) - 1) if output else "") + add(
-                message_item(answer_id, "", []) if kind == "text" else call_item(tool_call(item[2], item[3], "")))
+        if kind == "call" or not output or (kind == "text" and output[-1]["type"] == "reasoning"):  # reasoning first,
+            yield (close(len(output) - 1) if output else "") + add(  # then text (the message), then the calls
+                message_item(answer_id, "", []) if kind == "text" else reasoning_item(answer_id, "") if
+                kind == "reasoning" else call_item(tool_call(item[2], item[3], "")))
         at = {"output_index": len(output) - 1, "item_id": output[-1]["id"]}
-        if kind == "text":
+        if kind == "reasoning":
+            output[-1]["content"][0]["text"] += item[1]
+            yield event("response.reasoning_text.delta", **at, content_index=0, delta=item[1])
+        elif kind == "text":
             output[-1]["content"][0]["text"] += item[1]
             yield event("response.output_text.delta", **at, content_index=0, delta=item[1], logprobs=[])
         elif kind == "args":

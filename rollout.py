@@ -26,6 +26,8 @@ from collections import OrderedDict
 
 import numpy as np
 import ray
+import torch
+import torch.distributed as dist
 from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -44,6 +46,15 @@ class EngineActor(Engine):
 
     async def started(self):
         return self.llm is not None
+
+
+def trainer_gpus(ray, world):
+    """{ray node id: GPUs used by trainer ranks there}, gathered from every rank (a collective); {} on CPU."""
+    if not torch.cuda.is_available():
+        return {}
+    nodes = [None] * world
+    dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
+    return {n: nodes.count(n) for n in set(nodes)}
 
 
 def reserve_trainer_gpus(gpus_per_node):
@@ -277,7 +288,9 @@ def put_experience(segment, reward, group_id, failed=False, error=None):
     """ray.put a recorded segment's per-token arrays; return the light record that travels on the queue."""
     mask = np.asarray(segment["action_mask"], dtype=np.int8)  # (T,)
     versions = np.asarray(segment["token_versions"], dtype=np.int32)  # (T,)
-    arrays = dict(token_ids=np.asarray(segment["token_ids"], dtype=np.int32),
+    arrays = dict(attempt_id=segment["attempt_id"], segment_index=segment["segment_index"],
+                  opened=segment.get("opened"),  # why this segment began (capture.CaptureServer.opening)
+                  token_ids=np.asarray(segment["token_ids"], dtype=np.int32),
                   action_mask=mask,
                   behavior_logprobs=np.asarray(segment["behavior_logprobs"], dtype=np.float32),
                   token_versions=versions,

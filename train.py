@@ -41,6 +41,7 @@ import lora
 import loss
 import plan
 import runlog
+import viewer
 import vl
 from experts import EXPERT_PROJS, GatherRows, SumRows, count_ids, slot_positions, to_contiguous
 from model import (Transformer, checkpoint_reader, copy_hf_extras, hf_name, init_parameters, is_stacked_experts,
@@ -69,6 +70,12 @@ eval_every = 10            # held-out evaluation every this many steps, at the s
 eval_prompts = ""          # JSONL/Parquet of held-out prompts; "" takes the agent module's eval_prompts(), if any
 eval_temperature = 0.0     # the evaluation's sampling (0: greedy)
 tensorboard_dir = ""       # also write every logged number there as TensorBoard scalars (pip install tensorboard)
+wandb_project = ""         # also log every number to this Weights & Biases project (pip install wandb;
+                           # WANDB_MODE=offline keeps the run in out_dir/wandb)
+view_port = 0              # serve the trajectory viewer on 127.0.0.1:PORT during the run (viewer.py; 0: no server)
+view_groups_per_step = 1   # GRPO groups of each batch recorded for the viewer in out_dir/view/ (0: none), with the
+                           # trainer's logprobs of their tokens; written off the trainer's path
+view_max_attempts = 256    # the newest this many recorded attempts are kept there (older ones are deleted)
 # rollout
 num_engines = 1
 tensor_parallel_size = 1
@@ -214,11 +221,12 @@ def main(argv):
     # a model in training writes malformed tool calls all the time; vLLM's parser logs a traceback for each
     logging.getLogger("vllm.tool_parsers.hermes_tool_parser").setLevel(logging.CRITICAL)
     ray = connect_ray(cfg, rank, world)
-    gpus = trainer_gpus(ray, world)
+    import rollout  # after connect_ray: the other ranks import ray only once its auth mode is set
+    gpus = rollout.trainer_gpus(ray, world)
     # a resumed run's pool continues the prompt stream after the prompts its earlier life drew
     run = start_rollout(cfg, trainer_gpus=gpus, data_position=extra.get("data_position", 0)) if rank == 0 else None
 
-    evals = train(cfg, model, optimizer, run, step, rank, world)
+    evals = train(cfg, model, optimizer, run, step, rank, world, extra.get("policy_version", step))
 
     if rank == 0:
         stop_rollout(run)
@@ -230,7 +238,7 @@ def main(argv):
     dist.destroy_process_group()
 
 
-def train(cfg, model, optimizer, run, step, rank, world):
+def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
     """The loop, from `step` to max_steps: batch -> advantages -> each rank's refs -> train step -> weight sync ->
     held-out evaluation (every eval_every steps) -> log -> checkpoint. Rank 0 drives (run: start_rollout's dict);
     the others follow through collectives. Returns rank 0's evaluations, {policy_version: metrics}."""
@@ -239,8 +247,10 @@ def train(cfg, model, optimizer, run, step, rank, world):
     out_dir = cfg["out_dir"]
     loop = asyncio.new_event_loop()  # runs the weight-sync coroutines of this thread
     sender = weights_sync.WeightSender(adapter=lora.sync_config(cfg))  # LoRA: the adapters alone travel
-    writer, evals = runlog.tensorboard_writer(cfg, rank), {}
-    policy_version = step  # one optimizer step = one policy version; the engines start at version 0
+    writer, evals = runlog.scalar_writer(cfg, rank), {}
+    # one optimizer step that changes the weights = one policy version (a resumed run: the checkpoint's); the engines
+    # start at version 0
+    policy_version = step if policy_version is None else policy_version
     # the engines get the trainer's weights first: a resumed run's, or whatever they were started or left with
     push_weights(run, loop, sender, model, policy_version, rank, world)
     if rank == 0:
@@ -256,8 +266,11 @@ def train(cfg, model, optimizer, run, step, rank, world):
         segments, advantages = share_batch(records, cfg, rank, world)
         m = train_step(model, optimizer, pack_microbatches(segments, advantages, cfg["microbatch_tokens"]), cfg,
                        policy_version, step)
-        policy_version += 1
-        sync_s = push_weights(run, loop, sender, model, policy_version, rank, world)
+        rank == 0 and run["recorder"] and run["recorder"].add(step, records, segments, advantages, m["logprobs"])
+        trained = policy_version  # the version this step trained on
+        if not m["skipped"]:  # a skipped step (non-finite gradients) changed no weight: no new version, no sync
+            policy_version += 1
+        sync_s = None if m["skipped"] else push_weights(run, loop, sender, model, policy_version, rank, world)
         if rank == 0:
             pool = run["pool"].stats()
             rewards = {r["attempt_id"]: r["reward"] for r in records}  # an attempt counts once
@@ -273,10 +286,13 @@ def train(cfg, model, optimizer, run, step, rank, world):
                        response_tokens=sum(r["action_tokens"] for r in records) / max(len(rewards), 1),
                        batch_wait_s=t_batch - t0, sync_s=sync_s, engine_idle=run["router"].idle_fraction(),
                        # versions between the policy that sampled a segment's oldest token and the one training on it
-                       staleness=sum(policy_version - 1 - r["min_version"] for r in generated) / max(len(generated), 1),
-                       loss=m["loss"], grad_norm=m["grad_norm"], lr=m["lr"], kept_tokens=m["kept_tokens"],
-                       clip_frac=m["clip_frac"], attempts=len(rewards), segments=len(records))
-            row.update(info_means(records), **evaluate(run, cfg, policy_version, evals))  # after step_time: eval_s
+                       staleness=sum(trained - r["min_version"] for r in generated) / max(len(generated), 1),
+                       attempts=len(rewards), segments=len(records))
+            # every number the loss and the step report: loss, entropy, kl_ref, clip, dual-clip and importance-mask
+            # fractions, advantage statistics, grad_norm, lr, skipped
+            row.update({k: v for k, v in m.items() if k not in row and (v is None or isinstance(v, (int, float)))},
+                       **runlog.info_means(records))
+            row.update(evaluate(run, cfg, policy_version, evals))  # after step_time: eval_s
             runlog.log_step(out_dir, row, writer)
             run["router"].reset_idle_clock()
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", step_s=f"{step_time:.1f}",
@@ -323,7 +339,7 @@ def sft(cfg, model, optimizer, step, rank, world):
     rows = [vl.transcript_images(*transcript_tokens(r, tokenizer), r["messages"], cfg["model_path"])
             for r in load_transcripts(cfg["sft_data"])]
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg["seed"])).tolist()
-    batch, writer = cfg["groups_per_batch"] * cfg["group_size"], runlog.tensorboard_writer(cfg, rank)
+    batch, writer = cfg["groups_per_batch"] * cfg["group_size"], runlog.scalar_writer(cfg, rank)
     for step in tqdm(range(step, cfg["max_steps"]), initial=step, total=cfg["max_steps"], disable=rank != 0):
         t0 = time.perf_counter()
         picks = [rows[order[(step * batch + i) % len(rows)]] for i in range(batch)][rank::world]
@@ -386,15 +402,6 @@ def connect_ray(cfg, rank, world):
     return ray
 
 
-def trainer_gpus(ray, world):
-    """{ray node id: GPUs used by trainer ranks there}, gathered from every rank (a collective); {} on CPU."""
-    if not torch.cuda.is_available():
-        return {}
-    nodes = [None] * world
-    dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
-    return {n: nodes.count(n) for n in set(nodes)}
-
-
 def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
     """Rank 0: the engines (unless given; placed away from the trainer's GPUs), the router, the capture server in a
     background thread, and the rollout pool for the agent module and its prompts (train() starts it)."""
@@ -443,8 +450,10 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
         first_prompt=data_position,
         sampling=dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_tokens=cfg["max_tokens"]))
     blank = [vl.blank_images(p) for p in held_out] if cfg["eval_every"] else []
-    return dict(engines=engines, router=router, server=server, pool=pool, placement=placement, cleanup=cleanup,
-                eval_prompts=held_out if cfg["eval_every"] else [], blank_prompts=blank if blank != held_out else [])
+    # the viewer's sample ("recorder") and live page ("view"), as the view_* keys ask; "cleanup" stops them too
+    return dict(engines=engines, router=router, server=server, pool=pool, placement=placement,
+                eval_prompts=held_out if cfg["eval_every"] else [], blank_prompts=blank if blank != held_out else [],
+                **viewer.start(cfg, cleanup))
 
 
 def stop_rollout(run):
@@ -494,7 +503,8 @@ def share_batch(records, cfg, rank, world):
 
 def pack_microbatches(segments, advantages, microbatch_tokens):
     """Segments sorted by length into microbatches of at most microbatch_tokens padded tokens (one longer segment
-    gets its own). A rank with no segment trains on one empty row, so that it joins the collectives."""
+    gets its own); segment_rows: which segment each row holds. A rank with no segment trains on one empty row, so
+    that it joins the collectives."""
     if not segments:
         segments, advantages = [dict(token_ids=[0, 0], action_mask=[0, 0], behavior_logprobs=[0.0, 0.0],
                                      token_versions=[-1, -1], routed_experts=None)], [0.0]
@@ -506,7 +516,7 @@ def pack_microbatches(segments, advantages, microbatch_tokens):
             current = []
         current.append(i)
     groups.append(current)
-    return [collate([segments[i] for i in g], [advantages[i] for i in g]) for g in groups]
+    return [dict(collate([segments[i] for i in g], [advantages[i] for i in g]), segment_rows=g) for g in groups]
 
 
 def push_weights(run, loop, sender, model, policy_version, rank, world):
@@ -533,14 +543,6 @@ def push_weights(run, loop, sender, model, policy_version, rank, world):
         print0(f"weight sync at version {policy_version} lost an engine ({type(e).__name__}); the run goes on")
         run["router"].mark_connected([])
     return time.perf_counter() - t0
-
-
-def info_means(records):
-    """{"info/KEY": mean over attempts} of the numbers agents returned in Result.info (an attempt counts once)."""
-    per_attempt = {r["attempt_id"]: r.get("info") or {} for r in records}
-    keys = sorted({k for info in per_attempt.values() for k in info})
-    return {f"info/{k}": sum(info[k] for info in per_attempt.values() if k in info) /
-            sum(k in info for info in per_attempt.values()) for k in keys}
 
 
 # -----------------------------------------------------------------------------
@@ -611,7 +613,7 @@ def empty_microbatch(like):
     """A 1-token microbatch with nothing to learn from: ranks with fewer microbatches run these so that every rank
     takes part in the same number of FSDP and expert-parallel collectives."""
     return {k: (torch.zeros_like(v[:1, :1] if v.dim() > 1 else v[:1]) if torch.is_tensor(v) else v)
-            for k, v in like.items() if k not in vl.IMAGE_FIELDS}
+            for k, v in like.items() if k not in (*vl.IMAGE_FIELDS, "segment_rows")}
 
 
 def microbatch_logprobs(model, mb, cfg, with_entropy=False):
@@ -656,7 +658,8 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
     behavior_logprobs, token_versions, advantages (B,) or (B, T), optional ref_logprobs, and routed_experts
     (B, T, L_moe, K) or None (see `collate`). The loss is normalized by the window's kept-token count, all-reduced
     before the first backward, and gradients are summed over ranks (shard_model), so the step is the same however
-    the window is split into microbatches and ranks.
+    the window is split into microbatches and ranks. "logprobs": (segment_rows, the trainer's logprobs (B, T),
+    detached) of each microbatch from pack_microbatches, for the viewer's sample (viewer.Recorder.add).
     """
     t0 = time.perf_counter()
     step = policy_version if step is None else step
@@ -680,7 +683,7 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
             mb["token_versions"], policy_version, lcfg) for old, mb in zip(old_logprobs, microbatches)]
     window_tokens = loss.count_window_tokens(kept)  # one all-reduce, before the first backward
 
-    metrics = []
+    metrics, kept_logprobs = [], []
     for old, mb in zip(old_logprobs, microbatches):
         logprobs, entropy = microbatch_logprobs(model, mb, dict(cfg, temperature=1.0) if sft else cfg,
                                                 with_entropy=lcfg.entropy_coef > 0 and not sft)
@@ -690,6 +693,7 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
             ref_logprobs=mb.get("ref_logprobs"), entropy=entropy)
         mb_loss.backward()
         metrics.append(mb_metrics)
+        kept_logprobs.append((mb.get("segment_rows"), logprobs.detach()))  # B x T floats kept until the step returns
 
     grad_norm = clip_grad_norm(model, cfg["grad_clip"], device, optimizer)
     lr = learning_rate_at(step, cfg)
@@ -706,7 +710,8 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
     tokens = torch.tensor(sum(mb["input_ids"].numel() for mb in microbatches), device=device)
     dist.all_reduce(tokens)
     out.update(grad_norm=grad_norm, lr=lr, skipped=skipped, window_tokens=int(window_tokens.item()),
-               tokens=int(tokens.item()), step_time=time.perf_counter() - t0)
+               tokens=int(tokens.item()), train_step_s=time.perf_counter() - t0,
+               logprobs=kept_logprobs)
     return out
 
 

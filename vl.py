@@ -32,8 +32,10 @@ def with_pixels(segment, model_path):
     if images is None or len(images) == 0:
         segment.pop("image_grid_thw", None)
         return segment
-    from PIL import Image
-    out = image_processor(model_path)(images=[Image.open(io.BytesIO(bytes(b))) for b in images], return_tensors="pt")
+    from PIL import Image, ImageOps
+    # upright, as vLLM hands images to its processor (and the capture server counts their tokens): EXIF orientation
+    out = image_processor(model_path)(images=[ImageOps.exif_transpose(Image.open(io.BytesIO(bytes(b))))
+                                              for b in images], return_tensors="pt")
     grid = out["image_grid_thw"].long()
     recorded = segment.pop("image_grid_thw", None)  # when the recorder gave the grids: a check
     if recorded is not None and len(recorded) and np.asarray(recorded).tolist() != grid.tolist():

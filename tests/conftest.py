@@ -2,8 +2,10 @@
 the unit tests alone (in-process: no vLLM engine, no Ray, no rank processes) with
 `.venv/bin/python -m pytest tests -q -m "not stack"`."""
 import asyncio
+import contextlib
 import os
 import sys
+import threading
 import time
 
 import pytest
@@ -89,8 +91,25 @@ class RecordingBackend:
         return [c for c in self.calls if c["session_id"] == session_id]
 
 
-# a test that asks for one of these fixtures runs a real engine or Ray; tests that start processes are marked by hand
-STACK_FIXTURES = {"ray_cluster", "rollout_engine", "stack", "served", "server", "engine"}
+# -----------------------------------------------------------------------------
+# the `stack` marker: a test is `stack` when it (or a fixture it uses, directly or through another fixture) starts a
+# vLLM engine, Ray, rank processes or one of our entry scripts as a process. `-m "not stack"` is then the in-process
+# unit tier, and the guard below makes that true: a test not marked `stack` that starts any of these fails, naming
+# what it started.
+
+def starts_stack(fixture_function):
+    """Mark a fixture as one that starts an engine, Ray or processes: every test using it is marked `stack`."""
+    fixture_function.starts_stack = True
+    return fixture_function
+
+
+def uses_stack_fixture(item):
+    info = getattr(item, "_fixtureinfo", None)
+    for name in getattr(item, "fixturenames", ()):
+        for fixturedef in (info.name2fixturedefs.get(name, ()) if info else ()):
+            if getattr(fixturedef.func, "starts_stack", False):
+                return True
+    return False
 
 
 def pytest_configure(config):
@@ -100,8 +119,59 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if STACK_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if uses_stack_fixture(item):
             item.add_marker(pytest.mark.stack)
+
+
+ENTRY_SCRIPTS = {"train.py", "bench.py", "capture.py", "torchrun.sh", "torchrun"}
+RAY_BINARIES = {"gcs_server", "raylet"}  # what ray.init starts first (subprocess.Popen of Ray's own binaries)
+
+
+class StartsStack(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def unit_tier_guard(item):
+    """For a test not marked `stack`: refuse to start a process (multiprocessing: rank processes, vLLM's engine core),
+    one of our entry scripts, or Ray. Other subprocesses (the sandbox's programs, Triton's interpreter checks) run."""
+    import multiprocessing.process
+    import subprocess
+    if item.get_closest_marker("stack"):
+        yield
+        return
+
+    def refuse(what):
+        raise StartsStack(f"{item.nodeid} starts {what} but is not marked `stack`: mark the test "
+                          "(@pytest.mark.stack) or the fixture that starts it (@conftest.starts_stack)")
+    real_start, real_popen = multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__
+
+    def start(process):
+        refuse(f"a process ({process.name}: rank processes or a vLLM engine)")
+
+    def popen(self, args, *a, **kw):
+        argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+        names = {os.path.basename(str(x)) for x in argv}
+        if names & (ENTRY_SCRIPTS | RAY_BINARIES):
+            refuse(f"{' '.join(map(str, argv))[:200]}")
+        real_popen(self, args, *a, **kw)
+    multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__ = start, popen
+    try:
+        yield
+    finally:
+        multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__ = real_start, real_popen
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with unit_tier_guard(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with unit_tier_guard(item):
+        return (yield)
 
 
 @pytest.fixture(autouse=True)
@@ -128,7 +198,47 @@ def tiny_vl_model_path():
                                           "tiny-qwen3-vl-moe"))
 
 
+class EngineThread:
+    """An engine.Engine on an event loop of its own thread (an engine is used from the loop it was started on):
+    `run(coro)` runs a coroutine there and returns its result; `serve(server)` starts a CaptureServer on the same
+    loop, `stop_serving(server)` stops it."""
+
+    def __init__(self, engine):
+        self.engine, self.loop = engine, asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="tiny-engine", daemon=True)
+        self.thread.start()
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def serve(self, server):
+        server.loop = self.loop  # what CaptureServer.start_in_thread sets for a loop of its own
+        self.run(server.start())
+        return server
+
+    def stop_serving(self, server):
+        self.run(server.stop())
+
+    def close(self):
+        self.run(self.engine.shutdown())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+
 @pytest.fixture(scope="session")
+@starts_stack
+def tiny_engine(tiny_model_path):
+    """One in-process vLLM engine (engine.Engine, with the weight-sync worker extension) on the tiny model, shared by
+    the capture, agent and weight-sync tests. A test that changes its weights or policy version puts them back."""
+    from engine import Engine
+    on = EngineThread(Engine(tiny_model_path, max_model_len=2048, seed=0))
+    on.run(on.engine.start())
+    yield on
+    on.close()
+
+
+@pytest.fixture(scope="session")
+@starts_stack
 def ray_cluster():
     """A local Ray cluster (2 logical CPUs, a small object store), shared by every test that needs Ray."""
     import ray

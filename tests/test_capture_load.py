@@ -33,27 +33,55 @@ SLOWDOWN, SLACK_S = 10.0, 2.0
 RSS_GROWTH_MIB = 16  # over 5,000 created-and-finished sessions (measured +0-1 MiB; unbounded it was +4.2 KiB each)
 
 
+class CapturePy:
+    """`python capture.py` on a free port, started on first use and started again if a test ended it (the SIGTERM
+    test does), so that the tests of this file pass in any order."""
+
+    def __init__(self, log_dir):
+        self.log_dir, self.proc, self.runs = log_dir, None, 0
+
+    def get(self):
+        """(process, its base URL, the log path) of a running server."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.kill()
+            self.runs += 1
+            self.log_path = self.log_dir / f"capture{self.runs}.log"
+            self.proc = subprocess.Popen([sys.executable, "capture.py"], cwd=ROOT, stdout=open(self.log_path, "w"),
+                                         stderr=subprocess.STDOUT, env=child_env(PYTHONUNBUFFERED="1"),
+                                         start_new_session=True)
+            deadline, self.url = time.monotonic() + 300, None
+            while self.url is None:
+                text = open(self.log_path).read()
+                if "capture server for" in text:
+                    self.url = text.split("capture server for", 1)[1].split(" at ", 1)[1].split()[0]
+                elif self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.kill()
+                    pytest.fail(f"capture.py did not start:\n{text[-3000:]}")
+                else:
+                    time.sleep(0.2)
+        return self.proc, self.url, self.log_path
+
+    def kill(self):
+        if self.proc is not None:
+            for p in [self.proc] + descendants(self.proc):
+                try:
+                    p.kill()
+                except (psutil.NoSuchProcess, ProcessLookupError):
+                    pass
+            self.proc = None
+
+
 @pytest.fixture(scope="module")
-def standalone(tmp_path_factory):
-    """`python capture.py` on a free port: (process, its base URL, the log path). Killed with its tree at the end
-    if a test left it running."""
-    log_path = tmp_path_factory.mktemp("capture") / "capture.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "capture.py"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env=child_env(PYTHONUNBUFFERED="1"), start_new_session=True)
-    deadline, url = time.monotonic() + 300, None
-    while url is None:
-        text = open(log_path).read()
-        if "capture server for" in text:
-            url = text.split("capture server for", 1)[1].split(" at ", 1)[1].split()[0]
-        elif proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"capture.py did not start:\n{text[-3000:]}")
-        else:
-            time.sleep(0.2)
-    yield proc, url, log_path
-    for p in [proc] + descendants(proc):
-        p.kill()
+def capture_py(tmp_path_factory):
+    """One capture.py for the file; killed with its tree at the end."""
+    server = CapturePy(tmp_path_factory.mktemp("capture"))
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def standalone(capture_py):
+    return capture_py.get()
 
 
 def descendants(proc):
@@ -121,7 +149,7 @@ def send_slowly(url, head, chunk, pause_s, max_chunks):
 
 def test_latency_under_attack_stays_bounded(standalone):
     proc, url, _ = standalone
-    stop, failures, attack_replies = threading.Event(), [], []
+    stop, failures, attack_replies, attacking = threading.Event(), [], [], set()
     with httpx.Client(timeout=120) as client:
         good, bystander = new_session(client, url), new_session(client, url)
         assert turn(client, bystander, "I was here first.").status_code == 200
@@ -150,6 +178,7 @@ def test_latency_under_attack_stays_bounded(standalone):
                         r = c.post(target, headers=auth, content=word if kind == "word" else empties)
                         check_error(r)
                         attack_replies.append(r.status_code)
+                        attacking.add(threading.get_ident())
             except Exception as e:  # reported by the main thread
                 failures.append(f"{kind}: {e!r}")
 
@@ -167,10 +196,13 @@ def test_latency_under_attack_stays_bounded(standalone):
             stalled[-1].sendall(b"POST /sessions HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n{\"attempt\"")
         for t in attackers:
             t.start()
+        deadline = time.monotonic() + 120
+        while len(attacking) < 4 and not failures:  # every big-body attacker has had an answer: the attack is on
+            assert time.monotonic() < deadline, "the attackers got no answer"
+            time.sleep(0.05)
         # a 16 MiB header, 64 KiB at a time: refused long before its end
         reply, chunks = send_slowly(url, b"GET /sessions HTTP/1.1\r\nx-big: ", b"a" * (64 << 10), 0.5, 256)
         assert reply.startswith(b"HTTP/1.1 431") and b'"error"' in reply and chunks < 16, (reply[:200], chunks)
-        time.sleep(1.0)  # let the attack get going
         attacked = timed_turns(30)
         print(f"\nwell-behaved session p99: idle {p99(idle):.3f} s, under attack {p99(attacked):.3f} s "
               f"(median {sorted(idle)[15]:.3f} / {sorted(attacked)[15]:.3f} s)")
@@ -222,7 +254,8 @@ def test_rss_bounded_after_5000_sessions(standalone):
         print(f"server RSS {rss / 2**20:.0f} MiB after 500 sessions, +{growth:.1f} MiB after 5,000")
         assert growth < RSS_GROWTH_MIB
         # finished sessions beyond the server's limit were dropped: the first ones are gone
-        assert client.get(f"{url}/sessions/{first['id']}", headers={"x-api-key": first["api_key"]}).status_code == 401
+        gone = client.get(f"{url}/sessions/{first['id']}", headers={"x-api-key": first["api_key"]})
+        assert gone.status_code == 410 and "finished and was dropped" in gone.json()["error"]["message"]
 
 
 def test_keeps_serving_then_sigterm_leaves_no_process(standalone):

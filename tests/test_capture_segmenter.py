@@ -265,6 +265,9 @@ async def run_sequence(server, seed):
                 len(messages) - len(seg.conversation))
         else:
             assert prompt == tokens(render_text(messages, tools, True))  # a new segment: a full render
+            why = ("the attempt's first request" if seg is None else "changed tools" if tools != seg.tools else
+                   "compaction" if len(messages) < len(seg.conversation) else "a rewrite of message" if not all(
+                       same(a, b) for a, b in zip(seg.conversation, messages)) else "a chat template")  # the viewer's
             seg = open_segment = ReferenceSegment(prompt)
             seg.tools = tools
             reference.append(seg)
@@ -284,6 +287,7 @@ async def run_sequence(server, seed):
         assert [(s["token_ids"], s["action_mask"], s["behavior_logprobs"], s["token_versions"]) for s in recorded] \
             == [(r.token_ids, r.mask, r.logprobs, r.versions) for r in reference]
         assert [s["segment_index"] for s in recorded] == list(range(len(reference)))
+        assert extends or recorded[-1]["opened"].startswith(why)
     segments = server.finish_session(session.id, reward=0.25)
     assert all(s["attempt_id"] == f"sequence-{seed}" and s["reward"] == 0.25 and s["finished"] for s in segments)
     return len(reference)

@@ -17,8 +17,11 @@ import math
 import os
 import time
 
+from typing import Literal
+
 import anthropic
 import httpx
+import jsonschema
 import openai
 import pydantic
 import pytest
@@ -136,7 +139,81 @@ def test_tool_choice_none_and_parallel_false_reach_the_engine(tiny_model_path):
     asyncio.run(server.stop())
 
 
+def test_call_grammars_take_over_where_the_prompt_ends(tiny_model_path):
+    """What each kind of turn is sampled under, run by xgrammar's matcher on the tiny tokenizer as the engine runs it:
+    a forced call (named, or any tool) from the end of its opening to the end of one call, then only the end of the
+    turn; under "auto" free text, and a call to a strict tool fitting its schema (a non-strict tool's: any JSON); with
+    a response format, the answer or a call; numbers without bounds get JSON's exact range. The grammar follows the
+    tool parser's format: the same schema serves Qwen3.5's XML calls. With constrained_tokens "mask" only what the
+    grammar constrained leaves the loss."""
+    import xgrammar
+    from test_capture_segmenter import CALC, FakeBackend
+    server = capture.CaptureServer(None, tiny_model_path)
+    server.backend, tok = FakeBackend(server.tokenizer), server.tokenizer
+    compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(tok, stop_token_ids=server.end_ids))
+    record = {"type": "function", "function": READING}
+    args = '{"count": 3, "share": 0.5, "unit": "km", "exact": true}'
+
+    def grammar(tools=(CALC, record), **body):
+        body = dict(messages=[{"role": "user", "content": "x"}], tools=list(tools), **body)
+        asyncio.run(server.respond(server.new_session(), protocols.parse_openai(body, server)))
+        return server.backend.calls[-1]["sampling"]
+
+    def accepts(sampling, *texts):  # each text in turn, the last then ending the turn
+        m = xgrammar.GrammarMatcher(compiler.compile_structural_tag(sampling["structured"]["structural_tag"]))
+        return all(m.accept_token(t) for text in texts for t in tok(text, add_special_tokens=False)["input_ids"]) \
+            and m.accept_token(server.end_ids[0])
+    named = grammar(tool_choice={"type": "function", "function": {"name": "record"}})
+    assert accepts(named, args + "}\n</tool_call>") and not accepts(named, args.replace("km", "mi") + "}\n</tool_call>")
+    assert not accepts(named, '{"count": 3}}\n</tool_call>')  # required fields
+    assert not accepts(named, args.replace("3", "12345678901234567") + "}\n</tool_call>")  # beyond 2**53 - 1
+    assert not accepts(named, args + "}\n</tool_call>", "<tool_call>")  # one call, then the turn ends
+    any_tool = grammar(tool_choice="required")
+    assert accepts(any_tool, 'record", "arguments": ' + args + "}\n</tool_call>")
+    assert accepts(any_tool, 'calculator", "arguments": {"expression": "1 + 1"}}\n</tool_call>')
+    assert not accepts(any_tool, 'search", "arguments": {}}\n</tool_call>')
+    strict = grammar(tools=[CALC, dict(record, function=dict(READING, strict=True))], parallel_tool_calls=False)
+    assert tok.convert_tokens_to_ids("</tool_call>") not in strict["stop_token_ids"]  # the grammar ends the turn
+    call = '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>'
+    assert accepts(strict, "Some text. ", call % ("record", args)) and accepts(strict, "Just text.")
+    assert accepts(strict, call % ("calculator", '{"x": [1]}'))  # not strict: any JSON
+    assert not accepts(strict, call % ("record", args.replace("true", '"yes"')))
+    assert not accepts(strict, call % ("record", args), call % ("record", args))  # parallel_tool_calls false
+    assert "structured" not in grammar() or grammar()["structured"] is None  # no strict tool, nothing forced: free
+    answer = grammar(tools=[dict(record, function=dict(READING, strict=True))],
+                     response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": READING["parameters"]}})
+    assert accepts(answer, args) and accepts(answer, call % ("record", args)) and not accepts(answer, "text")
+    # Qwen3.5's XML calls: the template opens "<tool_call>\n<function=", the parameters fit the same schema
+    request = protocols.parse_openai(dict(messages=[{"role": "user", "content": "x"}], tools=[record],
+                                          tool_choice="required"), server)
+    request.opening = "<tool_call>\n<function="
+    xml = {"structured": {"structural_tag": protocols.call_grammar("qwen_3_coder", request)[0]}}
+    parameters = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in json.loads(args).items())
+    assert accepts(xml, "record>\n" + parameters.replace("True", "true") + "</function>\n</tool_call>")
+    assert not accepts(xml, "record>\n" + parameters.replace("km", "mi") + "</function>\n</tool_call>")
+    # constrained_tokens "mask": an auto turn's text and the call's tag stay trained, what the grammar wrote does not
+    masked = capture.CaptureServer(server.backend, tok, constrained_tokens="mask")
+    text = "Some text. " + call % ("record", args)
+    server.backend.forced = (text, [server.end_ids[0]], "stop")
+    session = masked.new_session()
+    body = dict(messages=[{"role": "user", "content": "x"}], tools=[dict(record, function=dict(READING, strict=True))])
+    asyncio.run(masked.respond(session, protocols.parse_openai(body, masked)))
+    (segment,) = session.segment_dicts()
+    generated = [t for t, m in zip(segment["token_ids"], segment["action_mask"]) if m]
+    assert tok.decode(generated) == "Some text. <tool_call>" and segment["token_ids"][-1] == server.end_ids[0]
+    server.backend.forced = None
+    asyncio.run(server.stop())
+    asyncio.run(masked.stop())
+
+
 SCHEMA = {"type": "object", "properties": {"odd": {"type": "boolean"}}, "required": ["odd"], "additionalProperties": False}
+VERDICTS = ('{"odd":true}', '{"odd":false}')  # every text the schema admits, white space aside
+
+
+def check_verdict(text, finished):
+    """The grammar held: a finished reply is a whole verdict, one cut short (max_tokens) the start of one."""
+    compact = "".join(text.split())
+    assert (compact in VERDICTS) if finished else any(v.startswith(compact) and v != compact for v in VERDICTS), text
 
 
 def test_structured_output_records_the_masked_distributions_logprobs(stack, rollout_engine):
@@ -146,8 +223,7 @@ def test_structured_output_records_the_masked_distributions_logprobs(stack, roll
     reply = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "Is 5 odd?"}], max_tokens=48, seed=3,
         response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA, "strict": True}})
-    if reply.choices[0].finish_reason == "stop":
-        assert set(json.loads(reply.choices[0].message.content)) == {"odd"}
+    check_verdict(reply.choices[0].message.content, reply.choices[0].finish_reason == "stop")
     (segment,) = finish(server, recorder, session)
     (call,) = recorder.of(session.id)
     # at temperature 1 the grammar only removes mass: log q(x) = log p(x) - log Z >= log p(x), the engine's own
@@ -225,12 +301,15 @@ def test_streams_deliver_text_as_the_engine_samples(stack):
         assert "".join(deltas) == server.tokenizer.decode(ids[:-1] if ids[-1] in server.end_ids else ids)
 
 
-def test_a_stream_the_client_leaves_is_aborted_and_not_recorded(stack):
+def test_a_stream_the_client_leaves_is_aborted_and_not_recorded(stack, rollout_engine):
+    stack_engine = rollout_engine
     server, recorder = stack
     session = server.new_session()
     url, auth = session.base_url + "/chat/completions", {"authorization": f"Bearer {session.api_key}"}
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Go on and on."}], "max_tokens": 600,
             "stream": True, "temperature": 1.0}
+    from test_capture_fuzz import engine_counts
+    _, generated = engine_counts(stack_engine)
     with httpx.stream("POST", url, json=body, headers=auth) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")  # the stream has begun: then the client goes
@@ -238,6 +317,10 @@ def test_a_stream_the_client_leaves_is_aborted_and_not_recorded(stack):
     while session.lock.locked() and time.monotonic() < deadline:  # the aborted turn lets go of the session
         time.sleep(0.05)
     assert not session.lock.locked() and session.segment_dicts() == [] and recorder.of(session.id) == []
+    while engine_counts(stack_engine)[0] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    unfinished, now = engine_counts(stack_engine)
+    assert unfinished == 0 and 0 < now - generated < body["max_tokens"]  # the engine stopped it, mid-turn
     reply = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0).chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "Still there?"}], max_tokens=4)
     assert reply.usage.completion_tokens >= 1
@@ -299,6 +382,110 @@ def test_forced_tool_calls_stream_as_sampled_and_match_the_unstreamed_turn(stack
     assert len(pieces) > 3 and "".join(pieces) == json.dumps(LONG)
     keys = "token_ids", "action_mask", "behavior_logprobs", "token_versions"
     assert [{k: s[k] for k in keys} for s in plain] == [{k: s[k] for k in keys} for s in streamed]
+
+
+# --- forced and strict calls: the arguments sampled under the tool's schema, by the random model itself
+
+
+class Reading(pydantic.BaseModel):  # numbers, enums and booleans: no free text (unbounded: the server bounds digits)
+    count: int
+    share: float
+    unit: Literal["m", "km"]
+    exact: bool
+
+
+READING = {"name": "record", "description": "Record a reading.", "parameters": Reading.model_json_schema()}
+EXPRESSION = {"name": "calculator", "parameters": TOOLS[0]["function"]["parameters"]}  # free text
+
+
+def sampled_call(server, api, stream, tool, max_tokens):
+    """One call to `tool` forced in `api` (chat: "required", Messages: the named tool, Responses: the named strict
+    function) and sampled by the engine, streamed or not: (the calls' arguments as text, the argument pieces streamed,
+    the session)."""
+    session, ask = server.new_session(), [{"role": "user", "content": "Read the meter."}]
+    oa = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+    pieces = []
+    if api == "chat":
+        kw = dict(model="tiny", messages=ask, max_tokens=max_tokens, tools=[{"type": "function", "function": tool}],
+                  tool_choice="required")
+        if stream:  # the raw chunks (the SDK's stream helper raises on a call cut at max_tokens)
+            chunks = [c.choices[0] for c in oa.chat.completions.create(stream=True, **kw) if c.choices]
+            pieces = [d.function.arguments for c in chunks for d in c.delta.tool_calls or [] if d.function.arguments]
+            calls = ["".join(pieces)] if chunks[-1].finish_reason == "tool_calls" else []
+        else:
+            message = oa.chat.completions.create(**kw).choices[0].message
+            calls = [c.function.arguments for c in message.tool_calls or []]
+    elif api == "messages":
+        an = anthropic.Anthropic(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+        kw = dict(model="tiny", max_tokens=max_tokens, messages=ask, tool_choice={"type": "tool", "name": tool["name"]},
+                  tools=[{"name": tool["name"], "input_schema": tool["parameters"]}])
+        if stream:
+            with an.messages.stream(**kw) as s:
+                pieces = [e.partial_json for e in s if e.type == "input_json"]
+                content = s.get_final_message().content
+        else:
+            content = an.messages.create(**kw).content
+        calls = [json.dumps(b.input) if not pieces else "".join(pieces) for b in content if b.type == "tool_use"]
+    else:
+        kw = dict(model="tiny", input=ask, tools=[dict(type="function", strict=True, **tool)], max_output_tokens=max_tokens,
+                  tool_choice={"type": "function", "name": tool["name"]})
+        if stream:  # the raw events: the SDK's stream helper raises on an incomplete response
+            events = list(oa.responses.create(stream=True, **kw))
+            pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+            output = events[-1].response.output
+        else:
+            output = oa.responses.create(**kw).output
+        calls = [c.arguments for c in output if c.type == "function_call"]
+    return calls, pieces, session
+
+
+@pytest.mark.parametrize("api", ["chat", "messages", "responses"])
+def test_forced_calls_without_free_text_always_parse_and_validate(stack, rollout_engine, api):
+    """The random model writes every forced call to a tool of numbers, enums and booleans as one complete call whose
+    arguments fit the schema; the recorded logprobs are the masked distribution's (never below the model's own); the
+    same prompt sampled without the grammar does not give a valid call (the check can fail)."""
+    server, recorder = stack
+    for stream in (False, True):
+        for _ in range(2):
+            calls, pieces, session = sampled_call(server, api, stream, READING, 160)
+            (arguments,) = calls
+            jsonschema.validate(json.loads(arguments), READING["parameters"])
+            Reading.model_validate_json(arguments)
+            assert not stream or "".join(pieces) == arguments or api == "messages"
+            finish(server, recorder, session)
+    call = recorder.calls[-1]
+    unmasked = ray.get(rollout_engine.prompt_logprobs.remote(call["prompt"] + call["out"]["token_ids"]))
+    gaps = [q - p for q, p in zip(call["out"]["logprobs"], unmasked[len(call["prompt"]):])]
+    assert min(gaps) > -0.02 and max(gaps) > 0.1, gaps
+    free = ray.get(rollout_engine.generate.remote(call["prompt"], dict(max_tokens=64, seed=0), "free-" + api))
+    opening = "<tool_call>" + server.tokenizer.decode(call["prompt"]).rsplit("<tool_call>", 1)[1]
+    info = server.tool_parser.extract_tool_calls(opening + server.tokenizer.decode(free["token_ids"]), None)
+    with pytest.raises((AssertionError, ValueError, jsonschema.ValidationError)):
+        (c,) = info.tool_calls
+        jsonschema.validate(json.loads(c.function.arguments), READING["parameters"])
+
+
+def test_forced_calls_with_free_text_sample_a_valid_prefix(stack, rollout_engine):
+    """A free-text argument runs on (the random model rarely closes a string): what is sampled, cut at max_tokens, is
+    still a prefix of schema-conforming JSON in every API; without the grammar it is not."""
+    import xgrammar
+    server, recorder = stack
+    tokenizer = xgrammar.TokenizerInfo.from_huggingface(server.tokenizer, stop_token_ids=server.end_ids)
+    schema = xgrammar.GrammarCompiler(tokenizer).compile_json_schema(json.dumps(EXPRESSION["parameters"]))
+
+    def valid_prefix(text):  # of the arguments (after the name: "required" opens the call up to it), then the end
+        arguments = text.split('", "arguments": ', 1)[-1].split("}\n</tool_call>")[0]
+        return xgrammar.GrammarMatcher(schema).accept_string(arguments)
+    for api in ("chat", "messages", "responses"):
+        for stream in (False, True):
+            calls, _, session = sampled_call(server, api, stream, EXPRESSION, 24)
+            (call,) = recorder.of(session.id)
+            assert valid_prefix(server.tokenizer.decode(call["out"]["token_ids"]))
+            # a call that closed parses (a stream sent a cut call's pieces as they came: it cannot take them back)
+            assert stream or all(json.loads(c)["expression"] is not None for c in calls)
+            finish(server, recorder, session)
+    free = ray.get(rollout_engine.generate.remote(call["prompt"], dict(max_tokens=24, seed=0), "free-prefix"))
+    assert not valid_prefix(server.tokenizer.decode(free["token_ids"]))
 
 
 # --- the Responses API
@@ -399,7 +586,9 @@ def test_langchain_bind_tools_and_structured_output(stack):
     messages += [ai, ToolMessage(content="5", tool_call_id=ai.tool_calls[0]["id"])]
     bound.invoke(messages)
     verdict = llm.with_structured_output(Verdict, include_raw=True).invoke("Is 5 odd?")  # json_schema, constrained
-    assert verdict["parsed"] is not None or verdict["raw"].response_metadata["finish_reason"] == "length"
+    finished = verdict["raw"].response_metadata["finish_reason"] == "stop"
+    check_verdict(verdict["raw"].content, finished)
+    assert (verdict["parsed"] is not None) == finished
     finish(server, recorder, session, segments=2)  # the tool conversation, then the structured question
 
 
@@ -419,31 +608,61 @@ def test_langchain_anthropic_structured_output_and_token_count(stack):
     finish(server, recorder, session)
 
 
+# The frameworks' structured results from the random model itself: their forced or strict calls (and the Agents SDK's
+# response format) are sampled under the schema, so each run completes with a parsed result.
+
+
 @installed("pydantic_ai")
-def test_pydantic_ai_with_an_output_type(stack):
+def test_pydantic_ai_output_type_from_the_random_model(stack):
     from pydantic_ai import Agent
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
     server, recorder = stack
     session = server.new_session()
     model = OpenAIChatModel("tiny", provider=OpenAIProvider(base_url=session.base_url, api_key=session.api_key))
-    agent = Agent(model, output_type=Verdict)
-    recorder.forced[session.id] = [call_text("final_result", {"odd": True}, "name")]  # its output tool, forced
-    result = agent.run_sync("Is 5 odd?", model_settings={"max_tokens": 16})
-    assert result.output == Verdict(odd=True)
+    result = Agent(model, output_type=Reading).run_sync("Read the meter.", model_settings={"max_tokens": 160})
+    assert isinstance(result.output, Reading)
+    (call,) = recorder.of(session.id)  # its output tool, forced ("required"): one turn
+    assert server.tokenizer.decode(call["prompt"]).endswith('<tool_call>\n{"name": "')
     finish(server, recorder, session)
 
 
 @installed("smolagents")
-def test_smolagents_tool_calling_agent_defaults(stack):
-    from smolagents import OpenAIServerModel, ToolCallingAgent
+def test_smolagents_tool_calling_agent_from_the_random_model(stack):
+    from smolagents import OpenAIServerModel, Tool, ToolCallingAgent
+    server, recorder = stack
+
+    class FinalAnswer(Tool):  # the agent's final answer as a reading: numbers, an enum, a boolean
+        name, description, output_type = "final_answer", "The reading.", "object"
+        inputs = {"count": {"type": "integer", "description": "how many"},
+                  "share": {"type": "number", "description": "which share"},
+                  "unit": {"type": "string", "enum": ["m", "km"], "description": "the unit"},
+                  "exact": {"type": "boolean", "description": "exact or not"}}
+
+        def forward(self, count, share, unit, exact):
+            return Reading(count=count, share=share, unit=unit, exact=exact)
+    session = server.new_session()
+    model = OpenAIServerModel(model_id="tiny", api_base=session.base_url, api_key=session.api_key, max_tokens=160)
+    agent = ToolCallingAgent(tools=[FinalAnswer()], model=model, max_steps=2, verbosity_level=0)
+    agent.prompt_templates["system_prompt"] = "Call final_answer with the reading."  # the default fills 2,000 tokens
+    assert isinstance(agent.run("Read the meter."), Reading)  # it sends tool_choice "required"
+    finish(server, recorder, session)
+
+
+@installed("agents")
+def test_openai_agents_sdk_output_type_from_the_random_model(stack):
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+    set_tracing_disabled(True)
     server, recorder = stack
     session = server.new_session()
-    model = OpenAIServerModel(model_id="tiny", api_base=session.base_url, api_key=session.api_key, max_tokens=24)
-    agent = ToolCallingAgent(tools=[], model=model, max_steps=2, verbosity_level=0)
-    agent.prompt_templates["system_prompt"] = "Call final_answer with the answer."  # the default fills 2,000 tokens
-    recorder.forced[session.id] = [call_text("final_answer", {"answer": "5"}, "name")]  # it sends "required"
-    assert str(agent.run("What is 2 + 3?")) == "5"
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0) as client:
+            agent = Agent(name="reader", instructions="Report the reading.", output_type=Reading,
+                          model=OpenAIResponsesModel(model="tiny", openai_client=client),
+                          model_settings=ModelSettings(max_tokens=160))
+            return await Runner.run(agent, "Read the meter.", max_turns=2)
+    assert isinstance(asyncio.run(run()).final_output, Reading)  # text.format json_schema, strict
     finish(server, recorder, session)
 
 

@@ -6,13 +6,15 @@ vLLM engine serving the adapter after a weight sync that sends the adapter alone
 """
 import asyncio
 import copy
+import json
 import os
 import re
+import shutil
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import lora
 import train
@@ -169,11 +171,27 @@ def test_lora_checkpoint_holds_the_adapters_resumes_and_exports_merged_and_peft(
     x = torch.arange(2 * 10).view(2, 10) % CFG.vocab_size
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, got4["logits"], rtol=1e-5, atol=1e-5)
-    # and the adapter alone, in PEFT's format, computes it on the base too
+    # and the adapter alone, in PEFT's format, computes it on the base too: merged here from its two files alone
+    # (adapter_config.json's r and lora_alpha, W + alpha / r * B @ A on the base checkpoint's tensors), not by lora.py
     adapter = load_file(os.path.join(export, "adapter", "adapter_model.safetensors"))
-    assert os.path.isfile(os.path.join(export, "adapter", "adapter_config.json"))
+    with open(os.path.join(export, "adapter", "adapter_config.json")) as f:
+        peft = json.load(f)
     ours = {n: got4["params"][n] for n in got4["params"] if lora.is_adapter(n)}
     assert adapter.keys() == lora.peft_tensors(ours).keys()
+    base = load_file(os.path.join(weights, "model.safetensors"))
+    merged = dict(base)
+    for a in (k for k in adapter if ".lora_A." in k):
+        w = a.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+        merged[w] = base[w] + peft["lora_alpha"] / peft["r"] * adapter[a.replace(".lora_A.", ".lora_B.")] @ adapter[a]
+    assert sum(not torch.equal(merged[k], base[k]) for k in base) == len(adapter) // 2  # every adapted weight moved
+    by_hand = str(tmp_path / "by_hand")
+    shutil.copytree(weights, by_hand)
+    save_file(merged, os.path.join(by_hand, "model.safetensors"), metadata={"format": "pt"})
+    with torch.no_grad():
+        peft_logits = AutoModelForCausalLM.from_pretrained(by_hand, dtype=torch.float32).eval()(x).logits
+        base_logits = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32).eval()(x).logits
+    torch.testing.assert_close(peft_logits, got4["logits"], rtol=1e-5, atol=1e-5)
+    assert (base_logits - got4["logits"]).abs().max() > 1e-2  # the control: without the adapter it differs
 
 # -----------------------------------------------------------------------------
 # a real engine serving the adapter
@@ -187,7 +205,7 @@ def test_engine_serves_the_synced_adapter_and_matches_the_trainer(tmp_path, tiny
     from engine import Engine
     from model import load_config
     from test_weights_sync import fixed_sequence, sequence_logprobs
-    from weights_sync import WeightSender, connect_engines, sync_weights
+    from weights_sync import ALIGN, WeightSender, connect_engines, sync_weights
     cfg = trainer_config(model_path=tiny_model_path, out_dir=str(tmp_path), lora_rank=8, lora_alpha=16.0)
     options = train.plan.engine_options(cfg)
     lora.write_zero_adapter(options["lora_path"], load_config(tiny_model_path), cfg)
@@ -215,8 +233,12 @@ def test_engine_serves_the_synced_adapter_and_matches_the_trainer(tmp_path, tiny
         after = torch.tensor(loop.run_until_complete(engine.prompt_logprobs(ids))[1:])
         full = sum(2 * p.numel() for n, p in model.named_parameters() if not lora.is_adapter(n))
         adapters = sum(4 * p.numel() for n, p in model.named_parameters() if lora.is_adapter(n))
-        assert stats["bytes"] == sum(b["nbytes"] for b in sender.layout(model)[0]) >= adapters
-        assert stats["bytes"] < adapters + 64 << 10 and stats["bytes"] < full
+        # the adapters alone travel: every adapter tensor in PEFT names (experts split one per expert), nothing of
+        # the base, in fp32, plus at most the alignment padding of each tensor in its bucket
+        sent = [t for bucket in sender.layout(model)[0] for t in bucket["tensors"]]
+        peft = lora.peft_tensors({n: p for n, p in model.named_parameters() if lora.is_adapter(n)})
+        assert sorted(t[0] for t in sent) == sorted(peft) and {t[1] for t in sent} == {"float32"}
+        assert adapters <= stats["bytes"] < adapters + ALIGN * len(sent) < full
         d = want - after
         print(f"\nLoRA sync: {stats['bytes']} bytes (full weights {full}), engine vs trainer max |d| "
               f"{d.abs().max():.4f} mean {d.abs().mean():.4f}, KL estimate {(d.exp() - 1 - d).mean():.2e}")

