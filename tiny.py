@@ -140,6 +140,16 @@ VL_CHAT_TEMPLATE = (
     "message.content if message.content is string else ''", "render(message.content)")
 
 
+# The Qwen3.5 / Qwen3.6 conversation format (the tiny hybrid's template, tiny_qwen35.jinja), written from the published
+# checkpoints' template behaviour: tools as JSON lines in the system turn; tool calls in XML, `<tool_call>\n<function=
+# NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>` (arguments a mapping: a string value as it
+# is, others as JSON); reasoning on by default (the generation prompt opens `<think>\n`; `enable_thinking=False` closes
+# it empty); an assistant turn after the last user query shows its reasoning, earlier ones drop it (a rewrite of
+# earlier turns: the capture server seals the segment there); tool results in a user turn as <tool_response>; image
+# parts as in Qwen3-VL.
+QWEN35_CHAT_TEMPLATE = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_qwen35.jinja")).read().strip()
+
+
 def tiny_corpus(n=4000, seed=0):
     """Deterministic text for the tokenizer: digits, arithmetic, JSON tool calls, chat markup."""
     import random
@@ -161,7 +171,7 @@ def tiny_corpus(n=4000, seed=0):
     return lines
 
 
-def build_tokenizer(path, vocab_size, vision=False):
+def build_tokenizer(path, vocab_size, vision=False, chat_template=None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers, AddedToken
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -175,7 +185,7 @@ def build_tokenizer(path, vocab_size, vision=False):
     tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096,
                "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
                "unk_token": None, "add_bos_token": False, "clean_up_tokenization_spaces": False,
-               "chat_template": VL_CHAT_TEMPLATE if vision else CHAT_TEMPLATE}
+               "chat_template": chat_template or (VL_CHAT_TEMPLATE if vision else CHAT_TEMPLATE)}
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump(tok_cfg, f, indent=2)
     with open(os.path.join(path, "special_tokens_map.json"), "w") as f:
@@ -193,7 +203,8 @@ def ensure_tiny_model(path=TINY_MODEL_PATH, cfg=None, seed=0):
     cfg = cfg or tiny_model_config(path) or TINY_CONFIG
     tmp = f"{path}.tmp{os.getpid()}"  # build aside, then rename: concurrent builders never see a half model
     os.makedirs(tmp, exist_ok=True)
-    tok = build_tokenizer(tmp, cfg.vocab_size, vision=cfg.vision is not None)
+    tok = build_tokenizer(tmp, cfg.vocab_size, vision=cfg.vision is not None,  # the hybrid: the Qwen3.5 format
+                          chat_template=QWEN35_CHAT_TEMPLATE if getattr(cfg, "family", None) == "qwen3_5" else None)
     eos, pad = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
     if cfg.vision is not None:
         save_image_processor(tmp, cfg.vision)
