@@ -18,6 +18,7 @@ import pytest
 import ray
 
 import runlog
+import checkpoint
 import train
 
 METRIC_KEYS = {"step", "reward_mean", "policy_version", "mismatch_kl", "mismatch_kl_current", "stale_dropped",
@@ -114,7 +115,7 @@ def test_tiny_default_end_to_end_then_resume(tmp_path, tiny_model_path, rollout_
     # tokens sampled with the weights the trainer holds (KV recomputed at each sync): rounding alone
     assert all(r["mismatch_kl_current"] is None or r["mismatch_kl_current"] < 1e-3 for r in rows)
     assert os.path.getsize(tmp_path / "curves.png") > 0
-    assert train.latest_checkpoint(str(tmp_path)).endswith("step_000002")
+    assert checkpoint.latest_checkpoint(str(tmp_path)).endswith("step_000002")
 
     # the engine now runs the trained weights, at the policy version of the last step
     after = digest(rollout_engine)
@@ -145,7 +146,7 @@ def test_tiny_default_end_to_end_then_resume(tmp_path, tiny_model_path, rollout_
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["policy_version"] == 4
     assert engine_version(rollout_engine) == 4
     assert sum(r["stale_dropped"] for r in rows[2:]) > 0
-    assert train.latest_checkpoint(str(tmp_path)).endswith("step_000004")
+    assert checkpoint.latest_checkpoint(str(tmp_path)).endswith("step_000004")
 
 
 def test_held_out_evaluation_runs_through_the_pool_and_never_reaches_the_trainer(tmp_path, tiny_model_path,
