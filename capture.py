@@ -3,7 +3,8 @@ The capture server. Agents are unchanged programs using the official OpenAI or A
 the OpenAI Agents SDK, LangChain, pydantic-ai, ...); only their base URL points here. It speaks chat completions, the
 Responses API and Anthropic Messages. The server renders each request to token ids with the model's own tokenizer
 and chat template, asks a vLLM engine for tokens (ids in, ids + sampling logprobs out), answers in the protocol the
-client spoke (tool calls parsed by vLLM's Hermes parser), and records the trajectory token-exactly (README, invariant 1).
+client spoke (tool calls parsed by the vLLM parser of the model's call format: Hermes JSON for Qwen3, XML for Qwen3.5 /
+3.6; reasoning as each protocol gives it), and records the trajectory token-exactly (README, invariant 1).
 
     python capture.py                          # serve the tiny model on CPU; prints the address
     python capture.py --model DIR --port 8000  # any local HuggingFace model directory
@@ -26,7 +27,10 @@ exact recorded ids + the template's separator after our end-of-turn token + the 
 with action mask 0), so generated tokens are never re-tokenized. Any other request (compaction, an edited or
 dropped turn, changed tools, a template that rewrites earlier turns) seals the segment and opens a new one from a
 full render. Streaming requests get text and tool-call deltas as the engine samples them (with a backend that has
-`stream`; the calls read by vLLM's streaming Hermes parser).
+`stream`; the calls read by vLLM's streaming parser). A turn that begins inside `<think>` (the generation prompt of
+a reasoning template opens it) is split at `</think>`: the reasoning goes to the client as its protocol expects and is
+recorded as the generated tokens it is; a template that drops earlier turns' reasoning at a new user query rewrites
+them, and the segment is sealed there (a tool loop keeps its reasoning shown: one segment).
 
 Images (OpenAI image_url and Responses input_image data URIs, Anthropic base64 image blocks, in user messages and
 tool results) are part of their message: the same text with another image is a rewrite. Each image's placeholder is
@@ -69,8 +73,9 @@ from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from engine import Engine
-from protocols import (ANSWERS, EVENTS, PARSERS, ImageTokens, RequestError, call_grammar, call_id, error_body,
-                       error_response, field, parse_anthropic, read_calls, same_json, stream_deltas, strict_json, tool_call)
+from protocols import (ANSWERS, EVENTS, PARSERS, THINK_TAGS, XML_TOOL_PARSERS, ImageTokens, RequestError, argument_mapping,
+                       call_grammar, call_id, call_tags, error_body, error_response, field, parse_anthropic, read_calls,
+                       same_json, split_reasoning, stream_deltas, strict_json, tool_call, tool_parser_of)
 
 # -----------------------------------------------------------------------------
 # sessions and segments: the recorded trajectory
@@ -125,7 +130,8 @@ class Session:
 
 
 def same_message(a, b):
-    """Equal as the model sees them: tool-call ids ignored, tool-call arguments compared as JSON."""
+    """Equal as the model sees them: tool-call ids ignored, tool-call arguments compared as JSON; an echo `b` without
+    the reasoning of our own message `a` matches it (SDKs that drop reasoning from the messages they send back)."""
     def canonical(m):
         calls = []
         for c in m.get("tool_calls") or []:
@@ -135,7 +141,7 @@ def same_message(a, b):
                 args = c["function"]["arguments"]
             calls.append((c["function"]["name"], args))
         return (m["role"], m.get("content") or "", calls, m.get("tool_call_id"), m.get("reasoning_content") or "")
-    return canonical(a) == canonical(b)
+    return canonical(a) == canonical(dict(b, reasoning_content=b.get("reasoning_content") or a.get("reasoning_content")))
 
 
 def failure(e, session_id):
@@ -283,20 +289,26 @@ class CaptureServer:
     def __init__(self, backend, tokenizer, *, max_model_len=2048, importance_correction=False, host="127.0.0.1",
                  port=0, model_name=None, max_body_bytes=16 << 20, max_cached_answers=16, header_timeout_s=10.0,
                  body_timeout_s=60.0, max_connections=4096, http_session_idle_s=1800.0, max_http_sessions=1024,
-                 constrained_tokens="train", max_images_per_prompt=8, **image_limits):
+                 constrained_tokens="train", max_images_per_prompt=8, tool_parser=None, **image_limits):
         from transformers import AutoTokenizer
-        from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+        from vllm.tool_parsers import ToolParserManager
         self.backend = backend
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer) if isinstance(tokenizer, str) else tokenizer
-        self.tool_parser = Hermes2ProToolParser(self.tokenizer)  # extract_tool_calls is stateless
-        self.call_format = type(self.tool_parser).structural_tag_model  # its calls' grammar (protocols.call_grammar)
+        # the model's tool-call format, as its chat template writes calls: Qwen3.5 / 3.6's XML (vLLM's qwen3_coder
+        # parser, arguments rendered from mappings) or Qwen3's Hermes JSON; `tool_parser` names another vLLM parser
+        self.tool_parser_name = tool_parser or tool_parser_of(self.tokenizer)
+        self.tool_parser_cls = ToolParserManager.get_tool_parser(self.tool_parser_name)
+        self.arguments_as_mapping = self.tool_parser_name in XML_TOOL_PARSERS
+        self.strips_content = hasattr(self.tool_parser_cls, "_parser_engine_cls")  # vLLM's grammar-engine parsers
+        self.call_format = self.tool_parser_cls.structural_tag_model  # its calls' grammar (protocols.call_grammar)
         # a malformed tool call is the policy's output, not our error (its text goes back as content): no traceback
         logging.getLogger("vllm.tool_parsers.hermes_tool_parser").setLevel(logging.CRITICAL)
         self.end_ids = end_token_ids(self.tokenizer)
         self.vision = ImageTokens(self.tokenizer, max_images_per_prompt, **image_limits)
         vocab = self.tokenizer.get_added_vocab()  # the call's tags as single tokens: None where the tokenizer lacks them
-        self.call_ids = [vocab.get(t) for t in (self.tool_parser.tool_call_start_token,
-                                                self.tool_parser.tool_call_end_token)]
+        self.call_tags = call_tags(self.tool_parser_cls(self.tokenizer))
+        self.call_ids = [vocab.get(t) for t in self.call_tags]
+        self.think_ids = [vocab.get(t) for t in THINK_TAGS]  # None where the model has no reasoning tags
         if constrained_tokens not in ("train", "mask"):
             raise ValueError(f"constrained_tokens must be 'train' or 'mask', got {constrained_tokens!r}")
         self.constrained_tokens = constrained_tokens
@@ -328,6 +340,11 @@ class CaptureServer:
         # request hears that its session is gone rather than that its key is wrong; the oldest are forgotten first
         self.dropped = OrderedDict()
         self.uvicorn = self.loop = self.thread = None
+        # what the template's generation prompt adds to close reasoning (enable_thinking=False): the context that
+        # structured output and Anthropic's thinking "disabled" sample after ("" for a template without reasoning)
+        user = [{"role": "user", "content": "x"}]
+        thinking, closed = (self.render_text(user, None, True, **kw) for kw in ({}, {"enable_thinking": False}))
+        self.closed_reasoning = closed[len(thinking):] if closed.startswith(thinking) else ""
         routes = [Route("/sessions", self.http_new_session, methods=["POST"]),
                   Route("/sessions/{sid}", self.http_get_session, methods=["GET"]),
                   Route("/sessions/{sid}/finish", self.http_finish_session, methods=["POST"]),
@@ -399,11 +416,14 @@ class CaptureServer:
         return [{k: self.escape(v, self.escape_special if m.get("role") == "assistant" and k in (
             "content", "reasoning_content") else self.escape_any) for k, v in m.items()} for m in messages]
 
-    def render_text(self, messages, tools, add_generation_prompt):
+    def render_text(self, messages, tools, add_generation_prompt, **template_kwargs):
+        if self.arguments_as_mapping:  # XML templates write each argument: they read a mapping, as vLLM gives them
+            messages = [dict(m, tool_calls=[argument_mapping(c) for c in m["tool_calls"]]) if m.get("tool_calls")
+                        else m for m in messages]
         messages, tools = self.escape_messages(messages), self.escape(tools, self.escape_any)
         try:
             return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+                                                      add_generation_prompt=add_generation_prompt, **template_kwargs)
         except Exception as e:  # jinja raise_exception(...) and friends: the template refused this conversation
             raise RequestError(400, f"The chat template rejected the conversation: {e}.", "messages")
 
@@ -489,8 +509,12 @@ class CaptureServer:
                 ext, appended, prompt, conversation, counts = prepare()
             opening = "" if request.forced is None else self.call_opening(request)
             if opening:  # context (mask 0): the model writes the rest of the call itself
+                request.opening = opening[opening.find(self.call_tags[0]):]
+            elif (request.close_reasoning or request.sampling.get("structured")) and self.opens_reasoning(prompt):
+                opening = self.closed_reasoning  # context too: the template's empty reasoning
+            if opening:
                 appended, prompt = appended + self.tokenize(opening), prompt + self.tokenize(opening)
-                request.opening = opening[opening.find(self.tool_parser.tool_call_start_token):]
+            request.reasoning = self.opens_reasoning(prompt)  # the turn starts inside <think>: answer() splits it off
             if len(prompt) >= self.max_model_len:
                 raise RequestError(400, f"The prompt is {len(prompt)} tokens; the model's context is "
                                         f"{self.max_model_len} tokens.", "messages")
@@ -556,6 +580,13 @@ class CaptureServer:
                     session.answers.popitem(last=False)
             return result
 
+    def opens_reasoning(self, ids):
+        """Whether the prompt leaves the model inside <think> (a reasoning template's generation prompt opens it)."""
+        for t in reversed(ids):
+            if t == self.think_ids[0] or t == self.think_ids[1] or t in self.end_ids:
+                return t == self.think_ids[0] is not None
+        return False
+
     def free_tokens(self, ids, trigger):
         """How many of a turn's tokens came before its grammar constrained any: those up to the end of the trigger's
         text ("auto" calls to strict tools), none without a trigger (the whole turn constrained)."""
@@ -567,13 +598,17 @@ class CaptureServer:
 
     def call_opening(self, request):
         """The template's text that opens a tool call, up to the name (tool_choice "required") or up to the arguments
-        (a named tool): what the template renders for such a call after the generation prompt."""
+        (a named tool; in XML, up to the line of the first parameter): what the template renders for such a call after
+        the generation prompt (after empty reasoning, for a reasoning template)."""
         user = [{"role": "user", "content": "x"}]
-        call = {"role": "assistant", "content": "", "tool_calls": [tool_call("call_0", request.forced or "\0", "\1")]}
+        arguments = {"\1": "\1"} if self.arguments_as_mapping else "\1"
+        call = {"role": "assistant", "content": "", "tool_calls": [tool_call("call_0", request.forced or "\0", arguments)]}
         prompt = self.render_text(user, request.tools, True)
         full = self.render_text(user + [call], request.tools, False)
         cut = full.find("\1" if request.forced else "\0")
-        if not full.startswith(prompt) or cut < 0 or self.tool_parser.tool_call_start_token not in full[len(prompt):cut]:
+        if request.forced and self.arguments_as_mapping:
+            cut = full.rfind("\n", 0, cut) + 1
+        if not full.startswith(prompt) or cut < 0 or self.call_tags[0] not in full[len(prompt):cut]:
             raise RequestError(400, "This model's chat template does not show where a tool call opens, so the call "
                                     "cannot be forced; use tool_choice \"auto\".", "tool_choice")
         return full[len(prompt):cut]
@@ -598,21 +633,33 @@ class CaptureServer:
             if out.get("routed_experts") is not None:
                 out["routed_experts"] = out["routed_experts"][:len(out["routed_experts"]) - dropped]
         text, calls = request.opening + text, []
+        reasoning, text = split_reasoning(text, self.call_tags[0]) if request.reasoning else ("", text)
         if parse:
-            info = self.tool_parser.extract_tool_calls(text, None)
+            info = self.tool_parser(request.tools).extract_tool_calls(text, None)
             if info.tools_called:  # the arguments as the model wrote them (as a stream sends them) where they parse
-                text, written = info.content or "", read_calls(type(self.tool_parser)(self.tokenizer), "", text)[1]
+                text, written = info.content or "", read_calls(self.tool_parser(request.tools), "", text)[1]
                 calls = [tool_call(call_id(request.protocol, request.id, i), c.function.name, written[i][1]
                                    if i < len(written) and same_json(written[i][1], c.function.arguments)
                                    else c.function.arguments) for i, c in enumerate(info.tool_calls)]
-        message = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+        message = {"role": "assistant", "content": text, **({"reasoning_content": reasoning} if reasoning else {}),
+                   **({"tool_calls": calls} if calls else {})}
         finish = "tool_calls" if calls else "length" if out["finish_reason"] == "length" and not hits else "stop"
         logprobs = None if request.top_logprobs is None else [
             dict(self.token_logprob(t, lp), top_logprobs=[self.token_logprob(*x) for x in top])
             for t, lp, top in zip(ids[:n], out["logprobs"], out.get("top_logprobs") or [[]] * n)]
+        ends = [i for i, t in enumerate(ids[:n]) if t in (self.think_ids[1], self.call_ids[0])] if reasoning else []
         return dict(id=request.id, created=request.created, message=message, finish_reason=finish,
+                    reasoning_tokens=(ends[0] if ends else n) if reasoning else 0,
                     stop_sequence=stop_sequence, prompt_tokens=num_prompt_tokens, completion_tokens=len(out["token_ids"]),
                     model=request.model or self.model_name, logprobs=logprobs)
+
+    def tool_parser(self, tools):
+        """A fresh parser of the model's call format for one turn (a streaming parser holds its turn's state); the tools'
+        schemas type XML arguments (a parameter's text becomes a number where its schema says so)."""
+        if not self.strips_content:  # the older parsers (Hermes) read no schemas
+            return self.tool_parser_cls(self.tokenizer)
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
+        return self.tool_parser_cls(self.tokenizer, [ChatCompletionToolsParam.model_validate(t) for t in tools] or None)
 
     def token_logprob(self, token_id, logprob):
         text = self.tokenizer.decode([token_id])
@@ -633,27 +680,30 @@ class CaptureServer:
 
     async def live(self, request, tokens, first, task, session_id):
         """A streamed turn for the protocols' event writers (protocols.py): the head; text, call and argument deltas
-        as the engine samples (`tokens`: a queue of the token ids so far, `first` its first get; the calls read by
-        vLLM's streaming Hermes parser); what the answer holds beyond what was sent; then the answer, or the error
+        as the engine samples (`tokens`: a queue of the token ids so far, `first` its first get; reasoning first, the
+        calls read by vLLM's streaming parser); what the answer holds beyond what was sent; then the answer, or the error
         that ended the turn. `task` is the request's respond()."""
         await asyncio.wait([first, task], return_when=asyncio.FIRST_COMPLETED)
         done = task.done() and not task.exception()  # answered at once (a retry) or before any token came
         head = task.result() if done else {"id": request.id, "created": request.created, "prompt_tokens": None}
         yield ("head", head["id"], head["created"], request.model or self.model_name,
                head["prompt_tokens"] or request.prompt_tokens)
-        parser = type(self.tool_parser)(self.tokenizer) if request.parse_tools and request.tools else None
-        sent, text, pending = ["", []], "", first  # a streaming parser holds one turn's state
+        parser = self.tool_parser(request.tools) if request.parse_tools and request.tools else None
+        sent, text, content, pending = ["", [], ""], "", "", first  # a streaming parser holds one turn's state
         try:
             while not task.done() or pending.done():
                 if pending.done():
                     ids = pending.result()
                     while not tokens.empty():  # only the latest count: the ids are cumulative
                         ids = tokens.get_nowait()
-                    previous, text, pending = text, self.stream_text(ids, request), asyncio.ensure_future(tokens.get())
+                    previous, pending = text, asyncio.ensure_future(tokens.get())
+                    reasoning, text = ("", self.stream_text(ids, request)) if not request.reasoning else split_reasoning(
+                        self.stream_text(ids, request), self.call_tags[0])
                     # the parser gives each piece of text once (and none of a call's)
-                    new, calls = read_calls(parser, previous, text) if parser else (text[len(sent[0]):], [])
-                    for item in stream_deltas(sent, sent[0] + new, [(call_id(request.protocol, request.id, i), *c)
-                                                                    for i, c in enumerate(calls)]):
+                    new, calls = read_calls(parser, previous, text) if parser else (text[len(content):], [])
+                    content += new  # the grammar-engine parsers' answers end stripped: trailing spaces wait for more
+                    for item in stream_deltas(sent, content.rstrip() if self.strips_content else content, [
+                            (call_id(request.protocol, request.id, i), *c) for i, c in enumerate(calls)], reasoning):
                         yield item
                 await asyncio.wait([pending, task], return_when=asyncio.FIRST_COMPLETED)
         finally:  # the client may have gone mid-stream: the engine aborts the turn, and it is not recorded
@@ -666,7 +716,7 @@ class CaptureServer:
             return
         m = result["message"]
         for item in stream_deltas(sent, m["content"], [(c["id"], c["function"]["name"], c["function"]["arguments"])
-                                                       for c in m.get("tool_calls", [])]):
+                                                       for c in m.get("tool_calls", [])], m.get("reasoning_content", "")):
             yield item
         yield "done", result
 

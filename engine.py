@@ -43,16 +43,24 @@ class Engine:
         if worker_extension_cls:
             self.engine_args["worker_extension_cls"] = worker_extension_cls
         config = os.path.join(model_path, "config.json")
-        if os.path.isfile(config) and "vision_config" in json.load(open(config)):
+        hf = json.load(open(config)) if os.path.isfile(config) else {}
+        if "vision_config" in hf:
             self.engine_args["scheduler_cls"] = "engine.ImageScheduler"  # see KeepImages
+        # a hybrid (Qwen3.5 / 3.6: Gated DeltaNet layers) keeps its recurrent state in fp32 (a bf16 state drifts the
+        # rollout logprobs); its prefix caching is vLLM's "align" mode, which caches the state at block boundaries
+        hybrid = "linear_attention" in (hf.get("text_config", hf).get("layer_types") or [])
+        if hybrid:
+            self.engine_args["mamba_ssm_cache_dtype"] = "float32"
         if not torch.cuda.is_available():
             self.engine_args["enforce_eager"] = True
             # vLLM's CPU runner rewinds a seeded request's generator when it discards the sample of a partial
-            # prefill, which CPU generators cannot do: the engine dies. Whole-prompt prefills never discard.
-            self.engine_args["enable_chunked_prefill"] = False
+            # prefill, which CPU generators cannot do: the engine dies. Whole-prompt prefills never discard. A hybrid's
+            # align mode needs chunked prefill (it splits prompts at block boundaries): there seeds are refused.
+            self.engine_args["enable_chunked_prefill"] = hybrid and enable_prefix_caching
             if torch.cpu._is_amx_tile_supported():
                 self.engine_args["worker_cls"] = "engine.AMXCPUWorker"
         self.engine_args.update(engine_kwargs)
+        self.seeds_refused = not torch.cuda.is_available() and bool(self.engine_args.get("enable_chunked_prefill"))
         self.llm = None
         self.policy_version = 0
         # lora_path: a PEFT adapter directory; every request runs with that adapter (vLLM's LoRA id 1), which each
@@ -87,6 +95,9 @@ class Engine:
             raise EngineNotStarted("this engine's process was restarted and has not started its engine yet")
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+        if self.seeds_refused and sampling.get("seed") is not None:  # the caller answers 400
+            raise ValueError("`seed` is not supported by this engine: vLLM's CPU runner cannot rewind a seeded "
+                             "generator over the chunked prefills a hybrid model's prefix cache needs.")
         stop, structured, top = sampling.get("stop") or None, sampling.get("structured"), sampling.get("top_logprobs")
         params = SamplingParams(
             n=1, temperature=sampling.get("temperature", 1.0), top_p=sampling.get("top_p", 1.0),

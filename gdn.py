@@ -87,7 +87,7 @@ def causal_conv(x, weight, pos):
     token's index in its segment -> (N, C). Tap j reads the token K-1-j back, zero when that is before the segment."""
     K, out = weight.shape[-1], x * weight[:, 0, -1]
     for back in range(1, K):
-        shifted = F.pad(x[:-back], (0, 0, back, 0)) * (pos >= back)[:, None].to(x.dtype)
+        shifted = F.pad(x, (0, 0, back, 0))[:x.shape[0]] * (pos >= back)[:, None].to(x.dtype)  # any N, even < K
         out = out + shifted * weight[:, 0, K - 1 - back]
     return out
 

@@ -196,7 +196,7 @@ def checkpoint_options(model):
 
 
 def checkpoint_state(model, optimizer):
-    """{"model", "optimizer"} state dicts for torch.distributed.checkpoint (train.save_checkpoint, load_checkpoint)."""
+    """{"model", "optimizer"} state dicts for torch.distributed.checkpoint (checkpoint.save_checkpoint, load_checkpoint)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     return {"model": get_model_state_dict(model, options=checkpoint_options(model)),
             "optimizer": get_optimizer_state_dict(model, optimizer)}

@@ -132,7 +132,10 @@ def planned_model_config(cfg):
     built on first use); else, in a dry run, model_config (a model not downloaded yet)."""
     path = cfg["model_path"]
     if os.path.isfile(os.path.join(path, "config.json")):
-        return load_config(path)
+        try:
+            return load_config(path)
+        except ValueError as e:  # model.py names the model types it implements
+            raise ConfigError(f"model_path={path!r}: {e}") from None
     if tiny_model_config(path):
         return tiny_model_config(path)
     if cfg["dry_run"] and cfg["model_config"]:

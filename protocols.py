@@ -68,6 +68,8 @@ class ChatRequest:
         self.opening = ""  # a forced call's opening from the call tag on: the text the tool parser reads first
         self.parallel, self.top_logprobs, self.previous_response_id, self.store = True, None, None, True
         self.instructions = 0  # Responses API: 1 when messages[0] holds this request's `instructions`
+        # the turn starts inside <think> (the server sets it from the prompt); the client asked for no reasoning
+        self.reasoning, self.close_reasoning = False, False
         self.id, self.created, self.prompt_tokens = uuid.uuid4().hex[:24], int(time.time()), None  # its answer's
 
 
@@ -408,9 +410,9 @@ def parse_anthropic(body, server, counting=False):
         raise RequestError(400, f"Unsupported field `{unknown[0]}`: this server cannot honour it.", unknown[0])
     if field(body, "top_k", int) is not None:
         raise RequestError(400, "`top_k` is not supported: the trainer's logprobs cover the full vocabulary.", "top_k")
-    thinking = field(body, "thinking", dict)
-    if thinking and thinking.get("type") != "disabled":
-        raise RequestError(400, "extended `thinking` is not supported by this server.", "thinking")
+    thinking = field(body, "thinking", dict, {}).get("type")  # a reasoning model thinks unless it is "disabled"
+    if thinking not in (None, "enabled", "adaptive", "disabled"):
+        raise RequestError(400, f"`thinking.type` must be enabled, adaptive or disabled, got {thinking!r}.", "thinking")
     system = body.get("system")
     messages = [] if system is None else [{"role": "system", "content": text_of(system, "system")}]
     for i, m in enumerate(field(body, "messages", list, required=True)):
@@ -423,7 +425,7 @@ def parse_anthropic(body, server, counting=False):
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise RequestError(400, f"`{w}.content` must be a string or an array of content blocks.", f"{w}.content")
-        text, calls = [], []  # text: the text (and image) parts in order
+        text, calls, reasoning = [], [], []  # text: the text (and image) parts in order
         for j, b in enumerate(blocks):
             wb = f"{w}.content[{j}]."
             kind = b.get("type") if isinstance(b, dict) else None
@@ -431,6 +433,8 @@ def parse_anthropic(body, server, counting=False):
                 text.append({"type": "text", "text": field(b, "text", str, required=True, where=wb)})
             elif kind == "image" and role == "user":
                 text.append({"type": "image", "image": image_of(b, wb[:-1])})
+            elif kind == "thinking" and role == "assistant":  # our own reasoning, sent back (its signature unread)
+                reasoning.append(field(b, "thinking", str, required=True, where=wb))
             elif kind == "tool_use" and role == "assistant":
                 calls.append(tool_call(field(b, "id", str, required=True, where=wb),
                                        field(b, "name", str, required=True, where=wb),
@@ -446,11 +450,12 @@ def parse_anthropic(body, server, counting=False):
                                  "content": error + result if isinstance(result, str) else
                                  [{"type": "text", "text": error}] * bool(error) + result})
             else:
-                allowed = "text and tool_use" if role == "assistant" else "text, image and tool_result"
+                allowed = "text, thinking and tool_use" if role == "assistant" else "text, image and tool_result"
                 raise RequestError(400, f"`{wb}type` {kind!r} is not supported in {role} messages ({allowed} are).",
                                    wb + "type")
         if role == "assistant":
-            messages.append({"role": "assistant", "content": joined(text), **({"tool_calls": calls} if calls else {})})
+            messages.append({"role": "assistant", "content": joined(text), **({"tool_calls": calls} if calls else {}),
+                             **({"reasoning_content": "".join(reasoning)} if reasoning else {})})
         elif text or not blocks:
             messages.append({"role": "user", "content": joined(text)})
     if len(messages) == (system is not None):
@@ -478,6 +483,7 @@ def parse_anthropic(body, server, counting=False):
                            None, 1.0)
     request = ChatRequest("anthropic", messages, tools, True, sampling, field(body, "stream", bool, False), True,
                           field(body, "model", str, ""))
+    request.close_reasoning = thinking == "disabled"
     request.strict = strict
     return tool_choice_of(request, kind, choice.get("name"),
                           not field(choice, "disable_parallel_tool_use", bool, False, where="tool_choice."))
@@ -486,7 +492,7 @@ RESPONSES_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "p
                     "temperature", "top_p", "stream", "previous_response_id", "store", "text", "include", "top_logprobs",
                     "truncation", "reasoning", "metadata", "user", "service_tier", "prompt_cache_key",
                     "safety_identifier", "stream_options", "seed"}  # seed: as in chat completions (an extension)
-RESPONSES_ITEMS = "message, function_call, function_call_output"
+RESPONSES_ITEMS = "message, reasoning, function_call, function_call_output"
 
 
 def parse_responses(body, server):
@@ -502,17 +508,24 @@ def parse_responses(body, server):
     instructions = field(body, "instructions", str)
     messages = [{"role": "system", "content": instructions}] if instructions else []
     items = field(body, "input", (str, list), required=True)
+    reasoning = ""  # reasoning items' text (ours, sent back): a turn's first item, the next assistant message's
     for i, item in enumerate([{"role": "user", "content": items}] if isinstance(items, str) else items):
         w = f"input[{i}]."
         item = item if isinstance(item, dict) else {"type": None}
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            for j, part in enumerate(field(item, "content", list, [], where=w)):
+                if not (isinstance(part, dict) and part.get("type") == "reasoning_text"):
+                    raise RequestError(400, f"`{w}content[{j}]` must be a reasoning_text part.", f"{w}content[{j}]")
+                reasoning += field(part, "text", str, "", where=f"{w}content[{j}].")
+            continue
         if kind == "message" and item.get("role") in ("system", "developer", "user", "assistant"):
             role = {"developer": "system"}.get(item["role"], item["role"])
             messages.append({"role": role, "content": text_of(item.get("content"), w + "content", images=role == "user")})
         elif kind == "function_call":
             call = tool_call(field(item, "call_id", str, required=True, where=w), field(item, "name", str, required=True,
                              where=w), field(item, "arguments", str, required=True, where=w))
-            if not (messages and messages[-1]["role"] == "assistant"):
+            if not (messages and messages[-1]["role"] == "assistant") or reasoning:
                 messages.append({"role": "assistant", "content": ""})  # calls without text before them
             messages[-1].setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
@@ -522,6 +535,8 @@ def parse_responses(body, server):
         else:
             raise RequestError(400, f"`{w}type` {kind!r} is not supported (items: {RESPONSES_ITEMS}; message roles "
                                     "system, developer, user, assistant).", w + "type")
+        if reasoning and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"], reasoning = reasoning, ""
     tools, strict = [], set()
     for i, t in enumerate(field(body, "tools", list, [])):
         t = t if isinstance(t, dict) else {}
@@ -664,6 +679,8 @@ def error_response(protocol, status, message, param=None):
 def openai_completion(result):
     m = result["message"]
     message = {"role": "assistant", "content": m["content"] if m["content"] or "tool_calls" not in m else None}
+    if m.get("reasoning_content"):  # as vLLM's reasoning parsers and DeepSeek's API give it
+        message["reasoning_content"] = m["reasoning_content"]
     if "tool_calls" in m:
         message["tool_calls"] = m["tool_calls"]
     usage = result["prompt_tokens"], result["completion_tokens"]
@@ -681,10 +698,57 @@ def sse(name, data):
 def read_calls(parser, previous, text):
     """A streaming tool parser of vLLM's (a fresh one per turn: it holds the turn's state) reads the turn's text so far
     (`previous`: the text it read last): the new text before any call opens, and the calls begun, as (name, the
-    arguments as written so far)."""
+    arguments as streamed so far), gathered from the parser's deltas (kept on the parser: `calls_read`)."""
     delta = parser.extract_tool_calls_streaming(previous, text, text[len(previous):], [], [], [], None)
-    return (delta and delta.content) or "", [(c["name"], arguments) for c, arguments in zip(
-        parser.prev_tool_call_arr, parser.streamed_args_for_tool) if "name" in c]
+    calls = parser.__dict__.setdefault("calls_read", [])
+    for d in (delta and delta.tool_calls) or []:
+        calls += [["", ""] for _ in range(d.index + 1 - len(calls))]
+        if d.function is not None:
+            calls[d.index][0] += d.function.name or ""
+            calls[d.index][1] += d.function.arguments or ""
+    return (delta and delta.content) or "", [tuple(c) for c in calls if c[0]]
+
+
+# the call formats: the XML ones (Qwen3.5 / 3.6, Qwen3-Coder) render arguments from mappings; reasoning tags (Qwen)
+XML_TOOL_PARSERS = ("qwen3_coder", "qwen3_xml")
+THINK_TAGS = ("<think>", "</think>")
+
+
+def tool_parser_of(tokenizer):
+    """vLLM's tool parser for the call format the model's chat template writes."""
+    return "qwen3_coder" if "<function=" in (tokenizer.chat_template or "") else "hermes"
+
+
+def call_tags(parser):
+    """The texts that open and close a tool call in a vLLM tool parser's format (None where it has none)."""
+    engine = getattr(parser, "_parser_engine", None)  # the grammar-engine parsers (qwen3_coder, ...)
+    terminals = engine.parser_engine_config.terminals if engine is not None else {}
+    return (getattr(parser, "tool_call_start_token", terminals.get("TOOL_START")),
+            getattr(parser, "tool_call_end_token", terminals.get("TOOL_END")))
+
+
+def argument_mapping(call):
+    """A tool call with its JSON arguments as a mapping (for XML templates); arguments that are no JSON object are
+    refused: such a template could not show them."""
+    arguments = call["function"]["arguments"]
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except (ValueError, RecursionError):
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise RequestError(400, f"The arguments of tool call {call.get('id')!r} are not a JSON object, which this "
+                                    "model's call format (XML parameters) cannot show.", "messages")
+    return dict(call, function=dict(call["function"], arguments=arguments))
+
+
+def split_reasoning(text, call_start=None):
+    """(reasoning, the rest) of a turn that began inside <think>: the reasoning ends at </think> (the newlines the
+    template trims off it dropped), or where a tool call opens without it (as vLLM's qwen3 parser reads it)."""
+    end, call = text.find(THINK_TAGS[1]), text.find(call_start) if call_start else -1
+    if end >= 0 and (call < 0 or end < call):
+        return text[:end].strip(), text[end + len(THINK_TAGS[1]):].lstrip("\n")
+    return (text[:call].strip(), text[call:]) if call >= 0 else (text.strip(), "")
 
 
 def same_json(a, b):
@@ -694,11 +758,15 @@ def same_json(a, b):
         return False
 
 
-def stream_deltas(sent, content, calls):
-    """The stream items that extend what was sent (sent: [text, [[id, name, arguments], ...]], updated) to `content`
-    and `calls` ([(id, name, arguments), ...]): ("text", delta), ("call", index, id, name), ("args", index, delta).
-    Only where they extend it, as a stream cannot take anything back: no text once a call began (an answer's text
-    comes before its calls), arguments only for the latest call (the earlier ones ended)."""
+def stream_deltas(sent, content, calls, reasoning=""):
+    """The stream items that extend what was sent (sent: [text, [[id, name, arguments], ...], reasoning], updated) to
+    `reasoning`, `content` and `calls` ([(id, name, arguments), ...]): ("reasoning", delta), ("text", delta), ("call",
+    index, id, name), ("args", index, delta). Only where they extend it, as a stream cannot take anything back: no
+    reasoning once text or a call began, no text once a call began (an answer's reasoning comes first, then its text,
+    then its calls), arguments only for the latest call (the earlier ones ended)."""
+    if reasoning and reasoning.startswith(sent[2]) and len(reasoning) > len(sent[2]) and not sent[0] and not sent[1]:
+        yield "reasoning", reasoning[len(sent[2]):]
+        sent[2] = reasoning
     if content.startswith(sent[0]) and len(content) > len(sent[0]) and not sent[1]:
         yield "text", content[len(sent[0]):]
         sent[0] = content
@@ -725,6 +793,7 @@ async def openai_events(items, request):
         if kind == "head":
             base = {"id": "chatcmpl-" + item[1], "object": "chat.completion.chunk", "created": item[2], "model": item[3]}
         delta = {"role": "assistant", "content": ""} if kind == "head" else {"content": item[1]} if kind == "text" else {
+            "reasoning_content": item[1]} if kind == "reasoning" else {
             "tool_calls": [dict(tool_call(item[2], item[3], ""), index=item[1]) if kind == "call" else
                            {"index": item[1], "function": {"arguments": item[2]}}]}
         yield sse(None, {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
@@ -742,7 +811,10 @@ async def openai_events(items, request):
 
 def anthropic_message(result):
     m = result["message"]
-    content = [{"type": "text", "text": m["content"]}] if m["content"] else []
+    # no signature: nothing here signs reasoning; a thinking block sent back is read by its text
+    content = [{"type": "thinking", "thinking": m["reasoning_content"], "signature": ""}] if m.get("reasoning_content") \
+        else []
+    content += [{"type": "text", "text": m["content"]}] if m["content"] else []
     content += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
                  "input": json.loads(c["function"]["arguments"])} for c in m.get("tool_calls", [])]
     stop_reason = {"tool_calls": "tool_use", "length": "max_tokens"}.get(
@@ -763,15 +835,16 @@ async def anthropic_events(items, request=None):
                 "id": "msg_" + item[1], "type": "message", "role": "assistant", "model": item[3], "content": [],
                 "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": item[4], "output_tokens": 0}}})
             continue
-        if kind == "call" or block is None:  # a block begins (a tool_use block per call): the open one ends
-            index, block = index + 1, kind
-            start = {"type": "text", "text": ""} if kind == "text" else {"type": "tool_use", "id": item[2],
-                                                                         "name": item[3], "input": {}}
+        if kind == "call" or block is None or (block == "reasoning" and kind == "text"):  # a block begins (a
+            index, block = index + 1, kind  # tool_use block per call): the open one ends
+            start = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "",
+                     "signature": ""} if kind == "reasoning" else {"type": "tool_use", "id": item[2], "name": item[3],
+                                                                   "input": {}}
             yield (sse("content_block_stop", {"index": index - 1}) if index else "") + sse(
                 "content_block_start", {"index": index, "content_block": start})
         if kind != "call":
-            delta = {"type": "text_delta", "text": item[1]} if kind == "text" else {"type": "input_json_delta",
-                                                                                   "partial_json": item[2]}
+            delta = {"type": "text_delta", "text": item[1]} if kind == "text" else {"type": "thinking_delta", "thinking":
+                     item[1]} if kind == "reasoning" else {"type": "input_json_delta", "partial_json": item[2]}
             yield sse("content_block_delta", {"index": index, "delta": delta})
     if kind == "error":
         yield sse("error", {"error": error_body("anthropic", item[1], item[2])["error"]})
@@ -788,6 +861,11 @@ def message_item(answer_id, text, logprobs):
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]}
 
 
+def reasoning_item(answer_id, text):
+    return {"type": "reasoning", "id": "rs_" + answer_id, "summary": [], "status": "completed",
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def call_item(call):
     return {"type": "function_call", "id": "fc_" + call["id"], "call_id": call["id"], "name": call["function"]["name"],
             "arguments": call["function"]["arguments"], "status": "completed"}
@@ -795,7 +873,8 @@ def call_item(call):
 
 def responses_object(result):
     m = result["message"]
-    output = [message_item(result["id"], m["content"], result["logprobs"] or [])] if m["content"] or \
+    output = [reasoning_item(result["id"], m["reasoning_content"])] if m.get("reasoning_content") else []
+    output += [message_item(result["id"], m["content"], result["logprobs"] or [])] if m["content"] or \
         "tool_calls" not in m else []
     output += [call_item(c) for c in m.get("tool_calls", [])]
     cut = result["finish_reason"] == "length"
@@ -804,7 +883,7 @@ def responses_object(result):
             "status": "incomplete" if cut else "completed", "incomplete_details": {"reason": "max_output_tokens"}
             if cut else None, "error": None, "output": output, "parallel_tool_calls": True, "tool_choice": "auto",
             "tools": [], "usage": {"input_tokens": usage[0], "input_tokens_details": {"cached_tokens": 0},
-                                   "output_tokens": usage[1], "output_tokens_details": {"reasoning_tokens": 0},
+                                   "output_tokens": usage[1], "output_tokens_details": {"reasoning_tokens": result.get("reasoning_tokens", 0)},
                                    "total_tokens": sum(usage)}}
 
 
@@ -818,9 +897,9 @@ async def responses_events(items, request=None):
 
     def add(out):
         output.append(out)
-        if out["type"] == "function_call":
-            return event("response.output_item.added", output_index=len(output) - 1,
-                         item=dict(out, arguments="", status="in_progress"))
+        if out["type"] in ("function_call", "reasoning"):
+            return event("response.output_item.added", output_index=len(output) - 1, item=dict(
+                out, status="in_progress", **({"arguments": ""} if out["type"] == "function_call" else {"content": []})))
         return event("response.output_item.added", output_index=len(output) - 1,
                      item=dict(out, status="in_progress", content=[])) + event(
             "response.content_part.added", output_index=len(output) - 1, item_id=out["id"], content_index=0,
@@ -830,6 +909,8 @@ async def responses_events(items, request=None):
         out, at = output[i], {"output_index": i, "item_id": output[i]["id"]}
         if out["type"] == "function_call":
             done = event("response.function_call_arguments.done", **at, arguments=out["arguments"], name=out["name"])
+        elif out["type"] == "reasoning":
+            done = event("response.reasoning_text.done", **at, content_index=0, text=out["content"][0]["text"])
         else:
             part = out["content"][0]
             done = event("response.output_text.done", **at, content_index=0, text=part["text"],
@@ -846,11 +927,15 @@ async def responses_events(items, request=None):
                     "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
             yield event("response.created", response=head) + event("response.in_progress", response=head)
             continue
-        if kind == "call" or not output:  # text comes before any call: it opens the message
-            yield (close(len(output) - 1) if output else "") + add(
-                message_item(answer_id, "", []) if kind == "text" else call_item(tool_call(item[2], item[3], "")))
+        if kind == "call" or not output or (kind == "text" and output[-1]["type"] == "reasoning"):  # reasoning first,
+            yield (close(len(output) - 1) if output else "") + add(  # then text (the message), then the calls
+                message_item(answer_id, "", []) if kind == "text" else reasoning_item(answer_id, "") if
+                kind == "reasoning" else call_item(tool_call(item[2], item[3], "")))
         at = {"output_index": len(output) - 1, "item_id": output[-1]["id"]}
-        if kind == "text":
+        if kind == "reasoning":
+            output[-1]["content"][0]["text"] += item[1]
+            yield event("response.reasoning_text.delta", **at, content_index=0, delta=item[1])
+        elif kind == "text":
             output[-1]["content"][0]["text"] += item[1]
             yield event("response.output_text.delta", **at, content_index=0, delta=item[1], logprobs=[])
         elif kind == "args":

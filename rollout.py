@@ -26,6 +26,8 @@ from collections import OrderedDict
 
 import numpy as np
 import ray
+import torch
+import torch.distributed as dist
 from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -44,6 +46,15 @@ class EngineActor(Engine):
 
     async def started(self):
         return self.llm is not None
+
+
+def trainer_gpus(ray, world):
+    """{ray node id: GPUs used by trainer ranks there}, gathered from every rank (a collective); {} on CPU."""
+    if not torch.cuda.is_available():
+        return {}
+    nodes = [None] * world
+    dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
+    return {n: nodes.count(n) for n in set(nodes)}
 
 
 def reserve_trainer_gpus(gpus_per_node):

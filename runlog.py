@@ -16,6 +16,14 @@ def log_step(out_dir, row, writer=None):
                     and k != "step"}, row["step"])
 
 
+def info_means(records):
+    """{"info/KEY": mean over attempts} of the numbers agents returned in Result.info (an attempt counts once)."""
+    per_attempt = {r["attempt_id"]: r.get("info") or {} for r in records}
+    keys = sorted({k for info in per_attempt.values() for k in info})
+    return {f"info/{k}": sum(info[k] for info in per_attempt.values() if k in info) /
+            sum(k in info for info in per_attempt.values()) for k in keys}
+
+
 class ScalarWriter:
     """Rank 0's copies of the logged numbers: TensorBoard scalars (tensorboard_dir) and a Weights & Biases run
     (wandb_project; its files under out_dir/wandb, the resolved config logged once, at the start)."""
@@ -46,7 +54,8 @@ def scalar_writer(cfg, rank):
 
 
 PANELS = {"reward_mean": "train reward", "eval/success": "held-out success (eval)", "mismatch_kl": "engine/trainer KL",
-          "response_tokens": "generated tokens per attempt", "tokens_per_s": "generated tokens/s", "loss": "loss"}
+          "response_tokens": "generated tokens per attempt", "tokens_per_s": "generated tokens/s", "loss": "loss",
+          "entropy": "entropy (entropy_coef > 0)", "kl_ref": "KL to the reference (kl_coef > 0)"}
 
 
 OVERLAYS = {"eval/success": "eval/success_blank"}  # drawn in the same panel when the log has it
@@ -61,7 +70,8 @@ def plot_metrics(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     panels = [(key, title) for key, title in PANELS.items() if any(r.get(key) is not None for r in rows)]
-    fig, axes = plt.subplots(2, 3, figsize=(12, 5.6))
+    n = max(2, -(-len(panels) // 3))  # rows of three panels
+    fig, axes = plt.subplots(n, 3, figsize=(12, 2.8 * n))
     for ax, (key, title) in zip(axes.flat, panels):
         for line in (key, OVERLAYS.get(key)):  # eval/success_blank beside eval/success: the image ablation
             points = [(r["step"], r[line]) for r in rows if line and r.get(line) is not None]

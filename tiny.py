@@ -53,11 +53,12 @@ WARM_START = dict(transcripts=8192, with_tools=0.25, from_memory=0.6, max_steps=
 # shape?", a colour word), answered at random. It teaches the format (one colour word, then the end of the turn),
 # not which colour is which: reading the picture is what RL has to learn (configs/tiny_vl.py).
 TINY_VL_SFT = "tiny-qwen3-vl-moe-sft"
-VL_WARM_START = dict(transcripts=4000, max_steps=100, learning_rate=3e-3, min_lr=3e-4, warmup_steps=2,
+VL_WARM_START = dict(transcripts=4000, size=128, max_steps=100, learning_rate=3e-3, min_lr=3e-4, warmup_steps=2,
                      groups_per_batch=10, group_size=4, seed=0)
 WARM_STARTS = {TINY_SFT: ("tiny-qwen3-moe", "calculator.py", WARM_START),  # name: base model, agent file, recipe
                TINY_VL_SFT: ("tiny-qwen3-vl-moe", "colours.py", VL_WARM_START)}
-TRANSCRIPT_KEYS = ("transcripts", "with_tools", "from_memory")  # a recipe's options of transcripts(); the rest: train.py's
+# a recipe's options of its transcripts(); the other keys are train.py's
+TRANSCRIPT_KEYS = ("transcripts", "with_tools", "from_memory", "size")
 TINY_MODELS = {"tiny-qwen3-moe": TINY_CONFIG, "tiny-qwen3-vl-moe": TINY_VL_CONFIG, "tiny-qwen36-moe": TINY_QWEN36_CONFIG,
                TINY_SFT: TINY_CONFIG, TINY_VL_SFT: TINY_VL_CONFIG}  # by name
 
@@ -140,6 +141,16 @@ VL_CHAT_TEMPLATE = (
     "message.content if message.content is string else ''", "render(message.content)")
 
 
+# The Qwen3.5 / Qwen3.6 conversation format (the tiny hybrid's template, tiny_qwen35.jinja), written from the published
+# checkpoints' template behaviour: tools as JSON lines in the system turn; tool calls in XML, `<tool_call>\n<function=
+# NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>` (arguments a mapping: a string value as it
+# is, others as JSON); reasoning on by default (the generation prompt opens `<think>\n`; `enable_thinking=False` closes
+# it empty); an assistant turn after the last user query shows its reasoning, earlier ones drop it (a rewrite of
+# earlier turns: the capture server seals the segment there); tool results in a user turn as <tool_response>; image
+# parts as in Qwen3-VL.
+QWEN35_CHAT_TEMPLATE = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_qwen35.jinja")).read().strip()
+
+
 def tiny_corpus(n=4000, seed=0):
     """Deterministic text for the tokenizer: digits, arithmetic, JSON tool calls, chat markup."""
     import random
@@ -161,7 +172,7 @@ def tiny_corpus(n=4000, seed=0):
     return lines
 
 
-def build_tokenizer(path, vocab_size, vision=False):
+def build_tokenizer(path, vocab_size, vision=False, chat_template=None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers, AddedToken
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -175,7 +186,7 @@ def build_tokenizer(path, vocab_size, vision=False):
     tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096,
                "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
                "unk_token": None, "add_bos_token": False, "clean_up_tokenization_spaces": False,
-               "chat_template": VL_CHAT_TEMPLATE if vision else CHAT_TEMPLATE}
+               "chat_template": chat_template or (VL_CHAT_TEMPLATE if vision else CHAT_TEMPLATE)}
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump(tok_cfg, f, indent=2)
     with open(os.path.join(path, "special_tokens_map.json"), "w") as f:
@@ -193,7 +204,8 @@ def ensure_tiny_model(path=TINY_MODEL_PATH, cfg=None, seed=0):
     cfg = cfg or tiny_model_config(path) or TINY_CONFIG
     tmp = f"{path}.tmp{os.getpid()}"  # build aside, then rename: concurrent builders never see a half model
     os.makedirs(tmp, exist_ok=True)
-    tok = build_tokenizer(tmp, cfg.vocab_size, vision=cfg.vision is not None)
+    tok = build_tokenizer(tmp, cfg.vocab_size, vision=cfg.vision is not None,  # the hybrid: the Qwen3.5 format
+                          chat_template=QWEN35_CHAT_TEMPLATE if getattr(cfg, "family", None) == "qwen3_5" else None)
     eos, pad = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
     if cfg.vision is not None:
         save_image_processor(tmp, cfg.vision)

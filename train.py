@@ -1,5 +1,6 @@
 """
-Agentic RL trainer: config, the loop and the short Ray driver, FSDP2 + expert parallel training, checkpoints.
+Agentic RL trainer: config, the loop and the short Ray driver, FSDP2 + expert parallel training (checkpoints:
+checkpoint.py).
 
     python train.py                                            # tiny MoE on a laptop CPU (configs/tiny.py)
     python train.py --config configs/tiny.py --max_steps=5     # any config, with --key=value overrides
@@ -11,7 +12,8 @@ Agentic RL trainer: config, the loop and the short Ray driver, FSDP2 + expert pa
 Defaults are the globals below; `--config FILE` executes a file of plain assignments over them; `--key=value`
 overrides are type-checked against the default; then plan.check_config checks every key. A bad key, type or value
 stops the run before any work. Sections, in order: config; the loop (main, train); the driver's plumbing; the
-train step; parallelism (meshes, fully_shard, expert-parallel dispatch); model build and checkpoints.
+train step; parallelism (meshes, fully_shard, expert-parallel dispatch, the dry run's measurement); model build
+and weight loading. Sharded checkpoints and the HF export are checkpoint.py's.
 """
 
 import ast
@@ -28,10 +30,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                     register_fsdp_forward_method)
@@ -43,9 +43,10 @@ import plan
 import runlog
 import viewer
 import vl
+from checkpoint import export_hf, latest_checkpoint, load_checkpoint, local_tensor, save_checkpoint
 from experts import EXPERT_PROJS, GatherRows, SumRows, count_ids, slot_positions, to_contiguous
-from model import (Transformer, checkpoint_reader, copy_hf_extras, hf_name, init_parameters, is_stacked_experts,
-                   load_config, ours_to_hf, read_experts, save_hf_checkpoint)
+from model import (Transformer, checkpoint_reader, hf_name, init_parameters, is_stacked_experts, load_config,
+                   read_experts)
 from tiny import ensure_tiny_model, is_tiny_model
 from plan import ConfigError, check_config, loss_config
 from weights_sync import free_port
@@ -221,11 +222,12 @@ def main(argv):
     # a model in training writes malformed tool calls all the time; vLLM's parser logs a traceback for each
     logging.getLogger("vllm.tool_parsers.hermes_tool_parser").setLevel(logging.CRITICAL)
     ray = connect_ray(cfg, rank, world)
-    gpus = trainer_gpus(ray, world)
+    import rollout  # after connect_ray: the other ranks import ray only once its auth mode is set
+    gpus = rollout.trainer_gpus(ray, world)
     # a resumed run's pool continues the prompt stream after the prompts its earlier life drew
     run = start_rollout(cfg, trainer_gpus=gpus, data_position=extra.get("data_position", 0)) if rank == 0 else None
 
-    evals = train(cfg, model, optimizer, run, step, rank, world)
+    evals = train(cfg, model, optimizer, run, step, rank, world, extra.get("policy_version", step))
 
     if rank == 0:
         stop_rollout(run)
@@ -237,7 +239,7 @@ def main(argv):
     dist.destroy_process_group()
 
 
-def train(cfg, model, optimizer, run, step, rank, world):
+def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
     """The loop, from `step` to max_steps: batch -> advantages -> each rank's refs -> train step -> weight sync ->
     held-out evaluation (every eval_every steps) -> log -> checkpoint. Rank 0 drives (run: start_rollout's dict);
     the others follow through collectives. Returns rank 0's evaluations, {policy_version: metrics}."""
@@ -247,7 +249,9 @@ def train(cfg, model, optimizer, run, step, rank, world):
     loop = asyncio.new_event_loop()  # runs the weight-sync coroutines of this thread
     sender = weights_sync.WeightSender(adapter=lora.sync_config(cfg))  # LoRA: the adapters alone travel
     writer, evals = runlog.scalar_writer(cfg, rank), {}
-    policy_version = step  # one optimizer step = one policy version; the engines start at version 0
+    # one optimizer step that changes the weights = one policy version (a resumed run: the checkpoint's); the engines
+    # start at version 0
+    policy_version = step if policy_version is None else policy_version
     # the engines get the trainer's weights first: a resumed run's, or whatever they were started or left with
     push_weights(run, loop, sender, model, policy_version, rank, world)
     if rank == 0:
@@ -264,8 +268,10 @@ def train(cfg, model, optimizer, run, step, rank, world):
         m = train_step(model, optimizer, pack_microbatches(segments, advantages, cfg["microbatch_tokens"]), cfg,
                        policy_version, step)
         rank == 0 and run["recorder"] and run["recorder"].add(step, records, segments, advantages, m["logprobs"])
-        policy_version += 1
-        sync_s = push_weights(run, loop, sender, model, policy_version, rank, world)
+        trained = policy_version  # the version this step trained on
+        if not m["skipped"]:  # a skipped step (non-finite gradients) changed no weight: no new version, no sync
+            policy_version += 1
+        sync_s = None if m["skipped"] else push_weights(run, loop, sender, model, policy_version, rank, world)
         if rank == 0:
             pool = run["pool"].stats()
             rewards = {r["attempt_id"]: r["reward"] for r in records}  # an attempt counts once
@@ -281,10 +287,13 @@ def train(cfg, model, optimizer, run, step, rank, world):
                        response_tokens=sum(r["action_tokens"] for r in records) / max(len(rewards), 1),
                        batch_wait_s=t_batch - t0, sync_s=sync_s, engine_idle=run["router"].idle_fraction(),
                        # versions between the policy that sampled a segment's oldest token and the one training on it
-                       staleness=sum(policy_version - 1 - r["min_version"] for r in generated) / max(len(generated), 1),
-                       loss=m["loss"], grad_norm=m["grad_norm"], lr=m["lr"], kept_tokens=m["kept_tokens"],
-                       clip_frac=m["clip_frac"], attempts=len(rewards), segments=len(records))
-            row.update(info_means(records), **evaluate(run, cfg, policy_version, evals))  # after step_time: eval_s
+                       staleness=sum(trained - r["min_version"] for r in generated) / max(len(generated), 1),
+                       attempts=len(rewards), segments=len(records))
+            # every number the loss and the step report: loss, entropy, kl_ref, clip, dual-clip and importance-mask
+            # fractions, advantage statistics, grad_norm, lr, skipped
+            row.update({k: v for k, v in m.items() if k not in row and (v is None or isinstance(v, (int, float)))},
+                       **runlog.info_means(records))
+            row.update(evaluate(run, cfg, policy_version, evals))  # after step_time: eval_s
             runlog.log_step(out_dir, row, writer)
             run["router"].reset_idle_clock()
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", step_s=f"{step_time:.1f}",
@@ -392,15 +401,6 @@ def connect_ray(cfg, rank, world):
         import ray
         ray.init(address=address[0][0])
     return ray
-
-
-def trainer_gpus(ray, world):
-    """{ray node id: GPUs used by trainer ranks there}, gathered from every rank (a collective); {} on CPU."""
-    if not torch.cuda.is_available():
-        return {}
-    nodes = [None] * world
-    dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
-    return {n: nodes.count(n) for n in set(nodes)}
 
 
 def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
@@ -544,14 +544,6 @@ def push_weights(run, loop, sender, model, policy_version, rank, world):
         print0(f"weight sync at version {policy_version} lost an engine ({type(e).__name__}); the run goes on")
         run["router"].mark_connected([])
     return time.perf_counter() - t0
-
-
-def info_means(records):
-    """{"info/KEY": mean over attempts} of the numbers agents returned in Result.info (an attempt counts once)."""
-    per_attempt = {r["attempt_id"]: r.get("info") or {} for r in records}
-    keys = sorted({k for info in per_attempt.values() for k in info})
-    return {f"info/{k}": sum(info[k] for info in per_attempt.values() if k in info) /
-            sum(k in info for info in per_attempt.values()) for k in keys}
 
 
 # -----------------------------------------------------------------------------
@@ -719,7 +711,8 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
     tokens = torch.tensor(sum(mb["input_ids"].numel() for mb in microbatches), device=device)
     dist.all_reduce(tokens)
     out.update(grad_norm=grad_norm, lr=lr, skipped=skipped, window_tokens=int(window_tokens.item()),
-               tokens=int(tokens.item()), step_time=time.perf_counter() - t0, logprobs=kept_logprobs)
+               tokens=int(tokens.item()), train_step_s=time.perf_counter() - t0,
+               logprobs=kept_logprobs)
     return out
 
 
@@ -1016,10 +1009,6 @@ def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_
     return model
 
 
-def local_tensor(t):
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 @torch.no_grad()
 def load_hf_weights(model, path):
     """Fill each rank's shards from an HF safetensors directory; files are memory-mapped and each rank copies
@@ -1051,109 +1040,6 @@ def copy_shard(p, full):
         r = mesh.get_local_rank()
         full = chunks[r] if r < len(chunks) else full[:0]
     local.copy_(full.to(local.dtype))
-
-
-# -----------------------------------------------------------------------------
-# checkpoints: sharded (torch.distributed.checkpoint; resumes on any number of ranks) and the HF export
-
-
-def global_experts(t, meshes):
-    """This rank's piece of an expert tensor as a DTensor of the global (E, ...) tensor on the 2-D experts mesh.
-    Shares storage with t, so loading into it loads into t."""
-    shape = (t.shape[0] * meshes["ep"].size(), *t.shape[1:])
-    return DTensor.from_local(local_tensor(t), meshes["experts"], [Shard(0), t.placements[0]], run_check=False,
-                              shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
-
-
-def with_global_experts(state, meshes, experts=False):
-    """Copy of a nested FQN-keyed state dict (model, or optimizer: state.FQN.exp_avg) whose expert tensors are
-    global DTensors (see above)."""
-    out = {}
-    for k, v in state.items():
-        is_experts = experts or is_stacked_experts(str(k))
-        if isinstance(v, dict):
-            out[k] = with_global_experts(v, meshes, is_experts)
-        elif is_experts and isinstance(v, DTensor) and v.dim() > 0:
-            out[k] = global_experts(v, meshes)
-        else:
-            out[k] = v
-    return out
-
-
-def save_checkpoint(out_dir, model, optimizer, step, cfg, extra=None):
-    """Write out_dir/checkpoints/step_NNNNNN (every rank writes its shards) and point `latest` at it."""
-    path = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
-    state = lora.checkpoint_state(model, optimizer)
-    dcp.save(with_global_experts(state, model.meshes), checkpoint_id=path)
-    if dist.get_rank() == 0:
-        torch.save({"step": step, "config": cfg, "extra": extra or {}}, os.path.join(path, "trainer_state.pt"))
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=1)
-        latest = os.path.join(out_dir, "checkpoints", "latest")
-        with open(latest + ".tmp", "w") as f:
-            f.write(os.path.basename(path))
-        os.replace(latest + ".tmp", latest)  # atomic: a crash never leaves `latest` naming a half-written step
-    dist.barrier()
-    return path
-
-
-def latest_checkpoint(out_dir):
-    """Path of the newest complete checkpoint in out_dir, or None."""
-    latest = os.path.join(out_dir, "checkpoints", "latest")
-    if not os.path.isfile(latest):
-        return None
-    with open(latest) as f:
-        return os.path.join(out_dir, "checkpoints", f.read().strip())
-
-
-def load_checkpoint(path, model, optimizer):
-    """Load a checkpoint written by save_checkpoint, on any world size / ep_size. Returns (step, extra)."""
-    if path is None or not os.path.isfile(os.path.join(path, "trainer_state.pt")):
-        raise FileNotFoundError(f"no checkpoint at {path!r}: expected a directory written by save_checkpoint "
-                                "(out_dir/checkpoints/step_NNNNNN)")
-    state = lora.checkpoint_state(model, optimizer)
-    dcp.load(with_global_experts(state, model.meshes), checkpoint_id=path)  # fills `state`'s tensors in place
-    set_model_state_dict(model, state["model"], options=lora.checkpoint_options(model))
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    trainer_state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
-    return trainer_state["step"], trainer_state["extra"]
-
-
-@torch.no_grad()
-def full_parameters(model):
-    """Yield (name, full tensor) for every parameter, gathered from all shards and, for experts, from all EP ranks.
-    Collective: every rank must iterate to the end. Costs one or two all-gathers per parameter."""
-    for name, p in model.named_parameters():  # a tied lm_head is not repeated
-        yield name, gather_full(name, p, model.meshes)
-
-
-def gather_full(name, t, meshes):
-    """The whole tensor (a parameter, its gradient or its Adam state) from the shards on all ranks."""
-    if not isinstance(t, DTensor):
-        return t.detach()
-    if t.device.type != t.device_mesh.device_type:  # cpu_offload_optimizer: host shards, GPU collectives
-        t = t.to(t.device_mesh.device_type)
-    full = t.full_tensor()  # over its FSDP mesh; experts: (E / ep, ...) this EP rank's experts
-    if is_stacked_experts(name) and meshes["ep"].size() > 1:
-        full = DTensor.from_local(full, meshes["ep"], [Shard(0)], run_check=False).full_tensor()  # (E, ...)
-    return full
-
-
-def export_hf(model, path, dtype=torch.bfloat16, source_dir=None):
-    """Write a consolidated HF safetensors directory (rank 0 writes) that vLLM and transformers load. Tokenizer and
-    generation files are copied from source_dir, the HF directory the run started from."""
-    rank0 = dist.get_rank() == 0
-    state = {}
-    for name, t in full_parameters(model):
-        if rank0:
-            state[name] = t.cpu() if lora.is_adapter(name) else t.to(dtype).cpu()
-    if rank0:  # LoRA: the adapters merged into their weights, and alone in path/adapter (PEFT's format)
-        state = lora.export_adapters(state, model, os.path.join(path, "adapter"), source_dir or "")
-        save_hf_checkpoint(path, ours_to_hf(state, model.config), model.config, dtype=dtype)
-        if source_dir is not None:
-            copy_hf_extras(source_dir, path)
-    dist.barrier()
-    return path
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 # python train.py --config configs/tiny_vl.py   (CPU; README: "Learning from pixels")
 # The tiny Qwen3-VL-MoE (the tiny text MoE with M-RoPE, a 3-layer vision tower with deepstack into both layers) on
-# agents/colours.py: which colour is the shape in a 64x64 picture. It starts from a warm start built once and cached
+# agents/colours.py: which colour is the shape in a 128x128 picture. It starts from a warm start built once and cached
 # (.cache/tiny-qwen3-vl-moe-sft, tiny.py: VL_WARM_START) that answers with a colour word at random; RL with the
 # exact-answer reward has to learn to read the picture. Every evaluation also runs the held-out pictures blanked
 # (eval/success_blank): what a policy that ignores the image scores.

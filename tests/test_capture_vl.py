@@ -381,3 +381,49 @@ def test_a_request_whose_image_a_cached_prefix_covers_survives_a_sync_pause(stac
     first, out = server.run_in_loop(scenario())
     assert len(first["token_ids"]) == 2 and len(out["token_ids"]) == 64
     assert out["token_versions"][0] == engine.policy_version < out["token_versions"][-1]  # sampled across the sync
+
+
+def test_trainer_images_line_up_with_their_tokens(stack, trainer_model):
+    """The trainer's own path (vl.with_pixels, train.collate, train.microbatch_logprobs) on a recorded segment with two
+    pictures of agents/colours.py computes the engine's logprobs of every token after the first image (the engine
+    scoring the whole recorded sequence with the same pictures); negative controls: another picture of the same size
+    (same tokens) in place of the first, or the two pictures in swapped order, must move those logprobs far more
+    than the engine/trainer gap."""
+    import sys
+    import train
+    import vl
+    sys.path.insert(0, os.path.join(ROOT, "agents"))
+    import colours
+    server, recorder, path = stack
+    red, blue, green = (base64.b64decode(colours.png_data_uri(colours.picture(s, c)[0]).split(",")[1])
+                        for s, c in ((1, "red"), (2, "blue"), (3, "green")))
+    session = server.new_session(attempt_id="vl-aligned")
+    client = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+    client.chat.completions.create(model="tiny", max_tokens=8, seed=3, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_uri(red)}}, {"type": "text", "text": colours.QUESTION},
+        {"type": "image_url", "image_url": {"url": data_uri(blue)}}, {"type": "text", "text": "And this one?"}]}])
+    segment, = server.finish_session(session.id, 1.0)
+    assert segment["images"] == [red, blue] and sum(segment["action_mask"]) > 0
+    ids, image_token = list(segment["token_ids"]), server.vision.token_id
+    runs = [i for i, t in enumerate(ids) if t == image_token and ids[i - 1] != image_token]
+    counts = [next(j for j in range(r, len(ids)) if ids[j] != image_token) - r for r in runs]
+    engine_lp = server.run_in_loop(recorder.engine.prompt_logprobs(server.vision.collapse(ids, counts), [red, blue]))
+    assert len(engine_lp) == len(ids)
+    after = slice(runs[0] + counts[0], len(ids))  # targets from the first image's end on (position t predicts t + 1)
+    engine = torch.tensor(engine_lp[after.start + 1:])
+    cfg = dict(temperature=1.0, logprob_chunk_size=1024, logprob_keep_logits=False)
+
+    def trainer_logprobs(images):
+        s = vl.with_pixels(dict(segment, token_ids=ids, images=images), path)
+        with torch.no_grad():
+            logprobs, _ = train.microbatch_logprobs(trainer_model[0], train.collate([s], [0.0]), cfg)  # (1, T - 1)
+        return logprobs[0, after.start:]
+    gaps = {name: (trainer_logprobs(images) - engine).abs()
+            for name, images in (("same", [red, blue]), ("swapped", [green, blue]), ("reordered", [blue, red]))}
+    print("\nmean / max |trainer - engine| logprob over the " + f"{len(engine)} tokens after the first image: " +
+          ", ".join(f"{k} {g.mean():.4f} / {g.max():.4f}" for k, g in gaps.items()))
+    generated = torch.tensor(segment["action_mask"][after.start + 1:], dtype=torch.bool)
+    behavior = torch.tensor(segment["behavior_logprobs"][after.start + 1:])[generated]
+    assert (trainer_logprobs([red, blue])[generated] - behavior).abs().max() < 0.5  # the sampled tokens too
+    assert gaps["same"].mean() < 0.05
+    assert gaps["swapped"].mean() > 3 * gaps["same"].mean() and gaps["reordered"].mean() > 3 * gaps["same"].mean()

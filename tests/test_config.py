@@ -3,6 +3,7 @@ key checked before any work (plan.check_config).
 
     .venv/bin/python -m pytest tests/test_config.py -q
 """
+import json
 import os
 import subprocess
 import sys
@@ -137,6 +138,17 @@ def test_every_bad_value_stops_before_any_work(override, sentence, tmp_path, mon
     assert str(exit_.value).startswith("config error: ") and sentence in str(exit_.value), str(exit_.value)
     assert str(exit_.value).count("\n") == 0
     assert not os.path.exists(f"{tmp_path}/o")
+
+
+def test_unsupported_model_type_is_one_sentence(tmp_path, monkeypatch):
+    """A model we do not implement (a Llama) stops in the config check, naming the model types model.py supports."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    monkeypatch.setattr(train, "init_distributed", lambda *a: pytest.fail("work started before the config check"))
+    with pytest.raises(SystemExit) as exit_:
+        train.main([f"--model_path={tmp_path}", f"--out_dir={tmp_path}/o"])
+    msg = str(exit_.value)
+    assert msg.startswith(f"config error: model_path={str(tmp_path)!r}: model_type 'llama' is not "), msg
+    assert "'qwen3_moe'" in msg and "'qwen3_vl_moe'" in msg and "\n" not in msg and not os.path.exists(tmp_path / "o")
 
 
 @pytest.mark.stack

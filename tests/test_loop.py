@@ -17,10 +17,13 @@ import time
 import pytest
 import ray
 
+import runlog
+import checkpoint
 import train
 
 METRIC_KEYS = {"step", "reward_mean", "policy_version", "mismatch_kl", "mismatch_kl_current", "stale_dropped",
-               "failed_attempts", "tokens_per_s", "step_time_s"}
+               "failed_attempts", "tokens_per_s", "step_time_s", "is_masked_frac", "dual_clip_frac", "advantage_mean",
+               "advantage_std", "advantage_min", "advantage_max", "grad_norm", "skipped"}
 
 
 class RecordingEngine:
@@ -83,8 +86,8 @@ def digest(engine):
 def test_tiny_default_end_to_end_then_resume(tmp_path, tiny_model_path, rollout_engine, device, monkeypatch):
     recorder = RecordingEngine(rollout_engine)
     batches = []  # the records of each step's batch, as the driver logs them
-    real_info_means = train.info_means
-    monkeypatch.setattr(train, "info_means", lambda records: batches.append(records) or real_info_means(records))
+    real_info_means = runlog.info_means
+    monkeypatch.setattr(runlog, "info_means", lambda records: batches.append(records) or real_info_means(records))
     before = digest(rollout_engine)
     # the random-init model never states the exact result: every reward, so every advantage, is 0, and the entropy
     # bonus is what moves the weights that the engine must then hold
@@ -93,7 +96,8 @@ def test_tiny_default_end_to_end_then_resume(tmp_path, tiny_model_path, rollout_
 
     # the log, the curve, the checkpoint
     assert [r["step"] for r in rows] == [1, 2] and [r["policy_version"] for r in rows] == [1, 2]
-    assert all(METRIC_KEYS <= set(r) for r in rows)
+    assert all(METRIC_KEYS <= set(r) for r in rows) and not any(r["skipped"] for r in rows)
+    assert all(r["entropy"] > 0 for r in rows)  # entropy_coef > 0: the loss's entropy reaches the row
     # the numbers the agent returns in Result.info, averaged over the step's attempts (each once): tool_called is
     # whether the attempt made the second engine call that follows a valid calculator call; the reward is the
     # agent's success
@@ -111,7 +115,7 @@ def test_tiny_default_end_to_end_then_resume(tmp_path, tiny_model_path, rollout_
     # tokens sampled with the weights the trainer holds (KV recomputed at each sync): rounding alone
     assert all(r["mismatch_kl_current"] is None or r["mismatch_kl_current"] < 1e-3 for r in rows)
     assert os.path.getsize(tmp_path / "curves.png") > 0
-    assert train.latest_checkpoint(str(tmp_path)).endswith("step_000002")
+    assert checkpoint.latest_checkpoint(str(tmp_path)).endswith("step_000002")
 
     # the engine now runs the trained weights, at the policy version of the last step
     after = digest(rollout_engine)
@@ -142,7 +146,7 @@ def test_tiny_default_end_to_end_then_resume(tmp_path, tiny_model_path, rollout_
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["policy_version"] == 4
     assert engine_version(rollout_engine) == 4
     assert sum(r["stale_dropped"] for r in rows[2:]) > 0
-    assert train.latest_checkpoint(str(tmp_path)).endswith("step_000004")
+    assert checkpoint.latest_checkpoint(str(tmp_path)).endswith("step_000004")
 
 
 def test_held_out_evaluation_runs_through_the_pool_and_never_reaches_the_trainer(tmp_path, tiny_model_path,

@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 import lora
+import checkpoint
 import train
 from experts import experts_grouped_mm, experts_loop
 from model import Transformer
@@ -155,11 +156,11 @@ def test_lora_checkpoint_holds_the_adapters_resumes_and_exports_merged_and_peft(
     spawn(4, run_steps, trainer_config(ep_size=2, **LORA), weights, wins, str(tmp_path / "out4.pt"), 0, 2, ckpt, None,
           export)
     got4 = torch.load(tmp_path / "out4.pt", weights_only=False)
-    saved = dcp.FileSystemReader(train.latest_checkpoint(ckpt)).read_metadata().state_dict_metadata
+    saved = dcp.FileSystemReader(checkpoint.latest_checkpoint(ckpt)).read_metadata().state_dict_metadata
     tensors = [k for k in saved if not k.startswith("optimizer.param_groups.")]
     assert tensors and all(lora.is_adapter(k) for k in tensors)  # the adapters and their Adam state, not the base
     cfg2 = trainer_config(ep_size=1, **LORA)
-    spawn(2, run_steps, cfg2, weights, wins, str(tmp_path / "out2.pt"), 0, STEPS, None, train.latest_checkpoint(ckpt))
+    spawn(2, run_steps, cfg2, weights, wins, str(tmp_path / "out2.pt"), 0, STEPS, None, checkpoint.latest_checkpoint(ckpt))
     got2 = torch.load(tmp_path / "out2.pt", weights_only=False)
     for name, p in got4["params"].items():
         assert torch.equal(got2["resumed"]["params"][name], p), name

@@ -28,6 +28,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+import checkpoint
 import train
 from conftest import child_env
 
@@ -132,7 +133,7 @@ def test_sigkill_mid_step_then_resume(tmp_path, tiny_model_path):
     lines_before = sum(1 for _ in open(out / "trajectories.jsonl"))
 
     # 2. what a resumed trainer holds equals the checkpoint files: parameters, AdamW state, step, version, data position
-    ckpt = train.latest_checkpoint(str(out))
+    ckpt = checkpoint.latest_checkpoint(str(out))
     assert ckpt.endswith("step_000001")
     saved = read_checkpoint(ckpt, tmp_path)
     cfg = train.configure(args + ["--resume=True"])
@@ -142,12 +143,12 @@ def test_sigkill_mid_step_then_resume(tmp_path, tiny_model_path):
     state = get_model_state_dict(model)
     assert set(state) == set(saved["model"])
     for name, value in state.items():
-        assert torch.equal(train.gather_full(name, value, model.meshes), saved["model"][name]), name
+        assert torch.equal(checkpoint.gather_full(name, value, model.meshes), saved["model"][name]), name
     optim = get_optimizer_state_dict(model, optimizer)["state"]
     assert set(optim) == set(saved["optimizer"]["state"])
     for name, moments in optim.items():
         for key in ("exp_avg", "exp_avg_sq", "step"):
-            mine, theirs = train.gather_full(name, moments[key], model.meshes), saved["optimizer"]["state"][name][key]
+            mine, theirs = checkpoint.gather_full(name, moments[key], model.meshes), saved["optimizer"]["state"][name][key]
             assert torch.equal(mine, theirs), (name, key)
     assert extra["policy_version"] == 1  # what main() hands the rollout pool and the trainer
     assert "data_position" in extra, ("the checkpoint must record how many prompts the run has drawn from its "
@@ -169,7 +170,7 @@ def test_sigkill_mid_step_then_resume(tmp_path, tiny_model_path):
     with open(out / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert [(r["step"], r["policy_version"]) for r in rows] == [(1, 1), (2, 2)]
-    assert train.latest_checkpoint(str(out)).endswith("step_000002")
+    assert checkpoint.latest_checkpoint(str(out)).endswith("step_000002")
 
     stream = [row["prompt"].split("What is ", 1)[1].split("?", 1)[0]
               for row, _ in zip(read_prompts(str(prompts), seed=cfg["seed"]), range(400))]
@@ -179,7 +180,7 @@ def test_sigkill_mid_step_then_resume(tmp_path, tiny_model_path):
     first = min(stream.index(q) for q in resumed)
     assert position <= first < position + cfg["groups_in_flight"], (first, position)
 
-    after = read_checkpoint(train.latest_checkpoint(str(out)), tmp_path)["model"]
+    after = read_checkpoint(checkpoint.latest_checkpoint(str(out)), tmp_path)["model"]
     assert any(not torch.equal(after[k], saved["model"][k]) for k in saved["model"])
 
     # 4. the export command: the last checkpoint as an HF directory (bf16), loaded by transformers

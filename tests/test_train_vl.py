@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import train
 import vl
 from model import ModelConfig, Transformer, VisionConfig
@@ -70,9 +71,9 @@ def vl_steps(rank, world, cfg, weights, wins, out):
     for group in opt.param_groups:
         group["eps"] = ADAM_EPS
     recorded = record_grads_before_step(opt, model)
-    before = {n: t for n, t in train.full_parameters(model)}
+    before = {n: t for n, t in checkpoint.full_parameters(model)}
     metrics = [train.train_step(model, opt, wins[step][rank::world], cfg, policy_version=step) for step in range(STEPS)]
-    params = {n: t for n, t in train.full_parameters(model)}
+    params = {n: t for n, t in checkpoint.full_parameters(model)}
     if rank == 0:
         torch.save(dict(metrics=metrics, grads=recorded, params=params, before=before), out)
 
