@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import model
 import train
 from plan import ConfigError
 from train import configure
@@ -148,7 +149,8 @@ def test_unsupported_model_type_is_one_sentence(tmp_path, monkeypatch):
         train.main([f"--model_path={tmp_path}", f"--out_dir={tmp_path}/o"])
     msg = str(exit_.value)
     assert msg.startswith(f"config error: model_path={str(tmp_path)!r}: model_type 'llama' is not "), msg
-    assert "'qwen3_moe'" in msg and "'qwen3_vl_moe'" in msg and "\n" not in msg and not os.path.exists(tmp_path / "o")
+    assert msg.endswith(f"must be one of {', '.join(model.MODEL_TYPES)})"), msg  # model.py's list, hybrids included
+    assert "qwen3_5_moe" in model.MODEL_TYPES and "\n" not in msg and not os.path.exists(tmp_path / "o")
 
 
 @pytest.mark.stack
