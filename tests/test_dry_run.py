@@ -66,7 +66,9 @@ def test_dry_run_of_every_config(name):
     if name == "moe_700b":
         billions = float(re.search(r"dry run: ([\d.]+)B parameters", out).group(1))
         assert 650 < billions < 750
-    assert ("  vision tower " in out) == ("_vl" in name)  # the VL configs are planned with their tower
+    has_tower = plan.planned_model_config(dict(cfg, dry_run=True)).vision is not None
+    assert has_tower == ("_vl" in name or "qwen36" in name or "qwen3_6" in name)  # the image models' configs
+    assert ("  vision tower " in out) == has_tower  # a model with a tower is planned with it
     one_node = cfg["tensor_parallel_size"] <= cfg["gpus_per_node"]
     assert ("note: an engine's" not in out) == one_node  # moe_700b's TP16 engines need 16-GPU nodes
 

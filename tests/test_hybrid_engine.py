@@ -11,6 +11,8 @@ import os
 import pytest
 import torch
 
+pytestmark = pytest.mark.stack  # every test here serves a real engine
+
 import tiny
 
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"]
