@@ -41,6 +41,10 @@ class Engine:
             limit_mm_per_prompt={"image": max_images_per_prompt, "video": 0},  # vLLM ignores it for a text model
             # the behavior logprob is the sampling distribution's (after temperature), not the raw model's
             logprobs_mode="processed_logprobs")
+        if speculative_config:  # each finished request reports its drafts: (tokens accepted, tokens drafted)
+            self.engine_args["per_request_spec_decode_metrics"] = "summary"
+            if not torch.cuda.is_available() and worker_extension_cls == WORKER_EXTENSION:
+                worker_extension_cls = "engine.DraftingCPUWorker"  # see verify_drafts_on_cpu
         if worker_extension_cls:
             self.engine_args["worker_extension_cls"] = worker_extension_cls
         config = os.path.join(model_path, "config.json")
@@ -123,6 +127,8 @@ class Engine:
         result = dict(token_ids=ids, logprobs=[c.logprobs[i][t].logprob for i, t in enumerate(ids)],
                       token_versions=versions, routed_experts=None if routes is None else routes.tolist(),
                       finish_reason=c.finish_reason, num_prompt_tokens=len(out.prompt_token_ids))
+        if (m := c.spec_decode_metrics) is not None:
+            result["drafts"] = (sum(j * n for j, n in enumerate(m.histogram)), m.num_draft_tokens)
         if top:  # per position, (token id, logprob) by rank; the sampled token's entry comes too when ranked lower
             result["top_logprobs"] = [[(t, p.logprob) for t, p in sorted(d.items(), key=lambda x: x[1].rank)
                                        if p.rank <= top] for d in c.logprobs]
@@ -192,6 +198,22 @@ def serve_lora_beside_cpu_moe():
     FusedMoEConfig.__post_init__, FusedMoEConfig.lora_experts_off = without_expert_lora, True
 
 
+def verify_drafts_on_cpu():
+    """Works around vLLM 0.32 on CPU: the rejection sampler spreads each request's temperature, top_k and top_p over
+    its draft tokens with the C++ stand-in of a Triton kernel (`expand_kernel_impl`), which writes into int64 copies
+    of its tensors: the float32 output stays uninitialized memory, by which the target's logits are then divided.
+    Drafts were verified against that garbage distribution and the processed logprobs came out 0.0 or nan (greedy is
+    untouched). Runs in the worker process; the same expansion in torch."""
+    import torch
+    from vllm.v1.sample import rejection_sampler
+
+    def expand(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        x = torch.where(x == replace_from, torch.tensor(replace_to, dtype=x.dtype), x)
+        return x.repeat_interleave(torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long()),
+                                   output_size=num_tokens)
+    rejection_sampler.expand_batch_to_tokens = expand
+
+
 class KeepImages:
     """Mixed into vLLM's scheduler (async or not, as the engine decided) for a vision model's engine: a request's
     images always reach the worker. vLLM drops the pixels of an image that a prefix-cache hit covers when it hands a
@@ -211,6 +233,10 @@ def __getattr__(name):
     # in the engine core); each is built there on first use, as it imports vLLM
     if name == "LoRAWeightSyncWorker":  # before the worker builds the model: the moment for serve_lora_beside_cpu_moe
         serve_lora_beside_cpu_moe()
+        from weights_sync import WeightSyncWorker
+        return WeightSyncWorker
+    if name == "DraftingCPUWorker":
+        verify_drafts_on_cpu()
         from weights_sync import WeightSyncWorker
         return WeightSyncWorker
     if name == "AMXCPUWorker":
