@@ -122,11 +122,10 @@ def check_config(cfg, mcfg=None, world_size=None):
     if cfg["lora_rank"] and not lora.adapter_shapes(mcfg, cfg):
         raise ConfigError(f"lora_targets={cfg['lora_targets']!r} names no layer of this model (a dense model has no "
                           "experts, an all-MoE model no dense MLP): add attention projections or use 'all'")
-    if (k := cfg["speculative_tokens"]) and not mcfg.mtp_num_hidden_layers:
-        raise ConfigError(f"speculative_tokens={k} drafts with the model's MTP layers, but {cfg['model_path']!r} has none "
-                          "(no mtp.* weights or mtp_num_hidden_layers): use speculative_tokens=0")
-    if k and cfg["speculative_config"]:
-        raise ConfigError("speculative_tokens and speculative_config both turn drafting on: set one of them")
+    if (k := cfg["speculative_tokens"]) and (not mcfg.mtp_num_hidden_layers or cfg["speculative_config"]):
+        raise ConfigError("speculative_tokens and speculative_config both turn drafting on: set one of them" if
+                          mcfg.mtp_num_hidden_layers else f"speculative_tokens={k} drafts with the model's MTP layers, "
+                          f"but {cfg['model_path']!r} has none (no mtp.* weights or mtp_num_hidden_layers): use 0")
     if k and cfg["enable_prefix_caching"] and not torch.cuda.is_available():
         print("speculative_tokens: enable_prefix_caching set to False (on CPU, vLLM's hybrid prefix cache runs a "
               "Triton kernel when drafting, and the engine dies)", file=sys.stderr)

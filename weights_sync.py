@@ -449,25 +449,20 @@ class WeightSyncWorker:
         on CPU and GPU alike. Returns the bytes received."""
         if getattr(self, "weight_group", None) is None:
             raise RuntimeError("receive_weights before init_weight_group: call connect_engines first")
+        from vllm.config import set_current_vllm_config
         receiver = BucketReceiver(self.weight_group, buckets, self.device)
         drafter, mtp = getattr(getattr(self.model_runner, "drafter", None), "model", None), []
-
-        def target():  # the target's load_weights drops mtp.*: they are kept (views into their buckets) for the drafter
-            for name, t in receiver:
-                if drafter is not None and name.startswith("mtp."):
-                    mtp.append((name, t))
-                yield name, t
+        # the target's load_weights drops mtp.*: they are set aside (views into their buckets) for the MTP drafter
+        target = (x for x in receiver if not (x[0].startswith("mtp.") and mtp.append(x) is None))
         try:
-            self.reload_weights(weights_iterator=target(), is_checkpoint_format=True)
-            if mtp:  # the MTP drafter shares embed_tokens and lm_head with the target: its own layers alone
-                from vllm.config import set_current_vllm_config
+            self.reload_weights(weights_iterator=target, is_checkpoint_format=True)
+            if mtp and drafter is not None:  # the drafter's embed_tokens and lm_head are the target's: its own layers
                 from vllm.model_executor.model_loader.reload.inplace import reload_weights
                 with set_current_vllm_config(self.vllm_config):
                     reload_weights(self.vllm_config, drafter, iter(mtp), None, True)
         except BaseException:
             # an interrupted layerwise reload leaves the layers that had not arrived on the meta device: put
             # their old tensors back so the engine can still serve, then free the sender if the group still works
-            from vllm.config import set_current_vllm_config
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
             with set_current_vllm_config(self.vllm_config):
                 finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
@@ -478,7 +473,7 @@ class WeightSyncWorker:
         if unconsumed:
             raise RuntimeError(f"the model loader stopped with {unconsumed} of {len(buckets)} weight buckets unread")
         if self.device.type == "cpu":
-            for model in (self.model_runner.get_model(), drafter) if mtp else (self.model_runner.get_model(),):
+            for model in (self.model_runner.get_model(), *([drafter] if mtp and drafter is not None else [])):
                 repack_cpu_moe_experts(model)
         return sum(b["nbytes"] for b in buckets)
 
