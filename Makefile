@@ -1,7 +1,6 @@
 # make train: set up .venv on first use, then run the tiny default.  make test: same set-up plus the optional agent
 # frameworks (requirements-extras.txt, for their recipes and tests), then pytest.
 PY := .venv/bin/python
-export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
 # a CPU run: the trainer and the engine share the cores, one torch thread each (more spin on each other's barriers)

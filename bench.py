@@ -332,7 +332,6 @@ def bench_async(steps=8, group_size=4, groups_per_batch=4, groups_in_flight=8, m
     import os
     import random
     import time
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     import ray
@@ -454,7 +453,6 @@ def bench_capture(agents=16, turns=4, tokens=48, rounds=6, spread=0, threads=0):
     import statistics
     import time
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import httpx
     import openai
 

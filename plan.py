@@ -5,7 +5,7 @@ Before any work: every config key checked, and the dry-run planner (per-GPU memo
     .venv/bin/python -m pytest tests/test_config.py tests/test_dry_run.py -q
 
 `check_config` runs before Ray, the engines or the model start: a wrong value stops the run with one sentence naming
-the key and what it accepts. The dry run (train.dry_run) shards the model on the meta device with the trainer's own
+the key and what it accepts. The dry run (train.plan_run) shards the model on the meta device with the trainer's own
 code against torch's fake process group and hands this file rank 0's shard sizes (train.measure_shards); the
 arithmetic here turns them into bytes per GPU, GPU counts and the weight-sync volume. This file never imports the
 trainer.
@@ -152,7 +152,7 @@ def launched_world_size():
     return int(os.environ["WORLD_SIZE"]) if "TORCHELASTIC_RUN_ID" in os.environ else None
 
 
-# engine.Engine's keyword -> the config key that sets it: the one list of engine options
+# engine.Engine's keyword -> the config key that sets it: the one list of engine options (engine_options)
 ENGINE_OPTIONS = {"max_model_len": "engine_max_model_len", "memory_fraction": "engine_memory_fraction",
                   "tensor_parallel_size": "tensor_parallel_size", "enable_prefix_caching": "enable_prefix_caching",
                   "speculative_config": "speculative_config", "recompute_kv_on_sync": "recompute_kv_on_sync",
@@ -160,10 +160,14 @@ ENGINE_OPTIONS = {"max_model_len": "engine_max_model_len", "memory_fraction": "e
 
 
 def engine_options(cfg):
-    """engine.Engine keyword arguments from the config (num_engines says how many engines start); LoRA runs add
-    vLLM's LoRA options (lora.engine_options)."""
+    """engine.Engine keyword arguments from the config (num_engines says how many engines start), routing replay's
+    where the engine can return routes; LoRA runs add vLLM's LoRA options (lora.engine_options)."""
     options = {arg: cfg[key] or None if key == "speculative_config" else cfg[key] for arg, key in ENGINE_OPTIONS.items()}
-    return {**options, **(lora.engine_options(cfg, planned_model_config(cfg)) if cfg["lora_rank"] else {})}
+    mcfg = planned_model_config(cfg)
+    # routing replay (README, invariant 3): the engine returns each token's experts for the trainer's router to reuse;
+    # vLLM returns them on GPU only (Model Runner V2), so a CPU run trains on the trainer's own routing
+    options["enable_return_routed_experts"] = torch.cuda.is_available() and mcfg.is_moe
+    return {**options, **(lora.engine_options(cfg, mcfg) if cfg["lora_rank"] else {})}
 
 
 def check_engine_options(cfg, model_dir, **engine_kwargs):
@@ -330,7 +334,7 @@ def plan_memory(cfg, mcfg, shards):
 
 
 def plan_run(cfg, mcfg, shards):
-    """The figures of a dry run (train.dry_run measured the shards), the checks that the run fits, and vLLM's
+    """The figures of a dry run (train.plan_run measured the shards), the checks that the run fits, and vLLM's
     verdict on the engine options. Raises ConfigError when the run cannot work."""
     import tempfile
     figures = plan_memory(cfg, mcfg, shards)

@@ -18,7 +18,6 @@ and weight loading. Sharded checkpoints and the HF export are checkpoint.py's.
 
 import ast
 import asyncio
-import dataclasses
 import datetime
 import inspect
 import json
@@ -52,7 +51,9 @@ from plan import ConfigError, check_config, loss_config
 from weights_sync import free_port
 
 # -----------------------------------------------------------------------------
-# default config values: the tiny CPU run. configs/*.py and --key=value override them.
+# default config values: the tiny CPU run. configs/*.py and --key=value override them. Every assignment between
+# this line and the next ruler is a config key (DEFAULTS), and nothing else is.
+_BEFORE_CONFIG = set(globals())
 # I/O
 out_dir = "out/tiny"
 model_path = ".cache/tiny-qwen3-moe-sft"  # HF-format Qwen3 / Qwen3-MoE directory; a tiny one is built if missing
@@ -100,9 +101,20 @@ attempt_timeout_s = 60.0
 failed_group_rule = "drop"  # "drop" a group with a failed attempt, or "complete" it with reward 0 for the failure
 max_failed_rounds = 3      # the run stops, with the last error, when this many x groups_in_flight x group_size
                            # attempts in a row failed (a broken agent or tool; not while an engine restarts)
-# algorithm: every field of loss.LossConfig is a config key of the same name and default (advantage_estimator,
-# loss_type, the clipping and importance-correction options, ...); loss.py says what each does and accepts
-globals().update(dataclasses.asdict(loss.LossConfig()))
+# algorithm: loss.LossConfig's options, one key each; loss.py declares each default, says what it does and checks it
+_loss = loss.LossConfig()
+advantage_estimator = _loss.advantage_estimator  # grpo | drgrpo | rloo | reinforce | distill
+loss_type = _loss.loss_type          # ppo (token ratio) | gspo (sequence ratio)
+eps_low = _loss.eps_low              # the ratio is clipped to [1 - eps_low, 1 + eps_high]
+eps_high = _loss.eps_high
+dual_clip = _loss.dual_clip          # 0: off, else c > 1 (for A < 0 the token loss is capped at -c * A)
+is_level = _loss.is_level            # importance correction engine -> trainer: token | sequence | geometric | none
+is_mode = _loss.is_mode              # truncate | clip | mask
+is_low = _loss.is_low
+is_high = _loss.is_high
+max_staleness = _loss.max_staleness  # tokens sampled more than this many policy versions ago are dropped
+kl_coef = _loss.kl_coef              # KL penalty to the reference policy (the initial weights)
+entropy_coef = _loss.entropy_coef    # entropy bonus
 # optimization
 max_steps = 40
 learning_rate = 5e-4       # the tiny default's RL from its warm start (README: Learning)
@@ -134,7 +146,7 @@ lora_learning_rate = 5e-3  # a LoRA run's learning_rate (learning_rate is full f
                            # and need ~10x the rate (README: LoRA); warm-up and decay to min_lr as for full fine-tuning
 # -----------------------------------------------------------------------------
 
-DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, dict))}
+DEFAULTS = {k: v for k, v in globals().items() if k not in _BEFORE_CONFIG and not k.startswith("_")}
 
 
 def configure(argv, defaults=None):
@@ -188,7 +200,7 @@ def main(argv):
     try:
         cfg = configure(argv)
         if cfg["dry_run"]:
-            return dry_run(cfg)
+            return plan_run(cfg)
         check_config(cfg, world_size=plan.launched_world_size())
         if (cfg["resume"] or cfg["export_hf_dir"]) and latest_checkpoint(cfg["out_dir"]) is None:
             raise ConfigError(f"{'resume=True' if cfg['resume'] else 'export_hf_dir'} needs a checkpoint, and out_dir="
@@ -218,7 +230,6 @@ def main(argv):
     # the rollout side, on rank 0: engines, router, capture server, pool
     import logging
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engines' start-up and per-sync notes, unless asked
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per CPU engine (else half the RAM)
     # a model in training writes malformed tool calls all the time; vLLM's parser logs a traceback for each
     logging.getLogger("vllm.tool_parsers.hermes_tool_parser").setLevel(logging.CRITICAL)
     ray = connect_ray(cfg, rank, world)
@@ -415,9 +426,6 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
         options = plan.engine_options(cfg)
         if options.get("lora_path"):  # a fresh engine serves the adapter at zero until its first sync
             lora.write_zero_adapter(options["lora_path"], plan.planned_model_config(cfg), cfg)
-        # routing replay (README, invariant 3): the engine returns each token's experts for the trainer's router to reuse;
-        # vLLM returns them on GPU only (Model Runner V2), so a CPU run trains on the trainer's own routing
-        options["enable_return_routed_experts"] = torch.cuda.is_available() and plan.planned_model_config(cfg).is_moe
         engines, engine_pg = rollout.start_engines(cfg["model_path"], cfg["num_engines"], seed=cfg["seed"], **options)
         placement.append(engine_pg)
         rollout.check_engine_gpus(engines, trainer_gpus)
@@ -949,7 +957,7 @@ def ep_combine(y_recv, routes, group):
     return SumRows.apply(y_back, slots, position, group.size())  # (N, D)
 
 
-def dry_run(cfg):
+def plan_run(cfg):
     """--dry_run=True: plan the run on paper, in seconds on a CPU for any world size. The model is built on the meta
     device and sharded by the code above against torch's fake process group of train_world_size ranks; rank 0's
     shards are measured (FSDP cuts like torch.chunk, so rank 0 holds the largest shard of every parameter: its

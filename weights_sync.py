@@ -520,9 +520,18 @@ class WeightSyncWorker:
         return sum(b["nbytes"] for b in buckets)
 
     def weights_digest(self):
-        """{parameter name: float64 sum} of the engine's weights, to see that a sync changed them."""
-        model = self.model_runner.get_model()
-        return {name: p.detach().double().sum().item() for name, p in model.named_parameters()}
+        """{parameter name: sha256 of its bytes} of the engine's weights. A Linear whose weight vLLM's CPU GEMM
+        moved into its kernel (the parameter left empty) is read back through that kernel: its output on the
+        identity, the weight it computes with."""
+        import hashlib
+        out = {}
+        for prefix, m in self.model_runner.get_model().named_modules():
+            for name, p in m.named_parameters(prefix, recurse=False):
+                if p.numel() == 0 and hasattr(m, "cpu_linear"):
+                    p = m.cpu_linear(torch.eye(getattr(m, "input_size_per_partition", m.input_size), dtype=p.dtype),
+                                     p, None)
+                out[name] = hashlib.sha256(p.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+        return out
 
 
 LORA_ID = 1  # the one LoRA adapter an engine serves; engine.Engine's requests name it
