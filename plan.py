@@ -5,7 +5,7 @@ Before any work: every config key checked, and the dry-run planner (per-GPU memo
     .venv/bin/python -m pytest tests/test_config.py tests/test_dry_run.py -q
 
 `check_config` runs before Ray, the engines or the model start: a wrong value stops the run with one sentence naming
-the key and what it accepts. The dry run (train.plan_run) shards the model on the meta device with the trainer's own
+the key and what it accepts. The dry run (train.dry_run_main) shards the model on the meta device with the trainer's own
 code against torch's fake process group and hands this file rank 0's shard sizes (train.measure_shards); the
 arithmetic here turns them into bytes per GPU, GPU counts and the weight-sync volume. This file never imports the
 trainer.
@@ -353,7 +353,7 @@ def plan_memory(cfg, mcfg, shards):
 
 
 def plan_run(cfg, mcfg, shards):
-    """The figures of a dry run (train.plan_run measured the shards), the checks that the run fits, and vLLM's
+    """The figures of a dry run (train.dry_run_main measured the shards), the checks that the run fits, and vLLM's
     verdict on the engine options. Raises ConfigError when the run cannot work."""
     import tempfile
     figures = plan_memory(cfg, mcfg, shards)

@@ -200,7 +200,7 @@ def main(argv):
     try:
         cfg = configure(argv)
         if cfg["dry_run"]:
-            return plan_run(cfg)
+            return dry_run_main(cfg)
         check_config(cfg, world_size=plan.launched_world_size())
         if (cfg["resume"] or cfg["export_hf_dir"]) and latest_checkpoint(cfg["out_dir"]) is None:
             raise ConfigError(f"{'resume=True' if cfg['resume'] else 'export_hf_dir'} needs a checkpoint, and out_dir="
@@ -957,7 +957,7 @@ def ep_combine(y_recv, routes, group):
     return SumRows.apply(y_back, slots, position, group.size())  # (N, D)
 
 
-def plan_run(cfg):
+def dry_run_main(cfg):
     """--dry_run=True: plan the run on paper, in seconds on a CPU for any world size. The model is built on the meta
     device and sharded by the code above against torch's fake process group of train_world_size ranks; rank 0's
     shards are measured (FSDP cuts like torch.chunk, so rank 0 holds the largest shard of every parameter: its
