@@ -304,6 +304,9 @@ def plan_memory(cfg, mcfg, shards):
         # fp32 master weights (FSDP keeps the sharded parameters fp32), fp32 gradients, AdamW m and v in fp32
         params_bytes=4 * trainable + (b if cfg["lora_rank"] else 4) * (params - trainable), grads_bytes=4 * trainable,
         optimizer_bytes=8 * trainable, params_trainable_local=trainable, params_vision_local=shards["vision"],
+        # kl_coef > 0: the reference policy, a frozen copy of the initial weights sharded like them, in param_dtype
+        # (train.build_reference); a LoRA run's is its frozen base, at no extra memory
+        reference_bytes=b * params if cfg["kl_coef"] and not cfg["lora_rank"] else 0,
         # a trained tower's activations, at most one 448x448 image (784 patches, 196 tokens) per 196 tokens of the
         # microbatch: the bound where every token is an image token (a frozen tower keeps none)
         images=tokens // (784 // mcfg.vision.spatial_merge_size ** 2) if mcfg.vision else 0,
@@ -325,7 +328,7 @@ def plan_memory(cfg, mcfg, shards):
         linear_layers=[i for i in range(mcfg.num_hidden_layers) if mcfg.layer_type(i) == "linear_attention"],
         gpu_bytes=cfg["gpu_memory_gib"] * GiB)
     on_gpu_state = 0 if cfg["cpu_offload_optimizer"] else (figures["params_bytes"] + figures["grads_bytes"] +
-                                                          figures["optimizer_bytes"])
+                                                          figures["optimizer_bytes"] + figures["reference_bytes"])
     transient = figures["gather_bytes"] + figures["logits_bytes"] + figures["gdn_state_bytes"]
     for c in (True, False):  # the image bound's vision activations join the text's
         figures["act_bytes_" + ("ckpt" if c else "full")] += (figures["images"] *
@@ -403,7 +406,8 @@ def print_plan(cfg, p):
         f"  gradients         {gib(p['grads_bytes'])}  fp32, sharded like the parameters{' they train' * bool(lora_note)}"
         f"  [{where}]",
         f"  optimizer         {gib(p['optimizer_bytes'])}  AdamW m and v, fp32  [{where}]",
-    ] + ([f"  vision tower      {M(p['params_vision_local'])} of the dense parameters on this rank, " + (
+    ] + ([f"  reference         {gib(p['reference_bytes'])}  kl_coef > 0: frozen copy of the initial weights, "
+          f"{cfg['param_dtype']}, sharded like them  [{where}]"] if p["reference_bytes"] else []) + ([f"  vision tower      {M(p['params_vision_local'])} of the dense parameters on this rank, " + (
         f"trained: activations below include {p['images']} 448x448 images per microbatch (every token an image "
         f"token) at {gib(p['vision_act_bytes_per_image'][ckpt]).strip()} each" if cfg["train_vision"] else
         "frozen (train_vision=False): no gradients, no AdamW state, no activations kept")]
