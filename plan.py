@@ -344,7 +344,13 @@ def plan_memory(cfg, mcfg, shards):
     figures["sync_bytes"] = 4 * sum(math.prod(s) for s in lora.adapter_shapes(mcfg, cfg).values()) if cfg[
         "lora_rank"] else 2 * figures["params_total"]
     kv_heads = max(1, math.ceil(mcfg.num_key_value_heads / tp))
-    figures["kv_bytes_per_token"] = 2 * mcfg.num_hidden_layers * kv_heads * mcfg.head_dim * 2
+    # KV in the attention layers; a Gated DeltaNet layer holds a fixed state per sequence instead (fp32 delta-rule
+    # state, bf16 conv state; heads split over TP), counted here per token of a full-length sequence
+    n_lin, nv = len(figures["linear_layers"]), mcfg.linear_num_value_heads / tp
+    state = 4 * nv * mcfg.linear_key_head_dim * mcfg.linear_value_head_dim + 2 * (mcfg.linear_conv_kernel_dim - 1) * (
+        2 * mcfg.linear_num_key_heads * mcfg.linear_key_head_dim / tp + nv * mcfg.linear_value_head_dim)
+    figures["kv_bytes_per_token"] = (2 * (mcfg.num_hidden_layers - n_lin) * kv_heads * mcfg.head_dim * 2 +
+                                     n_lin * state / cfg["engine_max_model_len"])
     figures["engine_budget_bytes"] = cfg["engine_memory_fraction"] * figures["gpu_bytes"]
     figures["kv_tokens"] = int((figures["engine_budget_bytes"] - figures["engine_weight_bytes"]) //
                                figures["kv_bytes_per_token"])
