@@ -16,6 +16,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 
 import torch
 
@@ -38,6 +39,7 @@ RANGES = {
                                  "groups_per_batch", "groups_in_flight", "max_tokens", "max_steps", "microbatch_tokens",
                                  "logprob_chunk_size", "train_world_size", "ep_size", "gpus_per_node",
                                  "max_images_per_prompt"),
+    (lambda v: v >= 0, ">= 0 (0: no drafting)"): ("speculative_tokens",),
     (lambda v: v >= 2, ">= 2"): ("engine_max_model_len",),
     (lambda v: v >= 0, ">= 0"): ("warmup_steps", "min_lr", "weight_decay", "eval_temperature"),
     (lambda v: v >= 0, ">= 0 (0: no evaluation)"): ("eval_every",),
@@ -120,6 +122,14 @@ def check_config(cfg, mcfg=None, world_size=None):
     if cfg["lora_rank"] and not lora.adapter_shapes(mcfg, cfg):
         raise ConfigError(f"lora_targets={cfg['lora_targets']!r} names no layer of this model (a dense model has no "
                           "experts, an all-MoE model no dense MLP): add attention projections or use 'all'")
+    if (k := cfg["speculative_tokens"]) and (not mcfg.mtp_num_hidden_layers or cfg["speculative_config"]):
+        raise ConfigError("speculative_tokens and speculative_config both turn drafting on: set one of them" if
+                          mcfg.mtp_num_hidden_layers else f"speculative_tokens={k} drafts with the model's MTP layers, "
+                          f"but {cfg['model_path']!r} has none (no mtp.* weights or mtp_num_hidden_layers): use 0")
+    if k and cfg["enable_prefix_caching"] and not torch.cuda.is_available():
+        print("speculative_tokens: enable_prefix_caching set to False (on CPU, vLLM's hybrid prefix cache runs a "
+              "Triton kernel when drafting, and the engine dies)", file=sys.stderr)
+        cfg["enable_prefix_caching"] = False
     peak = lora.learning_rate_key(cfg)
     if cfg["min_lr"] > cfg[peak]:
         raise ConfigError(f"min_lr ({cfg['min_lr']}) is above {peak} ({cfg[peak]}): the schedule decays from {peak} "
@@ -163,6 +173,8 @@ def engine_options(cfg):
     """engine.Engine keyword arguments from the config (num_engines says how many engines start), routing replay's
     where the engine can return routes; LoRA runs add vLLM's LoRA options (lora.engine_options)."""
     options = {arg: cfg[key] or None if key == "speculative_config" else cfg[key] for arg, key in ENGINE_OPTIONS.items()}
+    if cfg["speculative_tokens"]:  # MTP drafting with the model's mtp.* layers (check_config: it has some)
+        options["speculative_config"] = {"method": "mtp", "num_speculative_tokens": cfg["speculative_tokens"]}
     mcfg = planned_model_config(cfg)
     # routing replay (README, invariant 3): the engine returns each token's experts for the trainer's router to reuse;
     # vLLM returns them on GPU only (Model Runner V2), so a CPU run trains on the trainer's own routing

@@ -288,6 +288,8 @@ def tiny_cfg(**overrides):
     (dict(engine_max_model_len=8192), r"engine_max_model_len \(8192\) is above the model's max_position_embeddings"),
     (dict(num_engines=0), r"num_engines=0 is not accepted: it must be >= 1"),
     (dict(max_failed_rounds=-1), r"max_failed_rounds=-1 is not accepted: it must be >= 0 \(0 never stops\)"),
+    (dict(speculative_tokens=2), r"speculative_tokens=2 drafts with the model's MTP layers, but .* has none"),
+    (dict(speculative_tokens=-1), r"speculative_tokens=-1 is not accepted: it must be >= 0"),
 ])
 def test_check_config(overrides, msg):
     from tiny import TINY_CONFIG
@@ -297,6 +299,21 @@ def test_check_config(overrides, msg):
     plan.check_config(tiny_cfg(), TINY_CONFIG)  # the defaults are consistent
     with pytest.raises(ConfigError, match=r"torchrun started 2 ranks"):
         plan.check_config(tiny_cfg(), TINY_CONFIG, world_size=2)
+
+
+def test_speculative_tokens_turns_mtp_drafting_on_and_prefix_caching_off_on_cpu(capsys):
+    from tiny import TINY_QWEN36_CONFIG
+    cfg = tiny_cfg(speculative_tokens=2, model_path=".cache/tiny-qwen36-moe")
+    plan.check_config(cfg, TINY_QWEN36_CONFIG)
+    assert "enable_prefix_caching set to False" in capsys.readouterr().err
+    options = plan.engine_options(cfg)
+    assert options["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
+    assert options["enable_prefix_caching"] is False
+    off = tiny_cfg(model_path=".cache/tiny-qwen36-moe")  # drafting off: prefix caching stays, no drafter
+    plan.check_config(off, TINY_QWEN36_CONFIG)
+    assert plan.engine_options(off)["enable_prefix_caching"] and plan.engine_options(off)["speculative_config"] is None
+    with pytest.raises(ConfigError, match="speculative_tokens and speculative_config both"):
+        plan.check_config(tiny_cfg(speculative_tokens=1, speculative_config={"method": "ngram"}), TINY_QWEN36_CONFIG)
 
 
 def test_engine_receives_the_config_options(tiny_model_path):
