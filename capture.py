@@ -982,7 +982,6 @@ def main(argv=None):
     if args.view:  # no engine: the page over the run's files (viewer.py)
         import viewer
         return viewer.main(args.view, args.port)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (else half the RAM); GPU ignores it
     model = args.model
     if model is None:
         from tiny import ensure_tiny_model

@@ -30,6 +30,7 @@ class Engine:
                  worker_extension_cls=WORKER_EXTENSION, recompute_kv_on_sync=True, max_images_per_prompt=8,
                  lora_path=None, **engine_kwargs):
         import torch
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache of a CPU engine (else half the RAM)
         self.model_path, self.max_model_len = model_path, max_model_len
         self.recompute_kv_on_sync = recompute_kv_on_sync
         self.engine_args = dict(

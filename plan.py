@@ -5,7 +5,7 @@ Before any work: every config key checked, and the dry-run planner (per-GPU memo
     .venv/bin/python -m pytest tests/test_config.py tests/test_dry_run.py -q
 
 `check_config` runs before Ray, the engines or the model start: a wrong value stops the run with one sentence naming
-the key and what it accepts. The dry run (train.dry_run) shards the model on the meta device with the trainer's own
+the key and what it accepts. The dry run (train.dry_run_main) shards the model on the meta device with the trainer's own
 code against torch's fake process group and hands this file rank 0's shard sizes (train.measure_shards); the
 arithmetic here turns them into bytes per GPU, GPU counts and the weight-sync volume. This file never imports the
 trainer.
@@ -152,7 +152,7 @@ def launched_world_size():
     return int(os.environ["WORLD_SIZE"]) if "TORCHELASTIC_RUN_ID" in os.environ else None
 
 
-# engine.Engine's keyword -> the config key that sets it: the one list of engine options
+# engine.Engine's keyword -> the config key that sets it: the one list of engine options (engine_options)
 ENGINE_OPTIONS = {"max_model_len": "engine_max_model_len", "memory_fraction": "engine_memory_fraction",
                   "tensor_parallel_size": "tensor_parallel_size", "enable_prefix_caching": "enable_prefix_caching",
                   "speculative_config": "speculative_config", "recompute_kv_on_sync": "recompute_kv_on_sync",
@@ -160,10 +160,14 @@ ENGINE_OPTIONS = {"max_model_len": "engine_max_model_len", "memory_fraction": "e
 
 
 def engine_options(cfg):
-    """engine.Engine keyword arguments from the config (num_engines says how many engines start); LoRA runs add
-    vLLM's LoRA options (lora.engine_options)."""
+    """engine.Engine keyword arguments from the config (num_engines says how many engines start), routing replay's
+    where the engine can return routes; LoRA runs add vLLM's LoRA options (lora.engine_options)."""
     options = {arg: cfg[key] or None if key == "speculative_config" else cfg[key] for arg, key in ENGINE_OPTIONS.items()}
-    return {**options, **(lora.engine_options(cfg, planned_model_config(cfg)) if cfg["lora_rank"] else {})}
+    mcfg = planned_model_config(cfg)
+    # routing replay (README, invariant 3): the engine returns each token's experts for the trainer's router to reuse;
+    # vLLM returns them on GPU only (Model Runner V2), so a CPU run trains on the trainer's own routing
+    options["enable_return_routed_experts"] = torch.cuda.is_available() and mcfg.is_moe
+    return {**options, **(lora.engine_options(cfg, mcfg) if cfg["lora_rank"] else {})}
 
 
 def check_engine_options(cfg, model_dir, **engine_kwargs):
@@ -283,6 +287,9 @@ def plan_memory(cfg, mcfg, shards):
         # fp32 master weights (FSDP keeps the sharded parameters fp32), fp32 gradients, AdamW m and v in fp32
         params_bytes=4 * trainable + (b if cfg["lora_rank"] else 4) * (params - trainable), grads_bytes=4 * trainable,
         optimizer_bytes=8 * trainable, params_trainable_local=trainable, params_vision_local=shards["vision"],
+        # kl_coef > 0: the reference policy, a frozen copy of the initial weights sharded like them, in param_dtype
+        # (train.build_reference); a LoRA run's is its frozen base, at no extra memory
+        reference_bytes=b * params if cfg["kl_coef"] and not cfg["lora_rank"] else 0,
         # a trained tower's activations, at most one 448x448 image (784 patches, 196 tokens) per 196 tokens of the
         # microbatch: the bound where every token is an image token (a frozen tower keeps none)
         images=tokens // (784 // mcfg.vision.spatial_merge_size ** 2) if mcfg.vision else 0,
@@ -302,7 +309,7 @@ def plan_memory(cfg, mcfg, shards):
         logits_bytes=3 * 4 * min(cfg["logprob_chunk_size"], tokens) * mcfg.vocab_size,
         gpu_bytes=cfg["gpu_memory_gib"] * GiB)
     on_gpu_state = 0 if cfg["cpu_offload_optimizer"] else (figures["params_bytes"] + figures["grads_bytes"] +
-                                                          figures["optimizer_bytes"])
+                                                          figures["optimizer_bytes"] + figures["reference_bytes"])
     transient = figures["gather_bytes"] + figures["logits_bytes"]
     for c in (True, False):  # the image bound's vision activations join the text's
         figures["act_bytes_" + ("ckpt" if c else "full")] += (figures["images"] *
@@ -330,7 +337,7 @@ def plan_memory(cfg, mcfg, shards):
 
 
 def plan_run(cfg, mcfg, shards):
-    """The figures of a dry run (train.dry_run measured the shards), the checks that the run fits, and vLLM's
+    """The figures of a dry run (train.dry_run_main measured the shards), the checks that the run fits, and vLLM's
     verdict on the engine options. Raises ConfigError when the run cannot work."""
     import tempfile
     figures = plan_memory(cfg, mcfg, shards)
@@ -380,7 +387,8 @@ def print_plan(cfg, p):
         f"  gradients         {gib(p['grads_bytes'])}  fp32, sharded like the parameters{' they train' * bool(lora_note)}"
         f"  [{where}]",
         f"  optimizer         {gib(p['optimizer_bytes'])}  AdamW m and v, fp32  [{where}]",
-    ] + ([f"  vision tower      {M(p['params_vision_local'])} of the dense parameters on this rank, " + (
+    ] + ([f"  reference         {gib(p['reference_bytes'])}  kl_coef > 0: frozen copy of the initial weights, "
+          f"{cfg['param_dtype']}, sharded like them  [{where}]"] if p["reference_bytes"] else []) + ([f"  vision tower      {M(p['params_vision_local'])} of the dense parameters on this rank, " + (
         f"trained: activations below include {p['images']} 448x448 images per microbatch (every token an image "
         f"token) at {gib(p['vision_act_bytes_per_image'][ckpt]).strip()} each" if cfg["train_vision"] else
         "frozen (train_vision=False): no gradients, no AdamW state, no activations kept")]

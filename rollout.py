@@ -336,16 +336,12 @@ class RolloutPool:
     agent, a dead tool; failures while an engine restarts do not count) the pool stops and next_batch raises with
     the last error, rather than dropping groups forever or training on failures (0: never).
     `run_agent(ctx) -> Result` is the loaded agent; `prompts` an iterator of dicts (prompt / messages, label,
-    tools); `server` the running capture server."""
+    tools); `server` the running capture server. The options are the config keys of the same names, which
+    plan.check_config has checked."""
 
     def __init__(self, run_agent, prompts, server, *, group_size, groups_per_batch, groups_in_flight, sampling,
                  attempt_timeout_s=60.0, failed_group_rule="drop", model_name="policy", trajectory_writer=None,
                  first_prompt=0, max_failed_in_a_row=0):
-        if failed_group_rule not in ("drop", "complete"):
-            raise ValueError(f"failed_group_rule must be 'drop' or 'complete', got {failed_group_rule!r}")
-        if groups_in_flight < groups_per_batch:
-            raise ValueError(f"groups_in_flight ({groups_in_flight}) must be >= groups_per_batch ({groups_per_batch}), "
-                             "or no batch could ever fill")
         # a resumed run skips the prompts its earlier life drew (those in flight at the stop are not retried)
         self.run_agent, self.server = run_agent, server
         self.prompts = itertools.islice(iter(prompts), first_prompt, None)

@@ -18,7 +18,6 @@ and weight loading. Sharded checkpoints and the HF export are checkpoint.py's.
 
 import ast
 import asyncio
-import dataclasses
 import datetime
 import inspect
 import json
@@ -52,7 +51,9 @@ from plan import ConfigError, check_config, loss_config
 from weights_sync import free_port
 
 # -----------------------------------------------------------------------------
-# default config values: the tiny CPU run. configs/*.py and --key=value override them.
+# default config values: the tiny CPU run. configs/*.py and --key=value override them. Every assignment between
+# this line and the next ruler is a config key (DEFAULTS), and nothing else is.
+_BEFORE_CONFIG = set(globals())
 # I/O
 out_dir = "out/tiny"
 model_path = ".cache/tiny-qwen3-moe-sft"  # HF-format Qwen3 / Qwen3-MoE directory; a tiny one is built if missing
@@ -100,9 +101,20 @@ attempt_timeout_s = 60.0
 failed_group_rule = "drop"  # "drop" a group with a failed attempt, or "complete" it with reward 0 for the failure
 max_failed_rounds = 3      # the run stops, with the last error, when this many x groups_in_flight x group_size
                            # attempts in a row failed (a broken agent or tool; not while an engine restarts)
-# algorithm: every field of loss.LossConfig is a config key of the same name and default (advantage_estimator,
-# loss_type, the clipping and importance-correction options, ...); loss.py says what each does and accepts
-globals().update(dataclasses.asdict(loss.LossConfig()))
+# algorithm: loss.LossConfig's options, one key each; loss.py declares each default, says what it does and checks it
+_loss = loss.LossConfig()
+advantage_estimator = _loss.advantage_estimator  # grpo | drgrpo | rloo | reinforce | distill
+loss_type = _loss.loss_type          # ppo (token ratio) | gspo (sequence ratio)
+eps_low = _loss.eps_low              # the ratio is clipped to [1 - eps_low, 1 + eps_high]
+eps_high = _loss.eps_high
+dual_clip = _loss.dual_clip          # 0: off, else c > 1 (for A < 0 the token loss is capped at -c * A)
+is_level = _loss.is_level            # importance correction engine -> trainer: token | sequence | geometric | none
+is_mode = _loss.is_mode              # truncate | clip | mask
+is_low = _loss.is_low
+is_high = _loss.is_high
+max_staleness = _loss.max_staleness  # tokens sampled more than this many policy versions ago are dropped
+kl_coef = _loss.kl_coef              # KL penalty to the reference policy (the initial weights)
+entropy_coef = _loss.entropy_coef    # entropy bonus
 # optimization
 max_steps = 40
 learning_rate = 5e-4       # the tiny default's RL from its warm start (README: Learning)
@@ -134,7 +146,7 @@ lora_learning_rate = 5e-3  # a LoRA run's learning_rate (learning_rate is full f
                            # and need ~10x the rate (README: LoRA); warm-up and decay to min_lr as for full fine-tuning
 # -----------------------------------------------------------------------------
 
-DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, dict))}
+DEFAULTS = {k: v for k, v in globals().items() if k not in _BEFORE_CONFIG and not k.startswith("_")}
 
 
 def configure(argv, defaults=None):
@@ -188,7 +200,7 @@ def main(argv):
     try:
         cfg = configure(argv)
         if cfg["dry_run"]:
-            return dry_run(cfg)
+            return dry_run_main(cfg)
         check_config(cfg, world_size=plan.launched_world_size())
         if (cfg["resume"] or cfg["export_hf_dir"]) and latest_checkpoint(cfg["out_dir"]) is None:
             raise ConfigError(f"{'resume=True' if cfg['resume'] else 'export_hf_dir'} needs a checkpoint, and out_dir="
@@ -218,7 +230,6 @@ def main(argv):
     # the rollout side, on rank 0: engines, router, capture server, pool
     import logging
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engines' start-up and per-sync notes, unless asked
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per CPU engine (else half the RAM)
     # a model in training writes malformed tool calls all the time; vLLM's parser logs a traceback for each
     logging.getLogger("vllm.tool_parsers.hermes_tool_parser").setLevel(logging.CRITICAL)
     ray = connect_ray(cfg, rank, world)
@@ -249,6 +260,7 @@ def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
     loop = asyncio.new_event_loop()  # runs the weight-sync coroutines of this thread
     sender = weights_sync.WeightSender(adapter=lora.sync_config(cfg))  # LoRA: the adapters alone travel
     writer, evals = runlog.scalar_writer(cfg, rank), {}
+    reference = build_reference(cfg, model, compute_device())  # kl_coef > 0: the initial weights
     # one optimizer step that changes the weights = one policy version (a resumed run: the checkpoint's); the engines
     # start at version 0
     policy_version = step if policy_version is None else policy_version
@@ -264,14 +276,8 @@ def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
         t0 = time.perf_counter()
         records = run["pool"].next_batch() if rank == 0 else None
         t_batch = time.perf_counter()
-        segments, advantages = share_batch(records, cfg, rank, world)
-        m = train_step(model, optimizer, pack_microbatches(segments, advantages, cfg["microbatch_tokens"]), cfg,
-                       policy_version, step)
-        rank == 0 and run["recorder"] and run["recorder"].add(step, records, segments, advantages, m["logprobs"])
-        trained = policy_version  # the version this step trained on
-        if not m["skipped"]:  # a skipped step (non-finite gradients) changed no weight: no new version, no sync
-            policy_version += 1
-        sync_s = None if m["skipped"] else push_weights(run, loop, sender, model, policy_version, rank, world)
+        m = rl_step(run, loop, sender, model, optimizer, records, cfg, policy_version, step, rank, world, reference)
+        trained, policy_version = policy_version, m["policy_version"]  # the version this step trained on, the new one
         if rank == 0:
             pool = run["pool"].stats()
             rewards = {r["attempt_id"]: r["reward"] for r in records}  # an attempt counts once
@@ -285,7 +291,7 @@ def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
                        dropped_groups=pool["dropped_groups"], engine_restarts=run["router"].restarts,
                        tokens_per_s=sum(r["action_tokens"] for r in records) / step_time, step_time_s=step_time,
                        response_tokens=sum(r["action_tokens"] for r in records) / max(len(rewards), 1),
-                       batch_wait_s=t_batch - t0, sync_s=sync_s, engine_idle=run["router"].idle_fraction(),
+                       batch_wait_s=t_batch - t0, sync_s=m["sync_s"], engine_idle=run["router"].idle_fraction(),
                        # versions between the policy that sampled a segment's oldest token and the one training on it
                        staleness=sum(trained - r["min_version"] for r in generated) / max(len(generated), 1),
                        attempts=len(rewards), segments=len(records))
@@ -299,10 +305,9 @@ def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", step_s=f"{step_time:.1f}",
                             stale=f"{row['staleness']:.2f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
         bar.update(1)
-        if (step + 1) % cfg["checkpoint_every"] == 0 or step + 1 == cfg["max_steps"]:
-            position = run["pool"].prompts_drawn if rank == 0 else 0  # prompts drawn so far (rank 0 draws them)
-            save_checkpoint(out_dir, model, optimizer, step + 1, cfg,
-                            extra={"policy_version": policy_version, "data_position": position})
+        # the prompts drawn so far (rank 0 draws them): a resumed run's pool goes on from there
+        checkpoint_if_due(cfg, model, optimizer, step, extra={
+            "policy_version": policy_version, "data_position": run["pool"].prompts_drawn if rank == 0 else 0})
     bar.close()
     sender.close()
     loop.close()
@@ -310,6 +315,20 @@ def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
         runlog.plot_metrics(out_dir)
         writer and writer.close()
     return evals
+
+
+def rl_step(run, loop, sender, model, optimizer, records, cfg, policy_version, step, rank, world, reference=None):
+    """One RL step of every rank on rank 0's batch `records`: advantages and this rank's segments (share_batch), the
+    train step, the viewer's sample, and unless the step was skipped (non-finite gradients: no weight changed) a new
+    policy version synced to the engines. Returns train_step's metrics with the new policy_version and sync_s
+    (seconds; None: no sync)."""
+    segments, advantages = share_batch(records, cfg, rank, world)
+    m = train_step(model, optimizer, pack_microbatches(segments, advantages, cfg["microbatch_tokens"]), cfg,
+                   policy_version, step, reference=reference)
+    rank == 0 and run.get("recorder") and run["recorder"].add(step, records, segments, advantages, m["logprobs"])
+    m["policy_version"] = policy_version + (not m["skipped"])
+    m["sync_s"] = None if m["skipped"] else push_weights(run, loop, sender, model, m["policy_version"], rank, world)
+    return m
 
 
 def evaluate(run, cfg, v, evals):
@@ -352,11 +371,16 @@ def sft(cfg, model, optimizer, step, rank, world):
         if rank == 0:
             runlog.log_step(cfg["out_dir"], dict(step=step + 1, loss=m["loss"], grad_norm=m["grad_norm"], lr=m["lr"],
                                           kept_tokens=m["kept_tokens"], step_time_s=time.perf_counter() - t0), writer)
-        if (step + 1) % cfg["checkpoint_every"] == 0 or step + 1 == cfg["max_steps"]:
-            save_checkpoint(cfg["out_dir"], model, optimizer, step + 1, cfg)
+        checkpoint_if_due(cfg, model, optimizer, step)
     if rank == 0:
         runlog.plot_metrics(cfg["out_dir"])
     return export_hf(model, os.path.join(cfg["out_dir"], "hf"), source_dir=cfg["model_path"])
+
+
+def checkpoint_if_due(cfg, model, optimizer, step, extra=None):
+    """After step `step` (from 0): a checkpoint every checkpoint_every steps, and at the last step."""
+    if (step + 1) % cfg["checkpoint_every"] == 0 or step + 1 == cfg["max_steps"]:
+        save_checkpoint(cfg["out_dir"], model, optimizer, step + 1, cfg, extra=extra)
 
 
 def build_trainer(cfg, world, device):
@@ -370,6 +394,15 @@ def build_trainer(cfg, world, device):
     step, extra = load_checkpoint(path, model, optimizer)
     print0(f"resumed from {path} at step {step}")
     return model, optimizer, step, extra
+
+
+def build_reference(cfg, model, device):
+    """The KL penalty's reference policy (kl_coef > 0; else None): the initial weights. Under LoRA the model itself,
+    its frozen base (train_step turns the adapters off: lora.base_only), at no memory; else a frozen copy of
+    model_path's weights in param_dtype, sharded like the model (the dry run counts it)."""
+    if not cfg["kl_coef"] or cfg["lora_rank"]:
+        return model if cfg["kl_coef"] else None
+    return build_model(dict(cfg, train_vision=False), model.meshes, device, weights_path=cfg["model_path"], frozen=True)
 
 
 # -----------------------------------------------------------------------------
@@ -415,9 +448,6 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
         options = plan.engine_options(cfg)
         if options.get("lora_path"):  # a fresh engine serves the adapter at zero until its first sync
             lora.write_zero_adapter(options["lora_path"], plan.planned_model_config(cfg), cfg)
-        # routing replay (README, invariant 3): the engine returns each token's experts for the trainer's router to reuse;
-        # vLLM returns them on GPU only (Model Runner V2), so a CPU run trains on the trainer's own routing
-        options["enable_return_routed_experts"] = torch.cuda.is_available() and plan.planned_model_config(cfg).is_moe
         engines, engine_pg = rollout.start_engines(cfg["model_path"], cfg["num_engines"], seed=cfg["seed"], **options)
         placement.append(engine_pg)
         rollout.check_engine_gpus(engines, trainer_gpus)
@@ -651,13 +681,14 @@ def clip_grad_norm(model, max_norm, device, optimizer=None):
     return norm
 
 
-def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, sft=False):
+def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, sft=False, reference=None):
     """One optimizer step over this rank's microbatches of the window. Returns metrics (floats, same on all ranks).
     sft=True: the supervised objective (loss.sft_loss: the mean NLL of the action-mask tokens, at temperature 1).
 
     microbatches: dicts of right-padded tensors (B, T): input_ids, targets (input_ids shifted by one), action_mask,
-    behavior_logprobs, token_versions, advantages (B,) or (B, T), optional ref_logprobs, and routed_experts
-    (B, T, L_moe, K) or None (see `collate`). The loss is normalized by the window's kept-token count, all-reduced
+    behavior_logprobs, token_versions, advantages (B,) or (B, T), and routed_experts (B, T, L_moe, K) or None (see
+    `collate`). With kl_coef > 0, `reference` (build_reference) gives each microbatch its ref_logprobs in a no-grad
+    forward on its own routing. The loss is normalized by the window's kept-token count, all-reduced
     before the first backward, and gradients are summed over ranks (shard_model), so the step is the same however
     the window is split into microbatches and ranks. "logprobs": (segment_rows, the trainer's logprobs (B, T),
     detached) of each microbatch from pack_microbatches, for the viewer's sample (viewer.Recorder.add).
@@ -676,6 +707,11 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
                     for mb in microbatches]
 
     model.train()
+    if lcfg.kl_coef and not sft and reference is not None:
+        with torch.no_grad(), lora.base_only(reference):
+            for mb in microbatches:
+                mb["ref_logprobs"] = microbatch_logprobs(reference, dict(mb, routed_experts=None), cfg)[0]
+        reference is model or reference.reshard()  # its root unit stays gathered after a forward (FSDP2)
     old_logprobs = [None] * len(microbatches)
     if lcfg.is_mode == "mask" and lcfg.is_level != "none" and not sft:  # rejection needs the trainer's logprobs first
         with torch.no_grad():
@@ -765,11 +801,12 @@ def build_meshes(world, ep_size, device_type):
     return {"fsdp": fsdp, "experts": experts, "ep": experts["ep"], "expert_fsdp": experts["expert_fsdp"]}
 
 
-def meta_sharded_model(mcfg, meshes, cfg):
-    """The model on the meta device with this rank's experts only (E / ep_size of each layer), fully_shard applied."""
+def meta_sharded_model(mcfg, meshes, cfg, frozen=False):
+    """The model on the meta device with this rank's experts only (E / ep_size of each layer), fully_shard applied
+    (frozen: all of it frozen in param_dtype, lora.apply)."""
     ep = ExpertParallel(meshes["ep"]) if meshes["ep"].size() > 1 else None
     with torch.device("meta"):
-        model = lora.apply(Transformer(mcfg, expert_parallel=ep), cfg)
+        model = lora.apply(Transformer(mcfg, expert_parallel=ep), cfg, frozen)
     return shard_model(model, meshes, cfg)
 
 
@@ -949,7 +986,7 @@ def ep_combine(y_recv, routes, group):
     return SumRows.apply(y_back, slots, position, group.size())  # (N, D)
 
 
-def dry_run(cfg):
+def dry_run_main(cfg):
     """--dry_run=True: plan the run on paper, in seconds on a CPU for any world size. The model is built on the meta
     device and sharded by the code above against torch's fake process group of train_world_size ranks; rank 0's
     shards are measured (FSDP cuts like torch.chunk, so rank 0 holds the largest shard of every parameter: its
@@ -988,11 +1025,11 @@ def measure_shards(model, cfg):
                 experts_skip_fsdp=experts_skip_fsdp(model.meshes, cfg))
 
 
-def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_std=0.02):
+def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_std=0.02, frozen=False):
     """The sharded trainer model: built on the meta device, experts partitioned, fully_shard, then each rank
     materializes and fills only its own shards (from `weights_path`, an HF directory, or random init)."""
     mcfg = model_config if model_config is not None else load_config(weights_path)
-    model = meta_sharded_model(mcfg, meshes, cfg)
+    model = meta_sharded_model(mcfg, meshes, cfg, frozen)
     model.to_empty(device=device if not cfg["cpu_offload_optimizer"] else "cpu")
     if mcfg.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
         raise RuntimeError("tied embeddings came untied while materializing the sharded model")

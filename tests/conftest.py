@@ -13,7 +13,6 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(1, os.path.join(ROOT, "agents"))  # as agentrl.load_agent does: the recipes import each other by name
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -258,3 +257,64 @@ def rollout_engine(ray_cluster, tiny_model_path):
     engines, _ = rollout.start_engines(tiny_model_path, num_engines=1, max_model_len=1024, memory_fraction=0.3,
                                        max_restarts=4)
     return engines[0]
+
+
+LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"]
+
+
+def build_hf_hybrid(path, seed=0):
+    """A tiny Qwen3_5MoeForConditionalGeneration saved by transformers 5.19 with the Qwen3.5 tokenizer and template
+    (tiny.py) and Qwen3-VL's image processor: 5 layers in an irregular GDN / full pattern, 6 experts top-2, a shared
+    expert, partial rotary 0.25 with interleaved M-RoPE, a 2-block tower. Head dims 64 (vLLM's CPU attention has
+    no kernel for 32). Built once."""
+    import json
+    import torch
+    import tiny
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return path
+    tmp = f"{path}.tmp{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    tok = tiny.build_tokenizer(tmp, 2048, vision=True, chat_template=tiny.QWEN35_CHAT_TEMPLATE)
+    eos, pad = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    text = dict(vocab_size=2048, hidden_size=128, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=6, num_experts_per_tok=2,
+                moe_intermediate_size=96, shared_expert_intermediate_size=160, max_position_embeddings=4096,
+                layer_types=LAYER_TYPES, eos_token_id=eos, pad_token_id=pad,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [2, 3, 3], "mrope_interleaved": True})
+    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=256)
+    torch.manual_seed(seed)
+    model = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(
+        text_config=text, vision_config=vision, image_token_id=5, video_token_id=6, vision_start_token_id=3,
+        vision_end_token_id=4))  # tiny.VISION_TOKENS' ids
+    model.to(torch.bfloat16).save_pretrained(tmp)
+    tiny.save_image_processor(tmp, model.config.vision_config)
+    with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [eos, pad], "pad_token_id": pad}, f)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another process finished first
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_hybrid_path():
+    from tiny import TINY_MODEL_PATH
+    return build_hf_hybrid(os.path.join(os.path.dirname(TINY_MODEL_PATH), "hf-qwen3_5-moe-tiny"))
+
+
+@pytest.fixture(scope="session")
+@starts_stack
+def hybrid_engine(hf_hybrid_path):
+    """One in-process vLLM engine (engine.Engine) on the transformers-written hybrid, shared by the hybrid's engine
+    tests. A test that changes its weights puts the checkpoint's back."""
+    from engine import Engine
+    on = EngineThread(Engine(hf_hybrid_path, max_model_len=2048, memory_fraction=0.3, seed=0))
+    on.run(on.engine.start())
+    yield on
+    on.close()

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m pytest tests/test_dry_run.py -q        # CPU, about a minute
 
-Every shipped config is planned with the real sharding code (train.dry_run: build_meshes / meta_sharded_model /
+Every shipped config is planned with the real sharding code (train.dry_run_main: build_meshes / meta_sharded_model /
 shard_model, measured by measure_shards) against a fake process group of its world size; the printed memory of qwen3_30b_a3b is checked
 against a hand computation from the config's numbers, and the activation estimate against what autograd saves.
 """
@@ -116,6 +116,21 @@ def test_cpu_offload_takes_the_sharded_state_off_the_gpu():
     state = sum(gib(on_gpu, row) for row in ("parameters", "gradients", "optimizer"))
     assert "[host memory (cpu_offload_optimizer)]" in r.stdout
     assert gib(r.stdout, "total") == pytest.approx(gib(on_gpu, "total") - state, abs=0.02 * GiB)
+
+
+@pytest.mark.stack
+def test_kl_penalty_plans_a_reference_copy_except_under_lora():
+    """kl_coef > 0 plans the reference policy: a copy of the parameter shards in param_dtype (bf16: half the fp32
+    parameters row), in the total; a LoRA run's reference is its frozen base, no row (test_train checks the figure
+    against the shards a real 2-rank run builds)."""
+    base = dry_run_output("qwen3_30b_a3b")
+    runs = [run_train("--config", "configs/qwen3_30b_a3b.py", "--dry_run=True", "--kl_coef=0.05", *lora)
+            for lora in ([], ["--lora_rank=8"])]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-3000:] for r in runs]
+    with_ref, lora = (r.stdout for r in runs)
+    assert gib(with_ref, "reference") == pytest.approx(gib(base, "parameters") / 2, abs=0.01 * GiB)
+    assert gib(with_ref, "total") == pytest.approx(gib(base, "total") + gib(with_ref, "reference"), abs=0.02 * GiB)
+    assert "  reference " not in base and "  reference " not in lora
 
 
 def saved_bytes(module, forward):

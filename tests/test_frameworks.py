@@ -298,7 +298,9 @@ def test_streams_deliver_text_as_the_engine_samples(stack):
     for (api, deltas), segment, call in zip(streams.items(), segments, recorder.of(session.id)):
         ids = call["out"]["token_ids"]
         assert len(deltas) >= 4 and segment["token_ids"][-len(ids):] == ids, (api, deltas)
-        assert "".join(deltas) == server.tokenizer.decode(ids[:-1] if ids[-1] in server.end_ids else ids)
+        # as the answer is decoded without tools: special tokens the random model samples mid-text are not shown
+        assert "".join(deltas) == server.tokenizer.decode(ids[:-1] if ids[-1] in server.end_ids else ids,
+                                                          skip_special_tokens=True)
 
 
 def test_a_stream_the_client_leaves_is_aborted_and_not_recorded(stack, rollout_engine):

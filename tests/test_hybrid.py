@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gdn import GatedDeltaNet, chunk_gated_delta_rule, chunk_gated_delta_rule_torch
 from model import ModelConfig, Transformer, VisionConfig, hf_to_ours, ours_to_hf, read_safetensors
@@ -79,10 +80,13 @@ def assert_close_rel(got, want, what, rel=1e-5):
 
 @pytest.mark.parametrize("images", [False, True], ids=["text", "images"])
 def test_logits_and_every_gradient_match_transformers(images, tmp_path):
-    """fp32 on both sides. Both run Gated DeltaNet's chunked rule in fp32 (transformers casts to it whatever the
-    model's dtype), so they agree to its rounding: logits within 1e-5 of their largest, gradients within 1e-4 of
-    each tensor's largest (measured: most below 1e-5, the decay's A_log and dt_bias up to 6e-5; their gradient sums
-    many cancelling terms). test_chunked_rule_is_the_recurrence shows the rule itself exact in fp64."""
+    """fp32 on both sides: logits within 1e-5 of their largest (measured 6.8e-6 text, 6.3e-6 images), gradients
+    within 1e-4 of each tensor's largest (measured 4.3e-5 text, 8.3e-5 images: A_log's, whose gradient sums many
+    cancelling terms; median 1e-5). That is fp32 rounding, not a difference of function: in fp64 the two agree to
+    5e-14 (test_fp64_logits_and_every_gradient_equal_transformers). Transformers' own fp32 gradients lie up to
+    1.9e-5 (text) / 3.0e-5 (images) from its fp64 ones, ours up to 4.3e-5 / 5.8e-5: our chunked rule (triangular
+    solves) rounds more than its (row-by-row substitution); with our rule alone run in fp64 ours lie 1.7e-5 / 4.2e-5
+    from exact, as close as transformers'."""
     ours = random_model(HYBRID)
     ours.save_pretrained(tmp_path)
     hf = hf_model(HYBRID, tmp_path)
@@ -103,18 +107,70 @@ def test_logits_and_every_gradient_match_transformers(images, tmp_path):
         assert_close_rel(mine[name], theirs[name], name, rel=1e-4)
 
 
-def test_packed_rows_match_each_sequence_alone():
+def test_fp64_logits_and_every_gradient_equal_transformers(tmp_path, monkeypatch):
+    """In fp64 (transformers' Gated DeltaNet with its fp32 casts made fp64, its experts in their eager form, which
+    runs fp64) our text model is transformers' function op for op: logits and every gradient within 1e-10 of their
+    largest (measured: logits equal, gradients 5e-14). The fp32 run's 4e-5 would fail this bound. With images the
+    fp64 towers differ by 2e-8 (some fp32 step of a position table on one side), which the gradients carry to 1e-5."""
+    import inspect
+    import transformers
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as M
+    namespace = dict(M.__dict__)
+    exec(inspect.getsource(M.torch_chunk_gated_delta_rule).replace("torch.float32", "torch.float64"), namespace)
+    monkeypatch.setattr(M, "torch_chunk_gated_delta_rule", namespace["torch_chunk_gated_delta_rule"])
+    ours = random_model(HYBRID)
+    ours.save_pretrained(tmp_path)
+    hf = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32,
+                                                                          experts_implementation="eager")
+    ours.double(), hf.double()
+    input_ids = padded([list(range(7, 90)), list(range(200, 260))])
+    probe = torch.randn(*input_ids.shape, HYBRID.vocab_size, generator=torch.Generator().manual_seed(1),
+                        dtype=torch.float64)
+    logits, ref = ours(input_ids), hf(input_ids=input_ids).logits
+    assert logits.dtype == ref.dtype == torch.float64
+    assert_close_rel(logits, ref, "fp64 logits", rel=1e-10)
+    (logits * probe).sum().backward()
+    (ref * probe).sum().backward()
+    theirs = hf_to_ours({n: p.grad for n, p in hf.named_parameters() if p.grad is not None}, HYBRID)
+    mine = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
+    assert set(mine) == set(theirs) and any("linear_attn.A_log" in n for n in mine)
+    for name in mine:
+        assert_close_rel(mine[name], theirs[name], name, rel=1e-10)
+
+
+def fp64_throughout(monkeypatch):
+    """Make the model's deliberate fp32 steps (norms, router softmax, rotary tables: `.float()`, `.to(float32)`,
+    softmax's dtype) keep fp64 tensors fp64, so that an fp64 run rounds nowhere at fp32."""
+    import model
+    to, to_float, softmax, cos_sin = torch.Tensor.to, torch.Tensor.float, F.softmax, model.rope_cos_sin
+    wide = lambda x: x.dtype == torch.float64
+    monkeypatch.setattr(torch.Tensor, "float", lambda x, *a, **k: x if wide(x) else to_float(x, *a, **k))
+    monkeypatch.setattr(torch.Tensor, "to", lambda x, *a, **k: x if wide(x) and (torch.float32 in a or k.get(
+        "dtype") == torch.float32) else to(x, *a, **k))
+    monkeypatch.setattr(model.F, "softmax", lambda x, dim=None, dtype=None: softmax(x, dim, dtype=None if wide(x)
+                                                                                      else dtype))
+    monkeypatch.setattr(model, "rope_cos_sin", lambda freqs, dtype: cos_sin(freqs, torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_packed_rows_match_each_sequence_alone(dtype, monkeypatch):
     """Three sequences (two with images) packed into one row with segment_ids: logits and gradients equal those of
-    each sequence run alone. Without the segments the conv and the delta rule would carry state across."""
-    model = random_model(HYBRID)
+    each sequence run alone. Without the segments the conv and the delta rule would carry state across. fp32:
+    logits within 1e-5, gradients within 1e-4 of each tensor's largest (the same sums in another order, rounded in
+    fp32: measured 5.5e-6 and 3.8e-5); in fp64 throughout both within 1e-10 (measured 2.2e-15 and 6.2e-14: the
+    same function; with the model's fp32 steps left in, fp64 gives 4.6e-8 and 1.1e-6, their rounding)."""
+    if dtype == torch.float64:
+        fp64_throughout(monkeypatch)
+    model = random_model(HYBRID).to(dtype)
+    tol = dict(logits=1e-5, grads=1e-4) if dtype == torch.float32 else dict(logits=1e-10, grads=1e-10)
     grids = [[(1, 4, 6)], [], [(1, 2, 2), (1, 6, 4)]]
     seqs = [image_rows(VISION, [g], seed=i)[0] for i, g in enumerate(grids)]
     seqs[1] = seqs[1][:40] + list(range(10, 80))  # a text segment longer than a chunk of the delta rule (64)
-    probes = [torch.randn(len(s), HYBRID.vocab_size, generator=torch.Generator().manual_seed(i)) for i, s in
-              enumerate(seqs)]
+    probes = [torch.randn(len(s), HYBRID.vocab_size, generator=torch.Generator().manual_seed(i), dtype=dtype)
+              for i, s in enumerate(seqs)]
     alone, grads_alone = [], {}
     for s, g, probe in zip(seqs, grids, probes):
-        kw = dict(pixel_values=pixels(VISION, g), image_grid_thw=torch.tensor(g)) if g else {}
+        kw = dict(pixel_values=pixels(VISION, g).to(dtype), image_grid_thw=torch.tensor(g)) if g else {}
         out = model(torch.tensor([s]), **kw)[0]
         (out * probe).sum().backward()
         alone.append(out.detach())
@@ -123,15 +179,15 @@ def test_packed_rows_match_each_sequence_alone():
     flat = [thw for g in grids for thw in g]
     ids = torch.tensor([sum(seqs, [])])
     segment_ids = torch.tensor([[i for i, s in enumerate(seqs) for _ in s]])
-    out = model(ids, pixel_values=torch.cat([pixels(VISION, g) for g in grids if g]),
-                image_grid_thw=torch.tensor(flat), segment_ids=segment_ids)[0]
+    pv = torch.cat([pixels(VISION, g) for g in grids if g]).to(dtype)
+    out = model(ids, pixel_values=pv, image_grid_thw=torch.tensor(flat), segment_ids=segment_ids)[0]
     (out * torch.cat(probes)).sum().backward()
-    assert_close_rel(out, torch.cat(alone), "packed logits")
-    for n, p in model.named_parameters():  # the same sums in another order: fp32 rounding, as above
+    assert_close_rel(out, torch.cat(alone), "packed logits", rel=tol["logits"])
+    for n, p in model.named_parameters():
         if n in grads_alone:
-            assert_close_rel(p.grad, grads_alone[n], n, rel=1e-4)
+            assert_close_rel(p.grad, grads_alone[n], n, rel=tol["grads"])
     # negative control: the same row without its segments is a different function
-    leaky = model(ids, pixel_values=torch.cat([pixels(VISION, g) for g in grids if g]), image_grid_thw=torch.tensor(flat))
+    leaky = model(ids, pixel_values=pv, image_grid_thw=torch.tensor(flat))
     assert (leaky[0, len(seqs[0]):] - torch.cat(alone[1:])).abs().max() > 1e-2
 
 

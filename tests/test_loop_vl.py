@@ -31,7 +31,7 @@ def test_geometry_recipe_trains_the_tiny_vlm_end_to_end(tmp_path, tiny_vl_model_
             "--save_trajectories=True", "--warmup_steps=0", "--attempt_timeout_s=600",  # a loaded 2-core machine
             "--entropy_coef=0.01"]  # a random-init model never answers right: the entropy bonus gives gradients
     r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=1800,
-                       env=child_env(VLLM_CPU_KVCACHE_SPACE="1"))
+                       env=child_env())
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [row["step"] for row in rows] == [1, 2] and rows[-1]["policy_version"] == 2

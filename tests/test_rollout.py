@@ -210,13 +210,6 @@ def test_agent_without_model_calls_still_counts_in_its_group(server):
     assert len(records) == 4 and all(r["ref"] is None and r["num_tokens"] == 0 and r["reward"] == 1.0 for r in records)
 
 
-def test_pool_rejects_a_budget_smaller_than_a_batch(server):
-    with pytest.raises(ValueError, match="groups_in_flight"):
-        rollout.RolloutPool(None, iter([]), server, group_size=2, groups_per_batch=4, groups_in_flight=2, sampling={})
-    with pytest.raises(ValueError, match="failed_group_rule"):
-        rollout.RolloutPool(None, iter([]), server, group_size=2, groups_per_batch=1, groups_in_flight=2, sampling={},
-                            failed_group_rule="retry")
-
 # -----------------------------------------------------------------------------
 # the router (fake engines: this is the routing logic alone) and batch sharding
 
