@@ -397,3 +397,13 @@ def test_lora_targets_the_gdn_projections():
     assert_close_rel(out, before, "fresh adapters")
     out.square().mean().backward()
     assert model.model.layers[0].linear_attn.in_proj_qkv.lora_B.grad.abs().max() > 0
+
+
+def test_bench_gdn_smoke_runs_ours_and_transformers():
+    """bench.py gdn's code path on CPU (fp32, the tiny hybrid's GDN shape): our layer and transformers' with our
+    weights compute the same function (the parity tests' 1e-5 bound, with room for the bench's 128 tokens)."""
+    import bench_model
+    result = bench_model.bench_gdn(smoke=1)
+    assert result["ours"]["ms"] > 0 and result["transformers"]["ms"] > 0 and result["ratio"] is None
+    assert result["ours"]["params"] == result["transformers"]["params"]
+    assert result["ours_vs_transformers_max_rel_diff"] <= 1e-4
