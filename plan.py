@@ -16,6 +16,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 
 import torch
 
@@ -38,6 +39,7 @@ RANGES = {
                                  "groups_per_batch", "groups_in_flight", "max_tokens", "max_steps", "microbatch_tokens",
                                  "logprob_chunk_size", "train_world_size", "ep_size", "gpus_per_node",
                                  "max_images_per_prompt"),
+    (lambda v: v >= 0, ">= 0 (0: no drafting)"): ("speculative_tokens",),
     (lambda v: v >= 2, ">= 2"): ("engine_max_model_len",),
     (lambda v: v >= 0, ">= 0"): ("warmup_steps", "min_lr", "weight_decay", "eval_temperature"),
     (lambda v: v >= 0, ">= 0 (0: no evaluation)"): ("eval_every",),
@@ -120,6 +122,14 @@ def check_config(cfg, mcfg=None, world_size=None):
     if cfg["lora_rank"] and not lora.adapter_shapes(mcfg, cfg):
         raise ConfigError(f"lora_targets={cfg['lora_targets']!r} names no layer of this model (a dense model has no "
                           "experts, an all-MoE model no dense MLP): add attention projections or use 'all'")
+    if (k := cfg["speculative_tokens"]) and (not mcfg.mtp_num_hidden_layers or cfg["speculative_config"]):
+        raise ConfigError("speculative_tokens and speculative_config both turn drafting on: set one of them" if
+                          mcfg.mtp_num_hidden_layers else f"speculative_tokens={k} drafts with the model's MTP layers, "
+                          f"but {cfg['model_path']!r} has none (no mtp.* weights or mtp_num_hidden_layers): use 0")
+    if k and cfg["enable_prefix_caching"] and not torch.cuda.is_available():
+        print("speculative_tokens: enable_prefix_caching set to False (on CPU, vLLM's hybrid prefix cache runs a "
+              "Triton kernel when drafting, and the engine dies)", file=sys.stderr)
+        cfg["enable_prefix_caching"] = False
     peak = lora.learning_rate_key(cfg)
     if cfg["min_lr"] > cfg[peak]:
         raise ConfigError(f"min_lr ({cfg['min_lr']}) is above {peak} ({cfg[peak]}): the schedule decays from {peak} "
@@ -163,6 +173,8 @@ def engine_options(cfg):
     """engine.Engine keyword arguments from the config (num_engines says how many engines start), routing replay's
     where the engine can return routes; LoRA runs add vLLM's LoRA options (lora.engine_options)."""
     options = {arg: cfg[key] or None if key == "speculative_config" else cfg[key] for arg, key in ENGINE_OPTIONS.items()}
+    if cfg["speculative_tokens"]:  # MTP drafting with the model's mtp.* layers (check_config: it has some)
+        options["speculative_config"] = {"method": "mtp", "num_speculative_tokens": cfg["speculative_tokens"]}
     mcfg = planned_model_config(cfg)
     # routing replay (README, invariant 3): the engine returns each token's experts for the trainer's router to reuse;
     # vLLM returns them on GPU only (Model Runner V2), so a CPU run trains on the trainer's own routing
@@ -242,13 +254,6 @@ def activation_bytes(mcfg, tokens, checkpointing, dtype_bytes=2, expert_parallel
     return tokens * (b * D * mcfg.num_hidden_layers + replay + max(layers) + once)
 
 
-def gdn_state_bytes(mcfg, tokens, dtype_bytes=2):
-    """A Gated DeltaNet layer's backward under fla: the chunk states (one (dk, dv) state per value head and 64
-    tokens) recomputed, and their gradient, in the compute dtype; one layer at a time."""
-    return 2 * dtype_bytes * -(-tokens // 64) * mcfg.linear_num_value_heads * mcfg.linear_key_head_dim * \
-        mcfg.linear_value_head_dim * ("linear_attention" in (mcfg.layer_types or []))
-
-
 def vision_activation_bytes(vc, checkpointing, dtype_bytes=2, patches=784):
     """Estimated bytes the vision tower saves for backward for one image of `patches` patches (784: 448x448 at
     patch 16), counted from what each op of model.py saves. Per patch: its pixels (the patch embedding's input) and
@@ -324,8 +329,11 @@ def plan_memory(cfg, mcfg, shards):
         (b * p_expert if shards["experts_skip_fsdp"] and b < 4 else 0),
         # chunked logprobs: fp32 logits of one chunk, their softmax and its gradient (loss.token_logprobs)
         logits_bytes=3 * 4 * min(cfg["logprob_chunk_size"], tokens) * mcfg.vocab_size,
-        gdn_state_bytes=gdn_state_bytes(mcfg, tokens, b),
+        # Gated DeltaNet under fla: one layer's backward recomputes its chunk states (a (dk, dv) state per value head
+        # and 64 tokens) and makes their gradient, in the compute dtype
         linear_layers=[i for i in range(mcfg.num_hidden_layers) if mcfg.layer_type(i) == "linear_attention"],
+        gdn_state_bytes=2 * b * -(-tokens // 64) * mcfg.linear_num_value_heads * mcfg.linear_key_head_dim *
+        mcfg.linear_value_head_dim * ("linear_attention" in (mcfg.layer_types or [])),
         gpu_bytes=cfg["gpu_memory_gib"] * GiB)
     on_gpu_state = 0 if cfg["cpu_offload_optimizer"] else (figures["params_bytes"] + figures["grads_bytes"] +
                                                           figures["optimizer_bytes"] + figures["reference_bytes"])
@@ -344,7 +352,11 @@ def plan_memory(cfg, mcfg, shards):
     figures["sync_bytes"] = 4 * sum(math.prod(s) for s in lora.adapter_shapes(mcfg, cfg).values()) if cfg[
         "lora_rank"] else 2 * figures["params_total"]
     kv_heads = max(1, math.ceil(mcfg.num_key_value_heads / tp))
-    figures["kv_bytes_per_token"] = 2 * mcfg.num_hidden_layers * kv_heads * mcfg.head_dim * 2
+    # KV in the attention layers; a Gated DeltaNet layer holds a fixed state per sequence instead (fp32 delta-rule
+    # state, bf16 conv state; heads split over TP), counted here per token of a full-length sequence
+    lin, nv, dk, dv = len(figures["linear_layers"]), mcfg.linear_num_value_heads / tp, mcfg.linear_key_head_dim, mcfg.linear_value_head_dim
+    state = 4 * nv * dk * dv + 2 * (mcfg.linear_conv_kernel_dim - 1) * (2 * mcfg.linear_num_key_heads * dk / tp + nv * dv)
+    figures["kv_bytes_per_token"] = 4 * (mcfg.num_hidden_layers - lin) * kv_heads * mcfg.head_dim + lin * state / cfg["engine_max_model_len"]
     figures["engine_budget_bytes"] = cfg["engine_memory_fraction"] * figures["gpu_bytes"]
     figures["kv_tokens"] = int((figures["engine_budget_bytes"] - figures["engine_weight_bytes"]) //
                                figures["kv_bytes_per_token"])

@@ -88,6 +88,7 @@ recompute_kv_on_sync = True  # a weight sync empties the prefix cache; in-flight
                              # new weights (False: they go on with the old weights' KV, a hybrid of two policies)
 max_images_per_prompt = 8  # images one prompt may hold (vLLM's limit_mm_per_prompt); more get a 400 naming the image
 speculative_config = {}    # passed to vLLM as is, e.g. {"method": "mtp", "num_speculative_tokens": 1}
+speculative_tokens = 0     # MTP speculative decoding: tokens drafted per step by the model's mtp.* layers (0: off)
 group_size = 4             # attempts per prompt (GRPO group)
 groups_per_batch = 8       # complete groups per optimizer step
 groups_in_flight = 12      # queue depth: groups running at once; more than groups_per_batch means off-policy

@@ -449,13 +449,20 @@ class WeightSyncWorker:
         on CPU and GPU alike. Returns the bytes received."""
         if getattr(self, "weight_group", None) is None:
             raise RuntimeError("receive_weights before init_weight_group: call connect_engines first")
+        from vllm.config import set_current_vllm_config
         receiver = BucketReceiver(self.weight_group, buckets, self.device)
+        drafter, mtp = getattr(getattr(self.model_runner, "drafter", None), "model", None), []
+        # the target's load_weights drops mtp.*: they are set aside (views into their buckets) for the MTP drafter
+        target = (x for x in receiver if not (x[0].startswith("mtp.") and mtp.append(x) is None))
         try:
-            self.reload_weights(weights_iterator=iter(receiver), is_checkpoint_format=True)
+            self.reload_weights(weights_iterator=target, is_checkpoint_format=True)
+            if mtp and drafter is not None:  # the drafter's embed_tokens and lm_head are the target's: its own layers
+                from vllm.model_executor.model_loader.reload.inplace import reload_weights
+                with set_current_vllm_config(self.vllm_config):
+                    reload_weights(self.vllm_config, drafter, iter(mtp), None, True)
         except BaseException:
             # an interrupted layerwise reload leaves the layers that had not arrived on the meta device: put
             # their old tensors back so the engine can still serve, then free the sender if the group still works
-            from vllm.config import set_current_vllm_config
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
             with set_current_vllm_config(self.vllm_config):
                 finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
@@ -466,7 +473,8 @@ class WeightSyncWorker:
         if unconsumed:
             raise RuntimeError(f"the model loader stopped with {unconsumed} of {len(buckets)} weight buckets unread")
         if self.device.type == "cpu":
-            repack_cpu_moe_experts(self.model_runner.get_model())
+            for model in (self.model_runner.get_model(), *([drafter] if mtp and drafter is not None else [])):
+                repack_cpu_moe_experts(model)
         return sum(b["nbytes"] for b in buckets)
 
     def receive_adapter(self, buckets, config):
@@ -507,8 +515,9 @@ class WeightSyncWorker:
         moved into its kernel (the parameter left empty) is read back through that kernel: its output on the
         identity, the weight it computes with."""
         import hashlib
-        out = {}
-        for prefix, m in self.model_runner.get_model().named_modules():
+        out, drafter = {}, getattr(getattr(self.model_runner, "drafter", None), "model", None)
+        for prefix, m in [*self.model_runner.get_model().named_modules(),
+                          *(drafter.named_modules(prefix="drafter") if drafter is not None else [])]:
             for name, p in m.named_parameters(prefix, recurse=False):
                 if p.numel() == 0 and hasattr(m, "cpu_linear"):
                     p = m.cpu_linear(torch.eye(getattr(m, "input_size_per_partition", m.input_size), dtype=p.dtype),

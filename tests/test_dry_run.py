@@ -62,6 +62,11 @@ def test_dry_run_of_every_config(name):
     state = 0 if cfg["cpu_offload_optimizer"] else sum(gib(out, row) for row in ("parameters", "gradients", "optimizer"))
     act = acts[0 if cfg["activation_checkpointing"] else 1] * GiB
     hybrid = "qwen36" in name or "qwen3_6" in name
+    if name == "qwen3_6_35b_a3b":  # KV in its 10 attention layers (1 KV head per TP2 rank), a GDN state per sequence
+        per_sequence = 32768 * 2 * 10 * 1 * 256 * 2 + 30 * (4 * 16 * 128 * 128 + 2 * 3 * (16 * 128 + 16 * 128))
+        free = float(re.search(r"([\d.]+) GiB bf16 weights of ([\d.]+) GiB", out).group(2)) - 33.48
+        assert f"= {int(free * GiB // per_sequence)} full 32768-token sequences" in out, out
+        assert gib(out, "GDN states") == pytest.approx(2 * 2 * 512 * 32 * 128 * 128, abs=0.005 * GiB)  # + gradient
     assert ("  GDN states" in out) == hybrid and ("linear-attention layers 0, " in out) == hybrid
     parts = state + gib(out, "all-gather") + gib(out, "logprob chunk") + act + (gib(out, "GDN states") if hybrid else 0)
     assert len(acts) == 2 and abs(gib(out, "total") - parts) <= 0.03 * GiB, (gib(out, "total") / GiB, parts / GiB)
@@ -248,7 +253,6 @@ def test_hybrid_activation_estimate_matches_what_autograd_saves(monkeypatch):
             assert saved_bytes(model, lambda: model.hidden_states(ids)) == pytest.approx(estimate, rel=0.05), kw
         assert saved_bytes(model, lambda: model.hidden_states(ids)) > 1.2 * estimate  # the torch reference rule
         assert plan.activation_bytes(mcfg, ids.numel(), checkpointing=True, dtype_bytes=2) < estimate
-    assert plan.gdn_state_bytes(mcfg, 32768) == 2 * 2 * 512 * 8 * 32 * 32  # states per 64 tokens and their grads
 
 
 @pytest.mark.parametrize("args,env,msg", [
@@ -284,6 +288,8 @@ def tiny_cfg(**overrides):
     (dict(engine_max_model_len=8192), r"engine_max_model_len \(8192\) is above the model's max_position_embeddings"),
     (dict(num_engines=0), r"num_engines=0 is not accepted: it must be >= 1"),
     (dict(max_failed_rounds=-1), r"max_failed_rounds=-1 is not accepted: it must be >= 0 \(0 never stops\)"),
+    (dict(speculative_tokens=2), r"speculative_tokens=2 drafts with the model's MTP layers, but .* has none"),
+    (dict(speculative_tokens=-1), r"speculative_tokens=-1 is not accepted: it must be >= 0"),
 ])
 def test_check_config(overrides, msg):
     from tiny import TINY_CONFIG
@@ -293,6 +299,21 @@ def test_check_config(overrides, msg):
     plan.check_config(tiny_cfg(), TINY_CONFIG)  # the defaults are consistent
     with pytest.raises(ConfigError, match=r"torchrun started 2 ranks"):
         plan.check_config(tiny_cfg(), TINY_CONFIG, world_size=2)
+
+
+def test_speculative_tokens_turns_mtp_drafting_on_and_prefix_caching_off_on_cpu(capsys):
+    from tiny import TINY_QWEN36_CONFIG
+    cfg = tiny_cfg(speculative_tokens=2, model_path=".cache/tiny-qwen36-moe")
+    plan.check_config(cfg, TINY_QWEN36_CONFIG)
+    assert "enable_prefix_caching set to False" in capsys.readouterr().err
+    options = plan.engine_options(cfg)
+    assert options["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
+    assert options["enable_prefix_caching"] is False
+    off = tiny_cfg(model_path=".cache/tiny-qwen36-moe")  # drafting off: prefix caching stays, no drafter
+    plan.check_config(off, TINY_QWEN36_CONFIG)
+    assert plan.engine_options(off)["enable_prefix_caching"] and plan.engine_options(off)["speculative_config"] is None
+    with pytest.raises(ConfigError, match="speculative_tokens and speculative_config both"):
+        plan.check_config(tiny_cfg(speculative_tokens=1, speculative_config={"method": "ngram"}), TINY_QWEN36_CONFIG)
 
 
 def test_engine_receives_the_config_options(tiny_model_path):
