@@ -5,8 +5,9 @@ recurrence restart at every segment of a packed row, so no state leaks from one 
 
 The recurrence is the chunked gated delta rule. `chunk_gated_delta_rule_torch` is the readable fp32 reference and
 the CPU path; on CUDA the same call goes to fla's Triton kernel (`fla-core`, installed with the GPU requirements
-only: it cannot compute on a CPU, so it is imported only when a CUDA tensor arrives). A test compares the two
-forward and backward.
+only: it cannot compute on a CPU, so it is imported only when a CUDA tensor arrives), and the layer takes fla's fused
+causal conv (varlen) and gated RMSNorm too, with `causal_conv` and `GatedRMSNorm` below as their reference. Tests
+compare the two paths forward and backward on the H200 (`FLA_ON_CUDA = False` runs the reference there).
 
 This file imports nothing of ours.
 
@@ -16,6 +17,8 @@ This file imports nothing of ours.
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+FLA_ON_CUDA = True  # fla's kernels for CUDA tensors (False: the torch reference everywhere)
 
 
 def l2norm(x, eps=1e-6):
@@ -34,10 +37,12 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, chunk=64):
     per segment S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T, o_t = S_t^T q_t, with q, k
     L2-normalized and q scaled by dk^-0.5, the state zero at each segment's start.
 
-    q, k (1, N, H, dk), v (1, N, H, dv), g, beta (1, N, H): the N tokens of all segments in a row (fla's varlen
-    layout), cu_seqlens (S+1,) the segments' offsets. Returns (1, N, H, dv) in v's dtype. The segments are padded to
-    one length (padding at the end of a segment cannot reach its tokens: the recurrence is causal) and run as a batch.
+    q, k (1, N, Hk, dk), v (1, N, H, dv), g, beta (1, N, H): the N tokens of all segments in a row (fla's varlen
+    layout), each key head shared by H / Hk consecutive value heads; cu_seqlens (S+1,) the segments' offsets. Returns
+    (1, N, H, dv) in v's dtype. The segments are padded to one length (padding at the end of a segment cannot reach
+    its tokens: the recurrence is causal) and run as a batch.
     """
+    q, k = (t.repeat_interleave(v.shape[2] // q.shape[2], dim=2) for t in (q, k))
     N, H, dk, dv, dtype = q.shape[1], q.shape[2], q.shape[3], v.shape[3], v.dtype
     acc = torch.promote_types(dtype, torch.float32)  # fp32 (fp64 inputs stay fp64: the exactness test)
     pos, seg = segment_positions(cu_seqlens, N)
@@ -74,7 +79,7 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, chunk=64):
 def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens):
     """fla's Triton kernel on CUDA (the same function, fused, in the inputs' dtype with an fp32 state), the torch
     reference elsewhere."""
-    if not q.is_cuda:
+    if not (q.is_cuda and FLA_ON_CUDA):
         return chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule  # the GPU install's fla-core
     out, _ = fla_rule(q, k, v, g=g, beta=beta, scale=q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True,
@@ -129,14 +134,19 @@ class GatedDeltaNet(nn.Module):
         """x (B, T, D); cu_seqlens (S+1,) the segments' offsets in the B*T tokens taken row after row (a row's
         padding may be a segment of its own: nothing after it reads it)."""
         B, T, D = x.shape
-        x = x.reshape(1, B * T, D)
-        pos, _ = segment_positions(cu_seqlens, B * T)
-        qkv = F.silu(causal_conv(self.in_proj_qkv(x)[0], self.conv1d.weight, pos))  # (N, 2 Hk dk + Hv dv)
-        q, k, v = qkv.split([self.n_k * self.dk, self.n_k * self.dk, self.n_v * self.dv], dim=-1)
-        q, k = (t.view(1, B * T, self.n_k, self.dk).repeat_interleave(self.n_v // self.n_k, dim=2) for t in (q, k))
-        v = v.view(1, B * T, self.n_v, self.dv)
+        x, N, fla = x.reshape(1, B * T, D), B * T, x.is_cuda and FLA_ON_CUDA
+        if fla:  # the GPU install's fla-core: conv and SiLU in one kernel, restarted at each segment
+            from fla.modules.causal_conv1d import causal_conv1d
+            from fla.modules.norm.fused_norm_gate import rms_norm_gated
+            qkv = causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight[:, 0], activation="silu",
+                                cu_seqlens=cu_seqlens.long())[0][0]
+        else:
+            qkv = F.silu(causal_conv(self.in_proj_qkv(x)[0], self.conv1d.weight, segment_positions(cu_seqlens, N)[0]))
+        q, k, v = qkv.split([self.n_k * self.dk, self.n_k * self.dk, self.n_v * self.dv], dim=-1)  # (N, ...)
+        q, k, v = q.view(1, N, self.n_k, self.dk), k.view(1, N, self.n_k, self.dk), v.view(1, N, self.n_v, self.dv)
         beta = self.in_proj_b(x).sigmoid()  # (1, N, Hv)
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # log decay, fp32
         y = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens)  # (1, N, Hv, dv)
-        y = self.norm(y, self.in_proj_z(x).view(1, B * T, self.n_v, self.dv))
+        z = self.in_proj_z(x).view(1, N, self.n_v, self.dv)
+        y = rms_norm_gated(y, z, self.norm.weight, None, eps=self.norm.eps) if fla else self.norm(y, z)
         return self.out_proj(y.reshape(B, T, -1))
