@@ -254,13 +254,6 @@ def activation_bytes(mcfg, tokens, checkpointing, dtype_bytes=2, expert_parallel
     return tokens * (b * D * mcfg.num_hidden_layers + replay + max(layers) + once)
 
 
-def gdn_state_bytes(mcfg, tokens, dtype_bytes=2):
-    """A Gated DeltaNet layer's backward under fla: the chunk states (one (dk, dv) state per value head and 64
-    tokens) recomputed, and their gradient, in the compute dtype; one layer at a time."""
-    return 2 * dtype_bytes * -(-tokens // 64) * mcfg.linear_num_value_heads * mcfg.linear_key_head_dim * \
-        mcfg.linear_value_head_dim * ("linear_attention" in (mcfg.layer_types or []))
-
-
 def vision_activation_bytes(vc, checkpointing, dtype_bytes=2, patches=784):
     """Estimated bytes the vision tower saves for backward for one image of `patches` patches (784: 448x448 at
     patch 16), counted from what each op of model.py saves. Per patch: its pixels (the patch embedding's input) and
@@ -336,8 +329,11 @@ def plan_memory(cfg, mcfg, shards):
         (b * p_expert if shards["experts_skip_fsdp"] and b < 4 else 0),
         # chunked logprobs: fp32 logits of one chunk, their softmax and its gradient (loss.token_logprobs)
         logits_bytes=3 * 4 * min(cfg["logprob_chunk_size"], tokens) * mcfg.vocab_size,
-        gdn_state_bytes=gdn_state_bytes(mcfg, tokens, b),
+        # Gated DeltaNet under fla: one layer's backward recomputes its chunk states (a (dk, dv) state per value head
+        # and 64 tokens) and makes their gradient, in the compute dtype
         linear_layers=[i for i in range(mcfg.num_hidden_layers) if mcfg.layer_type(i) == "linear_attention"],
+        gdn_state_bytes=2 * b * -(-tokens // 64) * mcfg.linear_num_value_heads * mcfg.linear_key_head_dim *
+        mcfg.linear_value_head_dim * ("linear_attention" in (mcfg.layer_types or [])),
         gpu_bytes=cfg["gpu_memory_gib"] * GiB)
     on_gpu_state = 0 if cfg["cpu_offload_optimizer"] else (figures["params_bytes"] + figures["grads_bytes"] +
                                                           figures["optimizer_bytes"] + figures["reference_bytes"])
@@ -358,11 +354,9 @@ def plan_memory(cfg, mcfg, shards):
     kv_heads = max(1, math.ceil(mcfg.num_key_value_heads / tp))
     # KV in the attention layers; a Gated DeltaNet layer holds a fixed state per sequence instead (fp32 delta-rule
     # state, bf16 conv state; heads split over TP), counted here per token of a full-length sequence
-    n_lin, nv = len(figures["linear_layers"]), mcfg.linear_num_value_heads / tp
-    state = 4 * nv * mcfg.linear_key_head_dim * mcfg.linear_value_head_dim + 2 * (mcfg.linear_conv_kernel_dim - 1) * (
-        2 * mcfg.linear_num_key_heads * mcfg.linear_key_head_dim / tp + nv * mcfg.linear_value_head_dim)
-    figures["kv_bytes_per_token"] = (2 * (mcfg.num_hidden_layers - n_lin) * kv_heads * mcfg.head_dim * 2 +
-                                     n_lin * state / cfg["engine_max_model_len"])
+    lin, nv, dk, dv = len(figures["linear_layers"]), mcfg.linear_num_value_heads / tp, mcfg.linear_key_head_dim, mcfg.linear_value_head_dim
+    state = 4 * nv * dk * dv + 2 * (mcfg.linear_conv_kernel_dim - 1) * (2 * mcfg.linear_num_key_heads * dk / tp + nv * dv)
+    figures["kv_bytes_per_token"] = 4 * (mcfg.num_hidden_layers - lin) * kv_heads * mcfg.head_dim + lin * state / cfg["engine_max_model_len"]
     figures["engine_budget_bytes"] = cfg["engine_memory_fraction"] * figures["gpu_bytes"]
     figures["kv_tokens"] = int((figures["engine_budget_bytes"] - figures["engine_weight_bytes"]) //
                                figures["kv_bytes_per_token"])
