@@ -387,11 +387,8 @@ def bench_async(steps=8, group_size=4, groups_per_batch=4, groups_in_flight=8, m
         t0, attempts, tokens, stale = time.perf_counter(), 0, 0, 0
         for step in range(steps):
             records = pool.next_batch(hold=hold)
-            segments, advantages = train.share_batch(records, cfg, 0, 1)
-            m = train.train_step(model, optimizer, train.pack_microbatches(segments, advantages,
-                                                                           cfg["microbatch_tokens"]), cfg, version)
-            version += 1
-            train.push_weights(run, loop, sender, model, version, 0, 1)
+            m = train.rl_step(run, loop, sender, model, optimizer, records, cfg, version, version, 0, 1)
+            version = m["policy_version"]
             if hold:
                 pool.resume()
             attempts += len({r["attempt_id"] for r in records})

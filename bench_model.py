@@ -12,6 +12,26 @@ QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144
 SMOKE_MOE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, max_position_embeddings=512)
 
+
+
+def qwen36_text_config(layers, smoke=False):
+    """Qwen3.6-35B-A3B's text model (configs/qwen3_6_35b_a3b.py: hidden 2048, Gated DeltaNet of 16 key + 32 value
+    heads of 128, gated attention of 16 heads / 2 KV of 256, 256 experts top-8 of 512 plus a shared expert, vocab
+    248320) with `layers` layers, every 4th full attention, no MTP layer; --smoke: the tiny hybrid's shape."""
+    import dataclasses
+    import os
+    import runpy
+    from model import ModelConfig
+    kinds = ["linear_attention" if (i + 1) % (2 if smoke else 4) else "full_attention" for i in range(layers)]
+    if smoke:
+        from tiny import TINY_QWEN36_CONFIG
+        return dataclasses.replace(TINY_QWEN36_CONFIG, vision=None, mtp_num_hidden_layers=0, num_hidden_layers=layers,
+                                   layer_types=kinds)
+    text = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen3_6_35b_a3b.py"))
+    text = text["model_config"]["text_config"]
+    return ModelConfig.from_hf({**text, "model_type": "qwen3_5_moe_text", "num_hidden_layers": layers,
+                                "layer_types": kinds, "mtp_num_hidden_layers": 0})
+
 # -----------------------------------------------------------------------------
 # the trainers side by side: each builder returns step(i), one optimizer step over `accum` microbatches
 
@@ -176,6 +196,15 @@ def _profiled(step, device, i):
     return prof
 
 
+def _version(package):
+    """An installed package's version, or None."""
+    import importlib.metadata
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _free_memory():
     import gc
     import torch
@@ -188,7 +217,7 @@ def _free_memory():
 
 
 def bench_train(layers=4, seq=4096, batch=4, accum=1, steps=6, warmup=3, ep=0, compile=0, ac=0, baseline=1, smoke=0,
-                profile=0, keep_logits=1, chunk=2048, lora=0):
+                profile=0, keep_logits=1, chunk=2048, lora=0, hybrid=0):
     """Training throughput on a Qwen3-30B-A3B-shaped MoE with few layers (hidden 2048, 32 heads, 4 kv heads,
     head_dim 128, 128 experts top-8, expert hidden 768, vocab 151936), bf16 compute, fp32 master weights, AdamW,
     `accum` microbatches of `batch` sequences of `seq` tokens per GPU per optimizer step. Ours: train.py's model,
@@ -208,7 +237,11 @@ def bench_train(layers=4, seq=4096, batch=4, accum=1, steps=6, warmup=3, ep=0, c
     checkpointing, both) --chunk (ours: tokens per logprob chunk) --keep_logits (ours keeps the bf16 logits for
     backward, 5 GB at 16K tokens, instead of recomputing them; the baseline holds full logits anyway) --lora (ours
     trains LoRA adapters of this rank on every target, experts included, on the frozen bf16 base; the baseline stays
-    full) --profile=N (one more step of each under torch.profiler: its N costliest kernels).
+    full) --profile=N (one more step of each under torch.profiler: its N costliest kernels). --hybrid=1: the
+    Qwen3.6-35B-A3B hybrid instead (qwen36_text_config: at 4 layers 3 Gated DeltaNet + 1 gated full attention, all
+    MoE with the shared expert) against transformers' Qwen3_5MoeForCausalLM (fla's kernels in both when installed);
+    there the baseline gets our chunked logprobs over its hidden states: full fp32 logits of 16K tokens x 248K vocab
+    beside AdamW over 4.4B parameters do not fit one H200.
     MFU = 6 * N * tokens/s / (989e12 * GPUs), N = active matmul weights per token (attention projections, router,
     the top-8 experts, dense MLPs, lm_head; not the embedding lookup); attention scores are not in `mfu`, and
     `mfu_with_attention` adds 6 * L * T * heads * head_dim per token (causal QK^T and AV, forward + backward).
@@ -226,12 +259,14 @@ def bench_train(layers=4, seq=4096, batch=4, accum=1, steps=6, warmup=3, ep=0, c
     if not cuda and not smoke:
         sys.exit("bench.py train needs CUDA GPUs (run it under torchrun); on CPU use --smoke")
     ep = ep or world
-    mcfg = ModelConfig(**(SMOKE_MOE if smoke else QWEN3_30B_A3B), num_hidden_layers=2 if smoke else layers)
+    mcfg = (qwen36_text_config(2 if smoke else layers, smoke) if hybrid else
+            ModelConfig(**(SMOKE_MOE if smoke else QWEN3_30B_A3B), num_hidden_layers=2 if smoke else layers))
     cfg = _trainer_config(ep, cuda, ac, chunk, keep_logits, lora)
     B, T, A = batch, seq, accum
     microbatch = _random_microbatch(mcfg.vocab_size, B, T, device, seed=1000 + rank)  # each rank its own data
     n_active = num_params(mcfg, active=True) - mcfg.vocab_size * mcfg.hidden_size  # minus the embedding lookup
-    attn_per_token = 6 * mcfg.num_hidden_layers * T * mcfg.num_attention_heads * mcfg.head_dim
+    full = sum(mcfg.layer_type(i) == "full_attention" for i in range(mcfg.num_hidden_layers))
+    attn_per_token = 6 * full * T * mcfg.num_attention_heads * mcfg.head_dim
 
     def measure(name, step):
         seconds, peak = _time_steps(step, warmup, steps, device)
@@ -250,7 +285,8 @@ def bench_train(layers=4, seq=4096, batch=4, accum=1, steps=6, warmup=3, ep=0, c
     result = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", gpus=world if cuda else 0, ep=ep,
                   layers=mcfg.num_hidden_layers, seq=T, batch_per_gpu=B, microbatches_per_step=A,
                   tokens_per_step=world * B * T * A, active_params=n_active, compile=bool(compile),
-                  activation_checkpointing=bool(ac), keep_logits=bool(keep_logits), lora_rank=lora)
+                  activation_checkpointing=bool(ac), keep_logits=bool(keep_logits), lora_rank=lora,
+                  layer_types=mcfg.layer_types, fla=_version("fla-core"))
     result["ours"] = measure("ours", _ours_trainer(mcfg, cfg, world, ep, device, microbatch, A, bool(compile), last))
     result["ours"]["loss"], result["ours"]["skipped_steps"] = last["loss"], int(last["skipped"])
     _free_memory()  # the step closure and its model are gone: the baseline gets the whole GPU
@@ -258,7 +294,8 @@ def bench_train(layers=4, seq=4096, batch=4, accum=1, steps=6, warmup=3, ep=0, c
     if baseline:
         try:
             info = result["transformers"] = {}
-            step = _hf_trainer(mcfg, cfg, device, microbatch, A, bool(compile), bool(ac), info=info)
+            step = _hf_trainer(mcfg, cfg, device, microbatch, A, bool(compile), bool(ac), chunked=bool(hybrid),
+                               info=info)
             info.update(measure("transformers", step))
             result["ratio"] = round(result["ours"]["tokens_per_s"] / info["tokens_per_s"], 3)
         except Exception as e:  # report ours even when the baseline cannot run here
@@ -396,6 +433,93 @@ def bench_layer(low=2, high=4, seq=4096, batch=8, accum=1, steps=4, warmup=2, tr
             result[key] = round(result[name]["layer_ms"] / result["ours"]["layer_ms"], 3)
     result.setdefault("ratio", None)
     torch.distributed.destroy_process_group()
+    return result
+
+
+# -----------------------------------------------------------------------------
+# gdn: the hybrid's Gated DeltaNet layer alone, ours against fla's and transformers'
+
+
+def bench_gdn(seq=4096, batch=4, iters=20, warmup=3, profile=12, smoke=0):
+    """The Gated DeltaNet layer alone at Qwen3.6-35B-A3B's shape (qwen36_text_config: hidden 2048, 16 key + 32 value
+    heads of 128, conv 4), bf16, forward + backward of `batch` x `seq` tokens (gradients of the input and every
+    weight against a fixed random output gradient). Ours: gdn.GatedDeltaNet (on CUDA fla's fused varlen conv, delta
+    rule and gated norm). Baselines in the same run: fla's own layer (flash-linear-attention's fla.layers.
+    GatedDeltaNet at the same heads: separate q/k/v projections and convs) and transformers' Qwen3_5MoeGatedDeltaNet
+    (fla's delta rule and gated norm where fla is installed), the latter with our weights: its output is compared
+    with ours (max |diff| over max |output|). ms per step from CUDA events over `iters` steps after `warmup`;
+    ratio = fla's ms / ours. --profile=N: ours' N costliest kernels per step.
+
+        python bench.py gdn
+        python bench.py gdn --smoke      # CPU, tiny shape, fp32: ours and transformers' (fla computes on CUDA only)
+    """
+    import time
+    import torch
+    import transformers
+    from gdn import GatedDeltaNet
+    from model import init_parameters
+    if smoke:
+        seq, batch, iters, warmup, profile = 64, 2, 1, 1, 0
+    elif not torch.cuda.is_available():
+        sys.exit("bench.py gdn needs a CUDA GPU; on CPU use --smoke")
+    device, dtype = (torch.device("cpu"), torch.float32) if smoke else (torch.device("cuda"), torch.bfloat16)
+    cfg = qwen36_text_config(1, smoke)
+    ours = GatedDeltaNet(cfg).to(device)
+    with torch.no_grad():
+        init_parameters((("linear_attn." + n, p) for n, p in ours.named_parameters()), 0.02,
+                        torch.Generator(device).manual_seed(0))
+    ours.to(dtype)
+    hf_cfg = transformers.Qwen3_5MoeTextConfig(**{k: v for k, v in cfg.to_hf().items()
+                                                  if k not in ("model_type", "architectures", "torch_dtype")})
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+    theirs = modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet(hf_cfg, layer_idx=0).to(device, dtype)
+    theirs.load_state_dict(ours.state_dict())
+    layers = dict(ours=(ours, lambda x: ours(x, cu)), transformers=(theirs, lambda x: theirs(x)))
+    if not smoke:
+        from fla.layers import GatedDeltaNet as FlaGatedDeltaNet
+        fla = FlaGatedDeltaNet(hidden_size=cfg.hidden_size, head_dim=cfg.linear_key_head_dim,
+                               expand_v=cfg.linear_value_head_dim / cfg.linear_key_head_dim,
+                               num_heads=cfg.linear_num_key_heads,
+                               num_v_heads=cfg.linear_num_value_heads, mode="chunk", use_gate=True, use_short_conv=True,
+                               conv_size=cfg.linear_conv_kernel_dim, norm_eps=cfg.rms_norm_eps).to(device, dtype)
+        layers["fla"] = (fla, lambda x: fla(x)[0])
+    g = torch.Generator(device).manual_seed(1)
+    x = torch.randn(batch, seq, cfg.hidden_size, device=device, generator=g).to(dtype).requires_grad_()
+    probe = torch.randn(x.shape, device=device, generator=g).to(dtype)
+    cu = torch.arange(batch + 1, device=device) * seq  # one segment a row
+
+    def step(module, fn):
+        out = fn(x)
+        torch.autograd.grad(out, [x, *module.parameters()], probe)
+        return out
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
+                  transformers_version=transformers.__version__, fla_version=_version("fla-core"),
+                  tilelang=_version("tilelang"), tokens=batch * seq, batch=batch, seq=seq, dtype=str(dtype))
+    with torch.no_grad():
+        want, got = theirs(x), ours(x, cu)
+        want = want[0] if isinstance(want, tuple) else want
+        result["ours_vs_transformers_max_rel_diff"] = round(((got - want).abs().max() / want.abs().max()).item(), 5)
+    for name, (module, fn) in layers.items():
+        for _ in range(warmup):
+            step(module, fn)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step(module, fn)
+        sync()
+        result[name] = dict(ms=round((time.perf_counter() - t0) / iters * 1e3, 3),
+                            params=sum(p.numel() for p in module.parameters()))
+        print(f"{name}: {result[name]}", flush=True)
+    if profile:
+        prof = _profiled(lambda i: step(*layers["ours"]), device, 0)
+        top = sorted(_kernel_ms(prof).items(), key=lambda kv: -kv[1])[:profile]
+        result["ours_top_kernels_ms"] = [[k[:100], round(ms, 3)] for k, ms in top]
+    result["ratio"] = round(result["fla"]["ms"] / result["ours"]["ms"], 3) if "fla" in layers else None
+    result["ratio_transformers"] = round(result["transformers"]["ms"] / result["ours"]["ms"], 3)
     return result
 
 
@@ -659,18 +783,20 @@ def _compile_attention_and_norms(model):
 
 
 def _hf_fsdp_model(mcfg, cfg, device, compile_modules, checkpointing):
-    """transformers' Qwen3MoeForCausalLM built on the meta device, each decoder layer and the root under
-    fully_shard with our mixed precision, shards initialized like ours, AdamW like ours."""
+    """transformers' Qwen3MoeForCausalLM (Qwen3_5MoeForCausalLM for the hybrid) built on the meta device, each
+    decoder layer and the root under fully_shard with our mixed precision, shards initialized like ours, AdamW
+    like ours."""
     import torch
     import transformers
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     import train
-    hf_cfg = Qwen3MoeConfig(**{k: v for k, v in mcfg.to_hf().items()
-                               if k not in ("model_type", "architectures", "torch_dtype")})
+    hybrid = mcfg.family == "qwen3_5"
+    names = ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM") if hybrid else ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")
+    Config, CausalLM = (getattr(transformers, n) for n in names)
+    hf_cfg = Config(**{k: v for k, v in mcfg.to_hf().items() if k not in ("model_type", "architectures", "torch_dtype")})
     hf_cfg._attn_implementation = "sdpa"
     with torch.device("meta"):
-        hf = Qwen3MoeForCausalLM(hf_cfg)
+        hf = CausalLM(hf_cfg)
     if checkpointing:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg["param_dtype"]), reduce_dtype=torch.float32)
@@ -680,7 +806,7 @@ def _hf_fsdp_model(mcfg, cfg, device, compile_modules, checkpointing):
     hf.to_empty(device=device)
     from model import init_parameters
     generator = torch.Generator(device).manual_seed(cfg["seed"] + torch.distributed.get_rank())
-    init_parameters(((n, train.local_tensor(p)) for n, p in hf.named_parameters()), 0.02, generator)
+    init_parameters(((n, train.local_tensor(p)) for n, p in hf.named_parameters()), 0.02, generator, hybrid)
     # to_empty left the rotary inv_freq buffers uninitialized: build the rotary embedding again
     hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_cfg).to(device)
     if compile_modules:

@@ -842,9 +842,9 @@ class CaptureServer:
         try:
             self.authorize(request)
             chat = parse_anthropic((await self.read_json(request))[1], self, counting=True)
-        except RequestError as e:
+            ids = self.vision.expand(self.render(chat.messages, chat.tools, True), self.vision.check(chat.messages))[0]
+        except RequestError as e:  # the turn's own checks: a bad image, a template that refuses, a text too long
             return error_response("anthropic", e.status, e.message, e.param)
-        ids = self.vision.expand(self.render(chat.messages, chat.tools, True), self.vision.check(chat.messages))[0]
         return JSONResponse({"input_tokens": len(ids)})
 
     async def http_models(self, request):

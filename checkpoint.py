@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import lora
 from model import copy_hf_extras, is_stacked_experts, ours_to_hf, save_hf_checkpoint
+from weights_sync import gather, global_shape
 
 
 def local_tensor(t):
@@ -22,24 +23,19 @@ def local_tensor(t):
 
 
 
-def global_experts(t, meshes):
-    """This rank's piece of an expert tensor as a DTensor of the global (E, ...) tensor on the 2-D experts mesh.
-    Shares storage with t, so loading into it loads into t."""
-    shape = (t.shape[0] * meshes["ep"].size(), *t.shape[1:])
-    return DTensor.from_local(local_tensor(t), meshes["experts"], [Shard(0), t.placements[0]], run_check=False,
-                              shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
-
-
-def with_global_experts(state, meshes, experts=False):
+def with_global_experts(state, model, experts=None):
     """Copy of a nested FQN-keyed state dict (model, or optimizer: state.FQN.exp_avg) whose expert tensors are
-    global DTensors (see above)."""
+    DTensors of the global (E, ...) tensor on the 2-D experts mesh (sharing storage with this rank's piece, so
+    that loading into them loads into the model and the optimizer)."""
     out = {}
     for k, v in state.items():
-        is_experts = experts or is_stacked_experts(str(k))
+        name = str(k) if is_stacked_experts(str(k)) else experts  # the expert parameter v belongs to, if any
         if isinstance(v, dict):
-            out[k] = with_global_experts(v, meshes, is_experts)
-        elif is_experts and isinstance(v, DTensor) and v.dim() > 0:
-            out[k] = global_experts(v, meshes)
+            out[k] = with_global_experts(v, model, name)
+        elif name and isinstance(v, DTensor) and v.dim() > 0:
+            shape = torch.Size(global_shape(model, name, v))
+            out[k] = DTensor.from_local(local_tensor(v), model.meshes["experts"], [Shard(0), v.placements[0]],
+                                        run_check=False, shape=shape, stride=torch.empty(shape, device="meta").stride())
         else:
             out[k] = v
     return out
@@ -49,7 +45,7 @@ def save_checkpoint(out_dir, model, optimizer, step, cfg, extra=None):
     """Write out_dir/checkpoints/step_NNNNNN (every rank writes its shards) and point `latest` at it."""
     path = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
     state = lora.checkpoint_state(model, optimizer)
-    dcp.save(with_global_experts(state, model.meshes), checkpoint_id=path)
+    dcp.save(with_global_experts(state, model), checkpoint_id=path)
     if dist.get_rank() == 0:
         torch.save({"step": step, "config": cfg, "extra": extra or {}}, os.path.join(path, "trainer_state.pt"))
         with open(os.path.join(path, "config.json"), "w") as f:
@@ -77,31 +73,18 @@ def load_checkpoint(path, model, optimizer):
         raise FileNotFoundError(f"no checkpoint at {path!r}: expected a directory written by save_checkpoint "
                                 "(out_dir/checkpoints/step_NNNNNN)")
     state = lora.checkpoint_state(model, optimizer)
-    dcp.load(with_global_experts(state, model.meshes), checkpoint_id=path)  # fills `state`'s tensors in place
+    dcp.load(with_global_experts(state, model), checkpoint_id=path)  # fills `state`'s tensors in place
     set_model_state_dict(model, state["model"], options=lora.checkpoint_options(model))
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     trainer_state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
     return trainer_state["step"], trainer_state["extra"]
 
 
-@torch.no_grad()
 def full_parameters(model):
-    """Yield (name, full tensor) for every parameter, gathered from all shards and, for experts, from all EP ranks.
-    Collective: every rank must iterate to the end. Costs one or two all-gathers per parameter."""
+    """Yield (name, full tensor on rank 0, None elsewhere) for every parameter, gathered from all shards and, for
+    experts, from all EP ranks (weights_sync.gather). Collective: every rank must iterate to the end."""
     for name, p in model.named_parameters():  # a tied lm_head is not repeated
-        yield name, gather_full(name, p, model.meshes)
-
-
-def gather_full(name, t, meshes):
-    """The whole tensor (a parameter, its gradient or its Adam state) from the shards on all ranks."""
-    if not isinstance(t, DTensor):
-        return t.detach()
-    if t.device.type != t.device_mesh.device_type:  # cpu_offload_optimizer: host shards, GPU collectives
-        t = t.to(t.device_mesh.device_type)
-    full = t.full_tensor()  # over its FSDP mesh; experts: (E / ep, ...) this EP rank's experts
-    if is_stacked_experts(name) and meshes["ep"].size() > 1:
-        full = DTensor.from_local(full, meshes["ep"], [Shard(0)], run_check=False).full_tensor()  # (E, ...)
-    return full
+        yield name, gather(model, name, p)
 
 
 def export_hf(model, path, dtype=torch.bfloat16, source_dir=None):

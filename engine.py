@@ -36,11 +36,14 @@ class Engine:
         self.engine_args = dict(
             model=model_path, dtype="bfloat16", max_model_len=max_model_len, gpu_memory_utilization=memory_fraction,
             tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=enable_prefix_caching,
-            speculative_config=speculative_config, seed=seed,
+            speculative_config=speculative_config, seed=seed,  # with drafts, each request reports its acceptance
+            per_request_spec_decode_metrics="summary" if speculative_config else "none",
             enable_return_routed_experts=enable_return_routed_experts,
             limit_mm_per_prompt={"image": max_images_per_prompt, "video": 0},  # vLLM ignores it for a text model
             # the behavior logprob is the sampling distribution's (after temperature), not the raw model's
             logprobs_mode="processed_logprobs")
+        if speculative_config and not torch.cuda.is_available() and worker_extension_cls == WORKER_EXTENSION:
+            worker_extension_cls = "engine.DraftingCPUWorker"  # see verify_drafts_on_cpu
         if worker_extension_cls:
             self.engine_args["worker_extension_cls"] = worker_extension_cls
         config = os.path.join(model_path, "config.json")
@@ -63,7 +66,7 @@ class Engine:
         self.engine_args.update(engine_kwargs)
         self.seeds_refused = not torch.cuda.is_available() and bool(self.engine_args.get("enable_chunked_prefill"))
         self.llm = None
-        self.policy_version = 0
+        self.policy_version, self.drafts = 0, [0, 0]  # drafts: (accepted, drafted) since take_drafts
         # lora_path: a PEFT adapter directory; every request runs with that adapter (vLLM's LoRA id 1), which each
         # weight sync then replaces in place (weights_sync.WeightSyncWorker.receive_adapter)
         self.lora_request = None
@@ -91,7 +94,8 @@ class Engine:
         (StructuredOutputsParams fields: json, json_object, ...), logit_bias, top_logprobs (k: also return the k
         likeliest tokens per position). session_id is for routers that keep a session on one engine; one engine
         ignores it. `images`: the encoded files of the prompt's images, in order; prompt_token_ids holds one
-        placeholder token for each, which vLLM's processor expands to the image's tokens."""
+        placeholder token for each, which vLLM's processor expands to the image's tokens. The turn's `drafts`: (draft
+        tokens accepted, tokens drafted) with speculative decoding on, else None."""
         if self.llm is None:  # a Ray actor restarted after its process died is a fresh Engine, not started
             raise EngineNotStarted("this engine's process was restarted and has not started its engine yet")
         from vllm import SamplingParams
@@ -109,6 +113,8 @@ class Engine:
             structured_outputs=StructuredOutputsParams(**structured) if structured else None,
             detokenize=stop is not None,  # text only for stop strings
             output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE)
+        if self.engine_args["speculative_config"] and params.logit_bias:  # refused with drafts: our biases are bans
+            params.logit_bias, params._bad_words_token_ids = None, [[t] for t in params.logit_bias]  # (-100)
         async for out in self.llm.generate(self.prompt(prompt_token_ids, images), params, request_id,
                                            lora_request=self.lora_request):
             if not out.finished:
@@ -119,10 +125,12 @@ class Engine:
         for span in c.weight_versions or []:  # spans of output tokens sampled by each weight version
             v = 0 if span.version == "default" else int(span.version)
             versions[span.start:span.end] = [v] * (span.end - span.start)
-        routes = c.routed_experts  # (T - routed_experts_start, L_moe, K) when enabled
+        routes, m = c.routed_experts, c.spec_decode_metrics  # routes: (T - routed_experts_start, L_moe, K) when enabled
         result = dict(token_ids=ids, logprobs=[c.logprobs[i][t].logprob for i, t in enumerate(ids)],
                       token_versions=versions, routed_experts=None if routes is None else routes.tolist(),
-                      finish_reason=c.finish_reason, num_prompt_tokens=len(out.prompt_token_ids))
+                      finish_reason=c.finish_reason, num_prompt_tokens=len(out.prompt_token_ids),
+                      drafts=m and (sum(j * n for j, n in enumerate(m.histogram)), m.num_draft_tokens))
+        self.drafts = [a + b for a, b in zip(self.drafts, result["drafts"] or (0, 0))]
         if top:  # per position, (token id, logprob) by rank; the sampled token's entry comes too when ranked lower
             result["top_logprobs"] = [[(t, p.logprob) for t, p in sorted(d.items(), key=lambda x: x[1].rank)
                                        if p.rank <= top] for d in c.logprobs]
@@ -156,6 +164,10 @@ class Engine:
 
     async def resume(self):
         await self.llm.resume_generation()
+
+    async def take_drafts(self):  # the draft tokens accepted and drafted since the last call
+        drafts, self.drafts = self.drafts, [0, 0]
+        return drafts
 
     async def set_version(self, policy_version):
         self.policy_version = int(policy_version)
@@ -192,6 +204,21 @@ def serve_lora_beside_cpu_moe():
     FusedMoEConfig.__post_init__, FusedMoEConfig.lora_experts_off = without_expert_lora, True
 
 
+def verify_drafts_on_cpu():
+    """Works around vLLM 0.32 on CPU: the rejection sampler spreads each request's temperature, top_k and top_p over
+    its draft tokens with the C++ stand-in of a Triton kernel (`expand_kernel_impl`), which writes into int64 copies
+    of its tensors: the float32 output stays uninitialized memory, by which the target's logits are then divided.
+    Drafts were verified against that garbage distribution and the processed logprobs came out 0.0 or nan (greedy is
+    untouched). Runs in the worker process; the same expansion in torch."""
+    import torch
+    from vllm.v1.sample import rejection_sampler
+
+    def expand(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+        return x.masked_fill(x == replace_from, replace_to).repeat_interleave(counts, output_size=num_tokens)
+    rejection_sampler.expand_batch_to_tokens = expand
+
+
 class KeepImages:
     """Mixed into vLLM's scheduler (async or not, as the engine decided) for a vision model's engine: a request's
     images always reach the worker. vLLM drops the pixels of an image that a prefix-cache hit covers when it hands a
@@ -209,8 +236,8 @@ class KeepImages:
 def __getattr__(name):
     # vLLM resolves these names in its own processes (worker_extension_cls and worker_cls in the worker, scheduler_cls
     # in the engine core); each is built there on first use, as it imports vLLM
-    if name == "LoRAWeightSyncWorker":  # before the worker builds the model: the moment for serve_lora_beside_cpu_moe
-        serve_lora_beside_cpu_moe()
+    if name in ("LoRAWeightSyncWorker", "DraftingCPUWorker"):  # before the worker builds the model: the moment to patch
+        (serve_lora_beside_cpu_moe if name.startswith("LoRA") else verify_drafts_on_cpu)()
         from weights_sync import WeightSyncWorker
         return WeightSyncWorker
     if name == "AMXCPUWorker":

@@ -5,8 +5,9 @@ recurrence restart at every segment of a packed row, so no state leaks from one 
 
 The recurrence is the chunked gated delta rule. `chunk_gated_delta_rule_torch` is the readable fp32 reference and
 the CPU path; on CUDA the same call goes to fla's Triton kernel (`fla-core`, installed with the GPU requirements
-only: it cannot compute on a CPU, so it is imported only when a CUDA tensor arrives). A test compares the two
-forward and backward.
+only: it cannot compute on a CPU, so it is imported only when a CUDA tensor arrives), and the layer takes fla's fused
+causal conv (varlen) and gated RMSNorm too, with `causal_conv` and `GatedRMSNorm` below as their reference. Tests
+compare the two paths forward and backward on the H200 (`FLA_ON_CUDA = False` runs the reference there).
 
 This file imports nothing of ours.
 
@@ -17,6 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+FLA_ON_CUDA = True  # fla's kernels for CUDA tensors (False: the torch reference everywhere)
+
 
 def l2norm(x, eps=1e-6):
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
@@ -24,8 +27,8 @@ def l2norm(x, eps=1e-6):
 
 def segment_positions(cu_seqlens, N):
     """Each of the N packed tokens' index within its segment, and its segment: cu_seqlens (S+1,) int -> (N,), (N,)."""
-    lengths = cu_seqlens.diff()
-    segment = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths, output_size=N)
+    segment = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=cu_seqlens.device), cu_seqlens.diff(),
+                                      output_size=N)
     return torch.arange(N, device=cu_seqlens.device) - cu_seqlens[segment], segment
 
 
@@ -34,16 +37,17 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, chunk=64):
     per segment S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T, o_t = S_t^T q_t, with q, k
     L2-normalized and q scaled by dk^-0.5, the state zero at each segment's start.
 
-    q, k (1, N, H, dk), v (1, N, H, dv), g, beta (1, N, H): the N tokens of all segments in a row (fla's varlen
-    layout), cu_seqlens (S+1,) the segments' offsets. Returns (1, N, H, dv) in v's dtype. The segments are padded to
-    one length (padding at the end of a segment cannot reach its tokens: the recurrence is causal) and run as a batch.
+    q, k (1, N, Hk, dk), v (1, N, H, dv), g, beta (1, N, H): the N tokens of all segments in a row (fla's varlen
+    layout), each key head shared by H / Hk consecutive value heads; cu_seqlens (S+1,) the segments' offsets. Returns
+    (1, N, H, dv) in v's dtype. The segments are padded to one length (padding at the end of a segment cannot reach
+    its tokens: the recurrence is causal) and run as a batch.
     """
+    q, k = (t.repeat_interleave(v.shape[2] // q.shape[2], dim=2) for t in (q, k))
     N, H, dk, dv, dtype = q.shape[1], q.shape[2], q.shape[3], v.shape[3], v.dtype
     acc = torch.promote_types(dtype, torch.float32)  # fp32 (fp64 inputs stay fp64: the exactness test)
     pos, seg = segment_positions(cu_seqlens, N)
-    S, L = len(cu_seqlens) - 1, int(cu_seqlens.diff().max())  # NOTE: a device-to-host sync
-    L += -L % chunk
-    n = L // chunk
+    S, n = len(cu_seqlens) - 1, -(-int(cu_seqlens.diff().max()) // chunk)  # chunks a segment; NOTE: a host sync
+    L = n * chunk
 
     def padded(x):  # (1, N, H, ...) -> (S, H, n, chunk, ...) in fp32, zeros after each segment's end
         out = x.new_zeros(S, L, *x.shape[2:], dtype=acc).index_put((seg, pos), x[0].to(acc))
@@ -61,8 +65,7 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, chunk=64):
     within = q @ k.transpose(-1, -2) * pair  # causal, diagonal included
     q_decayed = q * decay.exp()[..., None]
     k_decayed = k * (decay[..., -1:] - decay).exp()[..., None]
-    state = q.new_zeros(S, H, dk, dv)  # fp32 (acc)
-    out = []
+    state, out = q.new_zeros(S, H, dk, dv), []  # the state in fp32 (acc)
     for i in range(n):  # the scan over chunks: the state carries what earlier chunks wrote
         new = values[:, :, i] - keys_read[:, :, i] @ state
         out.append(q_decayed[:, :, i] @ state + within[:, :, i] @ new)
@@ -74,12 +77,11 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, chunk=64):
 def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens):
     """fla's Triton kernel on CUDA (the same function, fused, in the inputs' dtype with an fp32 state), the torch
     reference elsewhere."""
-    if not q.is_cuda:
+    if not (q.is_cuda and FLA_ON_CUDA):
         return chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule  # the GPU install's fla-core
-    out, _ = fla_rule(q, k, v, g=g, beta=beta, scale=q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True,
-                      cu_seqlens=cu_seqlens.long())
-    return out
+    return fla_rule(q, k, v, g=g, beta=beta, scale=q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True,
+                    cu_seqlens=cu_seqlens.long())[0]
 
 
 def causal_conv(x, weight, pos):
@@ -87,8 +89,8 @@ def causal_conv(x, weight, pos):
     token's index in its segment -> (N, C). Tap j reads the token K-1-j back, zero when that is before the segment."""
     K, out = weight.shape[-1], x * weight[:, 0, -1]
     for back in range(1, K):
-        shifted = F.pad(x, (0, 0, back, 0))[:x.shape[0]] * (pos >= back)[:, None].to(x.dtype)  # any N, even < K
-        out = out + shifted * weight[:, 0, K - 1 - back]
+        # the token `back` steps earlier (zero before the segment's start; any N, even < K), times its tap
+        out = out + F.pad(x, (0, 0, back, 0))[:len(x)] * (pos >= back)[:, None].to(x.dtype) * weight[:, 0, K - 1 - back]
     return out
 
 
@@ -97,14 +99,12 @@ class GatedRMSNorm(nn.Module):
 
     def __init__(self, dim, eps):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x, z):
-        dtype = x.dtype
-        x = x.float()
-        x = self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-        return (x * F.silu(z.float())).to(dtype)
+        xf = x.float()  # one cast: its backward rounds as transformers' does
+        y = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (y * F.silu(z.float())).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -129,14 +129,18 @@ class GatedDeltaNet(nn.Module):
         """x (B, T, D); cu_seqlens (S+1,) the segments' offsets in the B*T tokens taken row after row (a row's
         padding may be a segment of its own: nothing after it reads it)."""
         B, T, D = x.shape
-        x = x.reshape(1, B * T, D)
-        pos, _ = segment_positions(cu_seqlens, B * T)
-        qkv = F.silu(causal_conv(self.in_proj_qkv(x)[0], self.conv1d.weight, pos))  # (N, 2 Hk dk + Hv dv)
-        q, k, v = qkv.split([self.n_k * self.dk, self.n_k * self.dk, self.n_v * self.dv], dim=-1)
-        q, k = (t.view(1, B * T, self.n_k, self.dk).repeat_interleave(self.n_v // self.n_k, dim=2) for t in (q, k))
-        v = v.view(1, B * T, self.n_v, self.dv)
+        x, N, fla = x.reshape(1, B * T, D), B * T, x.is_cuda and FLA_ON_CUDA
+        if fla:  # the GPU install's fla-core: conv and SiLU in one kernel, restarted at each segment
+            import fla.modules.causal_conv1d as fla_conv, fla.modules.norm.fused_norm_gate as fla_norm
+            qkv = fla_conv.causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight[:, 0], activation="silu",
+                                         cu_seqlens=cu_seqlens.long())[0][0]
+        else:
+            qkv = F.silu(causal_conv(self.in_proj_qkv(x)[0], self.conv1d.weight, segment_positions(cu_seqlens, N)[0]))
+        q, k, v = qkv.split([self.n_k * self.dk, self.n_k * self.dk, self.n_v * self.dv], dim=-1)  # (N, ...)
+        q, k, v = q.view(1, N, self.n_k, self.dk), k.view(1, N, self.n_k, self.dk), v.view(1, N, self.n_v, self.dv)
         beta = self.in_proj_b(x).sigmoid()  # (1, N, Hv)
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # log decay, fp32
         y = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens)  # (1, N, Hv, dv)
-        y = self.norm(y, self.in_proj_z(x).view(1, B * T, self.n_v, self.dv))
+        z = self.in_proj_z(x).view(1, N, self.n_v, self.dv)
+        y = fla_norm.rms_norm_gated(y, z, self.norm.weight, None, eps=self.norm.eps) if fla else self.norm(y, z)
         return self.out_proj(y.reshape(B, T, -1))

@@ -14,6 +14,7 @@ weight W is x W^T + scaling * (x A^T) B^T, scaling = lora_alpha / lora_rank; A (
 Imports nothing of ours but model.py.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -91,15 +92,34 @@ def add_adapters(model, rank, alpha, targets):
     return model
 
 
-def apply(model, cfg):
+def apply(model, cfg, frozen=False):
     """The trainer's model (on the meta device, before sharding) for cfg: with lora_rank > 0, adapters on
-    lora_targets and the frozen base in param_dtype (adapters stay fp32, so do their gradients and AdamW state)."""
-    if not cfg["lora_rank"]:
+    lora_targets and the frozen base in param_dtype (adapters stay fp32, so do their gradients and AdamW state).
+    frozen: no adapters, every weight frozen in param_dtype (the KL penalty's reference, train.build_reference)."""
+    if frozen:
+        model.requires_grad_(False)
+    elif cfg["lora_rank"]:
+        add_adapters(model, cfg["lora_rank"], cfg["lora_alpha"], parse_targets(cfg["lora_targets"]))
+    else:
         return model
-    add_adapters(model, cfg["lora_rank"], cfg["lora_alpha"], parse_targets(cfg["lora_targets"]))
     for p in model.parameters():
         p.data = p.data if p.requires_grad else p.data.to(getattr(torch, cfg["param_dtype"]))
     return model
+
+
+@contextlib.contextmanager
+def base_only(model):
+    """Inside, `model` computes its frozen base alone, every adapter's scaling 0 (a LoRA run's reference policy for
+    the KL penalty, at no memory); a model without adapters is unchanged."""
+    key = lambda m: "scaling" if isinstance(m, LoRALinear) else "lora_scaling"  # noqa: E731
+    saved = {m: getattr(m, key(m)) for m in model.modules() if isinstance(m, LoRALinear) or getattr(m, "lora_scaling", None)}
+    for m in saved:
+        setattr(m, key(m), 0.0)
+    try:
+        yield model
+    finally:
+        for m, value in saved.items():
+            setattr(m, key(m), value)
 
 
 def initial_adapters(model, seed):

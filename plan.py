@@ -16,6 +16,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 
 import torch
 
@@ -38,6 +39,7 @@ RANGES = {
                                  "groups_per_batch", "groups_in_flight", "max_tokens", "max_steps", "microbatch_tokens",
                                  "logprob_chunk_size", "train_world_size", "ep_size", "gpus_per_node",
                                  "max_images_per_prompt"),
+    (lambda v: v >= 0, ">= 0 (0: no drafting)"): ("speculative_tokens",),
     (lambda v: v >= 2, ">= 2"): ("engine_max_model_len",),
     (lambda v: v >= 0, ">= 0"): ("warmup_steps", "min_lr", "weight_decay", "eval_temperature"),
     (lambda v: v >= 0, ">= 0 (0: no evaluation)"): ("eval_every",),
@@ -120,6 +122,16 @@ def check_config(cfg, mcfg=None, world_size=None):
     if cfg["lora_rank"] and not lora.adapter_shapes(mcfg, cfg):
         raise ConfigError(f"lora_targets={cfg['lora_targets']!r} names no layer of this model (a dense model has no "
                           "experts, an all-MoE model no dense MLP): add attention projections or use 'all'")
+    if (k := cfg["speculative_tokens"]) and (not mcfg.mtp_num_hidden_layers or cfg["speculative_config"]):
+        raise ConfigError("speculative_tokens and speculative_config both turn drafting on: set one of them" if
+                          mcfg.mtp_num_hidden_layers else f"speculative_tokens={k} drafts with the model's MTP layers, "
+                          f"but {cfg['model_path']!r} has none (no mtp.* weights or mtp_num_hidden_layers): use 0")
+    if cfg["mtp_loss_coef"] and not mcfg.mtp_num_hidden_layers:
+        raise ConfigError(f"mtp_loss_coef={cfg['mtp_loss_coef']} trains the model's MTP layers, but it has none: use 0")
+    if k and cfg["enable_prefix_caching"] and not torch.cuda.is_available():
+        print("speculative_tokens: enable_prefix_caching set to False (on CPU, vLLM's hybrid prefix cache runs a "
+              "Triton kernel when drafting, and the engine dies)", file=sys.stderr)
+        cfg["enable_prefix_caching"] = False
     peak = lora.learning_rate_key(cfg)
     if cfg["min_lr"] > cfg[peak]:
         raise ConfigError(f"min_lr ({cfg['min_lr']}) is above {peak} ({cfg[peak]}): the schedule decays from {peak} "
@@ -163,6 +175,8 @@ def engine_options(cfg):
     """engine.Engine keyword arguments from the config (num_engines says how many engines start), routing replay's
     where the engine can return routes; LoRA runs add vLLM's LoRA options (lora.engine_options)."""
     options = {arg: cfg[key] or None if key == "speculative_config" else cfg[key] for arg, key in ENGINE_OPTIONS.items()}
+    if cfg["speculative_tokens"]:  # MTP drafting with the model's mtp.* layers (check_config: it has some)
+        options["speculative_config"] = {"method": "mtp", "num_speculative_tokens": cfg["speculative_tokens"]}
     mcfg = planned_model_config(cfg)
     # routing replay (README, invariant 3): the engine returns each token's experts for the trainer's router to reuse;
     # vLLM returns them on GPU only (Model Runner V2), so a CPU run trains on the trainer's own routing
@@ -209,23 +223,33 @@ GiB = 2**30
 def activation_bytes(mcfg, tokens, checkpointing, dtype_bytes=2, expert_parallel=False, routing_replay=True):
     """Estimated bytes autograd saves for backward in one microbatch of `tokens` tokens (flash attention, balanced
     routing), counted from what each op of model.py saves. Per token and layer: each RMSNorm an fp32 copy of its
-    input, the normed input and its output (4 + 2b) * D, q_norm and k_norm (4 + b) per element of their heads;
-    attention q, k, v, its output and an fp32 logsumexp per head; a MoE layer the router's fp32 probabilities (E),
+    input, the normed input and its output (4 + 2b) * D (zero-centred, Qwen3.5: the fp32 normed input, (8 + b) * D),
+    q_norm and k_norm (4 + b) per element of their heads (zero-centred 8); attention q, k, v, its output and an fp32
+    logsumexp per head (gated, Qwen3.5: the output and the gate's sigmoid again); a Gated DeltaNet layer the conv's
+    input, shifted copies and output, beta and the decay, what fla's chunk_gated_delta_rule saves (q and k
+    normalized, their fp32 rstd, v made contiguous, g's fp32 cumsum, the WY matrix A of width 64 per head), the
+    gated norm's (12 + 2b) and out_proj's input b per value element; a MoE layer the router's fp32 probabilities (E),
     its K input rows (sorted by expert), the K expert hidden tensors of width H five times (gate, up, silu(gate),
     their product, scaled by the routing weight; fewer where silu_mul is compiled), and index/weight tensors of
-    width K (the row gathers and sums keep only int64 indices, about two more of width K under EP); a dense MLP its
-    four hidden tensors. With activation checkpointing each block keeps only its input (plus routing-replay ids) and
-    one block at a time is recomputed in backward."""
-    b, D, hd, K = dtype_bytes, mcfg.hidden_size, mcfg.head_dim, mcfg.num_experts_per_tok
+    width K (the row gathers and sums keep only int64 indices, about two more of width K under EP), a shared expert
+    its four hidden tensors, output and gate; a dense MLP its four hidden tensors. With activation checkpointing each
+    block keeps only its input (plus routing-replay ids) and one block at a time is recomputed in backward."""
+    b, D, hd, K, zc = dtype_bytes, mcfg.hidden_size, mcfg.head_dim, mcfg.num_experts_per_tok, mcfg.family == "qwen3_5"
     nh, nkv = mcfg.num_attention_heads, mcfg.num_key_value_heads
-    norm = (4 + 2 * b) * D + 4
-    attn = 2 * norm + (4 + b) * (nh + nkv) * hd + 4 * (nh + nkv) + b * 2 * (nh + nkv) * hd + 4 * nh
+    norm = ((8 + b) if zc else (4 + 2 * b)) * D + 4
+    attn = (2 * norm + (8 if zc else 4 + b) * (nh + nkv) * hd + 4 * (nh + nkv) + b * 2 * (nh + nkv) * hd + 4 * nh +
+            2 * b * nh * hd * zc)
+    nv, dk, dv, kc = (mcfg.linear_num_value_heads, mcfg.linear_key_head_dim, mcfg.linear_value_head_dim,
+                      mcfg.linear_conv_kernel_dim)
+    conv_dim = 2 * mcfg.linear_num_key_heads * dk + nv * dv
+    gdn = 2 * norm + b * (kc + 1) * conv_dim + b * (kc - 1) + nv * (b + 24 + 2 * b * dk + 64 * b + (12 + 4 * b) * dv)
     index = (5 if expert_parallel else 3) * 8 * K  # int64 ids of width K: topk ids, sort order, inverse (+ EP's two)
-    moe = attn + 4 * mcfg.num_experts + b * K * D + 5 * b * K * mcfg.moe_intermediate_size + index + (4 + b) * K + 4
-    dense = attn + 4 * b * mcfg.intermediate_size
+    moe = (4 * mcfg.num_experts + b * K * D + 5 * b * K * mcfg.moe_intermediate_size + index + (4 + b) * K + 4 +
+           (4 * b * mcfg.shared_expert_intermediate_size + b * D + b if mcfg.shared_expert_intermediate_size else 0))
+    layers = [(gdn if mcfg.layer_type(i) == "linear_attention" else attn) + (
+        moe if mcfg.is_moe_layer(i) else 4 * b * mcfg.intermediate_size) for i in range(mcfg.num_hidden_layers)]
     n_moe = len(mcfg.moe_layers)
-    layers = [moe] * n_moe + [dense] * (mcfg.num_hidden_layers - n_moe)
-    once = norm + 8 + 2 * b * hd  # the final norm, the token ids, RoPE's cos and sin
+    once = norm + 8 + 2 * b * mcfg.rotary_dim  # the final norm, the token ids, RoPE's cos and sin
     if not checkpointing:
         return tokens * (sum(layers) + once)
     replay = 8 * K * n_moe if (routing_replay and n_moe) else 0  # (B, T, L_moe, K) int64 expert ids
@@ -287,6 +311,9 @@ def plan_memory(cfg, mcfg, shards):
         # fp32 master weights (FSDP keeps the sharded parameters fp32), fp32 gradients, AdamW m and v in fp32
         params_bytes=4 * trainable + (b if cfg["lora_rank"] else 4) * (params - trainable), grads_bytes=4 * trainable,
         optimizer_bytes=8 * trainable, params_trainable_local=trainable, params_vision_local=shards["vision"],
+        # kl_coef > 0: the reference policy, a frozen copy of the initial weights sharded like them, in param_dtype
+        # (train.build_reference); a LoRA run's is its frozen base, at no extra memory
+        reference_bytes=b * params if cfg["kl_coef"] and not cfg["lora_rank"] else 0,
         # a trained tower's activations, at most one 448x448 image (784 patches, 196 tokens) per 196 tokens of the
         # microbatch: the bound where every token is an image token (a frozen tower keeps none)
         images=tokens // (784 // mcfg.vision.spatial_merge_size ** 2) if mcfg.vision else 0,
@@ -304,10 +331,15 @@ def plan_memory(cfg, mcfg, shards):
         (b * p_expert if shards["experts_skip_fsdp"] and b < 4 else 0),
         # chunked logprobs: fp32 logits of one chunk, their softmax and its gradient (loss.token_logprobs)
         logits_bytes=3 * 4 * min(cfg["logprob_chunk_size"], tokens) * mcfg.vocab_size,
+        # Gated DeltaNet under fla: one layer's backward recomputes its chunk states (a (dk, dv) state per value head
+        # and 64 tokens) and makes their gradient, in the compute dtype
+        linear_layers=[i for i in range(mcfg.num_hidden_layers) if mcfg.layer_type(i) == "linear_attention"],
+        gdn_state_bytes=2 * b * -(-tokens // 64) * mcfg.linear_num_value_heads * mcfg.linear_key_head_dim *
+        mcfg.linear_value_head_dim * ("linear_attention" in (mcfg.layer_types or [])),
         gpu_bytes=cfg["gpu_memory_gib"] * GiB)
     on_gpu_state = 0 if cfg["cpu_offload_optimizer"] else (figures["params_bytes"] + figures["grads_bytes"] +
-                                                          figures["optimizer_bytes"])
-    transient = figures["gather_bytes"] + figures["logits_bytes"]
+                                                          figures["optimizer_bytes"] + figures["reference_bytes"])
+    transient = figures["gather_bytes"] + figures["logits_bytes"] + figures["gdn_state_bytes"]
     for c in (True, False):  # the image bound's vision activations join the text's
         figures["act_bytes_" + ("ckpt" if c else "full")] += (figures["images"] *
                                                              figures["vision_act_bytes_per_image"][c])
@@ -322,7 +354,11 @@ def plan_memory(cfg, mcfg, shards):
     figures["sync_bytes"] = 4 * sum(math.prod(s) for s in lora.adapter_shapes(mcfg, cfg).values()) if cfg[
         "lora_rank"] else 2 * figures["params_total"]
     kv_heads = max(1, math.ceil(mcfg.num_key_value_heads / tp))
-    figures["kv_bytes_per_token"] = 2 * mcfg.num_hidden_layers * kv_heads * mcfg.head_dim * 2
+    # KV in the attention layers; a Gated DeltaNet layer holds a fixed state per sequence instead (fp32 delta-rule
+    # state, bf16 conv state; heads split over TP), counted here per token of a full-length sequence
+    lin, nv, dk, dv = len(figures["linear_layers"]), mcfg.linear_num_value_heads / tp, mcfg.linear_key_head_dim, mcfg.linear_value_head_dim
+    state = 4 * nv * dk * dv + 2 * (mcfg.linear_conv_kernel_dim - 1) * (2 * mcfg.linear_num_key_heads * dk / tp + nv * dv)
+    figures["kv_bytes_per_token"] = 4 * (mcfg.num_hidden_layers - lin) * kv_heads * mcfg.head_dim + lin * state / cfg["engine_max_model_len"]
     figures["engine_budget_bytes"] = cfg["engine_memory_fraction"] * figures["gpu_bytes"]
     figures["kv_tokens"] = int((figures["engine_budget_bytes"] - figures["engine_weight_bytes"]) //
                                figures["kv_bytes_per_token"])
@@ -384,7 +420,8 @@ def print_plan(cfg, p):
         f"  gradients         {gib(p['grads_bytes'])}  fp32, sharded like the parameters{' they train' * bool(lora_note)}"
         f"  [{where}]",
         f"  optimizer         {gib(p['optimizer_bytes'])}  AdamW m and v, fp32  [{where}]",
-    ] + ([f"  vision tower      {M(p['params_vision_local'])} of the dense parameters on this rank, " + (
+    ] + ([f"  reference         {gib(p['reference_bytes'])}  kl_coef > 0: frozen copy of the initial weights, "
+          f"{cfg['param_dtype']}, sharded like them  [{where}]"] if p["reference_bytes"] else []) + ([f"  vision tower      {M(p['params_vision_local'])} of the dense parameters on this rank, " + (
         f"trained: activations below include {p['images']} 448x448 images per microbatch (every token an image "
         f"token) at {gib(p['vision_act_bytes_per_image'][ckpt]).strip()} each" if cfg["train_vision"] else
         "frozen (train_vision=False): no gradients, no AdamW state, no activations kept")]
@@ -395,6 +432,9 @@ def print_plan(cfg, p):
         f"  activations       {gib(p['act_bytes_ckpt'])}  with activation checkpointing, "
         f"{p['tokens']:,} tokens per microbatch (max of microbatch_tokens, engine_max_model_len)",
         f"  activations       {gib(p['act_bytes_full'])}  without activation checkpointing",
+    ] + ([f"  GDN states        {gib(p['gdn_state_bytes'])}  one Gated DeltaNet layer's chunk states and their "
+          f"gradient in its backward (fla); linear-attention layers {', '.join(map(str, p['linear_layers']))}"]
+         if p["linear_layers"] else []) + [
         f"  logprob chunk     {gib(p['logits_bytes'])}  fp32 logits, softmax, gradient of one "
         f"{cfg['logprob_chunk_size']}-token chunk",
         f"  total             {gib(p['total_bytes'])}  of {cfg['gpu_memory_gib']:g} GiB "

@@ -410,9 +410,11 @@ def parse_anthropic(body, server, counting=False):
         raise RequestError(400, f"Unsupported field `{unknown[0]}`: this server cannot honour it.", unknown[0])
     if field(body, "top_k", int) is not None:
         raise RequestError(400, "`top_k` is not supported: the trainer's logprobs cover the full vocabulary.", "top_k")
-    thinking = field(body, "thinking", dict, {}).get("type")  # a reasoning model thinks unless it is "disabled"
-    if thinking not in (None, "enabled", "adaptive", "disabled"):
+    config = field(body, "thinking", dict)  # a reasoning model thinks unless it is "disabled"
+    thinking = None if config is None else config.get("type")
+    if config is not None and thinking not in ("enabled", "adaptive", "disabled"):
         raise RequestError(400, f"`thinking.type` must be enabled, adaptive or disabled, got {thinking!r}.", "thinking")
+    budget = field(config or {}, "budget_tokens", int, required=thinking == "enabled", where="thinking.")
     system = body.get("system")
     messages = [] if system is None else [{"role": "system", "content": text_of(system, "system")}]
     for i, m in enumerate(field(body, "messages", list, required=True)):
@@ -481,6 +483,9 @@ def parse_anthropic(body, server, counting=False):
     sampling = sampling_of(server, field(body, "temperature", (int, float)), field(body, "top_p", (int, float)),
                            field(body, "max_tokens", int, required=not counting), field(body, "stop_sequences", list),
                            None, 1.0)
+    if budget is not None and not 1024 <= budget < (sampling["max_tokens"] or budget + 1):  # not enforced: README
+        raise RequestError(400, f"`thinking.budget_tokens` must be at least 1024 and less than `max_tokens`, got "
+                                f"{budget}.", "thinking.budget_tokens")
     request = ChatRequest("anthropic", messages, tools, True, sampling, field(body, "stream", bool, False), True,
                           field(body, "model", str, ""))
     request.close_reasoning = thinking == "disabled"

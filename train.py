@@ -88,6 +88,7 @@ recompute_kv_on_sync = True  # a weight sync empties the prefix cache; in-flight
                              # new weights (False: they go on with the old weights' KV, a hybrid of two policies)
 max_images_per_prompt = 8  # images one prompt may hold (vLLM's limit_mm_per_prompt); more get a 400 naming the image
 speculative_config = {}    # passed to vLLM as is, e.g. {"method": "mtp", "num_speculative_tokens": 1}
+speculative_tokens = 0     # MTP speculative decoding: tokens drafted per step by the model's mtp.* layers (0: off)
 group_size = 4             # attempts per prompt (GRPO group)
 groups_per_batch = 8       # complete groups per optimizer step
 groups_in_flight = 12      # queue depth: groups running at once; more than groups_per_batch means off-policy
@@ -115,6 +116,7 @@ is_high = _loss.is_high
 max_staleness = _loss.max_staleness  # tokens sampled more than this many policy versions ago are dropped
 kl_coef = _loss.kl_coef              # KL penalty to the reference policy (the initial weights)
 entropy_coef = _loss.entropy_coef    # entropy bonus
+mtp_loss_coef = _loss.mtp_loss_coef  # the MTP head's cross-entropy of token t + 2 (mtp_loss), trunk detached (0: off)
 # optimization
 max_steps = 40
 learning_rate = 5e-4       # the tiny default's RL from its warm start (README: Learning)
@@ -260,6 +262,7 @@ def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
     loop = asyncio.new_event_loop()  # runs the weight-sync coroutines of this thread
     sender = weights_sync.WeightSender(adapter=lora.sync_config(cfg))  # LoRA: the adapters alone travel
     writer, evals = runlog.scalar_writer(cfg, rank), {}
+    reference = build_reference(cfg, model, compute_device())  # kl_coef > 0: the initial weights
     # one optimizer step that changes the weights = one policy version (a resumed run: the checkpoint's); the engines
     # start at version 0
     policy_version = step if policy_version is None else policy_version
@@ -275,14 +278,8 @@ def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
         t0 = time.perf_counter()
         records = run["pool"].next_batch() if rank == 0 else None
         t_batch = time.perf_counter()
-        segments, advantages = share_batch(records, cfg, rank, world)
-        m = train_step(model, optimizer, pack_microbatches(segments, advantages, cfg["microbatch_tokens"]), cfg,
-                       policy_version, step)
-        rank == 0 and run["recorder"] and run["recorder"].add(step, records, segments, advantages, m["logprobs"])
-        trained = policy_version  # the version this step trained on
-        if not m["skipped"]:  # a skipped step (non-finite gradients) changed no weight: no new version, no sync
-            policy_version += 1
-        sync_s = None if m["skipped"] else push_weights(run, loop, sender, model, policy_version, rank, world)
+        m = rl_step(run, loop, sender, model, optimizer, records, cfg, policy_version, step, rank, world, reference)
+        trained, policy_version = policy_version, m["policy_version"]  # the version this step trained on, the new one
         if rank == 0:
             pool = run["pool"].stats()
             rewards = {r["attempt_id"]: r["reward"] for r in records}  # an attempt counts once
@@ -296,7 +293,7 @@ def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
                        dropped_groups=pool["dropped_groups"], engine_restarts=run["router"].restarts,
                        tokens_per_s=sum(r["action_tokens"] for r in records) / step_time, step_time_s=step_time,
                        response_tokens=sum(r["action_tokens"] for r in records) / max(len(rewards), 1),
-                       batch_wait_s=t_batch - t0, sync_s=sync_s, engine_idle=run["router"].idle_fraction(),
+                       batch_wait_s=t_batch - t0, sync_s=m["sync_s"], engine_idle=run["router"].idle_fraction(),
                        # versions between the policy that sampled a segment's oldest token and the one training on it
                        staleness=sum(trained - r["min_version"] for r in generated) / max(len(generated), 1),
                        attempts=len(rewards), segments=len(records))
@@ -310,10 +307,9 @@ def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", step_s=f"{step_time:.1f}",
                             stale=f"{row['staleness']:.2f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
         bar.update(1)
-        if (step + 1) % cfg["checkpoint_every"] == 0 or step + 1 == cfg["max_steps"]:
-            position = run["pool"].prompts_drawn if rank == 0 else 0  # prompts drawn so far (rank 0 draws them)
-            save_checkpoint(out_dir, model, optimizer, step + 1, cfg,
-                            extra={"policy_version": policy_version, "data_position": position})
+        # the prompts drawn so far (rank 0 draws them): a resumed run's pool goes on from there
+        checkpoint_if_due(cfg, model, optimizer, step, extra={
+            "policy_version": policy_version, "data_position": run["pool"].prompts_drawn if rank == 0 else 0})
     bar.close()
     sender.close()
     loop.close()
@@ -321,6 +317,23 @@ def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
         runlog.plot_metrics(out_dir)
         writer and writer.close()
     return evals
+
+
+def rl_step(run, loop, sender, model, optimizer, records, cfg, policy_version, step, rank, world, reference=None):
+    """One RL step of every rank on rank 0's batch `records`: advantages and this rank's segments (share_batch), the
+    train step, the viewer's sample, and unless the step was skipped (non-finite gradients: no weight changed) a new
+    policy version synced to the engines. Returns train_step's metrics with the new policy_version and sync_s
+    (seconds; None: no sync)."""
+    segments, advantages = share_batch(records, cfg, rank, world)
+    m = train_step(model, optimizer, pack_microbatches(segments, advantages, cfg["microbatch_tokens"]), cfg,
+                   policy_version, step, reference=reference)
+    rank == 0 and run.get("recorder") and run["recorder"].add(step, records, segments, advantages, m["logprobs"])
+    m["policy_version"] = policy_version + (not m["skipped"])
+    m["sync_s"] = None if m["skipped"] else push_weights(run, loop, sender, model, m["policy_version"], rank, world)
+    if cfg["speculative_tokens"] and rank == 0 and run.get("drafts"):  # over the rollouts that fed this step
+        accepted, drafted = run.pop("drafts")
+        m["draft_acceptance"] = accepted / max(drafted, 1)
+    return m
 
 
 def evaluate(run, cfg, v, evals):
@@ -363,11 +376,16 @@ def sft(cfg, model, optimizer, step, rank, world):
         if rank == 0:
             runlog.log_step(cfg["out_dir"], dict(step=step + 1, loss=m["loss"], grad_norm=m["grad_norm"], lr=m["lr"],
                                           kept_tokens=m["kept_tokens"], step_time_s=time.perf_counter() - t0), writer)
-        if (step + 1) % cfg["checkpoint_every"] == 0 or step + 1 == cfg["max_steps"]:
-            save_checkpoint(cfg["out_dir"], model, optimizer, step + 1, cfg)
+        checkpoint_if_due(cfg, model, optimizer, step)
     if rank == 0:
         runlog.plot_metrics(cfg["out_dir"])
     return export_hf(model, os.path.join(cfg["out_dir"], "hf"), source_dir=cfg["model_path"])
+
+
+def checkpoint_if_due(cfg, model, optimizer, step, extra=None):
+    """After step `step` (from 0): a checkpoint every checkpoint_every steps, and at the last step."""
+    if (step + 1) % cfg["checkpoint_every"] == 0 or step + 1 == cfg["max_steps"]:
+        save_checkpoint(cfg["out_dir"], model, optimizer, step + 1, cfg, extra=extra)
 
 
 def build_trainer(cfg, world, device):
@@ -381,6 +399,15 @@ def build_trainer(cfg, world, device):
     step, extra = load_checkpoint(path, model, optimizer)
     print0(f"resumed from {path} at step {step}")
     return model, optimizer, step, extra
+
+
+def build_reference(cfg, model, device):
+    """The KL penalty's reference policy (kl_coef > 0; else None): the initial weights. Under LoRA the model itself,
+    its frozen base (train_step turns the adapters off: lora.base_only), at no memory; else a frozen copy of
+    model_path's weights in param_dtype, sharded like the model (the dry run counts it)."""
+    if not cfg["kl_coef"] or cfg["lora_rank"]:
+        return model if cfg["kl_coef"] else None
+    return build_model(dict(cfg, train_vision=False), model.meshes, device, weights_path=cfg["model_path"], frozen=True)
 
 
 # -----------------------------------------------------------------------------
@@ -547,7 +574,8 @@ def push_weights(run, loop, sender, model, policy_version, rank, world):
         return None
     t0 = time.perf_counter()
     try:
-        loop.run_until_complete(weights_sync.sync_weights(live, sender, model, policy_version))
+        out = loop.run_until_complete(weights_sync.sync_weights(live, sender, model, policy_version))
+        run["drafts"] = out.get("drafts")  # the engines' draft tokens since the last sync (rank 0)
     except ray.exceptions.RayActorError as e:  # an engine died during the sync: it rejoins after its restart
         print0(f"weight sync at version {policy_version} lost an engine ({type(e).__name__}); the run goes on")
         run["router"].mark_connected([])
@@ -597,7 +625,7 @@ def collate(segments, advantages, pad_id=0):
             dense[i, :len(a) - 1] = a[1:] if len(a) > 1 else 0.0
         advantages = dense
     mb = dict(input_ids=torch.full((B, T), pad_id, dtype=torch.long), targets=torch.full((B, T), pad_id, dtype=torch.long),
-              action_mask=torch.zeros(B, T), behavior_logprobs=torch.zeros(B, T),
+              action_mask=torch.zeros(B, T), behavior_logprobs=torch.zeros(B, T), real=torch.zeros(B, T),
               token_versions=torch.full((B, T), -1, dtype=torch.long),
               advantages=advantages if per_token else torch.as_tensor(advantages, dtype=torch.float32).reshape(B))
     with_routes = all(s.get("routed_experts") is not None for s in segments)
@@ -607,7 +635,7 @@ def collate(segments, advantages, pad_id=0):
     for i, s in enumerate(segments):
         n = len(s["token_ids"]) - 1
         ids = torch.as_tensor(s["token_ids"], dtype=torch.long)
-        mb["input_ids"][i, :n], mb["targets"][i, :n] = ids[:-1], ids[1:]
+        mb["input_ids"][i, :n], mb["targets"][i, :n], mb["real"][i, :n] = ids[:-1], ids[1:], 1.0
         mb["action_mask"][i, :n] = torch.as_tensor(s["action_mask"][1:], dtype=torch.float32)
         mb["behavior_logprobs"][i, :n] = torch.as_tensor(s["behavior_logprobs"][1:], dtype=torch.float32)
         mb["token_versions"][i, :n] = torch.as_tensor(s["token_versions"][1:], dtype=torch.long)
@@ -625,14 +653,30 @@ def empty_microbatch(like):
             for k, v in like.items() if k not in (*vl.IMAGE_FIELDS, "segment_rows")}
 
 
-def microbatch_logprobs(model, mb, cfg, with_entropy=False):
-    """The trainer's logprob of each target (B, T), with routing replay when mb carries routed_experts."""
+def microbatch_logprobs(model, mb, cfg, with_entropy=False, mtp_tokens=None):
+    """The trainer's logprob of each target (B, T), with routing replay when mb carries routed_experts (and entropy,
+    or None); given mtp_tokens, also mtp_loss's share of this microbatch."""
     hidden = model.hidden_states(mb["input_ids"], routed_experts=mb.get("routed_experts"),  # (B, T, D)
                                  pixel_values=mb.get("pixel_values"), image_grid_thw=mb.get("image_grid_thw"))
     lm_head = model.lm_head.weight  # unsharded: the root FSDP unit keeps its params gathered after forward
     keep = cfg["logprob_keep_logits"] and torch.is_grad_enabled()  # nothing to keep them for under no_grad
-    return loss.token_logprobs(hidden, lm_head, mb["targets"], cfg["temperature"], cfg["logprob_chunk_size"],
-                               with_entropy=with_entropy, keep_logits=keep)
+    out = loss.token_logprobs(hidden, lm_head, mb["targets"], cfg["temperature"], cfg["logprob_chunk_size"],
+                              with_entropy=with_entropy, keep_logits=keep)
+    return out if mtp_tokens is None else (*out, mtp_loss(model, hidden, mb, mtp_tokens, cfg["logprob_chunk_size"]))
+
+
+def mtp_loss(model, hidden, mb, mtp_tokens, chunk_size=1024):
+    """MTP training (mtp_loss_coef): the MTP head's cross-entropy of token t + 2 from the trunk's hidden state at t
+    and the embedding of token t + 1, summed where token t + 2 is in the row's segment (mtp_mask) and divided by
+    mtp_tokens, that count over the window. The trunk, embeddings and lm_head are detached: only mtp.* learn."""
+    h = model.mtp_hidden(hidden, mb["targets"])[:, :-1]  # position t predicts targets[t + 1], the token t + 2
+    logprobs = loss.token_logprobs(h, model.lm_head.weight.detach(), mb["targets"][:, 1:], 1.0, chunk_size)[0]
+    return -(logprobs * mtp_mask(mb)).sum() / mtp_tokens.clamp(min=1)
+
+
+def mtp_mask(mb):  # collate's real tokens; packed rows (segment_ids): never across a segment boundary
+    seg = mb.get("segment_ids")
+    return mb["real"][:, 1:] * (1 if seg is None else seg[:, 1:] == seg[:, :-1])
 
 
 @torch.no_grad()
@@ -659,13 +703,14 @@ def clip_grad_norm(model, max_norm, device, optimizer=None):
     return norm
 
 
-def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, sft=False):
+def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, sft=False, reference=None):
     """One optimizer step over this rank's microbatches of the window. Returns metrics (floats, same on all ranks).
     sft=True: the supervised objective (loss.sft_loss: the mean NLL of the action-mask tokens, at temperature 1).
 
     microbatches: dicts of right-padded tensors (B, T): input_ids, targets (input_ids shifted by one), action_mask,
-    behavior_logprobs, token_versions, advantages (B,) or (B, T), optional ref_logprobs, and routed_experts
-    (B, T, L_moe, K) or None (see `collate`). The loss is normalized by the window's kept-token count, all-reduced
+    behavior_logprobs, token_versions, advantages (B,) or (B, T), and routed_experts (B, T, L_moe, K) or None (see
+    `collate`). With kl_coef > 0, `reference` (build_reference) gives each microbatch its ref_logprobs in a no-grad
+    forward on its own routing. The loss is normalized by the window's kept-token count, all-reduced
     before the first backward, and gradients are summed over ranks (shard_model), so the step is the same however
     the window is split into microbatches and ranks. "logprobs": (segment_rows, the trainer's logprobs (B, T),
     detached) of each microbatch from pack_microbatches, for the viewer's sample (viewer.Recorder.add).
@@ -684,6 +729,11 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
                     for mb in microbatches]
 
     model.train()
+    if lcfg.kl_coef and not sft and reference is not None:
+        with torch.no_grad(), lora.base_only(reference):
+            for mb in microbatches:
+                mb["ref_logprobs"] = microbatch_logprobs(reference, dict(mb, routed_experts=None), cfg)[0]
+        reference is model or reference.reshard()  # its root unit stays gathered after a forward (FSDP2)
     old_logprobs = [None] * len(microbatches)
     if lcfg.is_mode == "mask" and lcfg.is_level != "none" and not sft:  # rejection needs the trainer's logprobs first
         with torch.no_grad():
@@ -691,17 +741,18 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
     kept = [mb["action_mask"].bool() if sft else loss.kept_token_mask(old, mb["behavior_logprobs"], mb["action_mask"],
             mb["token_versions"], policy_version, lcfg) for old, mb in zip(old_logprobs, microbatches)]
     window_tokens = loss.count_window_tokens(kept)  # one all-reduce, before the first backward
+    mtp = loss.count_window_tokens([mtp_mask(mb) for mb in microbatches]) if lcfg.mtp_loss_coef and not sft else None
 
     metrics, kept_logprobs = [], []
     for old, mb in zip(old_logprobs, microbatches):
-        logprobs, entropy = microbatch_logprobs(model, mb, dict(cfg, temperature=1.0) if sft else cfg,
-                                                with_entropy=lcfg.entropy_coef > 0 and not sft)
+        logprobs, entropy, *mtp_l = microbatch_logprobs(model, mb, dict(cfg, temperature=1.0) if sft else cfg,
+                                                        with_entropy=lcfg.entropy_coef > 0 and not sft, mtp_tokens=mtp)
         mb_loss, mb_metrics = loss.sft_loss(logprobs, mb["action_mask"], window_tokens) if sft else loss.policy_loss(
             logprobs, old, mb["behavior_logprobs"], mb["advantages"], mb["action_mask"], mb["token_versions"],
             policy_version, lcfg, window_tokens, dp_world_size=1,  # gradients are summed over ranks
             ref_logprobs=mb.get("ref_logprobs"), entropy=entropy)
-        mb_loss.backward()
-        metrics.append(mb_metrics)
+        (mb_loss + lcfg.mtp_loss_coef * mtp_l[0] if mtp_l else mb_loss).backward()
+        metrics.append(dict(mb_metrics, **{"mtp_loss_sum": mtp_l[0].detach()} if mtp_l else {}))
         kept_logprobs.append((mb.get("segment_rows"), logprobs.detach()))  # B x T floats kept until the step returns
 
     grad_norm = clip_grad_norm(model, cfg["grad_clip"], device, optimizer)
@@ -773,11 +824,12 @@ def build_meshes(world, ep_size, device_type):
     return {"fsdp": fsdp, "experts": experts, "ep": experts["ep"], "expert_fsdp": experts["expert_fsdp"]}
 
 
-def meta_sharded_model(mcfg, meshes, cfg):
-    """The model on the meta device with this rank's experts only (E / ep_size of each layer), fully_shard applied."""
+def meta_sharded_model(mcfg, meshes, cfg, frozen=False):
+    """The model on the meta device with this rank's experts only (E / ep_size of each layer), fully_shard applied
+    (frozen: all of it frozen in param_dtype, lora.apply)."""
     ep = ExpertParallel(meshes["ep"]) if meshes["ep"].size() > 1 else None
     with torch.device("meta"):
-        model = lora.apply(Transformer(mcfg, expert_parallel=ep), cfg)
+        model = lora.apply(Transformer(mcfg, expert_parallel=ep), cfg, frozen)
     return shard_model(model, meshes, cfg)
 
 
@@ -996,11 +1048,11 @@ def measure_shards(model, cfg):
                 experts_skip_fsdp=experts_skip_fsdp(model.meshes, cfg))
 
 
-def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_std=0.02):
+def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_std=0.02, frozen=False):
     """The sharded trainer model: built on the meta device, experts partitioned, fully_shard, then each rank
     materializes and fills only its own shards (from `weights_path`, an HF directory, or random init)."""
     mcfg = model_config if model_config is not None else load_config(weights_path)
-    model = meta_sharded_model(mcfg, meshes, cfg)
+    model = meta_sharded_model(mcfg, meshes, cfg, frozen)
     model.to_empty(device=device if not cfg["cpu_offload_optimizer"] else "cpu")
     if mcfg.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
         raise RuntimeError("tied embeddings came untied while materializing the sharded model")

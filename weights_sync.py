@@ -50,6 +50,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import lora
 from model import is_stacked_experts, ours_to_hf, weight_files
@@ -160,15 +161,15 @@ def align(nbytes):
 
 
 def global_shape(model, name, p):
-    """The full shape of a parameter: a DTensor's global shape; stacked experts count all experts, not the E/ep
-    this rank's EP shard holds."""
+    """The full shape of parameter `name` (p: it, its gradient or its Adam state): a DTensor's global shape; stacked
+    experts count all experts, not the E/ep this rank's EP shard holds."""
     shape = list(p.shape)
     if is_stacked_experts(name):
         shape[0] = model.get_submodule(name.rsplit(".", 1)[0]).num_experts
     return tuple(shape)
 
 # -----------------------------------------------------------------------------
-# gathering a parameter to one rank
+# gathering a parameter to rank 0 (the weight sync, the HF export, checkpoint.full_parameters)
 
 
 def rank():
@@ -180,15 +181,13 @@ def gather_to(p, dst, dtype, device):
     sharded on one mesh dimension (FSDP2, or HSDP with replicas) is gathered over that dimension's group, padded
     to equal chunks (FSDP2 shards with torch.chunk: the last shards may be short or empty). Costs one `gather`;
     only dst allocates the full tensor."""
-    from torch.distributed.tensor import DTensor
-    if not isinstance(p, DTensor):
-        return p.detach().to(device=device, dtype=dtype) if rank() == dst else None
-    sharded = [(i, pl.dim) for i, pl in enumerate(p.placements) if pl.is_shard()]
-    if len(sharded) > 1 or any(not (pl.is_shard() or pl.is_replicate()) for pl in p.placements):
+    placements = p.placements if isinstance(p, DTensor) else ()
+    sharded = [(i, pl.dim) for i, pl in enumerate(placements) if pl.is_shard()]
+    if len(sharded) > 1 or any(not (pl.is_shard() or pl.is_replicate()) for pl in placements):
         raise ValueError(f"cannot gather a DTensor with placements {p.placements}: weight sync supports one "
                          "sharded mesh dimension (FSDP2 or HSDP)")
-    if not sharded:
-        return p.to_local().detach().to(device=device, dtype=dtype) if rank() == dst else None
+    if not sharded:  # a plain tensor, or a replicated DTensor
+        return (p.to_local() if placements else p).detach().to(device=device, dtype=dtype) if rank() == dst else None
     mesh_dim, dim = sharded[0]
     group = p.device_mesh.get_group(mesh_dim)
     ranks = dist.get_process_group_ranks(group)
@@ -215,6 +214,26 @@ def gather_to(p, dst, dtype, device):
         full = torch.cat(parts, dim)
     return full.narrow(dim, 0, n)
 
+
+@torch.no_grad()
+def gather(model, name, t, dtype=None, device=None):
+    """The whole of parameter `name` of the (sharded) model, or of t (its gradient or Adam state: its layout), on
+    rank 0, cast to dtype (None: as it is) on device; None on every other rank. Every rank calls it. Stacked experts
+    under expert parallelism: each EP rank's FSDP group gathers its block of experts to its member in rank 0's EP
+    group (the ranks 0..ep-1: train.build_meshes), which then gather their blocks to rank 0 in expert order (EP rank
+    i holds the experts [i*E/ep, (i+1)*E/ep): Experts.first_expert)."""
+    device = device if device is not None else (t.device_mesh.device_type if isinstance(t, DTensor) else t.device)
+    experts = model.get_submodule(name.rsplit(".", 1)[0]) if is_stacked_experts(name) else None
+    if experts is None or experts.expert_parallel is None:
+        return gather_to(t, 0, dtype, device)
+    block = gather_to(t, experts.expert_parallel.rank, dtype, device)  # (E/ep, ...) on its member of rank 0's group
+    if block is None:
+        return None
+    full = block.new_empty(global_shape(model, name, t)) if rank() == 0 else None  # (E, ...)
+    dist.gather(block.contiguous(), list(full.chunk(experts.expert_parallel.size)) if full is not None else None,
+                dst=0, group=experts.expert_parallel.group)
+    return full
+
 # -----------------------------------------------------------------------------
 # trainer side
 
@@ -230,7 +249,6 @@ class WeightSender:
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
         self.group = None  # the engine process group, on the sender only
-        self._ep_senders = {}  # ep group -> global ranks that hand their expert blocks to rank 0
 
     @property
     def is_sender(self):
@@ -270,7 +288,9 @@ class WeightSender:
         for name, p in model.named_parameters():
             if name not in by_param:  # every rank knows the layout: a frozen base is not gathered
                 continue
-            full = self.gather(model, name, p)
+            # an unsharded tensor is not cast here: the copy into the bucket casts, reading fp32 once (on GPU this
+            # memory traffic competes with NCCL's)
+            full = gather(model, name, p, self.dtype if isinstance(p, DTensor) else None, self.device)
             if full is None:
                 continue
             for k, e0, e1, offset in by_param.get(name, ()):
@@ -291,43 +311,6 @@ class WeightSender:
         if self.is_sender and len(works) != len(buckets):
             raise RuntimeError(f"sent {len(works)} of {len(buckets)} buckets: the model changed since layout()")
         return sum(b["nbytes"] for b in buckets) if self.is_sender else 0
-
-    def gather(self, model, name, p):
-        """The full parameter on the sender (None elsewhere); stacked experts under EP come from their owners."""
-        from torch.distributed.tensor import DTensor
-        experts = model.get_submodule(name.rsplit(".", 1)[0]) if is_stacked_experts(name) else None
-        if experts is None or experts.expert_parallel is None:
-            # an unsharded tensor is not cast here: the copy into the bucket casts, reading fp32 once (on GPU this
-            # memory traffic competes with NCCL's)
-            return gather_to(p, 0, self.dtype if isinstance(p, DTensor) else None, self.device)
-        ep_group = experts.expert_parallel.group
-        senders = self._ep_sender_ranks(ep_group)
-        # 1. the EP shard's FSDP group gathers its block of experts to its member in rank 0's EP group
-        owner = 0
-        if isinstance(p, DTensor):
-            shard_dims = [i for i, pl in enumerate(p.placements) if pl.is_shard()] or [0]
-            owners = [r for r in dist.get_process_group_ranks(p.device_mesh.get_group(shard_dims[0])) if r in senders]
-            if len(owners) != 1:
-                raise RuntimeError(f"{name}: expected one rank of its FSDP group in rank 0's EP group, got {owners}")
-            owner = owners[0]
-        block = gather_to(p, owner if isinstance(p, DTensor) else rank(), self.dtype, self.device)  # (E/ep, ...)
-        if rank() not in senders:
-            return None
-        # 2. the owners gather their blocks to rank 0 over the EP group. train.py gives EP rank i the experts
-        # [i*E/ep, (i+1)*E/ep) (Experts.first_expert), so the blocks arrive in expert order
-        if not self.is_sender:
-            dist.gather(block.contiguous(), None, dst=0, group=ep_group)
-            return None
-        full = block.new_empty((experts.num_experts, *block.shape[1:]))  # (E, ...)
-        dist.gather(block.contiguous(), list(full.chunk(dist.get_world_size(ep_group))), dst=0, group=ep_group)
-        return full
-
-    def _ep_sender_ranks(self, ep_group):
-        if ep_group not in self._ep_senders:  # once per group: one small broadcast on the default group
-            ranks = [dist.get_process_group_ranks(ep_group) if self.is_sender else None]
-            dist.broadcast_object_list(ranks, src=0)
-            self._ep_senders[ep_group] = set(ranks[0])
-        return self._ep_senders[ep_group]
 
 # -----------------------------------------------------------------------------
 # the flow around a sync, against the engine interface (an engine.Engine, or a Ray actor handle of one)
@@ -363,7 +346,7 @@ async def connect_engines(engines, sender, host="127.0.0.1", port=0, backend=Non
 async def sync_weights(engines, sender, model, policy_version):
     """After an optimizer step, on every trainer rank: pause the engines (in-flight requests kept), send the
     weights, load them, set the engines' weight version to `policy_version`, resume. Off rank 0 `engines` is
-    ignored (pass None) and the rank only joins the gathers. Returns {"bytes", "pause_s", "transfer_s"}.
+    ignored (pass None) and the rank only joins the gathers. Returns {"bytes", "pause_s", "transfer_s", "drafts"}.
 
     If a load or the transfer fails, the weight group is closed (workers still waiting in a broadcast get an
     error instead of waiting for the timeout), the engines resume on the weights they hold (layers that had not
@@ -389,9 +372,11 @@ async def sync_weights(engines, sender, model, policy_version):
             errors = [f.exception() for f in [*loads, send] if f.done() and f.exception() is not None]
             raise errors[0]  # an engine's error (the cause) before the sender's broken-pipe
         await asyncio.gather(*(_call(e, "set_version", policy_version) for e in engines))
+        drafts = [sum(d) for d in zip(*await asyncio.gather(*(_call(e, "take_drafts") for e in engines)))]
     finally:
         await asyncio.gather(*(_call(e, "resume") for e in engines), return_exceptions=True)
-    return {"bytes": send.result(), "pause_s": time.perf_counter() - t0, "transfer_s": time.perf_counter() - t1}
+    return {"bytes": send.result(), "pause_s": time.perf_counter() - t0, "transfer_s": time.perf_counter() - t1,
+            "drafts": drafts}  # the engines' draft tokens (accepted, drafted) since the last sync
 
 # -----------------------------------------------------------------------------
 # engine side
@@ -466,13 +451,20 @@ class WeightSyncWorker:
         on CPU and GPU alike. Returns the bytes received."""
         if getattr(self, "weight_group", None) is None:
             raise RuntimeError("receive_weights before init_weight_group: call connect_engines first")
+        from vllm.config import set_current_vllm_config
         receiver = BucketReceiver(self.weight_group, buckets, self.device)
+        drafter, mtp = getattr(getattr(self.model_runner, "drafter", None), "model", None), []
+        # the target's load_weights drops mtp.*: they are set aside (views into their buckets) for the MTP drafter
+        target = (x for x in receiver if not (x[0].startswith("mtp.") and mtp.append(x) is None))
         try:
-            self.reload_weights(weights_iterator=iter(receiver), is_checkpoint_format=True)
+            self.reload_weights(weights_iterator=target, is_checkpoint_format=True)
+            if mtp and drafter is not None:  # the drafter's embed_tokens and lm_head are the target's: its own layers
+                from vllm.model_executor.model_loader.reload.inplace import reload_weights
+                with set_current_vllm_config(self.vllm_config):
+                    reload_weights(self.vllm_config, drafter, iter(mtp), None, True)
         except BaseException:
             # an interrupted layerwise reload leaves the layers that had not arrived on the meta device: put
             # their old tensors back so the engine can still serve, then free the sender if the group still works
-            from vllm.config import set_current_vllm_config
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
             with set_current_vllm_config(self.vllm_config):
                 finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
@@ -483,7 +475,8 @@ class WeightSyncWorker:
         if unconsumed:
             raise RuntimeError(f"the model loader stopped with {unconsumed} of {len(buckets)} weight buckets unread")
         if self.device.type == "cpu":
-            repack_cpu_moe_experts(self.model_runner.get_model())
+            for model in (self.model_runner.get_model(), *([drafter] if mtp and drafter is not None else [])):
+                repack_cpu_moe_experts(model)
         return sum(b["nbytes"] for b in buckets)
 
     def receive_adapter(self, buckets, config):
@@ -524,8 +517,9 @@ class WeightSyncWorker:
         moved into its kernel (the parameter left empty) is read back through that kernel: its output on the
         identity, the weight it computes with."""
         import hashlib
-        out = {}
-        for prefix, m in self.model_runner.get_model().named_modules():
+        out, drafter = {}, getattr(getattr(self.model_runner, "drafter", None), "model", None)
+        for prefix, m in [*self.model_runner.get_model().named_modules(),
+                          *(drafter.named_modules(prefix="drafter") if drafter is not None else [])]:
             for name, p in m.named_parameters(prefix, recurse=False):
                 if p.numel() == 0 and hasattr(m, "cpu_linear"):
                     p = m.cpu_linear(torch.eye(getattr(m, "input_size_per_partition", m.input_size), dtype=p.dtype),

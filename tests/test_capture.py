@@ -331,9 +331,11 @@ def test_engine_versions_pause_resume_and_prompt_logprobs(stack):
     assert versions == sorted(versions)
     # processed logprobs at temperature 1 are the model's own: the engine scores its sample the same way
     assert lps[0] is None
-    # bf16, prefill vs decode kernels: measured max 0.021 over the 600 tokens (the shared engine, max_model_len 2048);
-    # the bound test_weights_sync puts on the same kernels
-    assert max(abs(a - b) for a, b in zip(lps[len(prompt):], out["logprobs"])) < 0.05
+    # bf16, prefill vs decode kernels: measured alone max 0.020 / mean 0.00036 over the 600 tokens (deterministic,
+    # the shared engine, max_model_len 2048); after the other tests of this file on the same engine, max 0.077 was
+    # seen once (other batch shapes): the max bound is twice that, the mean's over ten times what was measured
+    gaps = [abs(a - b) for a, b in zip(lps[len(prompt):], out["logprobs"])]
+    assert max(gaps) < 0.15 and sum(gaps) / len(gaps) < 0.005, (max(gaps), sum(gaps) / len(gaps))
 
 
 def test_seeded_requests_with_long_prompts_keep_the_engine_alive(stack):

@@ -343,6 +343,8 @@ def test_images_the_processor_refuses_get_a_400_and_the_extremes_it_takes_are_se
             an.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [
                 b64_block(png(w, h, 1))]}])
         assert e.value.body["error"]["type"] == "invalid_request_error" and "aspect ratio" in e.value.message
+        with pytest.raises(anthropic.BadRequestError, match="aspect ratio"):  # counting checks it as a turn does
+            an.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": [b64_block(png(w, h, 1))]}])
     assert recorder.of(session.id) == []
     for w, h in [(3200, 16), (16, 3200), (1, 1), (1, 200), (200, 1)]:
         assert ask(png(w, h, 2)).usage.completion_tokens >= 1

@@ -61,7 +61,14 @@ def test_dry_run_of_every_config(name):
     acts = [float(x) for x in re.findall(r"^  activations\s+([\d.]+) GiB", out, re.M)]
     state = 0 if cfg["cpu_offload_optimizer"] else sum(gib(out, row) for row in ("parameters", "gradients", "optimizer"))
     act = acts[0 if cfg["activation_checkpointing"] else 1] * GiB
-    parts = state + gib(out, "all-gather") + gib(out, "logprob chunk") + act
+    hybrid = "qwen36" in name or "qwen3_6" in name
+    if name == "qwen3_6_35b_a3b":  # KV in its 10 attention layers (1 KV head per TP2 rank), a GDN state per sequence
+        per_sequence = 32768 * 2 * 10 * 1 * 256 * 2 + 30 * (4 * 16 * 128 * 128 + 2 * 3 * (16 * 128 + 16 * 128))
+        free = float(re.search(r"([\d.]+) GiB bf16 weights of ([\d.]+) GiB", out).group(2)) - 33.48
+        assert f"= {int(free * GiB // per_sequence)} full 32768-token sequences" in out, out
+        assert gib(out, "GDN states") == pytest.approx(2 * 2 * 512 * 32 * 128 * 128, abs=0.005 * GiB)  # + gradient
+    assert ("  GDN states" in out) == hybrid and ("linear-attention layers 0, " in out) == hybrid
+    parts = state + gib(out, "all-gather") + gib(out, "logprob chunk") + act + (gib(out, "GDN states") if hybrid else 0)
     assert len(acts) == 2 and abs(gib(out, "total") - parts) <= 0.03 * GiB, (gib(out, "total") / GiB, parts / GiB)
     if name == "moe_700b":
         billions = float(re.search(r"dry run: ([\d.]+)B parameters", out).group(1))
@@ -116,6 +123,21 @@ def test_cpu_offload_takes_the_sharded_state_off_the_gpu():
     state = sum(gib(on_gpu, row) for row in ("parameters", "gradients", "optimizer"))
     assert "[host memory (cpu_offload_optimizer)]" in r.stdout
     assert gib(r.stdout, "total") == pytest.approx(gib(on_gpu, "total") - state, abs=0.02 * GiB)
+
+
+@pytest.mark.stack
+def test_kl_penalty_plans_a_reference_copy_except_under_lora():
+    """kl_coef > 0 plans the reference policy: a copy of the parameter shards in param_dtype (bf16: half the fp32
+    parameters row), in the total; a LoRA run's reference is its frozen base, no row (test_train checks the figure
+    against the shards a real 2-rank run builds)."""
+    base = dry_run_output("qwen3_30b_a3b")
+    runs = [run_train("--config", "configs/qwen3_30b_a3b.py", "--dry_run=True", "--kl_coef=0.05", *lora)
+            for lora in ([], ["--lora_rank=8"])]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-3000:] for r in runs]
+    with_ref, lora = (r.stdout for r in runs)
+    assert gib(with_ref, "reference") == pytest.approx(gib(base, "parameters") / 2, abs=0.01 * GiB)
+    assert gib(with_ref, "total") == pytest.approx(gib(base, "total") + gib(with_ref, "reference"), abs=0.02 * GiB)
+    assert "  reference " not in base and "  reference " not in lora
 
 
 def saved_bytes(module, forward):
@@ -189,6 +211,50 @@ def test_vision_activation_estimate_matches_what_autograd_saves():
     assert plan.vision_activation_bytes(vc, checkpointing=True, dtype_bytes=2) < estimate
 
 
+class FlaSaves(torch.autograd.Function):
+    """For the count alone (fla computes on CUDA only): saves for backward what fla's ChunkGatedDeltaRuleFunction
+    saves, in its dtypes: q and k L2-normalized (new tensors), their fp32 rstd per head, the inputs made contiguous
+    (its input_guard: v is a view of silu(qkv)), g's fp32 chunk cumsum, beta, the WY matrix A (64 per head)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, cu_seqlens):
+        rstd = lambda t: torch.rsqrt((t.float() ** 2).sum(-1) + 1e-6)
+        A = k.new_zeros(*k.shape[:3], 64)
+        ctx.save_for_backward(q * rstd(q)[..., None].to(q.dtype), rstd(q), k * rstd(k)[..., None].to(k.dtype), rstd(k),
+                              v.contiguous(), g.float().cumsum(1), beta.contiguous(), A)
+        return torch.zeros_like(v)
+
+
+def test_hybrid_activation_estimate_matches_what_autograd_saves(monkeypatch):
+    """The bytes autograd saves in a bf16 forward of Qwen3.5 hybrids (zero-centred norms, gated attention, partial
+    rotary, Gated DeltaNet, a shared expert; irregular layer patterns, MoE and dense), parameters excluded, with the
+    delta rule saving what fla's kernel saves (FlaSaves), against the planner's formula: within 5% (measured
+    0.1-1.6%). Control: CPU's torch reference rule saves far more (1.6x at the same shapes) and fails the bound."""
+    import gdn
+    from model import ModelConfig, Transformer
+    LIN, FULL = "linear_attention", "full_attention"
+    shapes = [dict(layer_types=[LIN, FULL, LIN], shared_expert_intermediate_size=160),
+              dict(layer_types=[LIN, LIN, FULL], num_experts=0, intermediate_size=384),
+              dict(layer_types=[FULL, LIN, LIN], linear_num_value_heads=8, linear_value_head_dim=32)]
+    for kw in shapes:
+        mcfg = ModelConfig(**{**dict(family="qwen3_5", vocab_size=512, hidden_size=256, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, partial_rotary_factor=0.25,
+                                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                                     linear_value_head_dim=48), **kw})
+        torch.manual_seed(0)
+        model = Transformer(mcfg)
+        model.init_weights()
+        model = model.to(torch.bfloat16).train()
+        ids = torch.randint(0, 512, (2, 512))
+        estimate = plan.activation_bytes(mcfg, ids.numel(), checkpointing=False, dtype_bytes=2)
+        with monkeypatch.context() as m:
+            m.setattr(gdn, "chunk_gated_delta_rule", lambda *a: FlaSaves.apply(*a))
+            assert saved_bytes(model, lambda: model.hidden_states(ids)) == pytest.approx(estimate, rel=0.05), kw
+        assert saved_bytes(model, lambda: model.hidden_states(ids)) > 1.2 * estimate  # the torch reference rule
+        assert plan.activation_bytes(mcfg, ids.numel(), checkpointing=True, dtype_bytes=2) < estimate
+
+
 @pytest.mark.parametrize("args,env,msg", [
     (["--config", "configs/moe_700b.py", "--ep_size=512"], {}, r"ep_size \(512\) does not divide the number of experts \(256\)"),
     (["--config", "configs/moe_700b.py", "--activation_checkpointing=False"], {},
@@ -222,6 +288,9 @@ def tiny_cfg(**overrides):
     (dict(engine_max_model_len=8192), r"engine_max_model_len \(8192\) is above the model's max_position_embeddings"),
     (dict(num_engines=0), r"num_engines=0 is not accepted: it must be >= 1"),
     (dict(max_failed_rounds=-1), r"max_failed_rounds=-1 is not accepted: it must be >= 0 \(0 never stops\)"),
+    (dict(speculative_tokens=2), r"speculative_tokens=2 drafts with the model's MTP layers, but .* has none"),
+    (dict(speculative_tokens=-1), r"speculative_tokens=-1 is not accepted: it must be >= 0"),
+    (dict(mtp_loss_coef=0.1), r"mtp_loss_coef=0.1 trains the model's MTP layers, but it has none"),
 ])
 def test_check_config(overrides, msg):
     from tiny import TINY_CONFIG
@@ -231,6 +300,21 @@ def test_check_config(overrides, msg):
     plan.check_config(tiny_cfg(), TINY_CONFIG)  # the defaults are consistent
     with pytest.raises(ConfigError, match=r"torchrun started 2 ranks"):
         plan.check_config(tiny_cfg(), TINY_CONFIG, world_size=2)
+
+
+def test_speculative_tokens_turns_mtp_drafting_on_and_prefix_caching_off_on_cpu(capsys):
+    from tiny import TINY_QWEN36_CONFIG
+    cfg = tiny_cfg(speculative_tokens=2, model_path=".cache/tiny-qwen36-moe")
+    plan.check_config(cfg, TINY_QWEN36_CONFIG)
+    assert "enable_prefix_caching set to False" in capsys.readouterr().err
+    options = plan.engine_options(cfg)
+    assert options["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
+    assert options["enable_prefix_caching"] is False
+    off = tiny_cfg(model_path=".cache/tiny-qwen36-moe")  # drafting off: prefix caching stays, no drafter
+    plan.check_config(off, TINY_QWEN36_CONFIG)
+    assert plan.engine_options(off)["enable_prefix_caching"] and plan.engine_options(off)["speculative_config"] is None
+    with pytest.raises(ConfigError, match="speculative_tokens and speculative_config both"):
+        plan.check_config(tiny_cfg(speculative_tokens=1, speculative_config={"method": "ngram"}), TINY_QWEN36_CONFIG)
 
 
 def test_engine_receives_the_config_options(tiny_model_path):

@@ -467,18 +467,37 @@ def test_forced_calls_without_free_text_always_parse_and_validate(stack, rollout
         jsonschema.validate(json.loads(c.function.arguments), READING["parameters"])
 
 
-@pytest.mark.xfail(reason="open defect: after the Qwen3.5 tool-parser merge a free-text argument was seen sampled past its closing brace ('{ \"expression\": \", 413564\"}}'): the grammar no longer bounds the call's end")
+SHORT = {"name": "note", "parameters": {"type": "object", "properties": {"text": {"type": "string", "maxLength": 2}},
+                                        "required": ["text"]}}  # free text the random model closes at once
+CLOSING = "}\n</tool_call>"  # what follows a Hermes call's arguments
+
+
 def test_forced_calls_with_free_text_sample_a_valid_prefix(stack, rollout_engine):
     """A free-text argument runs on (the random model rarely closes a string): what is sampled, cut at max_tokens, is
-    still a prefix of schema-conforming JSON in every API; without the grammar it is not."""
+    still a prefix of schema-conforming JSON arguments then the call's closing text, in every API; a call that closes
+    ends with exactly that text and the end token, and every cut of it (one in the closing text too: the token
+    '"}}' closes the string, the object and opens the closing) is such a prefix; without the grammar it is not."""
     import xgrammar
     server, recorder = stack
     tokenizer = xgrammar.TokenizerInfo.from_huggingface(server.tokenizer, stop_token_ids=server.end_ids)
-    schema = xgrammar.GrammarCompiler(tokenizer).compile_json_schema(json.dumps(EXPRESSION["parameters"]))
+    compiler = xgrammar.GrammarCompiler(tokenizer)
 
-    def valid_prefix(text):  # of the arguments (after the name: "required" opens the call up to it), then the end
-        arguments = text.split('", "arguments": ', 1)[-1].split("}\n</tool_call>")[0]
-        return xgrammar.GrammarMatcher(schema).accept_string(arguments)
+    def complete(arguments, schema):
+        try:
+            return jsonschema.validate(json.loads(arguments), schema) is None
+        except (ValueError, jsonschema.ValidationError):
+            return False
+
+    def valid_prefix(text, schema=EXPRESSION["parameters"]):  # after the name: "required" opens the call up to it
+        arguments = text.split('", "arguments": ', 1)[-1]
+        ends = [CLOSING[:k] for k in range(1, len(CLOSING))] + [CLOSING + t for t in ["", *server.end_texts]]
+        if any(arguments.endswith(e) and complete(arguments[:-len(e)], schema) for e in ends):
+            return True  # complete arguments, then the closing text as far as it went
+        return xgrammar.GrammarMatcher(compiler.compile_json_schema(json.dumps(schema))).accept_string(arguments)
+    # the check itself: a cut anywhere in the closing text after complete arguments passes; anything else fails
+    assert all(valid_prefix('{"expression": "1"}' + CLOSING[:k]) for k in range(len(CLOSING) + 1))
+    assert not any(valid_prefix(t) for t in ('{"expression": "1"}}}', '{"expression": "1"}\n</tool_call>',
+                                             '{"expression": 1}' + CLOSING, '{"expression": "1"}' + CLOSING + "x"))
     for api in ("chat", "messages", "responses"):
         for stream in (False, True):
             calls, _, session = sampled_call(server, api, stream, EXPRESSION, 24)
@@ -487,8 +506,15 @@ def test_forced_calls_with_free_text_sample_a_valid_prefix(stack, rollout_engine
             # a call that closed parses (a stream sent a cut call's pieces as they came: it cannot take them back)
             assert stream or all(json.loads(c)["expression"] is not None for c in calls)
             finish(server, recorder, session)
+    calls, _, session = sampled_call(server, "messages", False, SHORT, 48)
+    (call,) = recorder.of(session.id)
+    ids = call["out"]["token_ids"]
+    assert server.tokenizer.decode(ids).endswith(CLOSING + server.tokenizer.decode(ids[-1:])), ids
+    assert ids[-1] in server.end_ids and complete(calls[0], SHORT["parameters"])
+    assert all(valid_prefix(server.tokenizer.decode(ids[:k]), SHORT["parameters"]) for k in range(len(ids) + 1))
+    finish(server, recorder, session)
     free = ray.get(rollout_engine.generate.remote(call["prompt"], dict(max_tokens=24, seed=0), "free-prefix"))
-    assert not valid_prefix(server.tokenizer.decode(free["token_ids"]))
+    assert not valid_prefix(server.tokenizer.decode(free["token_ids"]), SHORT["parameters"])
 
 
 # --- the Responses API

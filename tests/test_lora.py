@@ -21,8 +21,8 @@ import checkpoint
 import train
 from experts import experts_grouped_mm, experts_loop
 from model import Transformer
-from test_train import CFG, GRAD_TOL, PARAM_TOL, STEPS, make_weights, reference_run, run_steps, spawn, trainer_config, \
-    windows
+from test_train import CFG, GRAD_TOL, PARAM_TOL, STEPS, check_kl_penalty, make_weights, reference_run, run_steps, \
+    spawn, trainer_config, windows
 
 LORA = dict(lora_rank=4, lora_alpha=8.0, lora_targets="all")
 
@@ -145,6 +145,35 @@ def test_adapter_gradients_match_single_process(tmp_path, world, ep):
     assert ref[-1]["grad_norm"] > 0 and any(g.abs().max() > 0 for n, g in ref[1]["grads"].items() if "lora_A" in n)
     for name, p in ref[-1]["params"].items():  # adapters trained alike, the base unchanged
         torch.testing.assert_close(got["params"][name], p, **PARAM_TOL, msg=lambda s: f"{name}: {s}")
+
+
+@pytest.mark.stack
+def test_kl_penalty_to_the_frozen_base_matches_single_process(tmp_path):
+    """A LoRA run's reference is its own frozen base, adapters off (lora.base_only): no second copy of the weights;
+    the single-process reference computes it with a plain model of the initial weights."""
+    got = check_kl_penalty(tmp_path, prepare=with_adapters(trainer_config(**LORA)), **LORA)
+    assert got["reference_bytes"] is None  # train.build_reference gave the model itself
+
+
+def test_base_only_turns_every_adapter_off_and_back_on():
+    torch.manual_seed(0)
+    base = Transformer(CFG)
+    base.init_weights(0, std=0.2)
+    adapted = copy.deepcopy(base)
+    with_adapters(trainer_config(**LORA))(adapted)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # adapters that change the model (a fresh one is zero: no control)
+    x = torch.arange(24).view(2, 12) % CFG.vocab_size
+    with torch.no_grad():
+        want, on = base(x), adapted(x)
+        with lora.base_only(adapted):
+            off = adapted(x)
+        again = adapted(x)
+    assert (on - want).abs().max() > 0.1  # the adapters matter
+    torch.testing.assert_close(off, want, rtol=0, atol=0)  # exactly the base: scaling 0 adds 0 * finite
+    torch.testing.assert_close(again, on, rtol=0, atol=0)
 
 
 @pytest.mark.stack

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 import checkpoint
 import train
+import weights_sync
 from conftest import child_env
 
 pytestmark = pytest.mark.stack
@@ -143,12 +144,12 @@ def test_sigkill_mid_step_then_resume(tmp_path, tiny_model_path):
     state = get_model_state_dict(model)
     assert set(state) == set(saved["model"])
     for name, value in state.items():
-        assert torch.equal(checkpoint.gather_full(name, value, model.meshes), saved["model"][name]), name
+        assert torch.equal(weights_sync.gather(model, name, value), saved["model"][name]), name
     optim = get_optimizer_state_dict(model, optimizer)["state"]
     assert set(optim) == set(saved["optimizer"]["state"])
     for name, moments in optim.items():
         for key in ("exp_avg", "exp_avg_sq", "step"):
-            mine, theirs = checkpoint.gather_full(name, moments[key], model.meshes), saved["optimizer"]["state"][name][key]
+            mine, theirs = weights_sync.gather(model, name, moments[key]), saved["optimizer"]["state"][name][key]
             assert torch.equal(mine, theirs), (name, key)
     assert extra["policy_version"] == 1  # what main() hands the rollout pool and the trainer
     assert "data_position" in extra, ("the checkpoint must record how many prompts the run has drawn from its "

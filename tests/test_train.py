@@ -18,7 +18,9 @@ import torch.multiprocessing as mp
 
 import loss
 import checkpoint
+import plan
 import train
+import weights_sync
 from conftest import child_env, end_rank
 import experts
 import model
@@ -91,13 +93,17 @@ def windows(n_microbatches=6, num_experts=CFG.num_experts):
 # the single-process reference: a plain model, loss.py directly, torch's own clipping and AdamW
 
 
-def reference_run(weights, wins, cfg, steps=STEPS, prepare=None):
-    """prepare(model): what to do to the plain model before training (e.g. give it LoRA adapters)."""
+def reference_run(weights, wins, cfg, steps=STEPS, prepare=None, reference_is_policy=False):
+    """prepare(model): what to do to the plain model before training (e.g. give it LoRA adapters). kl_coef > 0: the
+    KL penalty's reference is a second plain model of the initial weights (no adapters), on its own routing
+    (reference_is_policy: wrongly the model in training, on the replayed routes, a negative control)."""
     model = Transformer.from_pretrained(weights)
+    initial = Transformer.from_pretrained(weights).requires_grad_(False) if cfg["kl_coef"] else None
     if model.visual is not None:
         model.visual.requires_grad_(cfg["train_vision"])
     if prepare is not None:
         prepare(model)
+    initial = model if reference_is_policy else initial
     trainable = [p for p in model.parameters() if p.requires_grad]
     lcfg = train.loss_config(cfg)
     opt = torch.optim.AdamW(trainable, lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
@@ -105,28 +111,30 @@ def reference_run(weights, wins, cfg, steps=STEPS, prepare=None):
     record = []
     for step in range(steps):
         window = wins[step]
-        def logprobs_of(mb):
-            h = model.hidden_states(mb["input_ids"], routed_experts=mb["routed_experts"],
-                                    pixel_values=mb.get("pixel_values"), image_grid_thw=mb.get("image_grid_thw"))
-            return loss.token_logprobs(h, model.lm_head.weight, mb["targets"], cfg["temperature"])[0]
+        def logprobs_of(mb, m=model, routes=True):
+            h = m.hidden_states(mb["input_ids"], routed_experts=mb["routed_experts"] if routes else None,
+                                pixel_values=mb.get("pixel_values"), image_grid_thw=mb.get("image_grid_thw"))
+            return loss.token_logprobs(h, m.lm_head.weight, mb["targets"], cfg["temperature"])[0]
         with torch.no_grad():
             olds = [logprobs_of(mb) if lcfg.is_mode == "mask" else None for mb in window]
+            refs = [logprobs_of(mb, initial, routes=reference_is_policy) if initial else None for mb in window]
         kept = [loss.kept_token_mask(o, mb["behavior_logprobs"], mb["action_mask"], mb["token_versions"], step, lcfg)
                 for o, mb in zip(olds, window)]
         window_tokens = sum(int(k.sum()) for k in kept)
-        total = 0.0
-        for old, mb in zip(olds, window):
-            l, _ = loss.policy_loss(logprobs_of(mb), old, mb["behavior_logprobs"], mb["advantages"], mb["action_mask"],
-                                    mb["token_versions"], step, lcfg, window_tokens)
+        total, metrics = 0.0, []
+        for old, ref, mb in zip(olds, refs, window):
+            l, m = loss.policy_loss(logprobs_of(mb), old, mb["behavior_logprobs"], mb["advantages"], mb["action_mask"],
+                                    mb["token_versions"], step, lcfg, window_tokens, ref_logprobs=ref)
             l.backward()
             total += l.item()
+            metrics.append(m)
         norm = torch.nn.utils.clip_grad_norm_(trainable, cfg["grad_clip"])
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         for group in opt.param_groups:
             group["lr"] = train.learning_rate_at(step, cfg)
         opt.step()
         opt.zero_grad()
-        record.append(dict(loss=total, grad_norm=norm.item(), grads=grads,
+        record.append(dict(loss=total, grad_norm=norm.item(), grads=grads, kl_ref=loss.reduce_metrics(metrics).get("kl_ref"),
                            params={n: p.detach().clone() for n, p in model.named_parameters()}))
     return record
 
@@ -154,8 +162,9 @@ def _rank_main(rank, world, port, scenario, args):
 
 
 def full_grads(model):
-    return {name: checkpoint.gather_full(name, p.grad, model.meshes) for name, p in model.named_parameters()
-            if p.grad is not None}
+    """The whole gradients on rank 0 ({} on the others)."""
+    grads = {name: weights_sync.gather(model, name, p.grad) for name, p in model.named_parameters() if p.grad is not None}
+    return {name: g for name, g in grads.items() if g is not None}
 
 
 def record_grads_before_step(optimizer, model):
@@ -188,13 +197,18 @@ def run_steps(rank, world, cfg, weights, wins, out, first_step=0, steps=STEPS, c
     for group in opt.param_groups:
         group["eps"] = ADAM_EPS
     recorded = record_grads_before_step(opt, model)
+    reference = train.build_reference(cfg, model, train.compute_device())  # kl_coef > 0
+    reference_bytes = None if reference in (None, model) else (  # this rank's, and what the dry run plans for it
+        sum(checkpoint.local_tensor(p).numel() * p.element_size() for p in reference.parameters()),
+        plan.plan_memory(cfg, model.config, train.measure_shards(model, cfg))["reference_bytes"])
     resumed = None
     if resume is not None:
         first_step, extra = checkpoint.load_checkpoint(resume, model, opt)
         resumed = dict(step=first_step, extra=extra, params={n: t for n, t in checkpoint.full_parameters(model)})
     metrics, checkpointed = [], None
     for step in range(first_step, steps):
-        metrics.append(train.train_step(model, opt, my_share(wins[step], rank, world), cfg, policy_version=step))
+        metrics.append(train.train_step(model, opt, my_share(wins[step], rank, world), cfg, policy_version=step,
+                                        reference=reference))
         if checkpoint_dir is not None and step + 1 == (checkpoint_at or steps):  # and the run goes on past it
             checkpoint.save_checkpoint(checkpoint_dir, model, opt, step + 1, cfg, extra={"note": "hello"})
             checkpointed = {n: t for n, t in checkpoint.full_parameters(model)}
@@ -209,7 +223,7 @@ def run_steps(rank, world, cfg, weights, wins, out, first_step=0, steps=STEPS, c
     shard_dims = {p.placements[0].dim for n, p in model.named_parameters() if is_stacked_experts(n)}
     if rank == 0:
         torch.save(dict(metrics=metrics, grads=recorded, params=params, resumed=resumed, logits=logits,
-                        expert_shard_dims=shard_dims, checkpointed=checkpointed), out)
+                        expert_shard_dims=shard_dims, checkpointed=checkpointed, reference_bytes=reference_bytes), out)
 
 # -----------------------------------------------------------------------------
 # tests
@@ -244,6 +258,40 @@ def test_matches_single_process(tmp_path, world, ep, extra, mcfg):
     assert got["expert_shard_dims"] == ({1} if mcfg is CFG6 else {0})
     ref = reference_run(weights, wins, cfg)
     check_matches_single_process(got, ref, hybrid=mcfg is HYBRID)
+
+
+def check_kl_penalty(tmp_path, prepare=None, **extra):
+    """kl_coef > 0 on 2 gloo ranks (ep 2) against the single-process reference: the KL term to the initial weights
+    changes the loss, gradients and parameters alike, and kl_ref is logged; a negative control shows that the
+    comparison sees the term."""
+    weights = make_weights(str(tmp_path / "weights"))
+    cfg = trainer_config(ep_size=2, kl_coef=KL_COEF, model_path=weights, **extra)
+    wins = windows()
+    spawn(2, "run_steps", cfg, weights, wins, str(tmp_path / "out.pt"))
+    got = torch.load(tmp_path / "out.pt", weights_only=False)
+    ref = reference_run(weights, wins, cfg, prepare=prepare)
+    check_matches_single_process(got, ref)
+    kl = [m["kl_ref"] for m in got["metrics"]]
+    # step 0 trains the initial weights themselves: KL 0; then the policy has moved away from them
+    assert kl[0] == 0.0 and all(k > KL_FLOOR for k in kl[1:]), kl  # the same computation twice: 0.0 exactly
+    assert kl == pytest.approx([r["kl_ref"] for r in ref], rel=1e-5, abs=0.0)  # up to 1.4e-6 measured
+    # negative control: the reference wrongly the policy in training gives kl 0 (and k3's gradient 1 - exp(ref - logp)
+    # vanishes), which fails the floor above, and from step 1 gradients that the comparison tells apart
+    wrong = reference_run(weights, wins, cfg, prepare=prepare, reference_is_policy=True)
+    assert all(w["kl_ref"] < KL_FLOOR for w in wrong)
+    assert any(not torch.allclose(wrong[1]["grads"][n], g, **GRAD_TOL) for n, g in ref[1]["grads"].items())
+    return got
+
+
+# kl_ref at steps 1 and 2: 0.73, 0.42 measured (full fine-tuning), 0.43, 0.0052 (LoRA); 0.0 with the wrong reference
+KL_COEF, KL_FLOOR = 1.0, 1e-3
+
+
+@pytest.mark.stack
+def test_kl_penalty_to_a_frozen_copy_of_the_initial_weights_matches_single_process(tmp_path):
+    got = check_kl_penalty(tmp_path)
+    real, planned = got["reference_bytes"]  # rank 0's reference shards, as built and as the dry run plans them
+    assert real == planned > 0
 
 
 @pytest.mark.parametrize("mcfg,extra", [(CFG, {"is_mode": "mask"}), (CFG6, {})],
