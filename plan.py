@@ -239,10 +239,11 @@ def activation_bytes(mcfg, tokens, checkpointing, dtype_bytes=2, expert_parallel
     norm = ((8 + b) if zc else (4 + 2 * b)) * D + 4
     attn = (2 * norm + (8 if zc else 4 + b) * (nh + nkv) * hd + 4 * (nh + nkv) + b * 2 * (nh + nkv) * hd + 4 * nh +
             2 * b * nh * hd * zc)
-    nv, dk, dv, kc = (mcfg.linear_num_value_heads, mcfg.linear_key_head_dim, mcfg.linear_value_head_dim,
-                      mcfg.linear_conv_kernel_dim)
-    conv_dim = 2 * mcfg.linear_num_key_heads * dk + nv * dv
-    gdn = 2 * norm + b * (kc + 1) * conv_dim + b * (kc - 1) + nv * (b + 24 + 2 * b * dk + 64 * b + (12 + 4 * b) * dv)
+    nk, nv, dk, dv, kc = (mcfg.linear_num_key_heads, mcfg.linear_num_value_heads, mcfg.linear_key_head_dim,
+                          mcfg.linear_value_head_dim, mcfg.linear_conv_kernel_dim)
+    conv_dim = 2 * nk * dk + nv * dv
+    # the delta rule (fla) keeps q and k per key head (L2-normalized, with their fp32 rstd), the rest per value head
+    gdn = 2 * norm + b * ((kc + 1) * conv_dim + kc - 1) + nk * (2 * b * dk + 8) + nv * (b + 16 + 64 * b + (12 + 4 * b) * dv)
     index = (5 if expert_parallel else 3) * 8 * K  # int64 ids of width K: topk ids, sort order, inverse (+ EP's two)
     moe = (4 * mcfg.num_experts + b * K * D + 5 * b * K * mcfg.moe_intermediate_size + index + (4 + b) * K + 4 +
            (4 * b * mcfg.shared_expert_intermediate_size + b * D + b if mcfg.shared_expert_intermediate_size else 0))
