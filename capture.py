@@ -467,9 +467,8 @@ class CaptureServer:
         """The segment rule (module docstring): if `messages` extend the open segment's conversation, (tokens to
         append, new conversation); else None, and the request opens a new segment."""
         conv = session.conversation
-        if conv is None or tools != session.tools or len(messages) < len(conv):
-            return None
-        if not all(same_message(a, b) for a, b in zip(conv, messages)):
+        if conv is None or tools != session.tools or len(messages) < len(conv) or not all(
+                same_message(a, b) for a, b in zip(conv, messages)):
             return None
         conversation = conv + messages[len(conv):]  # our own record of the prefix: the client's echo may differ
         before = self.render_text(conv, tools, False)  # in formatting only (JSON whitespace, tool-call ids)
@@ -695,8 +694,7 @@ class CaptureServer:
         """A streamed turn for the protocols' event writers (protocols.py): the head; text, call and argument deltas
         as the engine samples (`tokens`: a queue of the token ids so far, `first` its first get; reasoning first, the
         calls read by vLLM's streaming parser); what the answer holds beyond what was sent; then the answer, or the error
-        that ended the turn. `task` is the request's respond()."""
-        await asyncio.wait([first, task], return_when=asyncio.FIRST_COMPLETED)
+        that ended the turn. `task` is the request's respond(); http_chat waited for it or `first` to be done."""
         done = task.done() and not task.exception()  # answered at once (a retry) or before any token came
         head = task.result() if done else {"id": request.id, "created": request.created, "prompt_tokens": None}
         yield ("head", head["id"], head["created"], request.model or self.model_name,
@@ -710,8 +708,8 @@ class CaptureServer:
                     while not tokens.empty():  # only the latest count: the ids are cumulative
                         ids = tokens.get_nowait()
                     previous, pending = text, asyncio.ensure_future(tokens.get())
-                    reasoning, text = ("", self.stream_text(ids, request)) if not request.reasoning else split_reasoning(
-                        self.stream_text(ids, request), self.call_tags[0])
+                    text = self.stream_text(ids, request)
+                    reasoning, text = split_reasoning(text, self.call_tags[0]) if request.reasoning else ("", text)
                     # the parser gives each piece of text once (and none of a call's)
                     new, calls = read_calls(parser, previous, text) if parser else (text[len(content):], [])
                     content += new  # the grammar-engine parsers' answers end stripped: trailing spaces wait for more
