@@ -66,7 +66,7 @@ class Engine:
         self.engine_args.update(engine_kwargs)
         self.seeds_refused = not torch.cuda.is_available() and bool(self.engine_args.get("enable_chunked_prefill"))
         self.llm = None
-        self.policy_version = 0
+        self.policy_version, self.drafts = 0, [0, 0]  # drafts: (accepted, drafted) since take_drafts
         # lora_path: a PEFT adapter directory; every request runs with that adapter (vLLM's LoRA id 1), which each
         # weight sync then replaces in place (weights_sync.WeightSyncWorker.receive_adapter)
         self.lora_request = None
@@ -113,6 +113,8 @@ class Engine:
             structured_outputs=StructuredOutputsParams(**structured) if structured else None,
             detokenize=stop is not None,  # text only for stop strings
             output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE)
+        if self.engine_args["speculative_config"] and params.logit_bias:  # refused with drafts: our biases are bans
+            params.logit_bias, params._bad_words_token_ids = None, [[t] for t in params.logit_bias]  # (-100)
         async for out in self.llm.generate(self.prompt(prompt_token_ids, images), params, request_id,
                                            lora_request=self.lora_request):
             if not out.finished:
@@ -128,6 +130,7 @@ class Engine:
                       token_versions=versions, routed_experts=None if routes is None else routes.tolist(),
                       finish_reason=c.finish_reason, num_prompt_tokens=len(out.prompt_token_ids),
                       drafts=m and (sum(j * n for j, n in enumerate(m.histogram)), m.num_draft_tokens))
+        self.drafts = [a + b for a, b in zip(self.drafts, result["drafts"] or (0, 0))]
         if top:  # per position, (token id, logprob) by rank; the sampled token's entry comes too when ranked lower
             result["top_logprobs"] = [[(t, p.logprob) for t, p in sorted(d.items(), key=lambda x: x[1].rank)
                                        if p.rank <= top] for d in c.logprobs]
@@ -161,6 +164,10 @@ class Engine:
 
     async def resume(self):
         await self.llm.resume_generation()
+
+    async def take_drafts(self):  # the draft tokens accepted and drafted since the last call
+        drafts, self.drafts = self.drafts, [0, 0]
+        return drafts
 
     async def set_version(self, policy_version):
         self.policy_version = int(policy_version)

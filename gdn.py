@@ -27,8 +27,8 @@ def l2norm(x, eps=1e-6):
 
 def segment_positions(cu_seqlens, N):
     """Each of the N packed tokens' index within its segment, and its segment: cu_seqlens (S+1,) int -> (N,), (N,)."""
-    lengths = cu_seqlens.diff()
-    segment = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths, output_size=N)
+    segment = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=cu_seqlens.device), cu_seqlens.diff(),
+                                      output_size=N)
     return torch.arange(N, device=cu_seqlens.device) - cu_seqlens[segment], segment
 
 
@@ -46,9 +46,8 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, chunk=64):
     N, H, dk, dv, dtype = q.shape[1], q.shape[2], q.shape[3], v.shape[3], v.dtype
     acc = torch.promote_types(dtype, torch.float32)  # fp32 (fp64 inputs stay fp64: the exactness test)
     pos, seg = segment_positions(cu_seqlens, N)
-    S, L = len(cu_seqlens) - 1, int(cu_seqlens.diff().max())  # NOTE: a device-to-host sync
-    L += -L % chunk
-    n = L // chunk
+    S, n = len(cu_seqlens) - 1, -(-int(cu_seqlens.diff().max()) // chunk)  # chunks a segment; NOTE: a host sync
+    L = n * chunk
 
     def padded(x):  # (1, N, H, ...) -> (S, H, n, chunk, ...) in fp32, zeros after each segment's end
         out = x.new_zeros(S, L, *x.shape[2:], dtype=acc).index_put((seg, pos), x[0].to(acc))
@@ -66,8 +65,7 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, chunk=64):
     within = q @ k.transpose(-1, -2) * pair  # causal, diagonal included
     q_decayed = q * decay.exp()[..., None]
     k_decayed = k * (decay[..., -1:] - decay).exp()[..., None]
-    state = q.new_zeros(S, H, dk, dv)  # fp32 (acc)
-    out = []
+    state, out = q.new_zeros(S, H, dk, dv), []  # the state in fp32 (acc)
     for i in range(n):  # the scan over chunks: the state carries what earlier chunks wrote
         new = values[:, :, i] - keys_read[:, :, i] @ state
         out.append(q_decayed[:, :, i] @ state + within[:, :, i] @ new)
@@ -82,9 +80,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens):
     if not (q.is_cuda and FLA_ON_CUDA):
         return chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule  # the GPU install's fla-core
-    out, _ = fla_rule(q, k, v, g=g, beta=beta, scale=q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True,
-                      cu_seqlens=cu_seqlens.long())
-    return out
+    return fla_rule(q, k, v, g=g, beta=beta, scale=q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True,
+                    cu_seqlens=cu_seqlens.long())[0]
 
 
 def causal_conv(x, weight, pos):
@@ -92,8 +89,8 @@ def causal_conv(x, weight, pos):
     token's index in its segment -> (N, C). Tap j reads the token K-1-j back, zero when that is before the segment."""
     K, out = weight.shape[-1], x * weight[:, 0, -1]
     for back in range(1, K):
-        shifted = F.pad(x, (0, 0, back, 0))[:x.shape[0]] * (pos >= back)[:, None].to(x.dtype)  # any N, even < K
-        out = out + shifted * weight[:, 0, K - 1 - back]
+        # the token `back` steps earlier (zero before the segment's start; any N, even < K), times its tap
+        out = out + F.pad(x, (0, 0, back, 0))[:len(x)] * (pos >= back)[:, None].to(x.dtype) * weight[:, 0, K - 1 - back]
     return out
 
 
@@ -102,14 +99,12 @@ class GatedRMSNorm(nn.Module):
 
     def __init__(self, dim, eps):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x, z):
-        dtype = x.dtype
-        x = x.float()
-        x = self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-        return (x * F.silu(z.float())).to(dtype)
+        xf = x.float()  # one cast: its backward rounds as transformers' does
+        y = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (y * F.silu(z.float())).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -136,10 +131,9 @@ class GatedDeltaNet(nn.Module):
         B, T, D = x.shape
         x, N, fla = x.reshape(1, B * T, D), B * T, x.is_cuda and FLA_ON_CUDA
         if fla:  # the GPU install's fla-core: conv and SiLU in one kernel, restarted at each segment
-            from fla.modules.causal_conv1d import causal_conv1d
-            from fla.modules.norm.fused_norm_gate import rms_norm_gated
-            qkv = causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight[:, 0], activation="silu",
-                                cu_seqlens=cu_seqlens.long())[0][0]
+            import fla.modules.causal_conv1d as fla_conv, fla.modules.norm.fused_norm_gate as fla_norm
+            qkv = fla_conv.causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight[:, 0], activation="silu",
+                                         cu_seqlens=cu_seqlens.long())[0][0]
         else:
             qkv = F.silu(causal_conv(self.in_proj_qkv(x)[0], self.conv1d.weight, segment_positions(cu_seqlens, N)[0]))
         q, k, v = qkv.split([self.n_k * self.dk, self.n_k * self.dk, self.n_v * self.dv], dim=-1)  # (N, ...)
@@ -148,5 +142,5 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # log decay, fp32
         y = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens)  # (1, N, Hv, dv)
         z = self.in_proj_z(x).view(1, N, self.n_v, self.dv)
-        y = rms_norm_gated(y, z, self.norm.weight, None, eps=self.norm.eps) if fla else self.norm(y, z)
+        y = fla_norm.rms_norm_gated(y, z, self.norm.weight, None, eps=self.norm.eps) if fla else self.norm(y, z)
         return self.out_proj(y.reshape(B, T, -1))

@@ -312,6 +312,7 @@ class LossConfig:
     is_high: float = 2.0
     max_staleness: int = 1     # tokens sampled more than this many policy versions ago are dropped
     kl_coef: float = 0.0       # k3 KL to the reference policy (needs ref_logprobs)
+    mtp_loss_coef: float = 0.0  # the MTP head's cross-entropy of token t + 2 (train.mtp_loss; trunk detached)
     entropy_coef: float = 0.0  # entropy bonus (needs entropy)
 
     def __post_init__(self):
@@ -328,8 +329,9 @@ class LossConfig:
             raise ValueError(f"is_low={self.is_low}, is_high={self.is_high}: need 0 <= is_low <= is_high and is_high > 0")
         if not (isinstance(self.max_staleness, int) and self.max_staleness >= 0):
             raise ValueError(f"max_staleness={self.max_staleness!r}: must be an int >= 0")
-        if self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ValueError(f"kl_coef={self.kl_coef}, entropy_coef={self.entropy_coef}: must be >= 0")
+        if min(self.kl_coef, self.entropy_coef, self.mtp_loss_coef) < 0:
+            raise ValueError(f"kl_coef={self.kl_coef}, entropy_coef={self.entropy_coef}, mtp_loss_coef="
+                             f"{self.mtp_loss_coef}: must be >= 0")
 
 
 def _fresh_action_mask(mask, token_versions, policy_version, cfg):
@@ -536,4 +538,6 @@ def reduce_metrics(metrics_list, group=None):
         out["entropy"] = values["entropy_sum"] / kept
     if "kl_ref_sum" in values:
         out["kl_ref"] = values["kl_ref_sum"] / kept
+    if "mtp_loss_sum" in values:  # each microbatch's share is already divided by the window's count (train.mtp_loss)
+        out["mtp_loss"] = values["mtp_loss_sum"]
     return out

@@ -624,7 +624,7 @@ class Transformer(nn.Module):
                 x = idle_vision(self.visual, x)
         else:
             x, cos, sin, image_tokens, deepstack = embed_images(self, input_ids, x, pixel_values, image_grid_thw, start)
-        routes, m = [], 0
+        routes, m, self.positions = [], 0, (cos, sin, mask)  # mtp_hidden runs the MTP layers at these positions
         for i, block in enumerate(self.model.layers):
             replay = None
             if block.is_moe and routed_experts is not None:
@@ -644,6 +644,17 @@ class Transformer(nn.Module):
         if return_routes:
             return x, (torch.stack(routes, dim=2) if routes else None)
         return x
+
+    def mtp_hidden(self, hidden, next_ids):
+        """Qwen3.5's MTP head as vLLM drafts with it: from the trunk's hidden states (B, T, D) of the last hidden_states
+        call and the token after each position (B, T), the final-normed MTP hidden states whose logits at t predict
+        the token after next_ids[t]. The trunk's states and the embeddings come in detached."""
+        mtp, (cos, sin, mask) = self.mtp, self.positions
+        x = mtp.fc(torch.cat([mtp.pre_fc_norm_embedding(self.model.embed_tokens(next_ids).detach()),
+                              mtp.pre_fc_norm_hidden(hidden.detach())], -1))
+        for block in mtp.layers:
+            x, _ = block(x, cos, sin, None, mask)
+        return mtp.norm(x)
 
     def forward(self, input_ids, routed_experts=None, pixel_values=None, image_grid_thw=None, segment_ids=None):
         """input_ids (B, T) -> logits (B, T, V). The trainer uses hidden_states + chunked logprobs instead."""

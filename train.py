@@ -116,6 +116,7 @@ is_high = _loss.is_high
 max_staleness = _loss.max_staleness  # tokens sampled more than this many policy versions ago are dropped
 kl_coef = _loss.kl_coef              # KL penalty to the reference policy (the initial weights)
 entropy_coef = _loss.entropy_coef    # entropy bonus
+mtp_loss_coef = _loss.mtp_loss_coef  # the MTP head's cross-entropy of token t + 2 (mtp_loss), trunk detached (0: off)
 # optimization
 max_steps = 40
 learning_rate = 5e-4       # the tiny default's RL from its warm start (README: Learning)
@@ -329,6 +330,9 @@ def rl_step(run, loop, sender, model, optimizer, records, cfg, policy_version, s
     rank == 0 and run.get("recorder") and run["recorder"].add(step, records, segments, advantages, m["logprobs"])
     m["policy_version"] = policy_version + (not m["skipped"])
     m["sync_s"] = None if m["skipped"] else push_weights(run, loop, sender, model, m["policy_version"], rank, world)
+    if cfg["speculative_tokens"] and rank == 0 and run.get("drafts"):  # over the rollouts that fed this step
+        accepted, drafted = run.pop("drafts")
+        m["draft_acceptance"] = accepted / max(drafted, 1)
     return m
 
 
@@ -570,7 +574,8 @@ def push_weights(run, loop, sender, model, policy_version, rank, world):
         return None
     t0 = time.perf_counter()
     try:
-        loop.run_until_complete(weights_sync.sync_weights(live, sender, model, policy_version))
+        out = loop.run_until_complete(weights_sync.sync_weights(live, sender, model, policy_version))
+        run["drafts"] = out.get("drafts")  # the engines' draft tokens since the last sync (rank 0)
     except ray.exceptions.RayActorError as e:  # an engine died during the sync: it rejoins after its restart
         print0(f"weight sync at version {policy_version} lost an engine ({type(e).__name__}); the run goes on")
         run["router"].mark_connected([])
@@ -620,7 +625,7 @@ def collate(segments, advantages, pad_id=0):
             dense[i, :len(a) - 1] = a[1:] if len(a) > 1 else 0.0
         advantages = dense
     mb = dict(input_ids=torch.full((B, T), pad_id, dtype=torch.long), targets=torch.full((B, T), pad_id, dtype=torch.long),
-              action_mask=torch.zeros(B, T), behavior_logprobs=torch.zeros(B, T),
+              action_mask=torch.zeros(B, T), behavior_logprobs=torch.zeros(B, T), real=torch.zeros(B, T),
               token_versions=torch.full((B, T), -1, dtype=torch.long),
               advantages=advantages if per_token else torch.as_tensor(advantages, dtype=torch.float32).reshape(B))
     with_routes = all(s.get("routed_experts") is not None for s in segments)
@@ -630,7 +635,7 @@ def collate(segments, advantages, pad_id=0):
     for i, s in enumerate(segments):
         n = len(s["token_ids"]) - 1
         ids = torch.as_tensor(s["token_ids"], dtype=torch.long)
-        mb["input_ids"][i, :n], mb["targets"][i, :n] = ids[:-1], ids[1:]
+        mb["input_ids"][i, :n], mb["targets"][i, :n], mb["real"][i, :n] = ids[:-1], ids[1:], 1.0
         mb["action_mask"][i, :n] = torch.as_tensor(s["action_mask"][1:], dtype=torch.float32)
         mb["behavior_logprobs"][i, :n] = torch.as_tensor(s["behavior_logprobs"][1:], dtype=torch.float32)
         mb["token_versions"][i, :n] = torch.as_tensor(s["token_versions"][1:], dtype=torch.long)
@@ -648,14 +653,30 @@ def empty_microbatch(like):
             for k, v in like.items() if k not in (*vl.IMAGE_FIELDS, "segment_rows")}
 
 
-def microbatch_logprobs(model, mb, cfg, with_entropy=False):
-    """The trainer's logprob of each target (B, T), with routing replay when mb carries routed_experts."""
+def microbatch_logprobs(model, mb, cfg, with_entropy=False, mtp_tokens=None):
+    """The trainer's logprob of each target (B, T), with routing replay when mb carries routed_experts (and entropy,
+    or None); given mtp_tokens, also mtp_loss's share of this microbatch."""
     hidden = model.hidden_states(mb["input_ids"], routed_experts=mb.get("routed_experts"),  # (B, T, D)
                                  pixel_values=mb.get("pixel_values"), image_grid_thw=mb.get("image_grid_thw"))
     lm_head = model.lm_head.weight  # unsharded: the root FSDP unit keeps its params gathered after forward
     keep = cfg["logprob_keep_logits"] and torch.is_grad_enabled()  # nothing to keep them for under no_grad
-    return loss.token_logprobs(hidden, lm_head, mb["targets"], cfg["temperature"], cfg["logprob_chunk_size"],
-                               with_entropy=with_entropy, keep_logits=keep)
+    out = loss.token_logprobs(hidden, lm_head, mb["targets"], cfg["temperature"], cfg["logprob_chunk_size"],
+                              with_entropy=with_entropy, keep_logits=keep)
+    return out if mtp_tokens is None else (*out, mtp_loss(model, hidden, mb, mtp_tokens, cfg["logprob_chunk_size"]))
+
+
+def mtp_loss(model, hidden, mb, mtp_tokens, chunk_size=1024):
+    """MTP training (mtp_loss_coef): the MTP head's cross-entropy of token t + 2 from the trunk's hidden state at t
+    and the embedding of token t + 1, summed where token t + 2 is in the row's segment (mtp_mask) and divided by
+    mtp_tokens, that count over the window. The trunk, embeddings and lm_head are detached: only mtp.* learn."""
+    h = model.mtp_hidden(hidden, mb["targets"])[:, :-1]  # position t predicts targets[t + 1], the token t + 2
+    logprobs = loss.token_logprobs(h, model.lm_head.weight.detach(), mb["targets"][:, 1:], 1.0, chunk_size)[0]
+    return -(logprobs * mtp_mask(mb)).sum() / mtp_tokens.clamp(min=1)
+
+
+def mtp_mask(mb):  # collate's real tokens; packed rows (segment_ids): never across a segment boundary
+    seg = mb.get("segment_ids")
+    return mb["real"][:, 1:] * (1 if seg is None else seg[:, 1:] == seg[:, :-1])
 
 
 @torch.no_grad()
@@ -720,17 +741,18 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
     kept = [mb["action_mask"].bool() if sft else loss.kept_token_mask(old, mb["behavior_logprobs"], mb["action_mask"],
             mb["token_versions"], policy_version, lcfg) for old, mb in zip(old_logprobs, microbatches)]
     window_tokens = loss.count_window_tokens(kept)  # one all-reduce, before the first backward
+    mtp = loss.count_window_tokens([mtp_mask(mb) for mb in microbatches]) if lcfg.mtp_loss_coef and not sft else None
 
     metrics, kept_logprobs = [], []
     for old, mb in zip(old_logprobs, microbatches):
-        logprobs, entropy = microbatch_logprobs(model, mb, dict(cfg, temperature=1.0) if sft else cfg,
-                                                with_entropy=lcfg.entropy_coef > 0 and not sft)
+        logprobs, entropy, *mtp_l = microbatch_logprobs(model, mb, dict(cfg, temperature=1.0) if sft else cfg,
+                                                        with_entropy=lcfg.entropy_coef > 0 and not sft, mtp_tokens=mtp)
         mb_loss, mb_metrics = loss.sft_loss(logprobs, mb["action_mask"], window_tokens) if sft else loss.policy_loss(
             logprobs, old, mb["behavior_logprobs"], mb["advantages"], mb["action_mask"], mb["token_versions"],
             policy_version, lcfg, window_tokens, dp_world_size=1,  # gradients are summed over ranks
             ref_logprobs=mb.get("ref_logprobs"), entropy=entropy)
-        mb_loss.backward()
-        metrics.append(mb_metrics)
+        (mb_loss + lcfg.mtp_loss_coef * mtp_l[0] if mtp_l else mb_loss).backward()
+        metrics.append(dict(mb_metrics, **{"mtp_loss_sum": mtp_l[0].detach()} if mtp_l else {}))
         kept_logprobs.append((mb.get("segment_rows"), logprobs.detach()))  # B x T floats kept until the step returns
 
     grad_norm = clip_grad_norm(model, cfg["grad_clip"], device, optimizer)

@@ -346,7 +346,7 @@ async def connect_engines(engines, sender, host="127.0.0.1", port=0, backend=Non
 async def sync_weights(engines, sender, model, policy_version):
     """After an optimizer step, on every trainer rank: pause the engines (in-flight requests kept), send the
     weights, load them, set the engines' weight version to `policy_version`, resume. Off rank 0 `engines` is
-    ignored (pass None) and the rank only joins the gathers. Returns {"bytes", "pause_s", "transfer_s"}.
+    ignored (pass None) and the rank only joins the gathers. Returns {"bytes", "pause_s", "transfer_s", "drafts"}.
 
     If a load or the transfer fails, the weight group is closed (workers still waiting in a broadcast get an
     error instead of waiting for the timeout), the engines resume on the weights they hold (layers that had not
@@ -372,9 +372,11 @@ async def sync_weights(engines, sender, model, policy_version):
             errors = [f.exception() for f in [*loads, send] if f.done() and f.exception() is not None]
             raise errors[0]  # an engine's error (the cause) before the sender's broken-pipe
         await asyncio.gather(*(_call(e, "set_version", policy_version) for e in engines))
+        drafts = [sum(d) for d in zip(*await asyncio.gather(*(_call(e, "take_drafts") for e in engines)))]
     finally:
         await asyncio.gather(*(_call(e, "resume") for e in engines), return_exceptions=True)
-    return {"bytes": send.result(), "pause_s": time.perf_counter() - t0, "transfer_s": time.perf_counter() - t1}
+    return {"bytes": send.result(), "pause_s": time.perf_counter() - t0, "transfer_s": time.perf_counter() - t1,
+            "drafts": drafts}  # the engines' draft tokens (accepted, drafted) since the last sync
 
 # -----------------------------------------------------------------------------
 # engine side

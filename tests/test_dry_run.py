@@ -290,6 +290,7 @@ def tiny_cfg(**overrides):
     (dict(max_failed_rounds=-1), r"max_failed_rounds=-1 is not accepted: it must be >= 0 \(0 never stops\)"),
     (dict(speculative_tokens=2), r"speculative_tokens=2 drafts with the model's MTP layers, but .* has none"),
     (dict(speculative_tokens=-1), r"speculative_tokens=-1 is not accepted: it must be >= 0"),
+    (dict(mtp_loss_coef=0.1), r"mtp_loss_coef=0.1 trains the model's MTP layers, but it has none"),
 ])
 def test_check_config(overrides, msg):
     from tiny import TINY_CONFIG
