@@ -361,11 +361,10 @@ class CaptureServer:
                   Route("/sessions/{sid}/finish", self.http_finish_session, methods=["POST"]),
                   Route("/s/{sid}/v1/models", self.http_models, methods=["GET"]),
                   Route("/s/{sid}/v1/chat/completions", self.http_chat, methods=["POST"]),
-                  Route("/s/{sid}/v1/messages", self.http_chat, methods=["POST"]),
-                  Route("/s/{sid}/v1/v1/messages", self.http_chat, methods=["POST"]),  # Anthropic SDK, same base_url
                   Route("/s/{sid}/v1/responses", self.http_chat, methods=["POST"])]
-        routes += [Route(f"/s/{{sid}}/v1{v}/messages/count_tokens", self.http_count_tokens, methods=["POST"])
-                   for v in ("", "/v1")]
+        # Anthropic Messages and its token count, also under the /v1 the Anthropic SDK adds to the same base_url
+        routes += [Route(f"/s/{{sid}}/v1{v}/messages{tail}", handler, methods=["POST"]) for v in ("", "/v1")
+                   for tail, handler in (("", self.http_chat), ("/count_tokens", self.http_count_tokens))]
         self.app = Starlette(routes=routes, exception_handlers={HTTPException: self.http_error})
 
     # --- the Python API of the rollout side
@@ -861,11 +860,10 @@ class CaptureServer:
 
     @json_handler("openai")
     async def http_new_session(self, request):
-        _, body = await self.read_json(request)
-        body = body if body is not None else {}
-        if not isinstance(body, dict):
+        body = (await self.read_json(request))[1]  # none: {}
+        if body is not None and not isinstance(body, dict):
             raise RequestError(400, "The request body must be a JSON object.")
-        attempt_id = field(body, "attempt_id", str)
+        attempt_id = field(body or {}, "attempt_id", str)
         if not self.make_room_for_http_session():
             raise RequestError(429, f"{len(self.http_sessions)} sessions made over HTTP are live, the limit: "
                                     "finish some (or wait for idle ones to expire).")

@@ -370,18 +370,16 @@ def parse_openai(body, server):
         if role in ("system", "developer", "user"):
             messages.append({"role": "user" if role == "user" else "system", "content": content, **name})
         elif role == "assistant":
-            msg = {"role": "assistant", "content": content, **name}
             calls = field(m, "tool_calls", list, [], where=w + ".")
             for j, c in enumerate(calls):
                 wc = f"{w}.tool_calls[{j}]."
                 fn = field(c if isinstance(c, dict) else {}, "function", dict, required=True, where=wc)
                 calls[j] = tool_call(field(c, "id", str, "", where=wc), field(fn, "name", str, required=True, where=wc),
                                      field(fn, "arguments", str, "{}", where=wc))
-            if calls:
-                msg["tool_calls"] = calls
-            if field(m, "reasoning_content", str, where=w + "."):
-                msg["reasoning_content"] = m["reasoning_content"]
-            messages.append(msg)
+            reasoning = field(m, "reasoning_content", str, where=w + ".")
+            messages.append({"role": "assistant", "content": content, **name,
+                             **({"tool_calls": calls} if calls else {}),
+                             **({"reasoning_content": reasoning} if reasoning else {})})
         elif role == "tool":
             messages.append({"role": "tool", "content": content,
                              "tool_call_id": field(m, "tool_call_id", str, required=True, where=w + ".")})

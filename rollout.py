@@ -357,9 +357,8 @@ class RolloutPool:
         self.max_failed_in_a_row, self.failed_in_a_row = max_failed_in_a_row, 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-pool", daemon=True)
-        self._changed = None  # asyncio.Event on the pool loop: a group finished or a batch was taken
-        self._main_task = None
-        self._crash = None
+        # _changed: an asyncio.Event on the pool loop (a group finished or a batch was taken); _crash: why it stopped
+        self._changed = self._main_task = self._crash = None
         self._exhausted = False
 
     # the pool runs on its own event loop in a background thread: agent code (which may block) never stalls the
