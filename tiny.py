@@ -53,7 +53,7 @@ WARM_START = dict(transcripts=8192, with_tools=0.25, from_memory=0.6, max_steps=
 # shape?", a colour word), answered at random. It teaches the format (one colour word, then the end of the turn),
 # not which colour is which: reading the picture is what RL has to learn (configs/tiny_vl.py).
 TINY_VL_SFT = "tiny-qwen3-vl-moe-sft"
-VL_WARM_START = dict(transcripts=4000, size=128, max_steps=100, learning_rate=3e-3, min_lr=3e-4, warmup_steps=2,
+VL_WARM_START = dict(transcripts=1600, size=128, max_steps=40, learning_rate=3e-3, min_lr=3e-4, warmup_steps=2,
                      groups_per_batch=10, group_size=4, seed=0)
 WARM_STARTS = {TINY_SFT: ("tiny-qwen3-moe", "calculator.py", WARM_START),  # name: base model, agent file, recipe
                TINY_VL_SFT: ("tiny-qwen3-vl-moe", "colours.py", VL_WARM_START)}
