@@ -86,9 +86,9 @@ class Segment:
     def __init__(self, attempt_id, index):
         self.attempt_id, self.index = attempt_id, index
         self.token_ids, self.action_mask, self.behavior_logprobs, self.token_versions = [], [], [], []
-        self.routed_experts = None
         self.images, self.image_tokens = [], []  # the images in token_ids (ImageBytes) and how many tokens each takes
-        self.opened = None  # why the request that opened it did not extend the segment before (CaptureServer.opening)
+        # opened: why the request that opened it did not extend the segment before (CaptureServer.opening)
+        self.routed_experts = self.opened = None
 
     def append(self, token_ids, generated=None):
         """Context tokens (mask 0), or, given the engine's output dict, generated tokens (mask 1)."""

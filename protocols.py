@@ -165,9 +165,8 @@ def tool_choice_of(request, kind, name, parallel=True):
         raise RequestError(400, f"`tool_choice` names the tool {name!r}, which is not among `tools`.", "tool_choice")
     if kind in ("required", "function") and not names:
         raise RequestError(400, "`tool_choice` forces a tool call but `tools` is empty.", "tool_choice")
-    request.parse_tools = kind != "none"
+    request.parse_tools, request.parallel = kind != "none", parallel
     request.forced = None if kind in ("auto", "none") else name or ""
-    request.parallel = parallel
     return request
 
 

@@ -244,8 +244,7 @@ def segment_record(arrays, tokenizer, trainer_logprobs=None):
     trainer's logprob where it computed one, routed experts (unless too many), images (base64)."""
     ids = [int(t) for t in arrays["token_ids"]]
     routes = arrays.get("routed_experts")
-    if routes is not None and getattr(routes, "size", 0) > MAX_ROUTE_NUMBERS:
-        routes = None
+    routes = None if getattr(routes, "size", 0) > MAX_ROUTE_NUMBERS else routes
     return dict(attempt_id=arrays["attempt_id"], segment_index=int(arrays["segment_index"]),
                 opened=arrays.get("opened"), token_ids=ids, tokens=tokenizer.batch_decode([[t] for t in ids]),
                 action_mask=[int(m) for m in arrays["action_mask"]],
