@@ -11,6 +11,7 @@ server, rollout, weight sync, object store, logprobs); bench_model.py the model 
     python bench.py sync         # trainer -> engine weight broadcast vs raw NCCL broadcast (2 GPUs)
     python bench.py lora         # grouped-GEMM experts with LoRA adapters on a frozen base vs full fine-tuning (GPU)
     python bench.py objectstore  # image trajectories to trainer ranks by ref vs gathered in the driver: driver memory
+    python bench.py spec         # MTP drafting vs none on the tiny hybrid: tokens/s, acceptance (CPU)
     python bench.py vl           # our Qwen3-VL-MoE forward/backward vs transformers' (1 GPU): parity, tokens/s
 
 Each benchmark is a function bench_NAME whose keyword arguments are its options (all integers): `--key=value`
@@ -412,6 +413,85 @@ def bench_async(steps=8, group_size=4, groups_per_batch=4, groups_in_flight=8, m
           f"streaming ({opt['groups_in_flight']} groups in flight): {ours['attempts_per_s']:.2f} attempts/s, "
           f"engine idle {ours['engine_idle_fraction']:.0%}; {ratio:.2f}x")
     return dict(options=opt, synchronous=baseline, streaming=ours, ratio=round(ratio, 3))
+
+
+# -----------------------------------------------------------------------------
+# spec: MTP drafting (speculative_tokens) vs none on the tiny hybrid
+
+
+def bench_spec(prompts=8, tokens=64, k=2, train_prompts=16, steps=40):
+    """Engine tokens/s and mean accepted length with MTP drafting (k draft tokens per step) vs without, greedy, on
+    the same prompts, on the tiny hybrid (.cache/tiny-qwen36-moe). Its MTP head is random at init, so first it is
+    trained (train.mtp_loss alone, the trunk frozen, Adam lr 3e-3) on the engine's own greedy continuations of
+    train_prompts other prompts; the drafting engine serves those weights (the trunk's bits unchanged). Prints the
+    head's loss before and after, the acceptance (draft tokens accepted / drafted), the mean accepted length (tokens
+    per target step: 1 + accepted / steps), how many outputs equal drafting-off's, ratio = tokens/s on / off.
+
+        python bench.py spec               # CPU, ~3 minutes
+    """
+    import asyncio
+    import os
+    import shutil
+    import tempfile
+    import time
+
+    import torch
+
+    import tiny
+    import train
+    from engine import Engine
+    from model import Transformer
+    path = tiny.ensure_tiny_model(os.path.join(os.path.dirname(tiny.TINY_MODEL_PATH), "tiny-qwen36-moe"))
+    rand = lambda n, seed: torch.randint(7, 2000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    bench_prompts, train_set = [rand(24, s) for s in range(prompts)], [rand(24, 1000 + s) for s in range(train_prompts)]
+    greedy = dict(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+    async def serve(model_dir, spec, extra=()):
+        engine = Engine(model_dir, max_model_len=1024, memory_fraction=0.3, enable_prefix_caching=False, seed=0,
+                        speculative_config=spec)
+        await engine.start()
+        await asyncio.gather(*(engine.generate(p, greedy, f"warm{i}") for i, p in enumerate(bench_prompts[:2])))
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(engine.generate(p, greedy, f"b{i}") for i, p in enumerate(bench_prompts)))
+        seconds = time.perf_counter() - t0
+        more = await asyncio.gather(*(engine.generate(p, greedy, f"t{i}") for i, p in enumerate(extra)))
+        await engine.shutdown()
+        return outs, seconds, more
+
+    off, off_s, continued = asyncio.run(serve(path, None, train_set))
+    model = Transformer.from_pretrained(path)
+    mb = train.collate([dict(token_ids=p + o["token_ids"], action_mask=[0] * (len(p) + tokens),
+                             behavior_logprobs=[0.0] * (len(p) + tokens), token_versions=[0] * (len(p) + tokens),
+                             routed_experts=None) for p, o in zip(train_set, continued)], [0.0] * train_prompts)
+    mb["real"][:, :len(train_set[0]) - 1] = 0  # learn the continuations, not the random prompts
+    with torch.no_grad():  # the trunk's states, once: it is frozen (this call also sets the positions mtp_hidden uses)
+        hidden = model.hidden_states(mb["input_ids"])
+    opt = torch.optim.Adam(model.mtp.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        loss = train.mtp_loss(model, hidden, mb, train.mtp_mask(mb).sum())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    trained = tempfile.mkdtemp(prefix="spec-")
+    try:
+        for f in os.listdir(path):
+            if not f.endswith(".safetensors"):
+                shutil.copy(os.path.join(path, f), trained)
+        model.save_pretrained(trained, dtype=torch.bfloat16)
+        on, on_s, _ = asyncio.run(serve(trained, {"method": "mtp", "num_speculative_tokens": k}))
+    finally:
+        shutil.rmtree(trained, ignore_errors=True)
+    accepted, drafted = (sum(o["drafts"][i] for o in on) for i in (0, 1))
+    n_tokens = sum(len(o["token_ids"]) for o in off)
+    result = dict(prompts=prompts, tokens=tokens, k=k, mtp_loss_before=losses[0], mtp_loss_after=losses[-1],
+                  off_tokens_per_s=n_tokens / off_s, on_tokens_per_s=n_tokens / on_s, acceptance=accepted / max(drafted, 1),
+                  mean_accepted_length=1 + accepted / max(drafted / k, 1),
+                  same_outputs=sum(a["token_ids"] == b["token_ids"] for a, b in zip(off, on)))
+    result["ratio"] = result["on_tokens_per_s"] / result["off_tokens_per_s"]
+    print(", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
+    return result
 
 
 # -----------------------------------------------------------------------------
