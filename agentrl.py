@@ -254,8 +254,7 @@ def load_prompts(path, row_map=None):
     if not rows:
         raise ValueError(f"{path}: the file holds no rows")
     for line, row in rows:
-        problem = row_problem(row)
-        if problem:
+        if problem := row_problem(row):
             raise ValueError(f"{path}:{line}: {problem}")
     for _, row in rows:
         yield row

@@ -48,6 +48,7 @@ import base64
 import contextlib
 import gc
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -61,7 +62,7 @@ import time
 import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
+from functools import partial, wraps
 from http import HTTPStatus
 
 import uvicorn
@@ -74,8 +75,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from engine import Engine
 from protocols import (ANSWERS, EVENTS, PARSERS, THINK_TAGS, XML_TOOL_PARSERS, ImageTokens, RequestError, argument_mapping,
-                       call_grammar, call_id, call_tags, error_body, error_response, field, parse_anthropic, read_calls,
-                       same_json, split_reasoning, stream_deltas, strict_json, tool_call, tool_parser_of)
+                       call_grammar, call_id, call_tags, error_body, error_response, field, json_or, parse_anthropic,
+                       read_calls, same_json, split_reasoning, stream_deltas, strict_json, tool_call, tool_parser_of)
 
 # -----------------------------------------------------------------------------
 # sessions and segments: the recorded trajectory
@@ -85,9 +86,9 @@ class Segment:
     def __init__(self, attempt_id, index):
         self.attempt_id, self.index = attempt_id, index
         self.token_ids, self.action_mask, self.behavior_logprobs, self.token_versions = [], [], [], []
-        self.routed_experts = None
         self.images, self.image_tokens = [], []  # the images in token_ids (ImageBytes) and how many tokens each takes
-        self.opened = None  # why the request that opened it did not extend the segment before (CaptureServer.opening)
+        # opened: why the request that opened it did not extend the segment before (CaptureServer.opening)
+        self.routed_experts = self.opened = None
 
     def append(self, token_ids, generated=None):
         """Context tokens (mask 0), or, given the engine's output dict, generated tokens (mask 1)."""
@@ -133,13 +134,9 @@ def same_message(a, b):
     """Equal as the model sees them: tool-call ids ignored, tool-call arguments compared as JSON; an echo `b` without
     the reasoning of our own message `a` matches it (SDKs that drop reasoning from the messages they send back)."""
     def canonical(m):
-        calls = []
-        for c in m.get("tool_calls") or []:
-            try:
-                args = json.loads(c["function"]["arguments"])
-            except (ValueError, RecursionError):  # not JSON, or nested too deep to read: compared as text
-                args = c["function"]["arguments"]
-            calls.append((c["function"]["name"], args))
+        # arguments that are no JSON (or nest too deep to read) compared as text
+        calls = [(c["function"]["name"], json_or(c["function"]["arguments"], c["function"]["arguments"]))
+                 for c in m.get("tool_calls") or []]
         return (m["role"], m.get("content") or "", calls, m.get("tool_call_id"), m.get("reasoning_content") or "")
     return canonical(a) == canonical(dict(b, reasoning_content=b.get("reasoning_content") or a.get("reasoning_content")))
 
@@ -171,6 +168,20 @@ def end_token_ids(tokenizer):
 
 # -----------------------------------------------------------------------------
 # the server
+
+
+def json_handler(protocol):
+    """An HTTP handler returning JSON; a RequestError it raises is answered in `protocol`'s error format."""
+    def wrap(handler):
+        @wraps(handler)
+        async def handle(self, request):
+            try:
+                reply = await handler(self, request)
+            except RequestError as e:
+                return error_response(protocol, e.status, e.message, e.param)
+            return JSONResponse(reply)
+        return handle
+    return wrap
 
 
 def new_event_loop():
@@ -350,11 +361,10 @@ class CaptureServer:
                   Route("/sessions/{sid}/finish", self.http_finish_session, methods=["POST"]),
                   Route("/s/{sid}/v1/models", self.http_models, methods=["GET"]),
                   Route("/s/{sid}/v1/chat/completions", self.http_chat, methods=["POST"]),
-                  Route("/s/{sid}/v1/messages", self.http_chat, methods=["POST"]),
-                  Route("/s/{sid}/v1/v1/messages", self.http_chat, methods=["POST"]),  # Anthropic SDK, same base_url
                   Route("/s/{sid}/v1/responses", self.http_chat, methods=["POST"])]
-        routes += [Route(f"/s/{{sid}}/v1{v}/messages/count_tokens", self.http_count_tokens, methods=["POST"])
-                   for v in ("", "/v1")]
+        # Anthropic Messages and its token count, also under the /v1 the Anthropic SDK adds to the same base_url
+        routes += [Route(f"/s/{{sid}}/v1{v}/messages{tail}", handler, methods=["POST"]) for v in ("", "/v1")
+                   for tail, handler in (("", self.http_chat), ("/count_tokens", self.http_count_tokens))]
         self.app = Starlette(routes=routes, exception_handlers={HTTPException: self.http_error})
 
     # --- the Python API of the rollout side
@@ -456,9 +466,8 @@ class CaptureServer:
         """The segment rule (module docstring): if `messages` extend the open segment's conversation, (tokens to
         append, new conversation); else None, and the request opens a new segment."""
         conv = session.conversation
-        if conv is None or tools != session.tools or len(messages) < len(conv):
-            return None
-        if not all(same_message(a, b) for a, b in zip(conv, messages)):
+        if conv is None or tools != session.tools or len(messages) < len(conv) or not all(
+                same_message(a, b) for a, b in zip(conv, messages)):
             return None
         conversation = conv + messages[len(conv):]  # our own record of the prefix: the client's echo may differ
         before = self.render_text(conv, tools, False)  # in formatting only (JSON whitespace, tool-call ids)
@@ -500,13 +509,8 @@ class CaptureServer:
                     return ext, appended, old.token_ids + appended, ext[1], old.image_tokens + counts
                 appended, counts = self.vision.expand(self.render(request.messages, request.tools, True), images)
                 return None, appended, appended, request.messages, counts
-            # rendering and tokenizing cost ~1 us per character: a large request does it on the render thread (one
-            # at a time), so that the loop keeps serving other sessions meanwhile; small ones stay here (~0.1 ms less)
-            if request.body_bytes > INLINE_RENDER_BYTES:
-                ext, appended, prompt, conversation, counts = await asyncio.get_running_loop().run_in_executor(
-                    self.render_pool, prepare)
-            else:
-                ext, appended, prompt, conversation, counts = prepare()
+            # rendering and tokenizing cost ~1 us per character
+            ext, appended, prompt, conversation, counts = await self.off_loop(request.body_bytes, prepare)
             opening = "" if request.forced is None else self.call_opening(request)
             if opening:  # context (mask 0): the model writes the rest of the call itself
                 request.opening = opening[opening.find(self.call_tags[0]):]
@@ -579,6 +583,13 @@ class CaptureServer:
                 if len(session.answers) > self.max_cached_answers:
                     session.answers.popitem(last=False)
             return result
+
+    async def off_loop(self, size, work, *args):
+        """work(*args), for a request of `size` bytes: a large one's on the render thread (one at a time), so that
+        the loop keeps serving other sessions meanwhile; a small one's here (~0.1 ms less)."""
+        if size > INLINE_RENDER_BYTES:
+            return await asyncio.get_running_loop().run_in_executor(self.render_pool, work, *args)
+        return work(*args)
 
     def opens_reasoning(self, ids):
         """Whether the prompt leaves the model inside <think> (a reasoning template's generation prompt opens it)."""
@@ -682,8 +693,7 @@ class CaptureServer:
         """A streamed turn for the protocols' event writers (protocols.py): the head; text, call and argument deltas
         as the engine samples (`tokens`: a queue of the token ids so far, `first` its first get; reasoning first, the
         calls read by vLLM's streaming parser); what the answer holds beyond what was sent; then the answer, or the error
-        that ended the turn. `task` is the request's respond()."""
-        await asyncio.wait([first, task], return_when=asyncio.FIRST_COMPLETED)
+        that ended the turn. `task` is the request's respond(); http_chat waited for it or `first` to be done."""
         done = task.done() and not task.exception()  # answered at once (a retry) or before any token came
         head = task.result() if done else {"id": request.id, "created": request.created, "prompt_tokens": None}
         yield ("head", head["id"], head["created"], request.model or self.model_name,
@@ -697,8 +707,8 @@ class CaptureServer:
                     while not tokens.empty():  # only the latest count: the ids are cumulative
                         ids = tokens.get_nowait()
                     previous, pending = text, asyncio.ensure_future(tokens.get())
-                    reasoning, text = ("", self.stream_text(ids, request)) if not request.reasoning else split_reasoning(
-                        self.stream_text(ids, request), self.call_tags[0])
+                    text = self.stream_text(ids, request)
+                    reasoning, text = split_reasoning(text, self.call_tags[0]) if request.reasoning else ("", text)
                     # the parser gives each piece of text once (and none of a call's)
                     new, calls = read_calls(parser, previous, text) if parser else (text[len(content):], [])
                     content += new  # the grammar-engine parsers' answers end stripped: trailing spaces wait for more
@@ -770,9 +780,7 @@ class CaptureServer:
         def parse():
             raw = b"".join(chunks)
             return raw, strict_json(raw) if raw else None
-        if size > INLINE_RENDER_BYTES:  # ~10 ms per MiB
-            return await asyncio.get_running_loop().run_in_executor(self.render_pool, parse)
-        return parse()
+        return await self.off_loop(size, parse)  # ~10 ms per MiB
 
     async def until_disconnected(self, request, coro):
         """Await `coro`, cancelling it if the client disconnects first: the engine aborts a cancelled generation
@@ -812,10 +820,8 @@ class CaptureServer:
             key = hashlib.sha256(request.url.path.encode() + b"\0")
             if idempotency:
                 key.update(b"key:" + idempotency.encode())
-            elif len(raw) > INLINE_RENDER_BYTES:  # ~3 ms per MiB
-                await asyncio.get_running_loop().run_in_executor(self.render_pool, key.update, raw)
             else:
-                key.update(raw)
+                await self.off_loop(len(raw), key.update, raw)  # ~3 ms per MiB
             chat.key, chat.body_bytes = key.hexdigest(), len(raw)
             # the SDKs mark their retries; an unmarked repeat is a new sample (an agent may sample twice on purpose)
             chat.retry = bool(idempotency) or request.headers.get("x-stainless-retry-count", "0") not in ("", "0")
@@ -837,63 +843,52 @@ class CaptureServer:
                                      media_type="text/event-stream")
         return JSONResponse(ANSWERS[protocol](result))
 
+    @json_handler("anthropic")
     async def http_count_tokens(self, request):
-        """Anthropic's token count: the prompt as this server would render it for the request."""
-        try:
-            self.authorize(request)
-            chat = parse_anthropic((await self.read_json(request))[1], self, counting=True)
-            ids = self.vision.expand(self.render(chat.messages, chat.tools, True), self.vision.check(chat.messages))[0]
-        except RequestError as e:  # the turn's own checks: a bad image, a template that refuses, a text too long
-            return error_response("anthropic", e.status, e.message, e.param)
-        return JSONResponse({"input_tokens": len(ids)})
+        """Anthropic's token count: the prompt as this server would render it for the request (the turn's own checks:
+        a bad image, a template that refuses, a text too long)."""
+        self.authorize(request)
+        chat = parse_anthropic((await self.read_json(request))[1], self, counting=True)
+        ids = self.vision.expand(self.render(chat.messages, chat.tools, True), self.vision.check(chat.messages))[0]
+        return {"input_tokens": len(ids)}
 
+    @json_handler("openai")
     async def http_models(self, request):
-        try:
-            self.authorize(request)
-        except RequestError as e:
-            return error_response("openai", e.status, e.message)
-        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                                         "owned_by": "capture"}]})
+        self.authorize(request)
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "capture"}]}
 
+    @json_handler("openai")
     async def http_new_session(self, request):
-        try:
-            _, body = await self.read_json(request)
-            body = body if body is not None else {}
-            if not isinstance(body, dict):
-                raise RequestError(400, "The request body must be a JSON object.")
-            attempt_id = field(body, "attempt_id", str)
-            if not self.make_room_for_http_session():
-                raise RequestError(429, f"{len(self.http_sessions)} sessions made over HTTP are live, the limit: "
-                                        "finish some (or wait for idle ones to expire).")
-            session = self.new_session(attempt_id)
-            self.http_sessions[session.id] = session
-        except RequestError as e:
-            return error_response("openai", e.status, e.message, e.param)
-        return JSONResponse({"id": session.id, "base_url": session.base_url, "api_key": session.api_key,
-                             "attempt_id": session.attempt_id})
+        body = (await self.read_json(request))[1]  # none: {}
+        if body is not None and not isinstance(body, dict):
+            raise RequestError(400, "The request body must be a JSON object.")
+        attempt_id = field(body or {}, "attempt_id", str)
+        if not self.make_room_for_http_session():
+            raise RequestError(429, f"{len(self.http_sessions)} sessions made over HTTP are live, the limit: "
+                                    "finish some (or wait for idle ones to expire).")
+        session = self.new_session(attempt_id)
+        self.http_sessions[session.id] = session
+        return {"id": session.id, "base_url": session.base_url, "api_key": session.api_key,
+                "attempt_id": session.attempt_id}
 
+    @json_handler("openai")
     async def http_get_session(self, request):
-        try:
-            session = self.authorize(request)
-        except RequestError as e:
-            return error_response("openai", e.status, e.message)
-        return JSONResponse([trajectory_record(s, self.tokenizer) for s in session.segment_dicts()])
+        return [trajectory_record(s, self.tokenizer) for s in self.authorize(request).segment_dicts()]
 
+    @json_handler("openai")
     async def http_finish_session(self, request):
-        try:
-            session = self.authorize(request)
-            _, body = await self.read_json(request)
-            reward = field(body if isinstance(body, dict) else {}, "reward", (int, float))
-            if reward is not None and not abs(reward) <= sys.float_info.max:  # NaN, infinities, ints beyond float
-                raise RequestError(400, f"`reward` must be a finite number, got {reward}.", "reward")
-            async with session.lock:  # let an in-flight turn land first
-                if session.finished:
-                    raise RequestError(409, f"Session {session.id} has already finished with reward {session.reward}; "
-                                            "the first finish stands.")
-                segments = self.finish_session(session.id, reward)
-        except RequestError as e:
-            return error_response("openai", e.status, e.message, e.param)
-        return JSONResponse([trajectory_record(s, self.tokenizer) for s in segments])
+        session = self.authorize(request)
+        _, body = await self.read_json(request)
+        reward = field(body if isinstance(body, dict) else {}, "reward", (int, float))
+        if reward is not None and not abs(reward) <= sys.float_info.max:  # NaN, infinities, ints beyond float
+            raise RequestError(400, f"`reward` must be a finite number, got {reward}.", "reward")
+        async with session.lock:  # let an in-flight turn land first
+            if session.finished:
+                raise RequestError(409, f"Session {session.id} has already finished with reward {session.reward}; "
+                                        "the first finish stands.")
+            segments = self.finish_session(session.id, reward)
+        return [trajectory_record(s, self.tokenizer) for s in segments]
 
     async def http_error(self, request, exc):
         protocol = "anthropic" if "/messages" in request.url.path else "openai"
@@ -948,13 +943,8 @@ class CaptureServer:
 def trajectory_record(segment, tokenizer):
     """A segment dict as JSON (images in base64) plus decoded text for humans: the whole segment, each run of
     generated tokens, and each token."""
-    runs, start = [], None
-    for i, m in enumerate(segment["action_mask"] + [0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            runs.append(tokenizer.decode(segment["token_ids"][start:i], skip_special_tokens=False))
-            start = None
+    runs = [tokenizer.decode([t for t, _ in run], skip_special_tokens=False) for generated, run in
+            itertools.groupby(zip(segment["token_ids"], segment["action_mask"]), key=lambda pair: pair[1]) if generated]
     return dict(segment, text=tokenizer.decode(segment["token_ids"], skip_special_tokens=False), generated=runs,
                 tokens=tokenizer.batch_decode([[t] for t in segment["token_ids"]]),  # each token's text (viewer.py)
                 images=[base64.b64encode(b).decode() for b in segment.get("images", [])])

@@ -165,9 +165,8 @@ def tool_choice_of(request, kind, name, parallel=True):
         raise RequestError(400, f"`tool_choice` names the tool {name!r}, which is not among `tools`.", "tool_choice")
     if kind in ("required", "function") and not names:
         raise RequestError(400, "`tool_choice` forces a tool call but `tools` is empty.", "tool_choice")
-    request.parse_tools = kind != "none"
+    request.parse_tools, request.parallel = kind != "none", parallel
     request.forced = None if kind in ("auto", "none") else name or ""
-    request.parallel = parallel
     return request
 
 
@@ -305,6 +304,40 @@ def sampling_of(server, temperature, top_p, max_tokens, stop, seed, max_temperat
                 top_p=1.0 if top_p is None else float(top_p), max_tokens=max_tokens, stop=stop, seed=seed)
 
 
+def body_fields(body, known):
+    """Refuse a body that is no JSON object, or holds a field this server does not know (it cannot honour it)."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "The request body must be a JSON object.")
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise RequestError(400, f"Unsupported field `{unknown[0]}`: this server cannot honour it.", unknown[0])
+
+
+def top_logprobs_of(body, wanted):
+    """The `top_logprobs` asked for (0 by default) when logprobs are `wanted`, else None."""
+    top_logprobs = field(body, "top_logprobs", int, 0) if wanted else None
+    if top_logprobs is not None and not 0 <= top_logprobs <= 20:
+        raise RequestError(400, f"`top_logprobs` must be between 0 and 20, got {top_logprobs}.", "top_logprobs")
+    return top_logprobs
+
+
+def tools_of(body, function_of, schema="parameters"):
+    """A request's function tools as chat templates read them, and the names of the `strict` ones. function_of(tool,
+    i) checks the i-th tool (an object) and gives (its function's fields, where they are); its `schema` field holds
+    the parameters (required, unless it is "parameters": then an empty object schema by default)."""
+    tools, strict = [], set()
+    for i, t in enumerate(field(body, "tools", list, [])):
+        fn, where = function_of(t if isinstance(t, dict) else {}, i)
+        spec = {"name": field(fn, "name", str, required=True, where=where)}
+        if field(fn, "description", str, where=where):
+            spec["description"] = fn["description"]
+        default = {"type": "object", "properties": {}} if schema == "parameters" else None
+        spec["parameters"] = field(fn, schema, dict, default, required=default is None, where=where)
+        tools.append({"type": "function", "function": spec})
+        strict |= {spec["name"]} if field(fn, "strict", bool, where=where) else set()
+    return tools, strict
+
+
 OPENAI_FIELDS = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens",
                  "max_completion_tokens", "stop", "seed", "stream", "stream_options", "n", "logprobs", "top_logprobs",
                  "frequency_penalty", "presence_penalty", "parallel_tool_calls", "response_format", "user", "metadata",
@@ -313,17 +346,11 @@ OPENAI_MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"
 
 
 def parse_openai(body, server):
-    if not isinstance(body, dict):
-        raise RequestError(400, "The request body must be a JSON object.")
-    unknown = sorted(set(body) - OPENAI_FIELDS)
-    if unknown:
-        raise RequestError(400, f"Unsupported field `{unknown[0]}`: this server cannot honour it.", unknown[0])
+    body_fields(body, OPENAI_FIELDS)
     model = field(body, "model", str, "")
     if field(body, "n", int, 1) != 1:
         raise RequestError(400, "`n` must be 1: each request records one turn of one trajectory.", "n")
-    top_logprobs = field(body, "top_logprobs", int, 0) if field(body, "logprobs", bool, False) else None
-    if top_logprobs is not None and not 0 <= top_logprobs <= 20:
-        raise RequestError(400, f"`top_logprobs` must be between 0 and 20, got {top_logprobs}.", "top_logprobs")
+    top_logprobs = top_logprobs_of(body, field(body, "logprobs", bool, False))
     for key in ("frequency_penalty", "presence_penalty"):
         if field(body, key, (int, float), 0) != 0:
             raise RequestError(400, f"`{key}` is not supported: the trainer could not reproduce the penalized "
@@ -342,18 +369,16 @@ def parse_openai(body, server):
         if role in ("system", "developer", "user"):
             messages.append({"role": "user" if role == "user" else "system", "content": content, **name})
         elif role == "assistant":
-            msg = {"role": "assistant", "content": content, **name}
             calls = field(m, "tool_calls", list, [], where=w + ".")
             for j, c in enumerate(calls):
                 wc = f"{w}.tool_calls[{j}]."
                 fn = field(c if isinstance(c, dict) else {}, "function", dict, required=True, where=wc)
                 calls[j] = tool_call(field(c, "id", str, "", where=wc), field(fn, "name", str, required=True, where=wc),
                                      field(fn, "arguments", str, "{}", where=wc))
-            if calls:
-                msg["tool_calls"] = calls
-            if field(m, "reasoning_content", str, where=w + "."):
-                msg["reasoning_content"] = m["reasoning_content"]
-            messages.append(msg)
+            reasoning = field(m, "reasoning_content", str, where=w + ".")
+            messages.append({"role": "assistant", "content": content, **name,
+                             **({"tool_calls": calls} if calls else {}),
+                             **({"reasoning_content": reasoning} if reasoning else {})})
         elif role == "tool":
             messages.append({"role": "tool", "content": content,
                              "tool_call_id": field(m, "tool_call_id", str, required=True, where=w + ".")})
@@ -362,16 +387,8 @@ def parse_openai(body, server):
                                f"{w}.role")
     if not messages:
         raise RequestError(400, "`messages` must not be empty.", "messages")
-    tools, strict = [], set()
-    for i, t in enumerate(field(body, "tools", list, [])):
-        fn = field(t if isinstance(t, dict) else {}, "function", dict, required=True, where=f"tools[{i}].")
-        spec = {"name": field(fn, "name", str, required=True, where=f"tools[{i}].function.")}
-        if field(fn, "description", str, where=f"tools[{i}].function."):
-            spec["description"] = fn["description"]
-        spec["parameters"] = field(fn, "parameters", dict, {"type": "object", "properties": {}},
-                                   where=f"tools[{i}].function.")
-        tools.append({"type": "function", "function": spec})
-        strict |= {spec["name"]} if field(fn, "strict", bool, where=f"tools[{i}].function.") else set()
+    tools, strict = tools_of(body, lambda t, i: (field(t, "function", dict, required=True, where=f"tools[{i}]."),
+                                                 f"tools[{i}].function."))
     max_tokens = field(body, "max_completion_tokens", int, field(body, "max_tokens", int))
     sampling = sampling_of(server, field(body, "temperature", (int, float)), field(body, "top_p", (int, float)),
                            max_tokens, field(body, "stop", (str, list)), field(body, "seed", int), 2.0)
@@ -403,11 +420,7 @@ ANTHROPIC_FIELDS = {"model", "messages", "max_tokens", "system", "tools", "tool_
 
 
 def parse_anthropic(body, server, counting=False):
-    if not isinstance(body, dict):
-        raise RequestError(400, "The request body must be a JSON object.")
-    unknown = sorted(set(body) - ANTHROPIC_FIELDS)
-    if unknown:
-        raise RequestError(400, f"Unsupported field `{unknown[0]}`: this server cannot honour it.", unknown[0])
+    body_fields(body, ANTHROPIC_FIELDS)
     if field(body, "top_k", int) is not None:
         raise RequestError(400, "`top_k` is not supported: the trainer's logprobs cover the full vocabulary.", "top_k")
     config = field(body, "thinking", dict)  # a reasoning model thinks unless it is "disabled"
@@ -462,18 +475,13 @@ def parse_anthropic(body, server, counting=False):
             messages.append({"role": "user", "content": joined(text)})
     if len(messages) == (system is not None):
         raise RequestError(400, "`messages` must not be empty.", "messages")
-    tools, strict = [], set()
-    for i, t in enumerate(field(body, "tools", list, [])):
-        t = t if isinstance(t, dict) else {}
+
+    def client_tool(t, i):
         if t.get("type") not in (None, "custom"):
             raise RequestError(400, f"`tools[{i}].type` {t.get('type')!r} is not supported (client tools only).",
                                f"tools[{i}].type")
-        spec = {"name": field(t, "name", str, required=True, where=f"tools[{i}].")}
-        if field(t, "description", str, where=f"tools[{i}]."):
-            spec["description"] = t["description"]
-        spec["parameters"] = field(t, "input_schema", dict, required=True, where=f"tools[{i}].")
-        tools.append({"type": "function", "function": spec})
-        strict |= {spec["name"]} if field(t, "strict", bool, where=f"tools[{i}].") else set()
+        return t, f"tools[{i}]."
+    tools, strict = tools_of(body, client_tool, "input_schema")
     choice = field(body, "tool_choice", dict, {"type": "auto"})
     kind = choice.get("type")
     kind = {"any": "required", "tool": "function"}.get(kind, kind) if isinstance(kind, str) else kind
@@ -503,11 +511,7 @@ RESPONSES_ITEMS = "message, reasoning, function_call, function_call_output"
 def parse_responses(body, server):
     """The Responses API: `input` (a string or items), `instructions`, function tools, text.format; the conversation
     of `previous_response_id` is put in front by CaptureServer.respond."""
-    if not isinstance(body, dict):
-        raise RequestError(400, "The request body must be a JSON object.")
-    unknown = sorted(set(body) - RESPONSES_FIELDS)
-    if unknown:
-        raise RequestError(400, f"Unsupported field `{unknown[0]}`: this server cannot honour it.", unknown[0])
+    body_fields(body, RESPONSES_FIELDS)
     if field(body, "truncation", str, "disabled") != "disabled" or field(body, "reasoning", dict, {}).get("effort"):
         raise RequestError(400, "`truncation` and `reasoning` are not supported by this server.", "truncation")
     instructions = field(body, "instructions", str)
@@ -542,21 +546,13 @@ def parse_responses(body, server):
                                     "system, developer, user, assistant).", w + "type")
         if reasoning and messages[-1]["role"] == "assistant":
             messages[-1]["reasoning_content"], reasoning = reasoning, ""
-    tools, strict = [], set()
-    for i, t in enumerate(field(body, "tools", list, [])):
-        t = t if isinstance(t, dict) else {}
+
+    def function_tool(t, i):
         if t.get("type") != "function":
             raise RequestError(400, f"`tools[{i}].type` must be \"function\" (function tools only).", f"tools[{i}].type")
-        spec = {"name": field(t, "name", str, required=True, where=f"tools[{i}].")}
-        if field(t, "description", str, where=f"tools[{i}]."):
-            spec["description"] = t["description"]
-        spec["parameters"] = field(t, "parameters", dict, {"type": "object", "properties": {}}, where=f"tools[{i}].")
-        tools.append({"type": "function", "function": spec})
-        strict |= {spec["name"]} if field(t, "strict", bool, where=f"tools[{i}].") else set()
-    include = field(body, "include", list, [])
-    top_logprobs = field(body, "top_logprobs", int, 0) if "message.output_text.logprobs" in include else None
-    if top_logprobs is not None and not 0 <= top_logprobs <= 20:
-        raise RequestError(400, f"`top_logprobs` must be between 0 and 20, got {top_logprobs}.", "top_logprobs")
+        return t, f"tools[{i}]."
+    tools, strict = tools_of(body, function_tool)
+    top_logprobs = top_logprobs_of(body, "message.output_text.logprobs" in field(body, "include", list, []))
     sampling = sampling_of(server, field(body, "temperature", (int, float)), field(body, "top_p", (int, float)),
                            field(body, "max_output_tokens", int), None, field(body, "seed", int), 2.0)
     sampling["structured"] = structured_of(field(field(body, "text", dict, {}), "format", dict, {"type": "text"},
@@ -737,10 +733,7 @@ def argument_mapping(call):
     refused: such a template could not show them."""
     arguments = call["function"]["arguments"]
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments or "{}")
-        except (ValueError, RecursionError):
-            arguments = None
+        arguments = json_or(arguments or "{}", None)
         if not isinstance(arguments, dict):
             raise RequestError(400, f"The arguments of tool call {call.get('id')!r} are not a JSON object, which this "
                                     "model's call format (XML parameters) cannot show.", "messages")
@@ -756,11 +749,17 @@ def split_reasoning(text, call_start=None):
     return (text[:call].strip(), text[call:]) if call >= 0 else (text.strip(), "")
 
 
-def same_json(a, b):
+def json_or(text, default):
+    """The JSON value of `text`, or `default` where it is no JSON (or nests too deep to read)."""
     try:
-        return json.loads(a) == json.loads(b)
+        return json.loads(text)
     except (ValueError, RecursionError):
-        return False
+        return default
+
+
+def same_json(a, b):
+    """Whether both are JSON, of the same value."""
+    return json_or(a, object()) == json_or(b, object())  # two texts that are no JSON: two objects, never equal
 
 
 def stream_deltas(sent, content, calls, reasoning=""):
@@ -900,13 +899,12 @@ async def responses_events(items, request=None):
     def event(kind, **data):
         return sse(kind, {"sequence_number": next(number), **data})
 
-    def add(out):
+    def add(out):  # a message's text part begins with it
         output.append(out)
-        if out["type"] in ("function_call", "reasoning"):
-            return event("response.output_item.added", output_index=len(output) - 1, item=dict(
-                out, status="in_progress", **({"arguments": ""} if out["type"] == "function_call" else {"content": []})))
-        return event("response.output_item.added", output_index=len(output) - 1,
-                     item=dict(out, status="in_progress", content=[])) + event(
+        begun = {"arguments": ""} if out["type"] == "function_call" else {"content": []}
+        added = event("response.output_item.added", output_index=len(output) - 1,
+                      item=dict(out, status="in_progress", **begun))
+        return added if out["type"] != "message" else added + event(
             "response.content_part.added", output_index=len(output) - 1, item_id=out["id"], content_index=0,
             part=dict(out["content"][0], text="", logprobs=[]))
 

@@ -284,25 +284,24 @@ class Router:
 # experiences: one per segment, in this process's (the rollout node's) object store
 
 
+# a segment's arrays in the object store and their types: (T,) each but routed_experts (T, L_moe, K) and
+# image_grid_thw (I, 3); the last three only some segments have (None where a segment has not)
+SEGMENT_ARRAYS = {"token_ids": np.int32, "action_mask": np.int8, "behavior_logprobs": np.float32,
+                  "token_versions": np.int32, "routed_experts": np.int16, "teacher_logprobs": np.float32,
+                  "image_grid_thw": np.int64}
+
+
 def put_experience(segment, reward, group_id, failed=False, error=None):
     """ray.put a recorded segment's per-token arrays; return the light record that travels on the queue."""
-    mask = np.asarray(segment["action_mask"], dtype=np.int8)  # (T,)
-    versions = np.asarray(segment["token_versions"], dtype=np.int32)  # (T,)
-    arrays = dict(attempt_id=segment["attempt_id"], segment_index=segment["segment_index"],
-                  opened=segment.get("opened"),  # why this segment began (capture.CaptureServer.opening)
-                  token_ids=np.asarray(segment["token_ids"], dtype=np.int32),
-                  action_mask=mask,
-                  behavior_logprobs=np.asarray(segment["behavior_logprobs"], dtype=np.float32),
-                  token_versions=versions,
-                  routed_experts=(None if segment.get("routed_experts") is None
-                                  else np.asarray(segment["routed_experts"], dtype=np.int16)),  # (T, L_moe, K)
-                  teacher_logprobs=(None if segment.get("teacher_logprobs") is None
-                                    else np.asarray(segment["teacher_logprobs"], dtype=np.float32)),  # (T,)
-                  # the encoded image files and their grids stay with the tokens: only the trainer rank that gets
-                  # this segment fetches and patches them (vl.with_pixels)
-                  images=list(segment.get("images") or []),
-                  image_grid_thw=(None if segment.get("image_grid_thw") is None
-                                  else np.asarray(segment["image_grid_thw"], dtype=np.int64).reshape(-1, 3)))
+    arrays = {k: None if segment.get(k) is None else np.asarray(segment[k], dtype=dtype)
+              for k, dtype in SEGMENT_ARRAYS.items()}
+    if arrays["image_grid_thw"] is not None:
+        arrays["image_grid_thw"] = arrays["image_grid_thw"].reshape(-1, 3)
+    # the encoded image files and their grids stay with the tokens: only the trainer rank that gets this segment
+    # fetches and patches them (vl.with_pixels); `opened`: why this segment began (capture.CaptureServer.opening)
+    arrays.update(attempt_id=segment["attempt_id"], segment_index=segment["segment_index"],
+                  opened=segment.get("opened"), images=list(segment.get("images") or []))
+    mask, versions = arrays["action_mask"], arrays["token_versions"]
     generated = versions[mask == 1]
     return dict(ref=ray.put(arrays), attempt_id=segment["attempt_id"], segment_index=segment["segment_index"],
                 group_id=group_id, reward=float(reward), num_tokens=len(mask), action_tokens=int(mask.sum()),
@@ -358,9 +357,8 @@ class RolloutPool:
         self.max_failed_in_a_row, self.failed_in_a_row = max_failed_in_a_row, 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-pool", daemon=True)
-        self._changed = None  # asyncio.Event on the pool loop: a group finished or a batch was taken
-        self._main_task = None
-        self._crash = None
+        # _changed: an asyncio.Event on the pool loop (a group finished or a batch was taken); _crash: why it stopped
+        self._changed = self._main_task = self._crash = None
         self._exhausted = False
 
     # the pool runs on its own event loop in a background thread: agent code (which may block) never stalls the

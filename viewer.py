@@ -29,40 +29,49 @@ PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "viewer.html")
 MAX_ROUTE_NUMBERS = 4 << 20  # routed expert ids kept per segment (T x L_moe x K); a larger segment is kept without them
 
 
-def read_jsonl(path, offset=0):
-    """The rows of a JSONL file from byte `offset` on: (rows, bad lines, next offset). A missing file has no rows; a
-    line that is not a JSON object is counted as bad; an unterminated last line (being written) is left for later."""
-    rows, bad = [], 0
+def complete_lines(path, offset=0):
+    """(offset, line) of each line of a file from byte `offset` on: an unterminated last line (being written) is left
+    for later; a missing file has none."""
     try:
         with open(path, "rb") as f:
             f.seek(offset)
             for line in f:
                 if not line.endswith(b"\n"):
-                    break
+                    return
+                yield offset, line
                 offset += len(line)
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    row = None
-                if isinstance(row, dict):
-                    rows.append(row)
-                elif line.strip():
-                    bad += 1
     except FileNotFoundError:
-        pass
+        return
+
+
+def read_jsonl(path, offset=0):
+    """The rows of a JSONL file from byte `offset` on: (rows, bad lines, next offset). A missing file has no rows; a
+    line that is not a JSON object is counted as bad; an unterminated last line (being written) is left for later."""
+    rows, bad = [], 0
+    for at, line in complete_lines(path, offset):
+        offset = at + len(line)
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif line.strip():
+            bad += 1
     return rows, bad, offset
 
 
-def attempt_summary(segments, **fields):
-    """The light fields the attempt list shows, from an attempt's segment dicts."""
+def attempt_summary(segments, head=None, **fields):
+    """The light fields the attempt list shows, from an attempt's segment dicts and `head`, the dict that holds the
+    attempt's own (id, group, reward, failure; the first segment by default); `fields` add to them or replace them."""
+    head = head or segments[0]
     generated = [v for s in segments for m, v in zip(s["action_mask"], s["token_versions"]) if m]
-    error = segments[0].get("error")
-    return dict(dict(attempt_id=segments[0]["attempt_id"], group_id=segments[0].get("group_id"),
-                     reward=segments[0].get("reward"), segments=len(segments),
-                     tokens=sum(len(s["token_ids"]) for s in segments), generated=len(generated),
-                     min_version=min(generated, default=None), max_version=max(generated, default=None),
-                     failed=bool(segments[0].get("failed")), timed_out="timed out" in (error or ""), error=error),
-                **fields)
+    error = head.get("error")
+    return dict(dict(attempt_id=head["attempt_id"], group_id=head.get("group_id"), reward=head.get("reward"),
+                     segments=len(segments), tokens=sum(len(s["token_ids"]) for s in segments),
+                     generated=len(generated), min_version=min(generated, default=None),
+                     max_version=max(generated, default=None), failed=bool(head.get("failed")),
+                     timed_out="timed out" in (error or ""), error=error), **fields)
 
 
 class Run:
@@ -93,27 +102,19 @@ class Run:
             return dict(attempts=out, bad_lines=bad + self.traj_bad)
 
     def read_trajectories(self):
-        path = os.path.join(self.dir, "trajectories.jsonl")
-        try:
-            with open(path, "rb") as f:
-                f.seek(self.traj_offset)
-                for line in f:
-                    if not line.endswith(b"\n"):
-                        break
-                    try:
-                        seg = json.loads(line)
-                        summary = attempt_summary([seg], source="trajectories")
-                    except (ValueError, KeyError, TypeError, IndexError):
-                        seg, self.traj_bad = None, self.traj_bad + 1
-                    if seg is not None:
-                        old, spans = self.traj.pop(seg["attempt_id"], (None, []))
-                        if old is not None:  # one more segment of the attempt
-                            summary = dict(old, segments=old["segments"] + 1, tokens=old["tokens"] + summary["tokens"],
-                                           generated=old["generated"] + summary["generated"])
-                        self.traj[seg["attempt_id"]] = summary, spans + [(self.traj_offset, len(line))]
-                    self.traj_offset += len(line)
-        except FileNotFoundError:
-            pass
+        for offset, line in complete_lines(os.path.join(self.dir, "trajectories.jsonl"), self.traj_offset):
+            self.traj_offset = offset + len(line)
+            try:
+                seg = json.loads(line)
+                summary = attempt_summary([seg], source="trajectories")
+            except (ValueError, KeyError, TypeError, IndexError):
+                self.traj_bad += 1
+                continue
+            old, spans = self.traj.pop(seg["attempt_id"], (None, []))
+            if old is not None:  # one more segment of the attempt
+                summary = dict(old, segments=old["segments"] + 1, tokens=old["tokens"] + summary["tokens"],
+                               generated=old["generated"] + summary["generated"])
+            self.traj[seg["attempt_id"]] = summary, spans + [(offset, len(line))]
 
     def attempt(self, attempt_id, file=None):
         """One attempt: {"summary", "segments"}; None if the run holds no such attempt."""
@@ -243,8 +244,7 @@ def segment_record(arrays, tokenizer, trainer_logprobs=None):
     trainer's logprob where it computed one, routed experts (unless too many), images (base64)."""
     ids = [int(t) for t in arrays["token_ids"]]
     routes = arrays.get("routed_experts")
-    if routes is not None and getattr(routes, "size", 0) > MAX_ROUTE_NUMBERS:
-        routes = None
+    routes = None if getattr(routes, "size", 0) > MAX_ROUTE_NUMBERS else routes
     return dict(attempt_id=arrays["attempt_id"], segment_index=int(arrays["segment_index"]),
                 opened=arrays.get("opened"), token_ids=ids, tokens=tokenizer.batch_decode([[t] for t in ids]),
                 action_mask=[int(m) for m in arrays["action_mask"]],
@@ -312,11 +312,8 @@ class Recorder:
         for attempt_id, rs in by_attempt.items():
             segments = [segment_record(arrays[id(r)], tokenizer, trained.get((attempt_id, r["segment_index"])))
                         for r in sorted(rs, key=lambda r: r["segment_index"]) if id(r) in arrays]
-            summary = attempt_summary(segments or [dict(attempt_id=attempt_id, action_mask=[], token_versions=[],
-                                                        token_ids=[])], step=step, policy_version=policy_version)
-            summary.update(group_id=rs[0]["group_id"], reward=rs[0]["reward"], advantage=rs[0].get("advantage"),
-                           failed=bool(rs[0]["failed"]), error=rs[0]["error"],
-                           timed_out="timed out" in (rs[0]["error"] or ""))
+            summary = attempt_summary(segments or [dict(action_mask=[], token_versions=[], token_ids=[])], rs[0],
+                                      step=step, policy_version=policy_version, advantage=rs[0].get("advantage"))
             name = f"{step:08d}-{attempt_id}.json"
             with open(os.path.join(self.dir, name + ".tmp"), "w") as f:
                 f.write(json.dumps(summary) + "\n" + json.dumps(segments) + "\n")
