@@ -299,10 +299,15 @@ def test_live_during_a_tiny_run_then_over_its_directory(tmp_path, tiny_model_pat
     url = f"http://127.0.0.1:{cfg['view_port']}"
     add, add_s = run["recorder"].add, []  # what the sample costs the trainer's thread, per step (printed)
 
+    live_checked = threading.Event()  # the trainer waits at step 2 until the page was checked live (a quiet
+                                      # machine ran the 3 steps before Chromium had the page up)
+
     def timed_add(*args):
         t0 = time.perf_counter()
         add(*args)
         add_s.append(time.perf_counter() - t0)
+        if len(add_s) == 2:  # step 1 is complete (its metrics row and sample written)
+            live_checked.wait(timeout=600)
     run["recorder"].add = timed_add
     done = threading.Event()
     failure = []
@@ -332,6 +337,7 @@ def test_live_during_a_tiny_run_then_over_its_directory(tmp_path, tiny_model_pat
             assert browser.js("document.querySelector('#detail').textContent").count("trained at policy version") == 1
             live_during_run = not done.is_set()
     finally:
+        live_checked.set()
         thread.join()
         train.stop_rollout(run)
     assert not failure, failure
