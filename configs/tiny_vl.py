@@ -13,4 +13,5 @@ learning_rate = 1.5e-3
 min_lr = 1.5e-4
 kl_coef = 0.2  # KL to the warm start: keeps a colour the policy cannot yet tell apart from collapsing onto one name
 eval_every = 50
+checkpoint_every = 50
 attempt_timeout_s = 300.0  # 200 held-out pictures and their blanks at once, beside training, on 2 cores
