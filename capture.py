@@ -73,7 +73,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from engine import Engine
+from engine import OPTIONS, Engine
 from protocols import (ANSWERS, EVENTS, PARSERS, THINK_TAGS, XML_TOOL_PARSERS, ImageTokens, RequestError, argument_mapping,
                        call_grammar, call_id, call_tags, error_body, error_response, field, json_or, parse_anthropic,
                        read_calls, same_json, split_reasoning, stream_deltas, strict_json, tool_call, tool_parser_of)
@@ -297,10 +297,11 @@ class CaptureServer:
     503); sessions made over HTTP expire after http_session_idle_s without a request, at most max_http_sessions
     live at once (finished ones make room first, else POST /sessions gets 429)."""
 
-    def __init__(self, backend, tokenizer, *, max_model_len=2048, importance_correction=False, host="127.0.0.1",
-                 port=0, model_name=None, max_body_bytes=16 << 20, max_cached_answers=16, header_timeout_s=10.0,
-                 body_timeout_s=60.0, max_connections=4096, http_session_idle_s=1800.0, max_http_sessions=1024,
-                 constrained_tokens="train", max_images_per_prompt=8, tool_parser=None, **image_limits):
+    def __init__(self, backend, tokenizer, *, max_model_len=OPTIONS["max_model_len"], importance_correction=False,
+                 host="127.0.0.1", port=0, model_name=None, max_body_bytes=16 << 20, max_cached_answers=16,
+                 header_timeout_s=10.0, body_timeout_s=60.0, max_connections=4096, http_session_idle_s=1800.0,
+                 max_http_sessions=1024, constrained_tokens="train",
+                 max_images_per_prompt=OPTIONS["max_images_per_prompt"], tool_parser=None, **image_limits):
         from transformers import AutoTokenizer
         from vllm.tool_parsers import ToolParserManager
         self.backend = backend
@@ -966,7 +967,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Serve a model through the capture server (loopback only).")
     parser.add_argument("--model", help="HuggingFace model directory (default: the tiny model, built on first use)")
     parser.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=OPTIONS["max_model_len"])
     parser.add_argument("--view", metavar="OUT_DIR", help="serve the trajectory viewer over a run's out_dir instead")
     args = parser.parse_args(argv)
     if args.view:  # no engine: the page over the run's files (viewer.py)

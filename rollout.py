@@ -32,7 +32,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engine import Engine, EngineNotStarted
+from engine import OPTIONS, Engine, EngineNotStarted
 from agentrl import Context
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -94,8 +94,8 @@ def check_engine_fits_a_node(tensor_parallel_size, nodes):
                            "supported; lower tensor_parallel_size")
 
 
-def start_engines(model_path, num_engines=1, tensor_parallel_size=1, *, max_restarts=3, ready_timeout_s=600,
-                  seed=0, **engine_kwargs):
+def start_engines(model_path, num_engines=1, tensor_parallel_size=OPTIONS["tensor_parallel_size"], *, max_restarts=3,
+                  ready_timeout_s=600, seed=0, **engine_kwargs):
     """Start `num_engines` engine.Engine actors (one vLLM AsyncLLM each, sampling seed seed + i) and wait until they
     serve, at weight version 0. On GPU each engine gets tensor_parallel_size GPUs of one node; on CPU one logical CPU. Ray restarts a
     killed engine up to max_restarts times (the Router starts it again). Returns (engines, placement group)."""

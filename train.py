@@ -36,6 +36,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
                                     register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor, Shard
 
+import engine
 import lora
 import loss
 import plan
@@ -78,15 +79,17 @@ view_port = 0              # serve the trajectory viewer on 127.0.0.1:PORT durin
 view_groups_per_step = 1   # GRPO groups of each batch recorded for the viewer in out_dir/view/ (0: none), with the
                            # trainer's logprobs of their tokens; written off the trainer's path
 view_max_attempts = 256    # the newest this many recorded attempts are kept there (older ones are deleted)
-# rollout
+# rollout: engine.Engine's options, one key each (plan.ENGINE_OPTIONS); engine.py declares each default
 num_engines = 1
-tensor_parallel_size = 1
-engine_max_model_len = 2048
-engine_memory_fraction = 0.5   # vLLM gpu_memory_utilization (host memory on CPU)
-enable_prefix_caching = True
-recompute_kv_on_sync = True  # a weight sync empties the prefix cache; in-flight requests recompute their KV with the
-                             # new weights (False: they go on with the old weights' KV, a hybrid of two policies)
-max_images_per_prompt = 8  # images one prompt may hold (vLLM's limit_mm_per_prompt); more get a 400 naming the image
+tensor_parallel_size = engine.OPTIONS["tensor_parallel_size"]
+engine_max_model_len = engine.OPTIONS["max_model_len"]
+engine_memory_fraction = engine.OPTIONS["memory_fraction"]  # vLLM gpu_memory_utilization (host memory on CPU)
+enable_prefix_caching = engine.OPTIONS["enable_prefix_caching"]
+recompute_kv_on_sync = engine.OPTIONS["recompute_kv_on_sync"]  # a weight sync empties the prefix cache; in-flight
+                           # requests recompute their KV with the new weights (False: they go on with the old weights'
+                           # KV, a hybrid of two policies)
+max_images_per_prompt = engine.OPTIONS["max_images_per_prompt"]  # images one prompt may hold (vLLM's
+                           # limit_mm_per_prompt); more get a 400 naming the image
 speculative_config = {}    # passed to vLLM as is, e.g. {"method": "mtp", "num_speculative_tokens": 1}
 speculative_tokens = 0     # MTP speculative decoding: tokens drafted per step by the model's mtp.* layers (0: off)
 group_size = 4             # attempts per prompt (GRPO group)
