@@ -146,13 +146,6 @@ def initial_adapter(name, shape, seed):
     return (torch.rand(shape, generator=g) * 2 - 1) / math.sqrt(shape[-1])
 
 
-@torch.no_grad()
-def init_adapters(model, seed):
-    """Fill an unsharded model's adapters (initial_adapter)."""
-    for p, full in initial_adapters(model, seed):
-        p.copy_(full)
-
-
 def adapted_weight(name):
     """Our adapter name -> (the weight it adapts, "A" or "B"): q_proj.lora_A -> (q_proj.weight, A),
     experts.gate_proj_lora_B -> (experts.gate_proj, B)."""
@@ -271,9 +264,7 @@ def served_targets(mcfg, cfg):
 
 
 def engine_options(cfg, mcfg):
-    """engine.Engine keyword arguments of a LoRA run ({} for full fine-tuning)."""
-    if not cfg["lora_rank"]:
-        return {}
+    """engine.Engine keyword arguments of a LoRA run (plan.engine_options adds them when lora_rank > 0)."""
     options = dict(worker_extension_cls="engine.LoRAWeightSyncWorker")
     if served_targets(mcfg, cfg):
         options.update(enable_lora=True, max_loras=1, max_lora_rank=engine_lora_rank(cfg["lora_rank"]),

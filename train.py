@@ -421,7 +421,7 @@ def build_reference(cfg, model, device):
 def connect_ray(cfg, rank, world):
     """Rank 0 joins the cluster named by RAY_ADDRESS (torchrun.sh sets it on clusters) or starts a local one; the
     other ranks join rank 0's. On a CPU machine the local cluster gets one logical CPU per engine plus one."""
-    address = [None]
+    address = None
     if rank == 0:
         import ray
         if os.environ.get("RAY_ADDRESS"):
@@ -433,14 +433,13 @@ def connect_ray(cfg, rank, world):
                      object_store_memory=None if gpus else 1 << 30)  # experiences of the tiny run are a few MB
         # a local cluster wants a token (in ~/.ray/auth_token) and ray.init switched on token mode in this
         # process's environment only: the other ranks need that switch before they import ray
-        address = [(ray.get_runtime_context().gcs_address,
-                    {k: v for k, v in os.environ.items() if k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")})]
-    if world > 1:
-        dist.broadcast_object_list(address, src=0)
+        address = (ray.get_runtime_context().gcs_address,
+                   {k: v for k, v in os.environ.items() if k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")})
+    address, auth = from_rank0(address, world)
     if rank != 0:
-        os.environ.update(address[0][1])  # before the first `import ray`: Ray reads its auth mode at import
+        os.environ.update(auth)  # before the first `import ray`: Ray reads its auth mode at import
         import ray
-        ray.init(address=address[0][0])
+        ray.init(address=address)
     return ray
 
 
@@ -519,11 +518,7 @@ def share_batch(records, cfg, rank, world):
         with_tokens = [dict(r, advantage=float(a)) for r, a in zip(records, advantages) if r["ref"] is not None]
         # ray's pickler, not plain pickle: an object ref must carry its owner to be fetched by another process
         shards = ray.cloudpickle.dumps(rollout.balance_by_tokens(with_tokens, world))
-    if world > 1:
-        box = [shards]
-        dist.broadcast_object_list(box, src=0)
-        shards = box[0]
-    mine = ray.cloudpickle.loads(shards)[rank]
+    mine = ray.cloudpickle.loads(from_rank0(shards, world))[rank]
     segments = ray.get([r["ref"] for r in mine])  # the only copy of token data that reaches this rank
     # the object store hands out read-only views; torch wants arrays it may write (a copy of a few KB each)
     segments = [{k: v.copy() if hasattr(v, "copy") else v for k, v in s.items()} for s in segments]
@@ -570,10 +565,7 @@ def push_weights(run, loop, sender, model, policy_version, rank, world):
             host = "127.0.0.1" if len(ray.nodes()) == 1 else ray.util.get_node_ip_address()  # engines reach it
             loop.run_until_complete(weights_sync.connect_engines(live, sender, host=host, timeout_s=300))
             run["router"].mark_connected(live)
-    go = [bool(live)] if rank == 0 else [None]
-    if world > 1:
-        dist.broadcast_object_list(go, src=0)
-    if not go[0]:  # every engine is restarting: they get these weights at the next step's sync
+    if not from_rank0(bool(live), world):  # every engine is restarting: they get these weights at the next step's sync
         return None
     t0 = time.perf_counter()
     try:
@@ -639,9 +631,8 @@ def collate(segments, advantages, pad_id=0):
         n = len(s["token_ids"]) - 1
         ids = torch.as_tensor(s["token_ids"], dtype=torch.long)
         mb["input_ids"][i, :n], mb["targets"][i, :n], mb["real"][i, :n] = ids[:-1], ids[1:], 1.0
-        mb["action_mask"][i, :n] = torch.as_tensor(s["action_mask"][1:], dtype=torch.float32)
-        mb["behavior_logprobs"][i, :n] = torch.as_tensor(s["behavior_logprobs"][1:], dtype=torch.float32)
-        mb["token_versions"][i, :n] = torch.as_tensor(s["token_versions"][1:], dtype=torch.long)
+        for k in ("action_mask", "behavior_logprobs", "token_versions"):
+            mb[k][i, :n] = torch.as_tensor(s[k][1:], dtype=mb[k].dtype)
         if with_routes:
             mb["routed_experts"][i, :n] = torch.as_tensor(s["routed_experts"][:n], dtype=torch.long)
     if not with_routes:
@@ -776,6 +767,14 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
                tokens=int(tokens.item()), train_step_s=time.perf_counter() - t0,
                logprobs=kept_logprobs)
     return out
+
+
+def from_rank0(obj, world):
+    """Rank 0's `obj` on every rank (a collective: pickled and broadcast)."""
+    box = [obj]
+    if world > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def compute_device():
