@@ -185,19 +185,17 @@ def setup_agent(run, cfg):
 def as_run_function(agent, where="agent"):
     """One calling convention for every agent shape: `await run(ctx) -> Result`."""
     if inspect.isclass(agent) and issubclass(agent, Env):
-        async def run(ctx):
-            return as_result(await run_env(agent(), ctx))
+        play = lambda ctx: run_env(agent(), ctx)  # noqa: E731  (a fresh Env per attempt)
     elif inspect.isclass(agent) and issubclass(agent, ChatAgent):
         return as_run_function(agent(), where)
-    elif isinstance(agent, ChatAgent):
-        async def run(ctx):
-            return as_result(await agent.run(ctx))
-    elif inspect.iscoroutinefunction(agent):
-        async def run(ctx):
-            return as_result(await agent(ctx))
+    elif isinstance(agent, ChatAgent) or inspect.iscoroutinefunction(agent):
+        play = agent.run if isinstance(agent, ChatAgent) else agent
     else:
         raise TypeError(f"{where}: `agent` must be a ChatAgent, an Env subclass or an async function of ctx, "
                         f"got {type(agent).__name__}")
+
+    async def run(ctx):
+        return as_result(await play(ctx))
     return run
 
 

@@ -344,13 +344,11 @@ def evaluate(run, cfg, v, evals):
     through the rollout pool at eval_temperature, on the weights the engines hold (the driver waits: no weight sync
     meanwhile). Results per prompt go to out_dir/eval_results.jsonl; the means to evals[v], and back ({}: not due)."""
     if cfg["eval_every"] and run["eval_prompts"] and (v % cfg["eval_every"] == 0 or v == cfg["max_steps"]):
-        sampling = dict(run["pool"].sampling, temperature=cfg["eval_temperature"])
-        evals[v] = run["pool"].evaluate(run["eval_prompts"], sampling,
-                                        os.path.join(cfg["out_dir"], "eval_results.jsonl"), v)
-        if run.get("blank_prompts"):  # the ablation: each image blank (same size, same tokens), eval/success_blank
-            blank = run["pool"].evaluate(run["blank_prompts"], sampling,
-                                         os.path.join(cfg["out_dir"], "eval_results_blank.jsonl"), v)
-            evals[v].update({f"{k}_blank": x for k, x in blank.items()})
+        sampling, evals[v] = dict(run["pool"].sampling, temperature=cfg["eval_temperature"]), {}
+        # the held-out prompts; with images, the ablation too: each image blank (same size, same tokens), *_blank
+        for tail, prompts in (("", run["eval_prompts"]), ("_blank", run.get("blank_prompts"))):
+            means = prompts and run["pool"].evaluate(prompts, sampling, f"{cfg['out_dir']}/eval_results{tail}.jsonl", v)
+            evals[v].update({k + tail: x for k, x in (means or {}).items()})
         return evals[v]
     return {}
 
