@@ -201,20 +201,17 @@ def as_run_function(agent, where="agent"):
 
 def as_result(value):
     """A float, a Result, a dict with "reward", or any object with `.reward`, as a Result with a finite float."""
-    if isinstance(value, Result):
-        result = value
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        result = Result(float(value))
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        reward, info = value, {}
     elif isinstance(value, dict) and "reward" in value:
-        result = Result(value["reward"], {k: v for k, v in value.items() if k != "reward"})
-    elif hasattr(value, "reward"):
-        result = Result(value.reward, dict(getattr(value, "info", {}) or {}))
+        reward, info = value["reward"], {k: v for k, v in value.items() if k != "reward"}
+    elif hasattr(value, "reward"):  # a Result too
+        reward, info = value.reward, dict(getattr(value, "info", {}) or {})
     else:
         raise TypeError(f"an agent must return a reward (float) or a result with a reward, got {type(value).__name__}")
-    reward = float(result.reward)
-    if not math.isfinite(reward):
+    if not math.isfinite(float(reward)):
         raise ValueError(f"the agent returned a non-finite reward {reward}")
-    return Result(reward, result.info)
+    return Result(float(reward), info)
 
 
 def read_prompts(path, seed=0, row_map=None):

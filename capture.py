@@ -321,9 +321,7 @@ class CaptureServer:
         self.call_tags = call_tags(self.tool_parser_cls(self.tokenizer))
         self.call_ids = [vocab.get(t) for t in self.call_tags]
         self.think_ids = [vocab.get(t) for t in THINK_TAGS]  # None where the model has no reasoning tags
-        if constrained_tokens not in ("train", "mask"):
-            raise ValueError(f"constrained_tokens must be 'train' or 'mask', got {constrained_tokens!r}")
-        self.constrained_tokens = constrained_tokens
+        self.constrained_tokens = constrained_tokens  # "train" or "mask" (plan.check_config checks the run's)
         self.end_texts = [self.tokenizer.decode([i]) for i in self.end_ids]
         self.added_texts = tuple(self.tokenizer.get_added_vocab())
         # Message text is tokenized as text: added-token strings in it (a web page holding "<|im_end|>") become
@@ -386,8 +384,8 @@ class CaptureServer:
 
     def drop_session(self, session_id, why=None):
         session = self.sessions.pop(session_id, None)
-        if self.http_sessions.pop(session_id, None) is not None and hasattr(self.backend, "forget"):
-            self.backend.forget(session_id)  # the router's engine affinity
+        self.http_sessions.pop(session_id, None)
+        getattr(self.backend, "forget", lambda _: None)(session_id)  # the router's engine affinity, if it keeps one
         if session is not None:
             why = why or ("it finished and was dropped" if session.finished else "it was dropped unfinished")
             self.dropped[session_id] = key_digest(session.api_key), why
@@ -804,9 +802,7 @@ class CaptureServer:
     async def http_chat(self, request):
         protocol = {"messages": "anthropic", "responses": "responses"}.get(request.url.path.rsplit("/", 1)[1], "openai")
         try:
-            session = self.authorize(request)
-            if session.finished:
-                raise RequestError(410, f"Session {session.id} has finished; its attempt is over.")
+            session = self.authorize(request)  # a finished session's turn: respond answers 410
             raw, body = await self.read_json(request)
             messages = body.get("input" if protocol == "responses" else "messages") if isinstance(body, dict) else None
             if isinstance(messages, list) and len(messages) > self.max_model_len:  # before reading each of them

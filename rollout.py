@@ -194,7 +194,10 @@ class Router:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no rollout engine came back within {wait_for_engine_s:.0f}s")
             await asyncio.sleep(0.5)
-        self._started(i)
+        with self._lock:  # busy from the first request in flight to the last (idle_fraction)
+            if self.in_flight[i] == 0:
+                self._busy_since[i] = time.monotonic()
+            self.in_flight[i] += 1
         try:
             yield self.engines[i]
         except (RayActorError, EngineNotStarted):  # dead, or restarted unstarted
@@ -203,20 +206,11 @@ class Router:
             self.revive(i)
             raise
         finally:
-            self._finished(i)
-
-    def _started(self, i):
-        with self._lock:
-            if self.in_flight[i] == 0:
-                self._busy_since[i] = time.monotonic()
-            self.in_flight[i] += 1
-
-    def _finished(self, i):
-        with self._lock:
-            self.in_flight[i] -= 1
-            if self.in_flight[i] == 0 and self._busy_since[i] is not None:
-                self.busy_s[i] += time.monotonic() - self._busy_since[i]
-                self._busy_since[i] = None
+            with self._lock:
+                self.in_flight[i] -= 1
+                if self.in_flight[i] == 0 and self._busy_since[i] is not None:
+                    self.busy_s[i] += time.monotonic() - self._busy_since[i]
+                    self._busy_since[i] = None
 
     def forget(self, session_id):
         with self._lock:
@@ -507,9 +501,7 @@ class RolloutPool:
         # sealed: a request of this attempt still generating is refused when it lands
         segments = [dict(s, group_id=group_id, failed=failed, error=error)
                     for s in self.server.finish_session(session.id, reward)]
-        self.server.drop_session(session.id)
-        if hasattr(self.server.backend, "forget"):
-            self.server.backend.forget(session.id)
+        self.server.drop_session(session.id)  # and the router forgets its engine
         return dict(attempt_id=session.attempt_id, reward=reward, info=info, failed=failed, timed_out=timed_out,
                     error=error, segments=segments)
 
