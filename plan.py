@@ -126,8 +126,9 @@ def check_config(cfg, mcfg=None, world_size=None):
         raise ConfigError("speculative_tokens and speculative_config both turn drafting on: set one of them" if
                           mcfg.mtp_num_hidden_layers else f"speculative_tokens={k} drafts with the model's MTP layers, "
                           f"but {cfg['model_path']!r} has none (no mtp.* weights or mtp_num_hidden_layers): use 0")
-    if cfg["mtp_loss_coef"] and not mcfg.mtp_num_hidden_layers:
-        raise ConfigError(f"mtp_loss_coef={cfg['mtp_loss_coef']} trains the model's MTP layers, but it has none: use 0")
+    if cfg["mtp_loss_coef"] and (not mcfg.mtp_num_hidden_layers or cfg["lora_rank"]):
+        raise ConfigError(f"mtp_loss_coef={cfg['mtp_loss_coef']} trains the model's MTP layers, but " + (
+            "it has none" if not mcfg.mtp_num_hidden_layers else "a LoRA run freezes them (adapters only)") + ": use 0")
     if k and cfg["enable_prefix_caching"] and not torch.cuda.is_available():
         print("speculative_tokens: enable_prefix_caching set to False (on CPU, vLLM's hybrid prefix cache runs a "
               "Triton kernel when drafting, and the engine dies)", file=sys.stderr)

@@ -340,6 +340,11 @@ def test_speculative_tokens_turns_mtp_drafting_on_and_prefix_caching_off_on_cpu(
     assert plan.engine_options(off)["enable_prefix_caching"] and plan.engine_options(off)["speculative_config"] is None
     with pytest.raises(ConfigError, match="speculative_tokens and speculative_config both"):
         plan.check_config(tiny_cfg(speculative_tokens=1, speculative_config={"method": "ngram"}), TINY_QWEN36_CONFIG)
+    from test_train import HYBRID  # a text-only hybrid with an MTP layer: LoRA may draft, but not train the head
+    plan.check_config(tiny_cfg(speculative_tokens=2, lora_rank=8), HYBRID)
+    plan.check_config(tiny_cfg(mtp_loss_coef=0.5), HYBRID)
+    with pytest.raises(ConfigError, match=r"mtp_loss_coef=0.5 trains the model's MTP layers, but a LoRA run freezes"):
+        plan.check_config(tiny_cfg(mtp_loss_coef=0.5, lora_rank=8), HYBRID)
 
 
 def test_engine_receives_the_config_options(tiny_model_path):
