@@ -104,7 +104,8 @@ def test_dry_run_of_every_config(name):
     hybrid = "qwen36" in name or "qwen3_6" in name
     if name == "qwen3_6_35b_a3b":  # KV in its 10 attention layers (1 KV head per TP2 rank), a GDN state per sequence
         per_sequence = 32768 * 2 * 10 * 1 * 256 * 2 + 30 * (4 * 16 * 128 * 128 + 2 * 3 * (16 * 128 + 16 * 128))
-        free = float(re.search(r"([\d.]+) GiB bf16 weights of ([\d.]+) GiB", out).group(2)) - 33.48
+        weights, budget = map(float, re.search(r"([\d.]+) GiB bf16 weights of ([\d.]+) GiB", out).groups())
+        free = budget - weights
         assert f"= {int(free * GiB // per_sequence)} full 32768-token sequences" in out, out
         assert gib(out, "GDN states") == pytest.approx(2 * 2 * 512 * 32 * 128 * 128, abs=0.005 * GiB)  # + gradient
     assert ("  GDN states" in out) == hybrid and ("linear-attention layers 0, " in out) == hybrid
@@ -153,6 +154,29 @@ def test_qwen3_30b_a3b_memory_matches_hand_computation():
     # of attention + router + the 16 local experts, and one block's gradient in bf16 and fp32
     block = layer + (E // ep) * 3 * D * H
     assert gib(out, "all-gather") == pytest.approx(4 * (2 * V * D) + 4 * block + 6 * block, rel=0.05)
+
+
+@pytest.mark.stack
+def test_mtp_drafting_plans_the_drafters_weights_kv_and_sync_share():
+    """qwen3_6_35b_a3b with speculative_tokens=2 against a hand count of its MTP layer (fc over two widths, three
+    norms, one gated-attention MoE block with a shared expert): the engine holds the drafter's own bf16 weights / TP
+    (without drafting vLLM drops mtp.*), KV for 11 attention layers and 1 + 2 GDN states per sequence (one per draft
+    position); the bf16 sync carries mtp.* either way."""
+    off = dry_run_output("qwen3_6_35b_a3b")
+    r = run_train("--config", "configs/qwen3_6_35b_a3b.py", "--dry_run=True", "--speculative_tokens=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    D, nh, nkv, hd, E, H = 2048, 16, 2, 256, 256, 512  # the config's text_config (shared expert also 512 wide)
+    block = 2 * D + D * 2 * nh * hd + 2 * D * nkv * hd + nh * hd * D + 2 * hd + D * E + E * 3 * D * H + 3 * D * H + D
+    mtp = 2 * D * D + 3 * D + block  # 844,640,768
+    weights = lambda out: float(re.search(r"([\d.]+) GiB bf16 weights", out).group(1))  # noqa: E731
+    assert weights(r.stdout) - weights(off) == pytest.approx(2 * mtp / 2 / GiB, abs=0.01)  # TP 2
+    assert f"{2 * mtp / 2 / GiB:.2f} GiB of the weights are the drafter's" in r.stdout
+    state = 4 * 16 * 128 * 128 + 2 * 3 * (16 * 128 + 16 * 128)  # per GDN layer and TP rank, as in the test above
+    per_sequence = 32768 * 2 * (10 + 1) * 1 * 256 * 2 + 30 * (1 + 2) * state
+    free = float(re.search(r"GiB bf16 weights of ([\d.]+) GiB", r.stdout).group(1)) - weights(r.stdout)
+    assert f"= {int(free * GiB // per_sequence)} full 32768-token sequences" in r.stdout
+    sync = lambda out: float(re.search(r"weight sync per step: ([\d.]+) GB", out).group(1))  # noqa: E731
+    assert sync(r.stdout) == sync(off) and f"; {2 * mtp / 1e9:.2f} GB of it the MTP layers" in off
 
 
 @pytest.mark.stack
@@ -356,6 +380,11 @@ def test_speculative_tokens_turns_mtp_drafting_on_and_prefix_caching_off_on_cpu(
     assert plan.engine_options(off)["enable_prefix_caching"] and plan.engine_options(off)["speculative_config"] is None
     with pytest.raises(ConfigError, match="speculative_tokens and speculative_config both"):
         plan.check_config(tiny_cfg(speculative_tokens=1, speculative_config={"method": "ngram"}), TINY_QWEN36_CONFIG)
+    from test_train import HYBRID  # a text-only hybrid with an MTP layer: LoRA may draft, but not train the head
+    plan.check_config(tiny_cfg(speculative_tokens=2, lora_rank=8), HYBRID)
+    plan.check_config(tiny_cfg(mtp_loss_coef=0.5), HYBRID)
+    with pytest.raises(ConfigError, match=r"mtp_loss_coef=0.5 trains the model's MTP layers, but a LoRA run freezes"):
+        plan.check_config(tiny_cfg(mtp_loss_coef=0.5, lora_rank=8), HYBRID)
 
 
 def test_engine_receives_the_config_options(tiny_model_path):
