@@ -233,10 +233,7 @@ def main(argv):
         return dist.destroy_process_group()
 
     # the rollout side, on rank 0: engines, router, capture server, pool
-    import logging
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engines' start-up and per-sync notes, unless asked
-    # a model in training writes malformed tool calls all the time; vLLM's parser logs a traceback for each
-    logging.getLogger("vllm.tool_parsers.hermes_tool_parser").setLevel(logging.CRITICAL)
     ray = connect_ray(cfg, rank, world)
     import rollout  # after connect_ray: the other ranks import ray only once its auth mode is set
     gpus = rollout.trainer_gpus(ray, world)
