@@ -293,13 +293,15 @@ def test_tiny_hybrid_config_round_trips():
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's Triton kernels compute on CUDA only")
 SEGMENTS = [1000, 1, 63, 65, 2967]  # packed: a segment of one token, chunk edges, a long one
 # max |diff| over the reference's max |value|, of the output and of every gradient, and of the sum a decay parameter's
-# gradient takes (sum_t dg_t g_t: A_log's). Measured on an H200 (torch 2.11, Triton 3.6, fla-core 0.6.0 with tilelang
-# 0.1.15), fla against the fp64 reference: bf16 6.7e-3 (strong decay) and 8.8e-3 (mild); the layer 1.4e-2 (dx).
+# gradient takes (sum_t dg_t g_t per head: A_log's). Measured on an H200 (torch 2.11, Triton 3.6, fla-core 0.6.0 with
+# tilelang 0.1.15), fla against the fp64 reference: bf16 7.1e-3 (mild decay) and 7.5e-3 (strong), A_log's sum
+# 4.6e-3 / 3.8e-3; the layer (bf16) 1.4e-2 (dx).
 FLA_RULE_REL = {torch.float32: 5e-3, torch.bfloat16: 2e-2}
 FLA_LAYER_REL = {torch.float32: 5e-3, torch.bfloat16: 2e-2}
-# fla's fp32 backward (which gdn.py does not use): the decay's gradient is wrong. Against the fp64 reference, at the
-# layer test's 4 value heads: A_log's sum 1.5e-2 off at mild decay and 3.1 at strong (median per-token error of dg 43x
-# its value), where fla's own bf16 path is 2.5e-3 / 5.3e-3 off and the reference in fp32 with TF32 matmuls 3.2e-4.
+# fla's fp32 backward, which gdn.py does not use: output and every gradient within 2.1e-3, but A_log's sum 8.0e-3 off
+# at mild decay and 0.63 at strong. dg's error is small against its largest value yet does not shrink with a token's
+# own (median per-token error 43x the value at the layer test's 4 heads) and adds up over the tokens; fla's bf16 path
+# does not do it (above), nor the reference in fp32 with TF32 matmuls (3.2e-4): not rounding, not cancellation.
 FLA_FP32 = pytest.mark.xfail(strict=True, reason="fla-core 0.6.0's fp32 backward: the log decay's gradient is wrong")
 
 
@@ -328,8 +330,9 @@ def rule_inputs(dtype, g, strong, Hk=16, H=32, dk=128, dv=128):
                          ids=["fp32", "fp32-strong", "bf16", "bf16-strong"])
 def test_fla_matches_the_torch_reference(dtype, strong):
     """fla's chunk_gated_delta_rule (varlen, key heads shared by value heads) against the fp64 reference on the same
-    (rounded) inputs, forward and backward, on packed segments of several lengths. Negative control: the reference
-    run with the segments merged (state leaking across their boundaries) is far outside the tolerance."""
+    (rounded) inputs, forward and backward, on packed segments of several lengths. Negative control (mild decay):
+    the reference run with the segments merged (state leaking across their boundaries) is far outside the
+    tolerance."""
     g = torch.Generator(device="cuda").manual_seed(0)
     cu = torch.tensor([0, *torch.tensor(SEGMENTS).cumsum(0).tolist()], device="cuda")
     inputs = rule_inputs(dtype, g, strong)
@@ -348,7 +351,8 @@ def test_fla_matches_the_torch_reference(dtype, strong):
     errs["dA_log"] = rel_err((grads[0][3].double() * gate).sum((0, 1)), (grads[1][3] * gate).sum((0, 1)))
     print(dtype, strong, {k: f"{e:.1e}" for k, e in errs.items()})
     assert max(errs.values()) <= rel, errs
-    assert rel_err(outs[2], outs[1]) > 10 * FLA_RULE_REL[torch.bfloat16]  # the control: merged segments
+    if not strong:  # the control: merged segments (a strong decay forgets the previous segment within a few tokens)
+        assert rel_err(outs[2], outs[1]) > 10 * FLA_RULE_REL[torch.bfloat16]
 
 
 @CUDA
