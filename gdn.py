@@ -85,7 +85,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens):
     """fla's kernel for 16-bit CUDA tensors, the torch reference for the rest: in fp32, fla-core 0.6.0's backward
     gets the log decay's gradient wrong (its per-token error grows with the decay's strength while its bf16 path
     stays within 1e-2; tests/test_hybrid.py measures both), so fp32 inputs stay on the reference."""
-    if q.is_cuda and FLA_ON_CUDA and q.dtype != torch.float32:
+    if q.is_cuda and FLA_ON_CUDA and q.dtype in (torch.bfloat16, torch.float16):
         return fla_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens)
     return chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens)
 
