@@ -41,7 +41,6 @@ import lora
 import loss
 import plan
 import runlog
-import viewer
 import vl
 from checkpoint import export_hf, latest_checkpoint, load_checkpoint, local_tensor, save_checkpoint
 from experts import EXPERT_PROJS, GatherRows, SumRows, count_ids, slot_positions, to_contiguous
@@ -443,6 +442,7 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
     background thread, and the rollout pool for the agent module and its prompts (train() starts it)."""
     import capture
     import rollout
+    import viewer  # the web server's packages: the trainer alone (bench.py train) needs none
     from agentrl import load_agent, load_prompts, read_prompts, setup_agent
     placement = []
     if engines is None:
