@@ -47,6 +47,13 @@ def stop_planner():  # before the interpreter tears down (the pool, once unrefer
         planner.cache_clear()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def planner_for_this_module():
+    """The planner's memory (torch, vLLM) is not held through the rest of the suite: a later dry run starts another."""
+    yield
+    stop_planner()
+
+
 def dry_run_in_this_process(args):
     """What `python train.py ARGS` (a dry run) gives, run in this process: (exit status, stdout, stderr); a
     sys.exit sentence goes to stderr with status 1, as the interpreter writes it, an exception's traceback too."""
