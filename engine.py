@@ -9,7 +9,9 @@ in their own process) and the classes that vLLM's own processes load by name, as
     worker_cls            engine.AMXCPUWorker on a CPU with AMX
     scheduler_cls         engine.ImageScheduler for a vision model (KeepImages)
 
-Nothing here imports vLLM at module level: the trainer imports this file's names without it.
+Engine's keyword defaults are the one home of each engine option's default (OPTIONS): train.py's config block and
+the standalone users (capture.py's command line, agents/frozen.py) read them there. Nothing here imports vLLM at
+module level: the trainer imports this file's names without it.
 """
 import io
 import json
@@ -181,6 +183,9 @@ class Engine:
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+
+
+OPTIONS = Engine.__init__.__kwdefaults__  # each keyword option's default, as declared above
 
 # -----------------------------------------------------------------------------
 # the classes vLLM's processes load by name

@@ -82,17 +82,14 @@ def check_config(cfg, mcfg=None, world_size=None):
     if not os.path.isfile(cfg["agent"]):
         raise ConfigError(f"agent={cfg['agent']!r}: no such file (a Python file exporting `agent`, e.g. "
                           "agents/calculator.py)")
-    if cfg["prompts"] and not os.path.isfile(cfg["prompts"]):
-        raise ConfigError(f"prompts={cfg['prompts']!r}: no such file (JSONL or Parquet; \"\" lets the agent generate them)")
-    for key in ("sft_data", "eval_prompts"):
+    for key, empty in (("prompts", "the agent generates them"), ("sft_data", "no supervised run"),
+                       ("eval_prompts", "the agent module's eval_prompts(), if any")):
         if cfg[key] and not os.path.isfile(cfg[key]):
-            raise ConfigError(f"{key}={cfg[key]!r}: no such file (JSONL or Parquet)")
-    if cfg["tensorboard_dir"] and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("tensorboard_dir is set, but the tensorboard package is missing: pip install tensorboard, or "
-                          "leave tensorboard_dir empty")
-    if cfg["wandb_project"] and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("wandb_project is set, but the wandb package is missing: pip install wandb (see "
-                          "requirements-extras.txt), or leave wandb_project empty")
+            raise ConfigError(f"{key}={cfg[key]!r}: no such file (JSONL or Parquet; \"\": {empty})")
+    for key, package in (("tensorboard_dir", "tensorboard"), ("wandb_project", "wandb")):  # optional packages
+        if cfg[key] and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{key} is set, but the {package} package is missing: pip install {package}, or leave "
+                              f"{key} empty")
     mcfg = mcfg or planned_model_config(cfg)
     if not cfg["train_vision"] and mcfg.vision is None:
         raise ConfigError("train_vision=False freezes a vision tower, but the model has none (a text model): "

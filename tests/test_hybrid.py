@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gdn import GatedDeltaNet, chunk_gated_delta_rule, chunk_gated_delta_rule_torch
+from gdn import GatedDeltaNet, chunk_gated_delta_rule_torch, fla_chunk_gated_delta_rule
 from model import ModelConfig, Transformer, VisionConfig, hf_to_ours, ours_to_hf, read_safetensors
 from tiny import TINY_QWEN36_CONFIG
 
@@ -316,62 +316,76 @@ def test_tiny_hybrid_config_round_trips():
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's Triton kernels compute on CUDA only")
 SEGMENTS = [1000, 1, 63, 65, 2967]  # packed: a segment of one token, chunk edges, a long one
-# max |diff| over the reference's max |value|, of the output and of every gradient. Measured on an H200 (torch 2.11,
-# Triton 3.6, fla-core 0.6.0 with tilelang 0.1.15): the rule 2.1e-3 in fp32 (dbeta), 7.5e-3 in bf16 (dq); the
-# layer 1.4e-2 in bf16 (dx). The layer in fp32: 2.5e-3 for the output, dx and the projections' weights, but 0.29 to
-# 3.5 for the gradients that flow through the log decay g (in_proj_a, dt_bias, A_log), where bf16 agrees to 1e-2.
+# max |diff| over the reference's max |value|, of the output and of every gradient, and of the sum a decay parameter's
+# gradient takes (sum_t dg_t g_t per head: A_log's). Measured on an H200 (torch 2.11, Triton 3.6, fla-core 0.6.0 with
+# tilelang 0.1.15), fla against the fp64 reference: bf16 7.1e-3 (mild decay) and 7.5e-3 (strong), A_log's sum
+# 4.6e-3 / 3.8e-3; the layer (bf16) 1.4e-2 (dx).
 FLA_RULE_REL = {torch.float32: 5e-3, torch.bfloat16: 2e-2}
 FLA_LAYER_REL = {torch.float32: 5e-3, torch.bfloat16: 2e-2}
-FP32_DECAY_GRADS = pytest.mark.xfail(reason="fla's fp32 layer path: the log decay's gradients (in_proj_a, dt_bias, "
-                                     "A_log) 0.29-3.5 off the reference on an H200 (bf16 within 1e-2); not explained")
+# fla's fp32 backward, which gdn.py does not use: output and every gradient within 2.1e-3, but A_log's sum 8.0e-3 off
+# at mild decay and 0.63 at strong. dg's error is small against its largest value yet does not shrink with a token's
+# own (median per-token error 43x the value at the layer test's 4 heads) and adds up over the tokens; fla's bf16 path
+# does not do it (above), nor the reference in fp32 with TF32 matmuls (3.2e-4): not rounding, not cancellation.
+FLA_FP32 = pytest.mark.xfail(strict=True, reason="fla-core 0.6.0's fp32 backward: the log decay's gradient is wrong")
 
 
 def rel_err(got, want):
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
-def rule_inputs(dtype, g, Hk=16, H=32, dk=128, dv=128):
-    """The delta rule's inputs at 35B-A3B's head counts (16 key heads, each shared by 2 of the 32 value heads)."""
+def rule_inputs(dtype, g, strong, Hk=16, H=32, dk=128, dv=128):
+    """The delta rule's inputs at 35B-A3B's head counts (16 key heads, each shared by 2 of the 32 value heads); the
+    log decay <= 0 in fp32 as the layer makes it, mild (-softplus(a) / 2) or strong (-A softplus(a + 1), A in [1, 16]
+    as exp(A_log) of the layer test and of trained checkpoints' fast heads)."""
     N = sum(SEGMENTS)
     q, k = (torch.randn(1, N, Hk, dk, device="cuda", generator=g).to(dtype).requires_grad_() for _ in range(2))
     v = torch.randn(1, N, H, dv, device="cuda", generator=g).to(dtype).requires_grad_()
     a = torch.randn(1, N, H, device="cuda", generator=g)
-    gate = (-torch.nn.functional.softplus(a) * 0.5).requires_grad_()  # log decay <= 0, fp32 as the layer makes it
+    A = 1 + 15 * torch.rand(H, device="cuda", generator=g)
+    gate = (-A * F.softplus(a + 1) if strong else -F.softplus(a) * 0.5).requires_grad_()
     beta = torch.rand(1, N, H, device="cuda", generator=g).to(dtype).requires_grad_()
     return q, k, v, gate, beta
 
 
 @CUDA
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fla_matches_the_torch_reference(dtype):
-    """fla's chunk_gated_delta_rule (varlen, key heads shared by value heads) against chunk_gated_delta_rule_torch,
-    forward and backward, on packed segments of several lengths. Negative control: the reference run with the
-    segments merged (state leaking across their boundaries) is far outside the tolerance."""
+@pytest.mark.parametrize("dtype,strong", [pytest.param(torch.float32, False, marks=FLA_FP32),
+                                          pytest.param(torch.float32, True, marks=FLA_FP32),
+                                          (torch.bfloat16, False), (torch.bfloat16, True)],
+                         ids=["fp32", "fp32-strong", "bf16", "bf16-strong"])
+def test_fla_matches_the_torch_reference(dtype, strong):
+    """fla's chunk_gated_delta_rule (varlen, key heads shared by value heads) against the fp64 reference on the same
+    (rounded) inputs, forward and backward, on packed segments of several lengths. Negative control (mild decay):
+    the reference run with the segments merged (state leaking across their boundaries) is far outside the
+    tolerance."""
     g = torch.Generator(device="cuda").manual_seed(0)
     cu = torch.tensor([0, *torch.tensor(SEGMENTS).cumsum(0).tolist()], device="cuda")
-    inputs = rule_inputs(dtype, g)
+    inputs = rule_inputs(dtype, g, strong)
+    exact = [t.detach().double().requires_grad_() for t in inputs]
     probe = torch.randn(*inputs[2].shape, device="cuda", generator=g)
     outs, grads = [], []
-    reference = chunk_gated_delta_rule_torch
-    for fn, c in ((chunk_gated_delta_rule, cu), (reference, cu), (reference, cu[[0, -1]])):
-        out = fn(*inputs, c)
-        grads.append(torch.autograd.grad((out.float() * probe).sum(), inputs))
-        outs.append(out.float())
+    for fn, args, c in ((fla_chunk_gated_delta_rule, inputs, cu), (chunk_gated_delta_rule_torch, exact, cu),
+                        (chunk_gated_delta_rule_torch, exact, cu[[0, -1]])):
+        out = fn(*args, c)
+        grads.append(torch.autograd.grad((out.double() * probe).sum(), args))
+        outs.append(out.double())
     rel = FLA_RULE_REL[dtype]
     errs = {"out": rel_err(outs[0], outs[1])} | {"d" + n: rel_err(a, b) for n, a, b in
                                                   zip(["q", "k", "v", "g", "beta"], *grads[:2])}
-    print(dtype, {k: f"{e:.1e}" for k, e in errs.items()})
+    gate = exact[3].detach()
+    errs["dA_log"] = rel_err((grads[0][3].double() * gate).sum((0, 1)), (grads[1][3] * gate).sum((0, 1)))
+    print(dtype, strong, {k: f"{e:.1e}" for k, e in errs.items()})
     assert max(errs.values()) <= rel, errs
-    assert rel_err(outs[2], outs[1]) > 10 * rel  # the control: merged segments
+    if not strong:  # the control: merged segments (a strong decay forgets the previous segment within a few tokens)
+        assert rel_err(outs[2], outs[1]) > 10 * FLA_RULE_REL[torch.bfloat16]
 
 
 @CUDA
-@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=FP32_DECAY_GRADS), torch.bfloat16],
-                         ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fla_layer_matches_the_reference_path(dtype, monkeypatch):
-    """The whole GatedDeltaNet layer on CUDA through fla (fused varlen conv + SiLU, delta rule, gated RMSNorm)
+    """The whole GatedDeltaNet layer on CUDA through fla (fused varlen conv + SiLU, delta rule in bf16, gated RMSNorm)
     against the same layer and weights through the torch reference (gdn.FLA_ON_CUDA off): output, the input's and
-    every parameter's gradient, packed segments. Negative control: the reference with the segments merged."""
+    every parameter's gradient (in fp32 the rule's decay gradients included: gdn.py keeps fp32 off fla's rule), packed
+    segments. Negative control: the reference with the segments merged."""
     import gdn
     cfg = ModelConfig(family="qwen3_5", hidden_size=512, linear_num_key_heads=2, linear_num_value_heads=4,
                       linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
