@@ -4,8 +4,8 @@ versions and routes out; rollout.EngineActor runs it as a Ray actor, the capture
 in their own process) and the classes that vLLM's own processes load by name, as engine arguments:
 
     worker_extension_cls  weights_sync.WeightSyncWorker (receives the weights), engine.LoRAWeightSyncWorker (the
-                          same, after serve_lora_beside_cpu_moe and verify_drafts_on_cpu) for a LoRA run,
-                          engine.DraftingCPUWorker (the same) for a drafting engine on CPU
+                          same, after serve_lora_beside_cpu_moe) for a LoRA run, engine.DraftingCPUWorker (the same,
+                          after verify_drafts_on_cpu) for a drafting engine on CPU
     worker_cls            engine.AMXCPUWorker on a CPU with AMX
     scheduler_cls         engine.ImageScheduler for a vision model (KeepImages)
 
@@ -217,10 +217,7 @@ def verify_drafts_on_cpu():
     Drafts were verified against that garbage distribution and the processed logprobs came out 0.0 or nan (greedy is
     untouched). Runs in the worker process; the same expansion in torch."""
     import torch
-    from vllm.platforms import current_platform
     from vllm.v1.sample import rejection_sampler
-    if not current_platform.is_cpu():
-        return
 
     def expand(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
         counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
@@ -246,8 +243,7 @@ def __getattr__(name):
     # vLLM resolves these names in its own processes (worker_extension_cls and worker_cls in the worker, scheduler_cls
     # in the engine core); each is built there on first use, as it imports vLLM
     if name in ("LoRAWeightSyncWorker", "DraftingCPUWorker"):  # before the worker builds the model: the moment to patch
-        serve_lora_beside_cpu_moe()  # both on CPU only, and either harmless to an engine that needs it not: a LoRA
-        verify_drafts_on_cpu()  # engine may draft, and a drafting engine's MoE layers are not LoRA's
+        (serve_lora_beside_cpu_moe if name.startswith("LoRA") else verify_drafts_on_cpu)()
         from weights_sync import WeightSyncWorker
         return WeightSyncWorker
     if name == "AMXCPUWorker":

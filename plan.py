@@ -126,6 +126,9 @@ def check_config(cfg, mcfg=None, world_size=None):
     if cfg["mtp_loss_coef"] and (not mcfg.mtp_num_hidden_layers or cfg["lora_rank"]):
         raise ConfigError(f"mtp_loss_coef={cfg['mtp_loss_coef']} trains the model's MTP layers, but " + (
             "it has none" if not mcfg.mtp_num_hidden_layers else "a LoRA run freezes them (adapters only)") + ": use 0")
+    if k and cfg["lora_rank"] and not torch.cuda.is_available():
+        raise ConfigError(f"speculative_tokens={k} with lora_rank={cfg['lora_rank']}: on CPU, vLLM's LoRA engine loses its "
+                          "worker process on its first drafting step; use speculative_tokens=0 (LoRA) or lora_rank=0")
     if k and cfg["enable_prefix_caching"] and not torch.cuda.is_available():
         print("speculative_tokens: enable_prefix_caching set to False (on CPU, vLLM's hybrid prefix cache runs a "
               "Triton kernel when drafting, and the engine dies)", file=sys.stderr)

@@ -104,7 +104,7 @@ def test_a_drafted_turn_paused_across_a_sync_resumes_on_the_new_policy(drafting)
     boundary, scored by the new weights, are another model's."""
     run, engine = drafting.run, drafting.engine
     ours = Transformer.from_pretrained(PATH)
-    moved, old, max_tokens = perturbed(ours), engine.policy_version, 160
+    moved, old, max_tokens = perturbed(ours), engine.policy_version, 64
     prompt = torch.randint(7, 2000, (16,), generator=torch.Generator().manual_seed(11)).tolist()
     streamed, pause_at = [], []
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import lora
 import train
 from model import Transformer
+from test_lora import init_adapters
 from test_train import HYBRID
 
 
@@ -89,7 +90,7 @@ def test_lora_leaves_everything_the_drafter_reads_unchanged():
         m, _, mb = model_and_rows()
         lora.apply(m, dict(lora_rank=lora_rank, lora_alpha=16.0, param_dtype="float32",
                            lora_targets=",".join(lora.TARGETS + lora.GDN_TARGETS)))
-        lora.init_adapters(m, 0)
+        init_adapters(m, 0)
         before = {n: p.detach().clone() for n, p in m.named_parameters()}
         opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
         for _ in range(2):
