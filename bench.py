@@ -383,7 +383,7 @@ def bench_async(steps=8, group_size=4, groups_per_batch=4, groups_in_flight=8, m
         pool = rollout.RolloutPool(as_run_function(agent), prompts(), server, group_size=opt["group_size"],
                                    groups_per_batch=opt["groups_per_batch"], groups_in_flight=groups_in_flight,
                                    sampling=dict(temperature=1.0, max_tokens=opt["max_tokens"]),
-                                   attempt_timeout_s=120.0).start()
+                                   attempt_timeout_s=120.0, failed_group_rule="drop").start()
         router.reset_idle_clock()
         t0, attempts, tokens, stale = time.perf_counter(), 0, 0, 0
         for step in range(steps):

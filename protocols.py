@@ -571,9 +571,10 @@ def parse_responses(body, server):
 class ImageTokens:
     """A model's image placeholders: a request's images checked against the limits, each decoded and counted in
     tokens by the model's processor (its patches after the merge), and the template's one placeholder token per image
-    expanded to that many and back. A model without an image processor takes no images."""
+    expanded to that many and back. A model without an image processor takes no images. max_per_prompt: the
+    engine's limit, which the capture server passes (None: no limit, for counting alone)."""
 
-    def __init__(self, tokenizer, max_per_prompt=8, max_pixels=4096 * 4096, max_bytes=8 << 20):
+    def __init__(self, tokenizer, max_per_prompt=None, max_pixels=4096 * 4096, max_bytes=8 << 20):
         self.processor, self.token_id, self.banned = None, None, {}
         if os.path.isfile(os.path.join(tokenizer.name_or_path, "preprocessor_config.json")):
             from transformers import AutoProcessor
@@ -592,7 +593,7 @@ class ImageTokens:
         images = [p["image"] for m in messages if isinstance(m.get("content"), list) for p in m["content"] if "image" in p]
         if images and self.processor is None:
             raise RequestError(400, f"`{images[0].where}`: this model takes no images.", images[0].where)
-        if len(images) > self.max_per_prompt:
+        if self.max_per_prompt is not None and len(images) > self.max_per_prompt:
             where = images[self.max_per_prompt].where
             raise RequestError(400, f"`{where}`: the conversation holds {len(images)} images, more than the "
                                     f"{self.max_per_prompt} one prompt may hold.", where)

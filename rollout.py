@@ -333,7 +333,7 @@ class RolloutPool:
     plan.check_config has checked."""
 
     def __init__(self, run_agent, prompts, server, *, group_size, groups_per_batch, groups_in_flight, sampling,
-                 attempt_timeout_s=60.0, failed_group_rule="drop", model_name="policy", trajectory_writer=None,
+                 attempt_timeout_s, failed_group_rule, model_name="policy", trajectory_writer=None,
                  first_prompt=0, max_failed_in_a_row=0):
         # a resumed run skips the prompts its earlier life drew (those in flight at the stop are not retried)
         self.run_agent, self.server = run_agent, server
