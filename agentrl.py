@@ -185,38 +185,33 @@ def setup_agent(run, cfg):
 def as_run_function(agent, where="agent"):
     """One calling convention for every agent shape: `await run(ctx) -> Result`."""
     if inspect.isclass(agent) and issubclass(agent, Env):
-        async def run(ctx):
-            return as_result(await run_env(agent(), ctx))
+        play = lambda ctx: run_env(agent(), ctx)  # noqa: E731  (a fresh Env per attempt)
     elif inspect.isclass(agent) and issubclass(agent, ChatAgent):
         return as_run_function(agent(), where)
-    elif isinstance(agent, ChatAgent):
-        async def run(ctx):
-            return as_result(await agent.run(ctx))
-    elif inspect.iscoroutinefunction(agent):
-        async def run(ctx):
-            return as_result(await agent(ctx))
+    elif isinstance(agent, ChatAgent) or inspect.iscoroutinefunction(agent):
+        play = agent.run if isinstance(agent, ChatAgent) else agent
     else:
         raise TypeError(f"{where}: `agent` must be a ChatAgent, an Env subclass or an async function of ctx, "
                         f"got {type(agent).__name__}")
+
+    async def run(ctx):
+        return as_result(await play(ctx))
     return run
 
 
 def as_result(value):
     """A float, a Result, a dict with "reward", or any object with `.reward`, as a Result with a finite float."""
-    if isinstance(value, Result):
-        result = value
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        result = Result(float(value))
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        reward, info = value, {}
     elif isinstance(value, dict) and "reward" in value:
-        result = Result(value["reward"], {k: v for k, v in value.items() if k != "reward"})
-    elif hasattr(value, "reward"):
-        result = Result(value.reward, dict(getattr(value, "info", {}) or {}))
+        reward, info = value["reward"], {k: v for k, v in value.items() if k != "reward"}
+    elif hasattr(value, "reward"):  # a Result too
+        reward, info = value.reward, dict(getattr(value, "info", {}) or {})
     else:
         raise TypeError(f"an agent must return a reward (float) or a result with a reward, got {type(value).__name__}")
-    reward = float(result.reward)
-    if not math.isfinite(reward):
+    if not math.isfinite(float(reward)):
         raise ValueError(f"the agent returned a non-finite reward {reward}")
-    return Result(reward, result.info)
+    return Result(float(reward), info)
 
 
 def read_prompts(path, seed=0, row_map=None):

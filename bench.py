@@ -383,7 +383,7 @@ def bench_async(steps=8, group_size=4, groups_per_batch=4, groups_in_flight=8, m
         pool = rollout.RolloutPool(as_run_function(agent), prompts(), server, group_size=opt["group_size"],
                                    groups_per_batch=opt["groups_per_batch"], groups_in_flight=groups_in_flight,
                                    sampling=dict(temperature=1.0, max_tokens=opt["max_tokens"]),
-                                   attempt_timeout_s=120.0).start()
+                                   attempt_timeout_s=120.0, failed_group_rule="drop").start()
         router.reset_idle_clock()
         t0, attempts, tokens, stale = time.perf_counter(), 0, 0, 0
         for step in range(steps):
@@ -419,15 +419,22 @@ def bench_async(steps=8, group_size=4, groups_per_batch=4, groups_in_flight=8, m
 # spec: MTP drafting (speculative_tokens) vs none on the tiny hybrid
 
 
-def bench_spec(prompts=8, tokens=64, k=2, train_prompts=16, steps=40):
+def bench_spec(prompts=8, tokens=64, k=2, train_prompts=16, steps=40, language=60):
     """Engine tokens/s and mean accepted length with MTP drafting (k draft tokens per step) vs without, greedy, on
-    the same prompts, on the tiny hybrid (.cache/tiny-qwen36-moe). Its MTP head is random at init, so first it is
-    trained (train.mtp_loss alone, the trunk frozen, Adam lr 3e-3) on the engine's own greedy continuations of
-    train_prompts other prompts; the drafting engine serves those weights (the trunk's bits unchanged). Prints the
-    head's loss before and after, the acceptance (draft tokens accepted / drafted), the mean accepted length (tokens
-    per target step: 1 + accepted / steps), how many outputs equal drafting-off's, ratio = tokens/s on / off.
+    the same prompts, on the tiny hybrid (.cache/tiny-qwen36-moe). Its weights are random, and a random trunk's
+    next-token distribution is nearly flat, which no head can predict; so first (language > 0) the trunk and its MTP
+    head learn a synthetic language for `language` Adam steps (after token x always comes chain[x], a fixed random
+    permutation of 512 ids: greedy continuations as predictable as a trained model's often are; --language=0 keeps
+    the random trunk). Then the head alone learns (train.mtp_loss, the trunk frozen, Adam lr 3e-3, `steps` steps)
+    from the drafting-off engine's own greedy continuations of train_prompts other prompts; the drafting engine
+    serves those weights. Prints the head's loss before and after, the acceptance (draft tokens accepted / drafted),
+    the mean accepted length (tokens per target step: 1 + accepted / steps), how many outputs equal drafting-off's,
+    ratio = tokens/s on / off. Where a greedy output differs from drafting-off's, at its first differing position t
+    (off chose a, on chose b): the drafting engine's own prompt logprobs of a and b there (their gap is the logit
+    gap), the fp32 trainer's logit gap, and one bf16 step (ulp) at the larger of the two fp32 logits.
 
-        python bench.py spec               # CPU, ~3 minutes
+        python bench.py spec                  # CPU, ~4 minutes
+        python bench.py spec --language=0     # the random trunk
     """
     import asyncio
     import os
@@ -436,17 +443,18 @@ def bench_spec(prompts=8, tokens=64, k=2, train_prompts=16, steps=40):
     import time
 
     import torch
+    import torch.nn.functional as F
 
     import tiny
     import train
     from engine import Engine
     from model import Transformer
     path = tiny.ensure_tiny_model(os.path.join(os.path.dirname(tiny.TINY_MODEL_PATH), "tiny-qwen36-moe"))
-    rand = lambda n, seed: torch.randint(7, 2000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    rand = lambda n, seed: torch.randint(7, 519, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
     bench_prompts, train_set = [rand(24, s) for s in range(prompts)], [rand(24, 1000 + s) for s in range(train_prompts)]
     greedy = dict(max_tokens=tokens, temperature=0.0, ignore_eos=True)
 
-    async def serve(model_dir, spec, extra=()):
+    async def serve(model_dir, spec, extra=(), off=None):
         engine = Engine(model_dir, max_model_len=1024, memory_fraction=0.3, enable_prefix_caching=False, seed=0,
                         speculative_config=spec)
         await engine.start()
@@ -455,40 +463,71 @@ def bench_spec(prompts=8, tokens=64, k=2, train_prompts=16, steps=40):
         outs = await asyncio.gather(*(engine.generate(p, greedy, f"b{i}") for i, p in enumerate(bench_prompts)))
         seconds = time.perf_counter() - t0
         more = await asyncio.gather(*(engine.generate(p, greedy, f"t{i}") for i, p in enumerate(extra)))
+        for i, (a, b) in enumerate(zip(off or [], outs)):  # each divergence: (prompt, t, a, b, engine's gap of a - b)
+            t = next((t for t, (x, y) in enumerate(zip(a["token_ids"], b["token_ids"])) if x != y), None)
+            if t is not None:
+                head = bench_prompts[i] + a["token_ids"][:t]
+                gap = [(await engine.prompt_logprobs(head + [x]))[-1] for x in (a["token_ids"][t], b["token_ids"][t])]
+                more.append((i, t, a["token_ids"][t], b["token_ids"][t], gap[0] - gap[1]))
         await engine.shutdown()
         return outs, seconds, more
 
-    off, off_s, continued = asyncio.run(serve(path, None, train_set))
-    model = Transformer.from_pretrained(path)
-    mb = train.collate([dict(token_ids=p + o["token_ids"], action_mask=[0] * (len(p) + tokens),
-                             behavior_logprobs=[0.0] * (len(p) + tokens), token_versions=[0] * (len(p) + tokens),
-                             routed_experts=None) for p, o in zip(train_set, continued)], [0.0] * train_prompts)
-    mb["real"][:, :len(train_set[0]) - 1] = 0  # learn the continuations, not the random prompts
-    with torch.no_grad():  # the trunk's states, once: it is frozen (this call also sets the positions mtp_hidden uses)
+    def head_loss(model, x):  # x: (B, T) token ids -> the MTP loss and the trunk's states (the positions mtp_hidden uses)
+        mb = dict(input_ids=x[:, :-1], targets=x[:, 1:], real=torch.ones(x.shape[0], x.shape[1] - 1))
         hidden = model.hidden_states(mb["input_ids"])
-    opt = torch.optim.Adam(model.mtp.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(steps):
-        loss = train.mtp_loss(model, hidden, mb, train.mtp_mask(mb).sum())
+        return train.mtp_loss(model, hidden, mb, train.mtp_mask(mb).sum()), hidden, mb
+
+    torch.set_num_threads(1)  # the trainer's side, as `make train` runs it: 2 threads on 2 busy cores crawl
+    model, trained = Transformer.from_pretrained(path), tempfile.mkdtemp(prefix="spec-")
+    g = torch.Generator().manual_seed(0)
+    chain = 7 + torch.randperm(512, generator=g)  # the language: token x is followed by chain[x - 7]
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for step in range(language):  # trunk and head together, on fresh sentences each step
+        x = [7 + torch.randint(0, 512, (16, 1), generator=g)]
+        for _ in range(47):
+            x.append(chain[x[-1] - 7])
+        loss, hidden, mb = head_loss(model, torch.cat(x, 1))
+        loss = loss + F.cross_entropy(model.lm_head(hidden).flatten(0, 1), mb["targets"].flatten())
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(loss.item())
-    trained = tempfile.mkdtemp(prefix="spec-")
+        if step % 20 == 0:
+            print(f"language step {step}: next-token + MTP loss {loss.item():.3f}", flush=True)
     try:
         for f in os.listdir(path):
             if not f.endswith(".safetensors"):
                 shutil.copy(os.path.join(path, f), trained)
         model.save_pretrained(trained, dtype=torch.bfloat16)
-        on, on_s, _ = asyncio.run(serve(trained, {"method": "mtp", "num_speculative_tokens": k}))
+        model = Transformer.from_pretrained(trained)  # the served (bf16) trunk, in fp32
+        off, off_s, continued = asyncio.run(serve(trained, None, train_set))
+        x = torch.tensor([p + o["token_ids"] for p, o in zip(train_set, continued)])
+        with torch.no_grad():  # the trunk's states, once: it is frozen
+            _, hidden, mb = head_loss(model, x)
+        mb["real"][:, :len(train_set[0]) - 1] = 0  # learn the continuations, not the random prompts
+        opt, losses = torch.optim.Adam(model.mtp.parameters(), lr=3e-3), []
+        for _ in range(steps):
+            loss = train.mtp_loss(model, hidden, mb, train.mtp_mask(mb).sum())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        model.save_pretrained(trained, dtype=torch.bfloat16)  # the trunk's bits unchanged
+        on, on_s, divergences = asyncio.run(serve(trained, {"method": "mtp", "num_speculative_tokens": k}, off=off))
     finally:
         shutil.rmtree(trained, ignore_errors=True)
+    ties = []
+    for i, t, a, b, engine_gap in divergences:  # the fp32 trainer's logits there (the served weights, unrounded compute)
+        with torch.no_grad():
+            logits = model(torch.tensor([bench_prompts[i] + off[i]["token_ids"][:t]]))[0, -1].float()
+        ulp = 2.0 ** (torch.frexp(logits[[a, b]].abs().max()).exponent.item() - 8)  # bf16: 8 significant bits
+        ties.append(dict(prompt=i, t=t, engine_gap=round(engine_gap, 5), fp32_gap=round((logits[a] - logits[b]).item(), 5),
+                         bf16_ulp=ulp, fp32_logit=round(logits[a].item(), 4)))
     accepted, drafted = (sum(o["drafts"][i] for o in on) for i in (0, 1))
     n_tokens = sum(len(o["token_ids"]) for o in off)
-    result = dict(prompts=prompts, tokens=tokens, k=k, mtp_loss_before=losses[0], mtp_loss_after=losses[-1],
-                  off_tokens_per_s=n_tokens / off_s, on_tokens_per_s=n_tokens / on_s, acceptance=accepted / max(drafted, 1),
-                  mean_accepted_length=1 + accepted / max(drafted / k, 1),
-                  same_outputs=sum(a["token_ids"] == b["token_ids"] for a, b in zip(off, on)))
+    result = dict(prompts=prompts, tokens=tokens, k=k, language=language, mtp_loss_before=losses[0],
+                  mtp_loss_after=losses[-1], off_tokens_per_s=n_tokens / off_s, on_tokens_per_s=n_tokens / on_s,
+                  acceptance=accepted / max(drafted, 1), mean_accepted_length=1 + accepted / max(drafted / k, 1),
+                  same_outputs=sum(a["token_ids"] == b["token_ids"] for a, b in zip(off, on)), divergences=ties)
     result["ratio"] = result["on_tokens_per_s"] / result["off_tokens_per_s"]
     print(", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
     return result

@@ -73,7 +73,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from engine import Engine
+from engine import OPTIONS, Engine
 from protocols import (ANSWERS, EVENTS, PARSERS, THINK_TAGS, XML_TOOL_PARSERS, ImageTokens, RequestError, argument_mapping,
                        call_grammar, call_id, call_tags, error_body, error_response, field, json_or, parse_anthropic,
                        read_calls, same_json, split_reasoning, stream_deltas, strict_json, tool_call, tool_parser_of)
@@ -297,10 +297,11 @@ class CaptureServer:
     503); sessions made over HTTP expire after http_session_idle_s without a request, at most max_http_sessions
     live at once (finished ones make room first, else POST /sessions gets 429)."""
 
-    def __init__(self, backend, tokenizer, *, max_model_len=2048, importance_correction=False, host="127.0.0.1",
-                 port=0, model_name=None, max_body_bytes=16 << 20, max_cached_answers=16, header_timeout_s=10.0,
-                 body_timeout_s=60.0, max_connections=4096, http_session_idle_s=1800.0, max_http_sessions=1024,
-                 constrained_tokens="train", max_images_per_prompt=8, tool_parser=None, **image_limits):
+    def __init__(self, backend, tokenizer, *, max_model_len=OPTIONS["max_model_len"], importance_correction=False,
+                 host="127.0.0.1", port=0, model_name=None, max_body_bytes=16 << 20, max_cached_answers=16,
+                 header_timeout_s=10.0, body_timeout_s=60.0, max_connections=4096, http_session_idle_s=1800.0,
+                 max_http_sessions=1024, constrained_tokens="train",
+                 max_images_per_prompt=OPTIONS["max_images_per_prompt"], tool_parser=None, **image_limits):
         from transformers import AutoTokenizer
         from vllm.tool_parsers import ToolParserManager
         self.backend = backend
@@ -320,9 +321,7 @@ class CaptureServer:
         self.call_tags = call_tags(self.tool_parser_cls(self.tokenizer))
         self.call_ids = [vocab.get(t) for t in self.call_tags]
         self.think_ids = [vocab.get(t) for t in THINK_TAGS]  # None where the model has no reasoning tags
-        if constrained_tokens not in ("train", "mask"):
-            raise ValueError(f"constrained_tokens must be 'train' or 'mask', got {constrained_tokens!r}")
-        self.constrained_tokens = constrained_tokens
+        self.constrained_tokens = constrained_tokens  # "train" or "mask" (plan.check_config checks the run's)
         self.end_texts = [self.tokenizer.decode([i]) for i in self.end_ids]
         self.added_texts = tuple(self.tokenizer.get_added_vocab())
         # Message text is tokenized as text: added-token strings in it (a web page holding "<|im_end|>") become
@@ -385,8 +384,8 @@ class CaptureServer:
 
     def drop_session(self, session_id, why=None):
         session = self.sessions.pop(session_id, None)
-        if self.http_sessions.pop(session_id, None) is not None and hasattr(self.backend, "forget"):
-            self.backend.forget(session_id)  # the router's engine affinity
+        self.http_sessions.pop(session_id, None)
+        getattr(self.backend, "forget", lambda _: None)(session_id)  # the router's engine affinity, if it keeps one
         if session is not None:
             why = why or ("it finished and was dropped" if session.finished else "it was dropped unfinished")
             self.dropped[session_id] = key_digest(session.api_key), why
@@ -803,9 +802,7 @@ class CaptureServer:
     async def http_chat(self, request):
         protocol = {"messages": "anthropic", "responses": "responses"}.get(request.url.path.rsplit("/", 1)[1], "openai")
         try:
-            session = self.authorize(request)
-            if session.finished:
-                raise RequestError(410, f"Session {session.id} has finished; its attempt is over.")
+            session = self.authorize(request)  # a finished session's turn: respond answers 410
             raw, body = await self.read_json(request)
             messages = body.get("input" if protocol == "responses" else "messages") if isinstance(body, dict) else None
             if isinstance(messages, list) and len(messages) > self.max_model_len:  # before reading each of them
@@ -966,7 +963,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Serve a model through the capture server (loopback only).")
     parser.add_argument("--model", help="HuggingFace model directory (default: the tiny model, built on first use)")
     parser.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=OPTIONS["max_model_len"])
     parser.add_argument("--view", metavar="OUT_DIR", help="serve the trajectory viewer over a run's out_dir instead")
     args = parser.parse_args(argv)
     if args.view:  # no engine: the page over the run's files (viewer.py)

@@ -4,11 +4,14 @@ versions and routes out; rollout.EngineActor runs it as a Ray actor, the capture
 in their own process) and the classes that vLLM's own processes load by name, as engine arguments:
 
     worker_extension_cls  weights_sync.WeightSyncWorker (receives the weights), engine.LoRAWeightSyncWorker (the
-                          same, after serve_lora_beside_cpu_moe) for a LoRA run
+                          same, after serve_lora_beside_cpu_moe) for a LoRA run, engine.DraftingCPUWorker (the same,
+                          after verify_drafts_on_cpu) for a drafting engine on CPU
     worker_cls            engine.AMXCPUWorker on a CPU with AMX
     scheduler_cls         engine.ImageScheduler for a vision model (KeepImages)
 
-Nothing here imports vLLM at module level: the trainer imports this file's names without it.
+Engine's keyword defaults are the one home of each engine option's default (OPTIONS): train.py's config block and
+the standalone users (capture.py's command line, agents/frozen.py) read them there. Nothing here imports vLLM at
+module level: the trainer imports this file's names without it.
 """
 import io
 import json
@@ -180,6 +183,9 @@ class Engine:
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+
+
+OPTIONS = Engine.__init__.__kwdefaults__  # each keyword option's default, as declared above
 
 # -----------------------------------------------------------------------------
 # the classes vLLM's processes load by name

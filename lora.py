@@ -146,13 +146,6 @@ def initial_adapter(name, shape, seed):
     return (torch.rand(shape, generator=g) * 2 - 1) / math.sqrt(shape[-1])
 
 
-@torch.no_grad()
-def init_adapters(model, seed):
-    """Fill an unsharded model's adapters (initial_adapter)."""
-    for p, full in initial_adapters(model, seed):
-        p.copy_(full)
-
-
 def adapted_weight(name):
     """Our adapter name -> (the weight it adapts, "A" or "B"): q_proj.lora_A -> (q_proj.weight, A),
     experts.gate_proj_lora_B -> (experts.gate_proj, B)."""
@@ -183,7 +176,7 @@ def export_adapters(state, model, path, base_model=""):
         return state
     rank = next(v.shape[-2] for k, v in adapters.items() if k.endswith("A"))
     targets = {"experts" if ".mlp.experts." in k else k.rsplit(".", 2)[-2] for k in adapters}
-    save_peft(path, peft_tensors(adapters), rank, scaling * rank, targets, base_model)
+    save_peft(path, peft_tensors(adapters), peft_config(rank, scaling * rank, targets, base_model))
     return merge(state, scaling)
 
 
@@ -236,14 +229,15 @@ def sync_config(cfg):
     return peft_config(cfg["lora_rank"], cfg["lora_alpha"], parse_targets(cfg["lora_targets"])) if cfg["lora_rank"] else None
 
 
-def save_peft(path, tensors, rank, alpha, targets, base_model=""):
-    """Write a PEFT adapter directory: adapter_config.json + adapter_model.safetensors of `tensors` (PEFT names)."""
+def save_peft(path, tensors, config):
+    """Write a PEFT adapter directory: adapter_config.json (`config`: peft_config's) + adapter_model.safetensors of
+    `tensors` (PEFT names)."""
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
               os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump(peft_config(rank, alpha, targets, base_model), f, indent=2)
+        json.dump(config, f, indent=2)
     return path
 
 
@@ -271,9 +265,7 @@ def served_targets(mcfg, cfg):
 
 
 def engine_options(cfg, mcfg):
-    """engine.Engine keyword arguments of a LoRA run ({} for full fine-tuning)."""
-    if not cfg["lora_rank"]:
-        return {}
+    """engine.Engine keyword arguments of a LoRA run (plan.engine_options adds them when lora_rank > 0)."""
     options = dict(worker_extension_cls="engine.LoRAWeightSyncWorker")
     if served_targets(mcfg, cfg):
         options.update(enable_lora=True, max_loras=1, max_lora_rank=engine_lora_rank(cfg["lora_rank"]),
@@ -285,8 +277,7 @@ def write_zero_adapter(path, mcfg, cfg):
     """The served adapters at zero (the model unchanged) as a PEFT directory: what a fresh engine serves until its
     first sync."""
     zeros = {n: torch.zeros(shape) for n, shape in adapter_shapes(mcfg, cfg, served_only=True).items()}
-    targets = parse_targets(cfg["lora_targets"])
-    return save_peft(path, peft_tensors(zeros), cfg["lora_rank"], cfg["lora_alpha"], targets)
+    return save_peft(path, peft_tensors(zeros), sync_config(cfg))
 
 
 def engine_lora_rank(rank):

@@ -82,17 +82,14 @@ def check_config(cfg, mcfg=None, world_size=None):
     if not os.path.isfile(cfg["agent"]):
         raise ConfigError(f"agent={cfg['agent']!r}: no such file (a Python file exporting `agent`, e.g. "
                           "agents/calculator.py)")
-    if cfg["prompts"] and not os.path.isfile(cfg["prompts"]):
-        raise ConfigError(f"prompts={cfg['prompts']!r}: no such file (JSONL or Parquet; \"\" lets the agent generate them)")
-    for key in ("sft_data", "eval_prompts"):
+    for key, empty in (("prompts", "the agent generates them"), ("sft_data", "no supervised run"),
+                       ("eval_prompts", "the agent module's eval_prompts(), if any")):
         if cfg[key] and not os.path.isfile(cfg[key]):
-            raise ConfigError(f"{key}={cfg[key]!r}: no such file (JSONL or Parquet)")
-    if cfg["tensorboard_dir"] and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("tensorboard_dir is set, but the tensorboard package is missing: pip install tensorboard, or "
-                          "leave tensorboard_dir empty")
-    if cfg["wandb_project"] and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("wandb_project is set, but the wandb package is missing: pip install wandb (see "
-                          "requirements-extras.txt), or leave wandb_project empty")
+            raise ConfigError(f"{key}={cfg[key]!r}: no such file (JSONL or Parquet; \"\": {empty})")
+    for key, package in (("tensorboard_dir", "tensorboard"), ("wandb_project", "wandb")):  # optional packages
+        if cfg[key] and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{key} is set, but the {package} package is missing: pip install {package}, or leave "
+                              f"{key} empty")
     mcfg = mcfg or planned_model_config(cfg)
     if not cfg["train_vision"] and mcfg.vision is None:
         raise ConfigError("train_vision=False freezes a vision tower, but the model has none (a text model): "
@@ -126,8 +123,12 @@ def check_config(cfg, mcfg=None, world_size=None):
         raise ConfigError("speculative_tokens and speculative_config both turn drafting on: set one of them" if
                           mcfg.mtp_num_hidden_layers else f"speculative_tokens={k} drafts with the model's MTP layers, "
                           f"but {cfg['model_path']!r} has none (no mtp.* weights or mtp_num_hidden_layers): use 0")
-    if cfg["mtp_loss_coef"] and not mcfg.mtp_num_hidden_layers:
-        raise ConfigError(f"mtp_loss_coef={cfg['mtp_loss_coef']} trains the model's MTP layers, but it has none: use 0")
+    if cfg["mtp_loss_coef"] and (not mcfg.mtp_num_hidden_layers or cfg["lora_rank"]):
+        raise ConfigError(f"mtp_loss_coef={cfg['mtp_loss_coef']} trains the model's MTP layers, but " + (
+            "it has none" if not mcfg.mtp_num_hidden_layers else "a LoRA run freezes them (adapters only)") + ": use 0")
+    if k and cfg["lora_rank"] and not torch.cuda.is_available():
+        raise ConfigError(f"speculative_tokens={k} with lora_rank={cfg['lora_rank']}: on CPU, vLLM's LoRA engine loses its "
+                          "worker process on its first drafting step; use speculative_tokens=0 (LoRA) or lora_rank=0")
     if k and cfg["enable_prefix_caching"] and not torch.cuda.is_available():
         print("speculative_tokens: enable_prefix_caching set to False (on CPU, vLLM's hybrid prefix cache runs a "
               "Triton kernel when drafting, and the engine dies)", file=sys.stderr)
@@ -350,8 +351,14 @@ def plan_memory(cfg, mcfg, shards):
         figures["act_bytes_full"] if cfg["activation_checkpointing"] else figures["act_bytes_ckpt"])
     # rollout: bf16 weights split over tensor_parallel_size GPUs; KV heads split too (replicated past nkv)
     tp = cfg["tensor_parallel_size"]
-    figures["engine_weight_bytes"] = 2 * figures["params_total"] / tp  # bf16
-    # sent to the engines every step: the bf16 HF state dict, or a LoRA run's fp32 adapters
+    # MTP drafting (speculative_tokens k): the engine builds the drafter's own layers (mtp.*; the embeddings and lm_head
+    # are the target's), which it drops without drafting; its attention layers hold KV, and vLLM keeps k more Gated
+    # DeltaNet states per sequence (one per draft position)
+    k, drafter = cfg["speculative_tokens"], num_params(mcfg) - num_params(dataclasses.replace(mcfg, mtp_num_hidden_layers=0))
+    figures.update(drafter_weight_bytes=2 * drafter / tp if k else 0, drafter_sync_bytes=0 if cfg["lora_rank"] else 2 * drafter)
+    figures["engine_weight_bytes"] = 2 * (figures["params_total"] - drafter) / tp + figures["drafter_weight_bytes"]  # bf16
+    # sent to the engines every step: the bf16 HF state dict (mtp.* included, drafting or not), or a LoRA run's fp32
+    # adapters (never on mtp.*, which LoRA freezes: lora.add_adapters)
     figures["sync_bytes"] = 4 * sum(math.prod(s) for s in lora.adapter_shapes(mcfg, cfg).values()) if cfg[
         "lora_rank"] else 2 * figures["params_total"]
     kv_heads = max(1, math.ceil(mcfg.num_key_value_heads / tp))
@@ -359,7 +366,8 @@ def plan_memory(cfg, mcfg, shards):
     # state, bf16 conv state; heads split over TP), counted here per token of a full-length sequence
     lin, nv, dk, dv = len(figures["linear_layers"]), mcfg.linear_num_value_heads / tp, mcfg.linear_key_head_dim, mcfg.linear_value_head_dim
     state = 4 * nv * dk * dv + 2 * (mcfg.linear_conv_kernel_dim - 1) * (2 * mcfg.linear_num_key_heads * dk / tp + nv * dv)
-    figures["kv_bytes_per_token"] = 4 * (mcfg.num_hidden_layers - lin) * kv_heads * mcfg.head_dim + lin * state / cfg["engine_max_model_len"]
+    attention = mcfg.num_hidden_layers - lin + (mcfg.mtp_num_hidden_layers if k else 0)
+    figures["kv_bytes_per_token"] = 4 * attention * kv_heads * mcfg.head_dim + (1 + k) * lin * state / cfg["engine_max_model_len"]
     figures["engine_budget_bytes"] = cfg["engine_memory_fraction"] * figures["gpu_bytes"]
     figures["kv_tokens"] = int((figures["engine_budget_bytes"] - figures["engine_weight_bytes"]) //
                                figures["kv_bytes_per_token"])
@@ -449,7 +457,9 @@ def print_plan(cfg, p):
         f"rollout engine, per GPU: {gib(p['engine_weight_bytes']).strip()} bf16 weights of "
         f"{gib(p['engine_budget_bytes']).strip()} (engine_memory_fraction {cfg['engine_memory_fraction']:g}); KV cache "
         f"for {p['kv_tokens']:,} tokens = {p['kv_tokens'] // cfg['engine_max_model_len']:,} full "
-        f"{cfg['engine_max_model_len']}-token sequences per engine",
+        f"{cfg['engine_max_model_len']}-token sequences per engine" + (f" (MTP drafting, {cfg['speculative_tokens']} tokens: "
+        f"{gib(p['drafter_weight_bytes']).strip()} of the weights are the drafter's; KV includes its attention layers"
+        f"{' and the extra GDN states' if p['linear_layers'] else ''})" if p["drafter_weight_bytes"] else ""),
         f"engine options: {p['engine_check']}",
     ]
     if ep > 1 and p["moe_layers"]:
@@ -461,7 +471,8 @@ def print_plan(cfg, p):
     lines += [
         f"weight sync per step: {p['sync_bytes'] / 1e9:.2f} GB ("
         f"{'fp32 LoRA adapters; the engines merge the expert ones' if cfg['lora_rank'] else 'bf16 HF state dict'}), "
-        "received by each engine",
+        "received by each engine" + (f"; {p['drafter_sync_bytes'] / 1e9:.2f} GB of it the MTP layers (mtp.*), which "
+                                     "only a drafting engine loads" if p["drafter_sync_bytes"] else ""),
     ]
     if tp > cfg["gpus_per_node"]:
         lines.append(f"note: an engine's {tp} GPUs must sit on one node (one placement bundle; the run stops at engine "

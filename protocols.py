@@ -58,13 +58,16 @@ class RequestError(Exception):
 
 
 class ChatRequest:
-    def __init__(self, protocol, messages, tools, parse_tools, sampling, stream, include_usage, model):
-        self.protocol, self.messages, self.tools, self.parse_tools = protocol, messages, tools, parse_tools
-        self.sampling, self.stream, self.include_usage, self.model = sampling, stream, include_usage, model
+    """One turn asked for in any protocol: OpenAI-style messages, function tools (`strict`: the names of those marked
+    strict, whose calls are sampled under their schema) and sampling; `stream` and `model` read from the body."""
+
+    def __init__(self, protocol, body, messages, tools, strict, sampling):
+        self.protocol, self.messages, self.tools, self.strict, self.sampling = protocol, messages, tools, strict, sampling
+        self.stream, self.model = field(body, "stream", bool, False), field(body, "model", str, "")
+        self.include_usage, self.parse_tools = True, True  # chat completions: usage only when stream_options asks
         self.key, self.retry = None, False  # the answer's key (Idempotency-Key or the raw body); whether a client retry
         self.body_bytes = 0  # the body's size: a large request renders off the event loop
         self.forced = None  # a forced tool call: "" (any tool) or the tool's name
-        self.strict = set()  # the tools marked `strict`: their calls are sampled under their schema
         self.opening = ""  # a forced call's opening from the call tag on: the text the tool parser reads first
         self.parallel, self.top_logprobs, self.previous_response_id, self.store = True, None, None, True
         self.instructions = 0  # Responses API: 1 when messages[0] holds this request's `instructions`
@@ -284,7 +287,8 @@ def call_id(protocol, answer_id, index):
     return ("toolu_" if protocol == "anthropic" else "call_") + f"{answer_id}_{index}"
 
 
-def sampling_of(server, temperature, top_p, max_tokens, stop, seed, max_temperature):
+def sampling_of(server, body, max_tokens, stop, seed, max_temperature):
+    temperature, top_p = field(body, "temperature", (int, float)), field(body, "top_p", (int, float))
     if temperature is not None and not 0 <= temperature <= max_temperature:
         raise RequestError(400, f"`temperature` must be between 0 and {max_temperature}, got {temperature}.",
                            "temperature")
@@ -347,7 +351,6 @@ OPENAI_MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"
 
 def parse_openai(body, server):
     body_fields(body, OPENAI_FIELDS)
-    model = field(body, "model", str, "")
     if field(body, "n", int, 1) != 1:
         raise RequestError(400, "`n` must be 1: each request records one turn of one trajectory.", "n")
     top_logprobs = top_logprobs_of(body, field(body, "logprobs", bool, False))
@@ -390,13 +393,11 @@ def parse_openai(body, server):
     tools, strict = tools_of(body, lambda t, i: (field(t, "function", dict, required=True, where=f"tools[{i}]."),
                                                  f"tools[{i}].function."))
     max_tokens = field(body, "max_completion_tokens", int, field(body, "max_tokens", int))
-    sampling = sampling_of(server, field(body, "temperature", (int, float)), field(body, "top_p", (int, float)),
-                           max_tokens, field(body, "stop", (str, list)), field(body, "seed", int), 2.0)
+    sampling = sampling_of(server, body, max_tokens, field(body, "stop", (str, list)), field(body, "seed", int), 2.0)
     sampling["structured"] = structured_of(field(body, "response_format", dict, {"type": "text"}), "response_format")
     options = field(body, "stream_options", dict, {})
-    request = ChatRequest("openai", messages, tools, True, sampling, field(body, "stream", bool, False),
-                          bool(options.get("include_usage")), model)
-    request.top_logprobs, request.strict = top_logprobs, strict
+    request = ChatRequest("openai", body, messages, tools, strict, sampling)
+    request.top_logprobs, request.include_usage = top_logprobs, bool(options.get("include_usage"))
     return tool_choice_of(request, *openai_choice(field(body, "tool_choice", (str, dict), "auto"), "function"),
                           field(body, "parallel_tool_calls", bool, True))
 
@@ -488,16 +489,13 @@ def parse_anthropic(body, server, counting=False):
     if kind not in ("auto", "none", "required", "function"):
         raise RequestError(400, f"`tool_choice.type` must be auto, any, tool or none, got {choice.get('type')!r}.",
                            "tool_choice")
-    sampling = sampling_of(server, field(body, "temperature", (int, float)), field(body, "top_p", (int, float)),
-                           field(body, "max_tokens", int, required=not counting), field(body, "stop_sequences", list),
-                           None, 1.0)
+    sampling = sampling_of(server, body, field(body, "max_tokens", int, required=not counting),
+                           field(body, "stop_sequences", list), None, 1.0)
     if budget is not None and not 1024 <= budget < (sampling["max_tokens"] or budget + 1):  # not enforced: README
         raise RequestError(400, f"`thinking.budget_tokens` must be at least 1024 and less than `max_tokens`, got "
                                 f"{budget}.", "thinking.budget_tokens")
-    request = ChatRequest("anthropic", messages, tools, True, sampling, field(body, "stream", bool, False), True,
-                          field(body, "model", str, ""))
+    request = ChatRequest("anthropic", body, messages, tools, strict, sampling)
     request.close_reasoning = thinking == "disabled"
-    request.strict = strict
     return tool_choice_of(request, kind, choice.get("name"),
                           not field(choice, "disable_parallel_tool_use", bool, False, where="tool_choice."))
 
@@ -553,13 +551,11 @@ def parse_responses(body, server):
         return t, f"tools[{i}]."
     tools, strict = tools_of(body, function_tool)
     top_logprobs = top_logprobs_of(body, "message.output_text.logprobs" in field(body, "include", list, []))
-    sampling = sampling_of(server, field(body, "temperature", (int, float)), field(body, "top_p", (int, float)),
-                           field(body, "max_output_tokens", int), None, field(body, "seed", int), 2.0)
+    sampling = sampling_of(server, body, field(body, "max_output_tokens", int), None, field(body, "seed", int), 2.0)
     sampling["structured"] = structured_of(field(field(body, "text", dict, {}), "format", dict, {"type": "text"},
                                                  where="text."), "text.format")
-    request = ChatRequest("responses", messages, tools, True, sampling, field(body, "stream", bool, False), True,
-                          field(body, "model", str, ""))
-    request.top_logprobs, request.instructions, request.strict = top_logprobs, int(bool(instructions)), strict
+    request = ChatRequest("responses", body, messages, tools, strict, sampling)
+    request.top_logprobs, request.instructions = top_logprobs, int(bool(instructions))
     request.previous_response_id = field(body, "previous_response_id", str)
     request.store = field(body, "store", bool, True)
     if not items:
@@ -575,9 +571,10 @@ def parse_responses(body, server):
 class ImageTokens:
     """A model's image placeholders: a request's images checked against the limits, each decoded and counted in
     tokens by the model's processor (its patches after the merge), and the template's one placeholder token per image
-    expanded to that many and back. A model without an image processor takes no images."""
+    expanded to that many and back. A model without an image processor takes no images. max_per_prompt: the
+    engine's limit, which the capture server passes (None: no limit, for counting alone)."""
 
-    def __init__(self, tokenizer, max_per_prompt=8, max_pixels=4096 * 4096, max_bytes=8 << 20):
+    def __init__(self, tokenizer, max_per_prompt=None, max_pixels=4096 * 4096, max_bytes=8 << 20):
         self.processor, self.token_id, self.banned = None, None, {}
         if os.path.isfile(os.path.join(tokenizer.name_or_path, "preprocessor_config.json")):
             from transformers import AutoProcessor
@@ -596,7 +593,7 @@ class ImageTokens:
         images = [p["image"] for m in messages if isinstance(m.get("content"), list) for p in m["content"] if "image" in p]
         if images and self.processor is None:
             raise RequestError(400, f"`{images[0].where}`: this model takes no images.", images[0].where)
-        if len(images) > self.max_per_prompt:
+        if self.max_per_prompt is not None and len(images) > self.max_per_prompt:
             where = images[self.max_per_prompt].where
             raise RequestError(400, f"`{where}`: the conversation holds {len(images)} images, more than the "
                                     f"{self.max_per_prompt} one prompt may hold.", where)

@@ -32,7 +32,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engine import Engine, EngineNotStarted
+from engine import OPTIONS, Engine, EngineNotStarted
 from agentrl import Context
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -94,8 +94,8 @@ def check_engine_fits_a_node(tensor_parallel_size, nodes):
                            "supported; lower tensor_parallel_size")
 
 
-def start_engines(model_path, num_engines=1, tensor_parallel_size=1, *, max_restarts=3, ready_timeout_s=600,
-                  seed=0, **engine_kwargs):
+def start_engines(model_path, num_engines=1, tensor_parallel_size=OPTIONS["tensor_parallel_size"], *, max_restarts=3,
+                  ready_timeout_s=600, seed=0, **engine_kwargs):
     """Start `num_engines` engine.Engine actors (one vLLM AsyncLLM each, sampling seed seed + i) and wait until they
     serve, at weight version 0. On GPU each engine gets tensor_parallel_size GPUs of one node; on CPU one logical CPU. Ray restarts a
     killed engine up to max_restarts times (the Router starts it again). Returns (engines, placement group)."""
@@ -194,7 +194,10 @@ class Router:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no rollout engine came back within {wait_for_engine_s:.0f}s")
             await asyncio.sleep(0.5)
-        self._started(i)
+        with self._lock:  # busy from the first request in flight to the last (idle_fraction)
+            if self.in_flight[i] == 0:
+                self._busy_since[i] = time.monotonic()
+            self.in_flight[i] += 1
         try:
             yield self.engines[i]
         except (RayActorError, EngineNotStarted):  # dead, or restarted unstarted
@@ -203,20 +206,11 @@ class Router:
             self.revive(i)
             raise
         finally:
-            self._finished(i)
-
-    def _started(self, i):
-        with self._lock:
-            if self.in_flight[i] == 0:
-                self._busy_since[i] = time.monotonic()
-            self.in_flight[i] += 1
-
-    def _finished(self, i):
-        with self._lock:
-            self.in_flight[i] -= 1
-            if self.in_flight[i] == 0 and self._busy_since[i] is not None:
-                self.busy_s[i] += time.monotonic() - self._busy_since[i]
-                self._busy_since[i] = None
+            with self._lock:
+                self.in_flight[i] -= 1
+                if self.in_flight[i] == 0 and self._busy_since[i] is not None:
+                    self.busy_s[i] += time.monotonic() - self._busy_since[i]
+                    self._busy_since[i] = None
 
     def forget(self, session_id):
         with self._lock:
@@ -339,7 +333,7 @@ class RolloutPool:
     plan.check_config has checked."""
 
     def __init__(self, run_agent, prompts, server, *, group_size, groups_per_batch, groups_in_flight, sampling,
-                 attempt_timeout_s=60.0, failed_group_rule="drop", model_name="policy", trajectory_writer=None,
+                 attempt_timeout_s, failed_group_rule, model_name="policy", trajectory_writer=None,
                  first_prompt=0, max_failed_in_a_row=0):
         # a resumed run skips the prompts its earlier life drew (those in flight at the stop are not retried)
         self.run_agent, self.server = run_agent, server
@@ -507,9 +501,7 @@ class RolloutPool:
         # sealed: a request of this attempt still generating is refused when it lands
         segments = [dict(s, group_id=group_id, failed=failed, error=error)
                     for s in self.server.finish_session(session.id, reward)]
-        self.server.drop_session(session.id)
-        if hasattr(self.server.backend, "forget"):
-            self.server.backend.forget(session.id)
+        self.server.drop_session(session.id)  # and the router forgets its engine
         return dict(attempt_id=session.attempt_id, reward=reward, info=info, failed=failed, timed_out=timed_out,
                     error=error, segments=segments)
 

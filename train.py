@@ -36,11 +36,11 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
                                     register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor, Shard
 
+import engine
 import lora
 import loss
 import plan
 import runlog
-import viewer
 import vl
 from checkpoint import export_hf, latest_checkpoint, load_checkpoint, local_tensor, save_checkpoint
 from experts import EXPERT_PROJS, GatherRows, SumRows, count_ids, slot_positions, to_contiguous
@@ -78,15 +78,17 @@ view_port = 0              # serve the trajectory viewer on 127.0.0.1:PORT durin
 view_groups_per_step = 1   # GRPO groups of each batch recorded for the viewer in out_dir/view/ (0: none), with the
                            # trainer's logprobs of their tokens; written off the trainer's path
 view_max_attempts = 256    # the newest this many recorded attempts are kept there (older ones are deleted)
-# rollout
+# rollout: engine.Engine's options, one key each (plan.ENGINE_OPTIONS); engine.py declares each default
 num_engines = 1
-tensor_parallel_size = 1
-engine_max_model_len = 2048
-engine_memory_fraction = 0.5   # vLLM gpu_memory_utilization (host memory on CPU)
-enable_prefix_caching = True
-recompute_kv_on_sync = True  # a weight sync empties the prefix cache; in-flight requests recompute their KV with the
-                             # new weights (False: they go on with the old weights' KV, a hybrid of two policies)
-max_images_per_prompt = 8  # images one prompt may hold (vLLM's limit_mm_per_prompt); more get a 400 naming the image
+tensor_parallel_size = engine.OPTIONS["tensor_parallel_size"]
+engine_max_model_len = engine.OPTIONS["max_model_len"]
+engine_memory_fraction = engine.OPTIONS["memory_fraction"]  # vLLM gpu_memory_utilization (host memory on CPU)
+enable_prefix_caching = engine.OPTIONS["enable_prefix_caching"]
+recompute_kv_on_sync = engine.OPTIONS["recompute_kv_on_sync"]  # a weight sync empties the prefix cache; in-flight
+                           # requests recompute their KV with the new weights (False: they go on with the old weights'
+                           # KV, a hybrid of two policies)
+max_images_per_prompt = engine.OPTIONS["max_images_per_prompt"]  # images one prompt may hold (vLLM's
+                           # limit_mm_per_prompt); more get a 400 naming the image
 speculative_config = {}    # passed to vLLM as is, e.g. {"method": "mtp", "num_speculative_tokens": 1}
 speculative_tokens = 0     # MTP speculative decoding: tokens drafted per step by the model's mtp.* layers (0: off)
 group_size = 4             # attempts per prompt (GRPO group)
@@ -230,10 +232,7 @@ def main(argv):
         return dist.destroy_process_group()
 
     # the rollout side, on rank 0: engines, router, capture server, pool
-    import logging
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engines' start-up and per-sync notes, unless asked
-    # a model in training writes malformed tool calls all the time; vLLM's parser logs a traceback for each
-    logging.getLogger("vllm.tool_parsers.hermes_tool_parser").setLevel(logging.CRITICAL)
     ray = connect_ray(cfg, rank, world)
     import rollout  # after connect_ray: the other ranks import ray only once its auth mode is set
     gpus = rollout.trainer_gpus(ray, world)
@@ -341,13 +340,11 @@ def evaluate(run, cfg, v, evals):
     through the rollout pool at eval_temperature, on the weights the engines hold (the driver waits: no weight sync
     meanwhile). Results per prompt go to out_dir/eval_results.jsonl; the means to evals[v], and back ({}: not due)."""
     if cfg["eval_every"] and run["eval_prompts"] and (v % cfg["eval_every"] == 0 or v == cfg["max_steps"]):
-        sampling = dict(run["pool"].sampling, temperature=cfg["eval_temperature"])
-        evals[v] = run["pool"].evaluate(run["eval_prompts"], sampling,
-                                        os.path.join(cfg["out_dir"], "eval_results.jsonl"), v)
-        if run.get("blank_prompts"):  # the ablation: each image blank (same size, same tokens), eval/success_blank
-            blank = run["pool"].evaluate(run["blank_prompts"], sampling,
-                                         os.path.join(cfg["out_dir"], "eval_results_blank.jsonl"), v)
-            evals[v].update({f"{k}_blank": x for k, x in blank.items()})
+        sampling, evals[v] = dict(run["pool"].sampling, temperature=cfg["eval_temperature"]), {}
+        # the held-out prompts; with images, the ablation too: each image blank (same size, same tokens), *_blank
+        for tail, prompts in (("", run["eval_prompts"]), ("_blank", run.get("blank_prompts"))):
+            means = prompts and run["pool"].evaluate(prompts, sampling, f"{cfg['out_dir']}/eval_results{tail}.jsonl", v)
+            evals[v].update({k + tail: x for k, x in (means or {}).items()})
         return evals[v]
     return {}
 
@@ -418,7 +415,7 @@ def build_reference(cfg, model, device):
 def connect_ray(cfg, rank, world):
     """Rank 0 joins the cluster named by RAY_ADDRESS (torchrun.sh sets it on clusters) or starts a local one; the
     other ranks join rank 0's. On a CPU machine the local cluster gets one logical CPU per engine plus one."""
-    address = [None]
+    address = None
     if rank == 0:
         import ray
         if os.environ.get("RAY_ADDRESS"):
@@ -430,14 +427,13 @@ def connect_ray(cfg, rank, world):
                      object_store_memory=None if gpus else 1 << 30)  # experiences of the tiny run are a few MB
         # a local cluster wants a token (in ~/.ray/auth_token) and ray.init switched on token mode in this
         # process's environment only: the other ranks need that switch before they import ray
-        address = [(ray.get_runtime_context().gcs_address,
-                    {k: v for k, v in os.environ.items() if k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")})]
-    if world > 1:
-        dist.broadcast_object_list(address, src=0)
+        address = (ray.get_runtime_context().gcs_address,
+                   {k: v for k, v in os.environ.items() if k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")})
+    address, auth = from_rank0(address, world)
     if rank != 0:
-        os.environ.update(address[0][1])  # before the first `import ray`: Ray reads its auth mode at import
+        os.environ.update(auth)  # before the first `import ray`: Ray reads its auth mode at import
         import ray
-        ray.init(address=address[0][0])
+        ray.init(address=address)
     return ray
 
 
@@ -446,6 +442,7 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
     background thread, and the rollout pool for the agent module and its prompts (train() starts it)."""
     import capture
     import rollout
+    import viewer  # the web server's packages: the trainer alone (bench.py train) needs none
     from agentrl import load_agent, load_prompts, read_prompts, setup_agent
     placement = []
     if engines is None:
@@ -516,11 +513,7 @@ def share_batch(records, cfg, rank, world):
         with_tokens = [dict(r, advantage=float(a)) for r, a in zip(records, advantages) if r["ref"] is not None]
         # ray's pickler, not plain pickle: an object ref must carry its owner to be fetched by another process
         shards = ray.cloudpickle.dumps(rollout.balance_by_tokens(with_tokens, world))
-    if world > 1:
-        box = [shards]
-        dist.broadcast_object_list(box, src=0)
-        shards = box[0]
-    mine = ray.cloudpickle.loads(shards)[rank]
+    mine = ray.cloudpickle.loads(from_rank0(shards, world))[rank]
     segments = ray.get([r["ref"] for r in mine])  # the only copy of token data that reaches this rank
     # the object store hands out read-only views; torch wants arrays it may write (a copy of a few KB each)
     segments = [{k: v.copy() if hasattr(v, "copy") else v for k, v in s.items()} for s in segments]
@@ -567,10 +560,7 @@ def push_weights(run, loop, sender, model, policy_version, rank, world):
             host = "127.0.0.1" if len(ray.nodes()) == 1 else ray.util.get_node_ip_address()  # engines reach it
             loop.run_until_complete(weights_sync.connect_engines(live, sender, host=host, timeout_s=300))
             run["router"].mark_connected(live)
-    go = [bool(live)] if rank == 0 else [None]
-    if world > 1:
-        dist.broadcast_object_list(go, src=0)
-    if not go[0]:  # every engine is restarting: they get these weights at the next step's sync
+    if not from_rank0(bool(live), world):  # every engine is restarting: they get these weights at the next step's sync
         return None
     t0 = time.perf_counter()
     try:
@@ -636,9 +626,8 @@ def collate(segments, advantages, pad_id=0):
         n = len(s["token_ids"]) - 1
         ids = torch.as_tensor(s["token_ids"], dtype=torch.long)
         mb["input_ids"][i, :n], mb["targets"][i, :n], mb["real"][i, :n] = ids[:-1], ids[1:], 1.0
-        mb["action_mask"][i, :n] = torch.as_tensor(s["action_mask"][1:], dtype=torch.float32)
-        mb["behavior_logprobs"][i, :n] = torch.as_tensor(s["behavior_logprobs"][1:], dtype=torch.float32)
-        mb["token_versions"][i, :n] = torch.as_tensor(s["token_versions"][1:], dtype=torch.long)
+        for k in ("action_mask", "behavior_logprobs", "token_versions"):
+            mb[k][i, :n] = torch.as_tensor(s[k][1:], dtype=mb[k].dtype)
         if with_routes:
             mb["routed_experts"][i, :n] = torch.as_tensor(s["routed_experts"][:n], dtype=torch.long)
     if not with_routes:
@@ -773,6 +762,14 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
                tokens=int(tokens.item()), train_step_s=time.perf_counter() - t0,
                logprobs=kept_logprobs)
     return out
+
+
+def from_rank0(obj, world):
+    """Rank 0's `obj` on every rank (a collective: pickled and broadcast)."""
+    box = [obj]
+    if world > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def compute_device():

@@ -149,12 +149,10 @@ def make_app(out_dir, key):
             raise HTTPException(401, "This viewer needs the key it printed at start: open the printed address.")
 
     def page(request):
-        check(request)
         with open(PAGE) as f:
             return HTMLResponse(f.read())
 
     def log(request):
-        check(request)
         name = request.path_params["name"]
         if name not in logs:
             raise HTTPException(404, f"no log named {name!r}")
@@ -167,11 +165,9 @@ def make_app(out_dir, key):
         return JSONResponse(dict(rows=rows, bad_lines=bad, next=offset, missing=not os.path.exists(path)))
 
     def attempts(request):
-        check(request)
         return JSONResponse(dict(run.attempts(), out_dir=os.path.abspath(out_dir)))
 
     def attempt(request):
-        check(request)
         try:
             found = run.attempt(request.query_params.get("id", ""), request.query_params.get("file"))
         except (ValueError, OSError) as e:
@@ -183,8 +179,11 @@ def make_app(out_dir, key):
     def error(request, e):
         return JSONResponse({"error": e.detail}, status_code=e.status_code)
 
-    app = Starlette(routes=[Route("/", page), Route("/api/log/{name}", log), Route("/api/attempts", attempts),
-                            Route("/api/attempt", attempt)], exception_handlers={HTTPException: error})
+    def keyed(endpoint):  # every endpoint checks the key first (a plain function: Starlette's thread pool runs it)
+        return lambda request: check(request) or endpoint(request)
+    app = Starlette(routes=[Route(path, keyed(endpoint)) for path, endpoint in (
+        ("/", page), ("/api/log/{name}", log), ("/api/attempts", attempts), ("/api/attempt", attempt))],
+        exception_handlers={HTTPException: error})
     app.state.key = key
     return app
 

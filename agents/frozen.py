@@ -22,12 +22,12 @@ import contextlib
 from openai import AsyncOpenAI
 
 import capture
-from engine import Engine
+from engine import OPTIONS, Engine
 
 
 class FrozenModel:
-    def __init__(self, model_path, *, max_model_len=2048, memory_fraction=0.2, tensor_parallel_size=1,
-                 placement="auto", name="frozen"):
+    def __init__(self, model_path, *, max_model_len=OPTIONS["max_model_len"], memory_fraction=0.2,
+                 tensor_parallel_size=OPTIONS["tensor_parallel_size"], placement="auto", name="frozen"):
         if placement not in ("auto", "local", "ray"):
             raise ValueError(f"placement must be 'auto', 'local' or 'ray', got {placement!r}")
         self.model_path, self.max_model_len, self.name = model_path, max_model_len, name

@@ -33,6 +33,16 @@ def child_env(**extra):
     return {**{k: v for k, v in os.environ.items() if k not in RENDEZVOUS}, **extra}
 
 
+def kill_tree(proc, tree):
+    """SIGKILL what is left of a process a test started: it and the descendants recorded for it (`tree`, psutil)."""
+    import psutil
+    for p in [proc] + tree:
+        try:
+            p.kill()
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            pass
+
+
 def end_rank():
     """The last call of a spawned rank that finished its work and destroyed its process group: exit at once,
     without interpreter finalization, where gloo's worker threads can still drop tensors after the interpreter is

@@ -24,6 +24,7 @@ import torch
 
 import capture
 from conftest import RecordingBackend
+from test_capture import check_token_identity, tool_turn
 import loss
 import train
 from agentrl import Context, load_agent, load_prompts, setup_agent
@@ -35,12 +36,6 @@ SAMPLING = dict(temperature=1.0, top_p=1.0, max_tokens=12)
 
 def recipe(name):
     return load_agent(os.path.join(ROOT, "agents", name + ".py"))
-
-
-def tool_turn(*calls):
-    """The Hermes text of a turn that makes these (name, arguments) calls."""
-    return "\n".join('<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (n, json.dumps(a))
-                     for n, a in calls)
 
 
 @pytest.fixture(scope="module")
@@ -83,19 +78,6 @@ def play(stack, run, item, forced=(), sampling=SAMPLING, group_id=0):
     check_token_identity(segments, calls)
     assert segments and all(s["reward"] == result.reward and s["attempt_id"] == session.attempt_id for s in segments)
     return result, segments, calls
-
-
-def check_token_identity(segments, calls):
-    """Every engine output sits with mask 1 right after the prompt it was given, and nothing else has mask 1."""
-    covered = [[0] * len(s["token_ids"]) for s in segments]
-    for call in calls:
-        prompt, ids = call["prompt"], call["out"]["token_ids"]
-        span = slice(len(prompt), len(prompt) + len(ids))
-        owner = [i for i, s in enumerate(segments) if s["token_ids"][:len(prompt)] == prompt
-                 and s["token_ids"][span] == ids][-1]
-        assert segments[owner]["behavior_logprobs"][span] == call["out"]["logprobs"]
-        covered[owner][span] = [1] * len(ids)
-    assert [s["action_mask"] for s in segments] == covered
 
 
 def text_of(stack, segment):

@@ -27,8 +27,15 @@ ANTHROPIC_TOOLS = [{"name": "calculator", "description": "Evaluate an arithmetic
                     "input_schema": TOOLS[0]["function"]["parameters"]}]
 SYSTEM = "You are a careful calculator agent."
 CALLS = [("calculator", {"expression": "2 + 3"}), ("calculator", {"expression": "4 * 5"})]
-FORCED_TOOL_TURN = "\n".join('<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (n, json.dumps(a))
-                             for n, a in CALLS)
+
+
+def tool_turn(*calls):
+    """The Hermes text of a turn that makes these (name, arguments) calls."""
+    return "\n".join('<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (n, json.dumps(a))
+                     for n, a in calls)
+
+
+FORCED_TOOL_TURN = tool_turn(*CALLS)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gdn import GatedDeltaNet, chunk_gated_delta_rule, chunk_gated_delta_rule_torch
+from gdn import GatedDeltaNet, chunk_gated_delta_rule_torch, fla_chunk_gated_delta_rule
 from model import ModelConfig, Transformer, VisionConfig, hf_to_ours, ours_to_hf, read_safetensors
 from tiny import TINY_QWEN36_CONFIG
 
@@ -78,15 +78,36 @@ def assert_close_rel(got, want, what, rel=1e-5):
     assert err <= rel * want.abs().max().item(), f"{what}: max |diff| {err:.2e}, max |want| {want.abs().max():.2e}"
 
 
+def fp64_transformers_rule(monkeypatch):
+    """transformers' torch Gated DeltaNet with its fp32 casts made fp64 (its own fp32 steps elsewhere follow x)."""
+    import inspect
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as M
+    namespace = dict(M.__dict__)
+    exec(inspect.getsource(M.torch_chunk_gated_delta_rule).replace("torch.float32", "torch.float64"), namespace)
+    monkeypatch.setattr(M, "torch_chunk_gated_delta_rule", namespace["torch_chunk_gated_delta_rule"])
+
+
+def logits_and_grads(model, input_ids, probe, hf=False, **kw):
+    if hf:
+        kw["mm_token_type_ids"] = (input_ids == VISION.image_token_id).int()
+    out = model(input_ids=input_ids, **kw).logits if hf else model(input_ids, **kw)
+    (out * probe.to(out.dtype)).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), (hf_to_ours(grads, HYBRID) if hf else grads)
+
+
+def max_rel(got, want):
+    return max(((got[n].double() - want[n].double()).abs().max() / want[n].abs().max()).item() for n in want)
+
+
 @pytest.mark.parametrize("images", [False, True], ids=["text", "images"])
-def test_logits_and_every_gradient_match_transformers(images, tmp_path):
-    """fp32 on both sides: logits within 1e-5 of their largest (measured 6.8e-6 text, 6.3e-6 images), gradients
-    within 1e-4 of each tensor's largest (measured 4.3e-5 text, 8.3e-5 images: A_log's, whose gradient sums many
-    cancelling terms; median 1e-5). That is fp32 rounding, not a difference of function: in fp64 the two agree to
-    5e-14 (test_fp64_logits_and_every_gradient_equal_transformers). Transformers' own fp32 gradients lie up to
-    1.9e-5 (text) / 3.0e-5 (images) from its fp64 ones, ours up to 4.3e-5 / 5.8e-5: our chunked rule (triangular
-    solves) rounds more than its (row-by-row substitution); with our rule alone run in fp64 ours lie 1.7e-5 / 4.2e-5
-    from exact, as close as transformers'."""
+def test_logits_and_every_gradient_match_transformers(images, tmp_path, monkeypatch):
+    """fp32 on both sides: logits within 1e-5 of their largest (measured 4.4e-6 text, 6.3e-6 images), gradients
+    within 1e-4 of each tensor's largest (measured 4.3e-5 text, 8.3e-5 images; median 8e-6). 1e-5 cannot be asked of
+    fp32 gradients here: each side's fp32 gradients lie that far from its own fp64 ones (the exact function: the two
+    agree to 5e-14 in fp64, test_fp64_logits_and_every_gradient_equal_transformers), transformers' up to 4.6e-5 (text)
+    and ours no farther (6.3e-5 text, measured): the A_log / in_proj_a gradients sum many cancelling terms. So the
+    test also asserts that our fp32 rounds no more than transformers' own, within 1.5x of its largest error."""
     ours = random_model(HYBRID)
     ours.save_pretrained(tmp_path)
     hf = hf_model(HYBRID, tmp_path)
@@ -94,17 +115,24 @@ def test_logits_and_every_gradient_match_transformers(images, tmp_path):
     input_ids = padded(image_rows(VISION, GRIDS) if images else [list(range(7, 90)), list(range(200, 260))])
     kw = dict(pixel_values=pixels(VISION, flat), image_grid_thw=torch.tensor(flat)) if images else {}
     probe = torch.randn(*input_ids.shape, HYBRID.vocab_size, generator=torch.Generator().manual_seed(1))
-    logits = ours(input_ids, **kw)
-    ref = hf(input_ids=input_ids, mm_token_type_ids=(input_ids == VISION.image_token_id).int(), **kw).logits
+    logits, mine = logits_and_grads(ours, input_ids, probe, **kw)
+    ref, theirs = logits_and_grads(hf, input_ids, probe, hf=True, **kw)
     assert_close_rel(logits, ref, "logits")
-    (logits * probe).sum().backward()
-    (ref * probe).sum().backward()
-    theirs = hf_to_ours({n: p.grad for n, p in hf.named_parameters() if p.grad is not None}, HYBRID)
-    mine = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
     expected = {n for n, _ in ours.named_parameters() if not n.startswith("mtp.") and (images or "visual." not in n)}
     assert set(mine) == set(theirs) == expected
     for name in mine:
         assert_close_rel(mine[name], theirs[name], name, rel=1e-4)
+    # each side's fp32 rounding, against its own fp64 run
+    kw64 = {k: v.double() if v.is_floating_point() else v for k, v in kw.items()}
+    fp64_transformers_rule(monkeypatch)
+    hf64 = type(hf).from_pretrained(tmp_path, dtype=torch.float32, experts_implementation="eager").double()
+    theirs_exact = logits_and_grads(hf64, input_ids, probe, hf=True, **kw64)[1]
+    fp64_throughout(monkeypatch)
+    ours.zero_grad()
+    mine_exact = logits_and_grads(ours.double(), input_ids, probe, **kw64)[1]
+    ours_error, theirs_error = max_rel(mine, mine_exact), max_rel(theirs, theirs_exact)
+    print(f"fp32 gradients from fp64: ours {ours_error:.1e}, transformers {theirs_error:.1e}")
+    assert 1e-6 < ours_error <= 1.5 * theirs_error, (ours_error, theirs_error)
 
 
 def test_fp64_logits_and_every_gradient_equal_transformers(tmp_path, monkeypatch):
@@ -112,12 +140,8 @@ def test_fp64_logits_and_every_gradient_equal_transformers(tmp_path, monkeypatch
     runs fp64) our text model is transformers' function op for op: logits and every gradient within 1e-10 of their
     largest (measured: logits equal, gradients 5e-14). The fp32 run's 4e-5 would fail this bound. With images the
     fp64 towers differ by 2e-8 (some fp32 step of a position table on one side), which the gradients carry to 1e-5."""
-    import inspect
     import transformers
-    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as M
-    namespace = dict(M.__dict__)
-    exec(inspect.getsource(M.torch_chunk_gated_delta_rule).replace("torch.float32", "torch.float64"), namespace)
-    monkeypatch.setattr(M, "torch_chunk_gated_delta_rule", namespace["torch_chunk_gated_delta_rule"])
+    fp64_transformers_rule(monkeypatch)
     ours = random_model(HYBRID)
     ours.save_pretrained(tmp_path)
     hf = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32,
@@ -292,62 +316,76 @@ def test_tiny_hybrid_config_round_trips():
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's Triton kernels compute on CUDA only")
 SEGMENTS = [1000, 1, 63, 65, 2967]  # packed: a segment of one token, chunk edges, a long one
-# max |diff| over the reference's max |value|, of the output and of every gradient. Measured on an H200 (torch 2.11,
-# Triton 3.6, fla-core 0.6.0 with tilelang 0.1.15): the rule 2.1e-3 in fp32 (dbeta), 7.5e-3 in bf16 (dq); the
-# layer 1.4e-2 in bf16 (dx). The layer in fp32: 2.5e-3 for the output, dx and the projections' weights, but 0.29 to
-# 3.5 for the gradients that flow through the log decay g (in_proj_a, dt_bias, A_log), where bf16 agrees to 1e-2.
+# max |diff| over the reference's max |value|, of the output and of every gradient, and of the sum a decay parameter's
+# gradient takes (sum_t dg_t g_t per head: A_log's). Measured on an H200 (torch 2.11, Triton 3.6, fla-core 0.6.0 with
+# tilelang 0.1.15), fla against the fp64 reference: bf16 7.1e-3 (mild decay) and 7.5e-3 (strong), A_log's sum
+# 4.6e-3 / 3.8e-3; the layer (bf16) 1.4e-2 (dx).
 FLA_RULE_REL = {torch.float32: 5e-3, torch.bfloat16: 2e-2}
 FLA_LAYER_REL = {torch.float32: 5e-3, torch.bfloat16: 2e-2}
-FP32_DECAY_GRADS = pytest.mark.xfail(reason="fla's fp32 layer path: the log decay's gradients (in_proj_a, dt_bias, "
-                                     "A_log) 0.29-3.5 off the reference on an H200 (bf16 within 1e-2); not explained")
+# fla's fp32 backward, which gdn.py does not use: output and every gradient within 2.1e-3, but A_log's sum 8.0e-3 off
+# at mild decay and 0.63 at strong. dg's error is small against its largest value yet does not shrink with a token's
+# own (median per-token error 43x the value at the layer test's 4 heads) and adds up over the tokens; fla's bf16 path
+# does not do it (above), nor the reference in fp32 with TF32 matmuls (3.2e-4): not rounding, not cancellation.
+FLA_FP32 = pytest.mark.xfail(strict=True, reason="fla-core 0.6.0's fp32 backward: the log decay's gradient is wrong")
 
 
 def rel_err(got, want):
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
-def rule_inputs(dtype, g, Hk=16, H=32, dk=128, dv=128):
-    """The delta rule's inputs at 35B-A3B's head counts (16 key heads, each shared by 2 of the 32 value heads)."""
+def rule_inputs(dtype, g, strong, Hk=16, H=32, dk=128, dv=128):
+    """The delta rule's inputs at 35B-A3B's head counts (16 key heads, each shared by 2 of the 32 value heads); the
+    log decay <= 0 in fp32 as the layer makes it, mild (-softplus(a) / 2) or strong (-A softplus(a + 1), A in [1, 16]
+    as exp(A_log) of the layer test and of trained checkpoints' fast heads)."""
     N = sum(SEGMENTS)
     q, k = (torch.randn(1, N, Hk, dk, device="cuda", generator=g).to(dtype).requires_grad_() for _ in range(2))
     v = torch.randn(1, N, H, dv, device="cuda", generator=g).to(dtype).requires_grad_()
     a = torch.randn(1, N, H, device="cuda", generator=g)
-    gate = (-torch.nn.functional.softplus(a) * 0.5).requires_grad_()  # log decay <= 0, fp32 as the layer makes it
+    A = 1 + 15 * torch.rand(H, device="cuda", generator=g)
+    gate = (-A * F.softplus(a + 1) if strong else -F.softplus(a) * 0.5).requires_grad_()
     beta = torch.rand(1, N, H, device="cuda", generator=g).to(dtype).requires_grad_()
     return q, k, v, gate, beta
 
 
 @CUDA
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fla_matches_the_torch_reference(dtype):
-    """fla's chunk_gated_delta_rule (varlen, key heads shared by value heads) against chunk_gated_delta_rule_torch,
-    forward and backward, on packed segments of several lengths. Negative control: the reference run with the
-    segments merged (state leaking across their boundaries) is far outside the tolerance."""
+@pytest.mark.parametrize("dtype,strong", [pytest.param(torch.float32, False, marks=FLA_FP32),
+                                          pytest.param(torch.float32, True, marks=FLA_FP32),
+                                          (torch.bfloat16, False), (torch.bfloat16, True)],
+                         ids=["fp32", "fp32-strong", "bf16", "bf16-strong"])
+def test_fla_matches_the_torch_reference(dtype, strong):
+    """fla's chunk_gated_delta_rule (varlen, key heads shared by value heads) against the fp64 reference on the same
+    (rounded) inputs, forward and backward, on packed segments of several lengths. Negative control (mild decay):
+    the reference run with the segments merged (state leaking across their boundaries) is far outside the
+    tolerance."""
     g = torch.Generator(device="cuda").manual_seed(0)
     cu = torch.tensor([0, *torch.tensor(SEGMENTS).cumsum(0).tolist()], device="cuda")
-    inputs = rule_inputs(dtype, g)
+    inputs = rule_inputs(dtype, g, strong)
+    exact = [t.detach().double().requires_grad_() for t in inputs]
     probe = torch.randn(*inputs[2].shape, device="cuda", generator=g)
     outs, grads = [], []
-    reference = chunk_gated_delta_rule_torch
-    for fn, c in ((chunk_gated_delta_rule, cu), (reference, cu), (reference, cu[[0, -1]])):
-        out = fn(*inputs, c)
-        grads.append(torch.autograd.grad((out.float() * probe).sum(), inputs))
-        outs.append(out.float())
+    for fn, args, c in ((fla_chunk_gated_delta_rule, inputs, cu), (chunk_gated_delta_rule_torch, exact, cu),
+                        (chunk_gated_delta_rule_torch, exact, cu[[0, -1]])):
+        out = fn(*args, c)
+        grads.append(torch.autograd.grad((out.double() * probe).sum(), args))
+        outs.append(out.double())
     rel = FLA_RULE_REL[dtype]
     errs = {"out": rel_err(outs[0], outs[1])} | {"d" + n: rel_err(a, b) for n, a, b in
                                                   zip(["q", "k", "v", "g", "beta"], *grads[:2])}
-    print(dtype, {k: f"{e:.1e}" for k, e in errs.items()})
+    gate = exact[3].detach()
+    errs["dA_log"] = rel_err((grads[0][3].double() * gate).sum((0, 1)), (grads[1][3] * gate).sum((0, 1)))
+    print(dtype, strong, {k: f"{e:.1e}" for k, e in errs.items()})
     assert max(errs.values()) <= rel, errs
-    assert rel_err(outs[2], outs[1]) > 10 * rel  # the control: merged segments
+    if not strong:  # the control: merged segments (a strong decay forgets the previous segment within a few tokens)
+        assert rel_err(outs[2], outs[1]) > 10 * FLA_RULE_REL[torch.bfloat16]
 
 
 @CUDA
-@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=FP32_DECAY_GRADS), torch.bfloat16],
-                         ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fla_layer_matches_the_reference_path(dtype, monkeypatch):
-    """The whole GatedDeltaNet layer on CUDA through fla (fused varlen conv + SiLU, delta rule, gated RMSNorm)
+    """The whole GatedDeltaNet layer on CUDA through fla (fused varlen conv + SiLU, delta rule in bf16, gated RMSNorm)
     against the same layer and weights through the torch reference (gdn.FLA_ON_CUDA off): output, the input's and
-    every parameter's gradient, packed segments. Negative control: the reference with the segments merged."""
+    every parameter's gradient (in fp32 the rule's decay gradients included: gdn.py keeps fp32 off fla's rule), packed
+    segments. Negative control: the reference with the segments merged."""
     import gdn
     cfg = ModelConfig(family="qwen3_5", hidden_size=512, linear_num_key_heads=2, linear_num_value_heads=4,
                       linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)

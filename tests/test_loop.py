@@ -220,7 +220,9 @@ def test_failing_agent_hanging_tool_and_killed_engine_leave_the_run_going(tmp_pa
     engine = rollout_engine
     agent = tmp_path / "flaky.py"
     agent.write_text(FLAKY_AGENT)
-    cfg = loop_config(tmp_path, tiny_model_path, agent=str(agent), max_steps=4, attempt_timeout_s=3.0,
+    # attempt_timeout_s: the hanging tool's attempts time out, the others' turns do not, even on a loaded machine
+    # (at 3 s and load 15 the restarted engine's first turns timed out too: 18 failures in a row stopped the run)
+    cfg = loop_config(tmp_path, tiny_model_path, agent=str(agent), max_steps=4, attempt_timeout_s=10.0,
                       max_tokens=8)
     metrics = tmp_path / "metrics.jsonl"
 

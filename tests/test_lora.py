@@ -27,10 +27,17 @@ from test_train import CFG, GRAD_TOL, PARAM_TOL, STEPS, check_kl_penalty, make_w
 LORA = dict(lora_rank=4, lora_alpha=8.0, lora_targets="all")
 
 
+@torch.no_grad()
+def init_adapters(model, seed):
+    """Fill an unsharded model's adapters with their initial values (lora.initial_adapters: each one whole)."""
+    for p, full in lora.initial_adapters(model, seed):
+        p.copy_(full)
+
+
 def with_adapters(cfg, seed=1337):
     def prepare(model):
         lora.add_adapters(model, cfg["lora_rank"], cfg["lora_alpha"], lora.parse_targets(cfg["lora_targets"]))
-        lora.init_adapters(model, seed)
+        init_adapters(model, seed)
     return prepare
 
 
@@ -40,7 +47,7 @@ def test_adapted_model_equals_its_merged_weights_and_trains_the_adapters_alone()
     base.init_weights(0, std=0.2)
     model = copy.deepcopy(base)
     lora.add_adapters(model, 4, 8.0, lora.TARGETS)
-    lora.init_adapters(model, 0)
+    init_adapters(model, 0)
     x = torch.randint(0, CFG.vocab_size, (2, 10))
     torch.testing.assert_close(model(x), base(x))  # B = 0: a fresh adapter changes nothing
     with torch.no_grad():

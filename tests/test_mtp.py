@@ -4,6 +4,7 @@ drafter kept current by the weight sync, the engine's recorded logprobs the targ
 
     .venv/bin/python -m pytest tests/test_mtp.py -q       # one drafting engine
 """
+import asyncio
 import os
 
 import pytest
@@ -92,3 +93,59 @@ def test_drafted_turns_record_the_targets_logprobs_and_honour_bans(drafting):
         out = run(engine.generate(prompt, dict(max_tokens=24, temperature=temperature, ignore_eos=True,
                                                logit_bias=ban), f"banned{temperature}"))
         assert not set(out["token_ids"]) & set(ban)
+
+
+def test_a_drafted_turn_paused_across_a_sync_resumes_on_the_new_policy(drafting):
+    """A turn sampled with drafts at temperature 1 while a sync of perturbed weights pauses the engine (a partial
+    rollout): every token streamed before the pause is the start of the recorded turn (the engine's tokens, none
+    sampled again), the per-token policy versions are the old one up to a boundary at or after the pause and the new
+    one from there on, and each token from the boundary on has the new target's logprob (recompute_kv_on_sync: the
+    resumed request recomputes its KV, drafter's included, with the new weights). Control: the tokens before the
+    boundary, scored by the new weights, are another model's."""
+    run, engine = drafting.run, drafting.engine
+    ours = Transformer.from_pretrained(PATH)
+    moved, old, max_tokens = perturbed(ours), engine.policy_version, 64
+    prompt = torch.randint(7, 2000, (16,), generator=torch.Generator().manual_seed(11)).tolist()
+    streamed, pause_at = [], []
+
+    class RecordsPause:  # the engine, noting how many tokens the client had seen once the pause took hold
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+        async def pause(self):
+            await engine.pause()
+            pause_at.append(len(streamed[-1]))
+
+    async def scenario():
+        started = asyncio.Event()
+
+        async def turn():
+            async for out in engine.stream(prompt, dict(max_tokens=max_tokens, temperature=1.0, ignore_eos=True), "p"):
+                if "logprobs" not in out:
+                    streamed.append(out["token_ids"])
+                    if len(out["token_ids"]) >= 4:
+                        started.set()
+            return out
+        request = asyncio.ensure_future(turn())
+        await started.wait()
+        await sync_weights([RecordsPause()], sender, moved, old + 1)
+        return await request
+
+    sender = WeightSender(bucket_bytes=1 << 20)
+    try:
+        assert run(connect_engines([engine], sender)) == 2
+        out = run(scenario())
+        ids, versions = out["token_ids"], out["token_versions"]
+        assert len(ids) == max_tokens and all(ids[:len(s)] == s for s in streamed) and out["drafts"][1] > 0
+        boundary = versions.index(old + 1)
+        assert versions == [old] * boundary + [old + 1] * (max_tokens - boundary)
+        assert 4 <= pause_at[0] <= boundary < max_tokens, (pause_at, boundary)
+        now = torch.tensor(run(engine.prompt_logprobs(prompt + ids))[16:])
+        gap = (torch.tensor(out["logprobs"]) - now).abs()
+        print(f"\npaused drafted turn: boundary {boundary} (pause seen at {pause_at[0]}), drafts {out['drafts']}, new "
+              f"policy's tokens vs the target: max {gap[boundary:].max():.4f} mean {gap[boundary:].mean():.4f}; "
+              f"old policy's tokens: mean {gap[:boundary].mean():.4f}")
+        assert gap[boundary:].max() < 0.15 and gap[:boundary].mean() > 10 * gap[boundary:].mean(), gap
+    finally:
+        run(sync_weights([engine], sender, ours, old))
+        sender.close()

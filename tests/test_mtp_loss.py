@@ -6,8 +6,10 @@ gradient left unchanged.
 import torch
 import torch.nn.functional as F
 
+import lora
 import train
 from model import Transformer
+from test_lora import init_adapters
 from test_train import HYBRID
 
 
@@ -73,3 +75,33 @@ def test_the_policy_gradient_is_unchanged_and_only_mtp_learns():
     assert all(base[n] is None for n in base if n.startswith("mtp."))
     assert all(joint[n] is not None and joint[n].abs().sum() > 0 for n in joint if n.startswith("mtp."))
     assert not torch.equal(base["lm_head.weight"], leak["lm_head.weight"])  # the control: a leak is seen
+
+
+def test_lora_leaves_everything_the_drafter_reads_unchanged():
+    """Why a LoRA run syncs nothing to the engine's drafter: the drafter reads mtp.* and the trunk's embeddings and
+    lm_head (its input hidden states the engine's target computes, adapters included), and lora.apply puts no adapter
+    on any of them, on every target there is, and freezes them. After AdamW steps on a policy objective plus the MTP
+    loss each is bit for bit what it was while the adapters moved (and plan.check_config refuses mtp_loss_coef under
+    LoRA, which would train nothing). Control: full fine-tuning, the same steps, moves every one of them."""
+    cfg = dict(temperature=1.0, logprob_chunk_size=16, logprob_keep_logits=False)
+    reads = lambda n: n.startswith("mtp.") or n in ("model.embed_tokens.weight", "lm_head.weight")  # noqa: E731
+
+    def stepped(lora_rank):
+        m, _, mb = model_and_rows()
+        lora.apply(m, dict(lora_rank=lora_rank, lora_alpha=16.0, param_dtype="float32",
+                           lora_targets=",".join(lora.TARGETS + lora.GDN_TARGETS)))
+        init_adapters(m, 0)
+        before = {n: p.detach().clone() for n, p in m.named_parameters()}
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+        for _ in range(2):
+            opt.zero_grad()
+            logprobs, _, mtp = train.microbatch_logprobs(m, mb, cfg, mtp_tokens=train.mtp_mask(mb).sum())
+            ((logprobs * mb["real"]).sum() + mtp).backward()
+            opt.step()
+        return {n: (before[n], p.detach()) for n, p in m.named_parameters()}
+    adapted, full = stepped(8), stepped(0)
+    drafter = [n for n in adapted if reads(n)]
+    assert len(drafter) >= 10 and not [n for n in drafter if lora.is_adapter(n)], drafter
+    assert [n for n in drafter if not torch.equal(*adapted[n])] == []
+    assert any(lora.is_adapter(n) and not torch.equal(*adapted[n]) for n in adapted)
+    assert [n for n in drafter if torch.equal(*full[n])] == []  # the control

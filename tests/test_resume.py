@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 import checkpoint
 import train
 import weights_sync
-from conftest import child_env
+from conftest import child_env, kill_tree
 
 pytestmark = pytest.mark.stack
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,15 +59,6 @@ def exited(proc, tree):
     except psutil.NoSuchProcess:
         pass
     return proc.poll() is not None
-
-
-def end_tree(proc, tree):
-    """SIGKILL what is left of a run this test started: the process and the descendants recorded for it."""
-    for p in [proc] + tree:
-        try:
-            p.kill()
-        except (psutil.NoSuchProcess, ProcessLookupError):
-            pass
 
 
 def log_tail(path):
@@ -127,7 +118,7 @@ def test_sigkill_mid_step_then_resume(tmp_path, tiny_model_path):
         gone, alive = psutil.wait_procs(tree, timeout=90)
         assert not alive, f"processes of the killed run still alive: {[p.info for p in alive]}"
     finally:
-        end_tree(proc, tree)
+        kill_tree(proc, tree)
     with open(out / "metrics.jsonl") as f:
         rows_before = [json.loads(line) for line in f]
     assert [r["step"] for r in rows_before] == [1]  # killed before step 2 ended
@@ -166,7 +157,7 @@ def test_sigkill_mid_step_then_resume(tmp_path, tiny_model_path):
         assert proc.returncode == 0, log_tail(tmp_path / "run2.log")
         psutil.wait_procs(tree, timeout=60)
     finally:
-        end_tree(proc, tree)
+        kill_tree(proc, tree)
     assert f"resumed from {ckpt} at step 1" in open(tmp_path / "run2.log").read()
     with open(out / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]

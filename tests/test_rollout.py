@@ -314,7 +314,8 @@ def test_a_finite_prompt_source_ends_in_an_error_not_a_hang(server):
     async def no_model(ctx):
         return 0.0
     pool = rollout.RolloutPool(as_result(no_model), iter([{"prompt": "a"}, {"prompt": "b"}, {"prompt": "c"}]), server,
-                               group_size=2, groups_per_batch=2, groups_in_flight=2, sampling={}).start()
+                               group_size=2, groups_per_batch=2, groups_in_flight=2, sampling={},
+                               attempt_timeout_s=60.0, failed_group_rule="drop").start()
     try:
         assert len(groups_of(pool.next_batch(timeout=60))) == 2
         with pytest.raises(EOFError, match="prompt source ran out with 1 complete group"):

@@ -17,7 +17,7 @@ import time
 import psutil
 import pytest
 
-from conftest import child_env
+from conftest import child_env, kill_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.stack  # engines, in processes of their own
@@ -40,16 +40,8 @@ def run_until(args, log_path, ready, preexec_fn=None, timeout_s=600):
         if proc.poll() is not None:
             break
         time.sleep(0.2)
-    stop_tree(proc, tree)
+    kill_tree(proc, tree)
     pytest.fail(f"{args} did not get ready:\n{open(log_path).read()[-3000:]}")
-
-
-def stop_tree(proc, tree):
-    for p in [proc] + tree:
-        try:
-            p.kill()
-        except (psutil.NoSuchProcess, ProcessLookupError):
-            pass
 
 
 def check_gone(proc, tree, log_path, sig, returncodes):
@@ -62,7 +54,7 @@ def check_gone(proc, tree, log_path, sig, returncodes):
         _, alive = psutil.wait_procs(tree, timeout=90)
         assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"
     finally:
-        stop_tree(proc, tree)
+        kill_tree(proc, tree)
 
 
 def has_engine(names):
