@@ -56,11 +56,12 @@ TINY_VL_SFT = "tiny-qwen3-vl-moe-sft"
 VL_WARM_START = dict(transcripts=1600, size=128, max_steps=40, learning_rate=3e-3, min_lr=3e-4, warmup_steps=2,
                      groups_per_batch=10, group_size=4, seed=0)
 WARM_STARTS = {TINY_SFT: ("tiny-qwen3-moe", "calculator.py", WARM_START),  # name: base model, agent file, recipe
-               TINY_VL_SFT: ("tiny-qwen3-vl-moe", "colours.py", VL_WARM_START)}
+               TINY_VL_SFT: ("tiny-qwen3-vl-moe", "colours.py", VL_WARM_START),
+               "tiny-qwen36-moe-sft": ("tiny-qwen36-moe", "colours.py", VL_WARM_START)}  # the hybrid's, the same way
 # a recipe's options of its transcripts(); the other keys are train.py's
 TRANSCRIPT_KEYS = ("transcripts", "with_tools", "from_memory", "size")
 TINY_MODELS = {"tiny-qwen3-moe": TINY_CONFIG, "tiny-qwen3-vl-moe": TINY_VL_CONFIG, "tiny-qwen36-moe": TINY_QWEN36_CONFIG,
-               TINY_SFT: TINY_CONFIG, TINY_VL_SFT: TINY_VL_CONFIG}  # by name
+               TINY_SFT: TINY_CONFIG, TINY_VL_SFT: TINY_VL_CONFIG, "tiny-qwen36-moe-sft": TINY_QWEN36_CONFIG}
 
 
 def tiny_model_config(path):
