@@ -75,18 +75,53 @@ def silu_mul(gate, up, scale):
 
 
 def experts_grouped_mm(x, counts, scale, gate_proj, up_proj, down_proj, lora=None):
-    """Same as experts_loop in three grouped GEMMs (CUDA, bf16); no host sync. With LoRA adapters (on a frozen base,
-    as lora.py trains them) through LoRAGroupedMM: gate and up in one call, down in another."""
+    """Same as experts_loop in grouped GEMMs (CUDA, bf16); no host sync: GroupedSwiGLU on the gate and up weights
+    stacked (Experts.compute hands it them stacked already). With LoRA adapters (on a frozen base, as lora.py trains
+    them) through LoRAGroupedMM: gate and up in one call, down in another."""
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     if lora is None:
-        def mm(h, w):  # weights are (E, out, in) like nn.Linear; transposed views are the (E, in, out) operands
-            return torch._grouped_mm(h, w.transpose(-2, -1), offs=offs)
-        return mm(silu_mul(mm(x, gate_proj), mm(x, up_proj), scale), down_proj)
+        return GroupedSwiGLU.apply(x, offs, scale, torch.cat([gate_proj, up_proj], 1), down_proj)
     s, ((A_g, B_g), (A_u, B_u), (A_d, B_d)) = lora
     rows = (offs, lowrank_tiles(counts) if x.is_cuda and triton is not None else None)  # for every lowrank_add
     # gate's and up's adapters as one of rank 2r (x read once for both); the scaling goes into the (E, out, r) Bs
     gate, up = LoRAGroupedMM.apply(x, rows, torch.cat([A_g, A_u], 1), 2, gate_proj, up_proj, B_g * s, B_u * s)
     return LoRAGroupedMM.apply(silu_mul(gate, up, scale), rows, A_d, 1, down_proj, B_d * s)[0]
+
+
+@cuda_compiled
+def swiglu_backward(gate_up, scale, dh):
+    """silu_mul's backward from its input (N, 2H) = [gate | up]: d[gate | up] (N, 2H) in one tensor, and dscale (N,)."""
+    gate, up = gate_up.float().chunk(2, -1)
+    sig, s, dh = torch.sigmoid(gate), scale.float().unsqueeze(-1), dh.float()
+    silu = gate * sig
+    dgate = dh * up * s * sig * (1 + gate * (1 - sig))
+    dscale = (dh * silu * up).sum(-1)
+    return torch.cat([dgate, dh * silu * s], -1).to(gate_up.dtype), dscale.to(scale.dtype)
+
+
+class GroupedSwiGLU(torch.autograd.Function):
+    """The experts' SwiGLU in three grouped GEMMs: x (N, D) rows sorted by expert (offs: cumulative row counts),
+    gate_up (E, 2H, D) the gate and up weights stacked (one GEMM for both, x read once; one GEMM for their input
+    gradient, no add), down (E, D, H), scale (N,) each row's routing weight -> (N, D) = experts_loop's product.
+    Backward forms each weight gradient in its weight's own (E, out, in) layout (dy^T h rather than autograd's
+    (h^T dy)^T, the same GEMM), so that the fp32 accumulation after it (train.CastForCompute) reads it in order.
+    Saves what autograd would: x, gate_up's output and the hidden rows h."""
+
+    @staticmethod
+    def forward(ctx, x, offs, scale, gate_up, down):
+        gu = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offs)  # (N, 2H)
+        h = silu_mul(*gu.chunk(2, -1), scale)
+        ctx.save_for_backward(x, offs, scale, gate_up, down, gu, h)
+        return torch._grouped_mm(h, down.transpose(-2, -1), offs=offs)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, offs, scale, gate_up, down, gu, h = ctx.saved_tensors
+        dy = dy.contiguous()
+        d_down = torch._grouped_mm(dy.t(), h, offs=offs)  # (E, D, H)
+        dgu, dscale = swiglu_backward(gu, scale, torch._grouped_mm(dy, down, offs=offs))
+        d_gate_up = torch._grouped_mm(dgu.t(), x, offs=offs)  # (E, 2H, D)
+        return torch._grouped_mm(dgu, gate_up, offs=offs), None, dscale, d_gate_up, d_down
 
 
 class LoRAGroupedMM(torch.autograd.Function):
@@ -320,11 +355,17 @@ class Experts(nn.Module):
         self.cast_weights = None  # train.keep_experts_local sets it when these weights stay outside FSDP
         self.lora_scaling = None  # lora.add_adapters sets it, with the adapters {proj}_lora_A / {proj}_lora_B
 
-    def weights(self):
+    def weights(self, stacked=False):
         """(gate_proj, up_proj, down_proj) as the computation uses them: the parameters (under FSDP, its unsharded
-        compute-dtype copies), or what `cast_weights` makes of them (train.keep_experts_local)."""
-        ws = (self.gate_proj, self.up_proj, self.down_proj)
-        return ws if self.cast_weights is None else tuple(self.cast_weights(w) for w in ws)
+        compute-dtype copies), or what `cast_weights` makes of them (train.keep_experts_local). stacked: (gate_up,
+        down_proj), the gate and up weights as one (E, 2H, D) tensor for GroupedSwiGLU (cast_weights writes both
+        into one; FSDP's copies are concatenated)."""
+        if not stacked:
+            ws = (self.gate_proj, self.up_proj, self.down_proj)
+            return ws if self.cast_weights is None else tuple(self.cast_weights(w) for w in ws)
+        if self.cast_weights is None:
+            return torch.cat([self.gate_proj, self.up_proj], 1), self.down_proj
+        return self.cast_weights(self.gate_proj, self.up_proj), self.cast_weights(self.down_proj)
 
     def lora_weights(self):
         """(scaling, ((A, B) of gate, up, down)) of the LoRA adapters as the computation uses them, or None."""
@@ -335,16 +376,18 @@ class Experts(nn.Module):
         return self.lora_scaling, tuple(zip(ws[0::2], ws[1::2]))
 
     def compute(self, x, counts, scale):
-        g, u, d = self.weights()
         lora = self.lora_weights()
+        grouped = self.use_grouped_mm if self.use_grouped_mm is not None else (x.is_cuda and x.dtype == torch.bfloat16)
+        stacked = grouped and lora is None
+        ws = self.weights(stacked)
         if x.shape[0] == 0:  # no rows for this rank's experts (expert parallelism): keep the weights and the scale in
             # the graph so the weights still get a (zero) gradient, FSDP's gradient reduce-scatter runs on every rank,
             # and so does the backward all-to-all of the routing weights that arrived (empty) from other ranks
             adapters = sum(w.sum() for ab in lora[1] for w in ab) if lora is not None else 0
-            return x + 0 * (scale.sum() + g.sum() + u.sum() + d.sum() + adapters)
-        grouped = self.use_grouped_mm if self.use_grouped_mm is not None else (x.is_cuda and x.dtype == torch.bfloat16)
-        fn = experts_grouped_mm if grouped else experts_loop
-        return fn(x, counts, scale, g, u, d, lora)
+            return x + 0 * (scale.sum() + sum(w.sum() for w in ws) + adapters)
+        if stacked:
+            return GroupedSwiGLU.apply(x, torch.cumsum(counts, 0, dtype=torch.int32), scale, *ws)
+        return (experts_grouped_mm if grouped else experts_loop)(x, counts, scale, *ws, lora)
 
     def forward(self, x, topk_ids, topk_weights):
         # x (N, D), topk_ids (N, K) global expert ids, topk_weights (N, K)

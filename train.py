@@ -886,17 +886,18 @@ def keep_experts_local(experts, mesh, dtype, reuse_casts=False):
                                             requires_grad=p.requires_grad))
     casts = {}  # id(param) -> (param's version, its cast)
 
-    def cast(w):
-        # a cast is reused only within one window: the weight's gradient exists (a backward ran since train_step's
+    def cast(*ws):  # one weight, or several stacked on dim 1 into one tensor (Experts.weights: gate and up)
+        # a cast is reused only within one window: the weights' gradients exist (a backward ran since train_step's
         # zero_grad(set_to_none=True), which follows every optimizer step: the guard that matters, since the fused
         # AdamW step leaves a DTensor parameter's version counter alone, seen on an H200) and no in-place write
-        # bumped the version counter since
-        kept = casts.get(id(w))
-        if kept is not None and kept[0] == w._version and w.grad is not None and torch.is_grad_enabled():
+        # bumped a version counter since
+        key, versions = tuple(map(id, ws)), [w._version for w in ws]
+        kept = casts.get(key)
+        if kept is not None and kept[0] == versions and all(w.grad is not None for w in ws) and torch.is_grad_enabled():
             return kept[1]
-        out = CastForCompute.apply(w, dtype)
+        out = CastForCompute.apply(dtype, *ws)
         if reuse_casts and torch.is_grad_enabled():
-            casts[id(w)] = (w._version, out)
+            casts[key] = (versions, out)
         return out
     experts.cast_weights = cast
     experts.register_forward_pre_hook(
@@ -904,28 +905,37 @@ def keep_experts_local(experts, mesh, dtype, reuse_casts=False):
 
 
 class CastForCompute(torch.autograd.Function):
-    """A local expert weight (an fp32 DTensor on a one-rank mesh) -> its local tensor in the compute dtype. Backward
-    writes the gradient in the parameter's layout in one pass (experts.to_contiguous): the grouped GEMM's gradient
-    comes transposed, and autograd's own cast would keep that layout, making every later add into .grad a strided
-    pass. The first backward of a window returns it as a new fp32 tensor, which autograd takes as .grad; later ones
-    (gradient accumulation over microbatches) add into .grad in place, in the same pass, and return None, so that
-    no fp32 copy is written only to be added (at Qwen3-30B-A3B's experts 4.8 GB less traffic per layer and
-    microbatch). torch.autograd.grad on these weights while .grad is set would then not see them: the trainer
-    accumulates into .grad."""
+    """Local expert weights (fp32 DTensors on a one-rank mesh, stacked on dim 1 when several) -> one local tensor in
+    the compute dtype. Backward writes each weight's gradient in the parameter's layout in one pass
+    (experts.to_contiguous; it takes any strides, and autograd's own cast would keep them, making every later add
+    into .grad a strided pass). The first backward of a window returns it as a new fp32 tensor, which autograd takes
+    as .grad; later ones (gradient accumulation over microbatches) add into .grad in place, in the same pass, and
+    return None, so that no fp32 copy is written only to be added (at Qwen3-30B-A3B's experts 4.8 GB less traffic
+    per layer and microbatch). torch.autograd.grad on these weights while .grad is set would then not see them: the
+    trainer accumulates into .grad."""
 
     @staticmethod
-    def forward(ctx, param, dtype):
-        ctx.param, ctx.param_dtype = param, param.dtype
-        return local_tensor(param).to(dtype)
+    def forward(ctx, dtype, *params):
+        ctx.params = params
+        if len(params) == 1:
+            return local_tensor(params[0]).to(dtype)
+        first = local_tensor(params[0])
+        out = first.new_empty(first.shape[0], sum(p.shape[1] for p in params), *first.shape[2:], dtype=dtype)
+        for part, p in zip(out.split([p.shape[1] for p in params], 1), params):
+            part.copy_(local_tensor(p))  # cast and stack in one pass
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        param = ctx.param
-        if param.grad is not None:
-            to_contiguous(grad, ctx.param_dtype, into=local_tensor(param.grad))
-            return None, None
-        main = to_contiguous(grad, ctx.param_dtype)
-        return DTensor.from_local(main, param.device_mesh, param.placements, run_check=False), None
+        grads = grad.split([p.shape[1] for p in ctx.params], 1)
+        out = [None]
+        for p, g in zip(ctx.params, grads):
+            if p.grad is not None:
+                to_contiguous(g, p.dtype, into=local_tensor(p.grad))
+                out.append(None)
+            else:
+                out.append(DTensor.from_local(to_contiguous(g, p.dtype), p.device_mesh, p.placements, run_check=False))
+        return tuple(out)
 
 
 def expert_placement(experts, meshes):

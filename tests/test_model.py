@@ -112,8 +112,19 @@ def test_grouped_mm_matches_loop(device):
     counts[3] = 0  # an expert with no tokens
     x = torch.randn(int(counts.sum()), D, device=device, dtype=torch.bfloat16)
     w = torch.rand(x.shape[0], device=device, dtype=torch.bfloat16)
-    torch.testing.assert_close(experts_grouped_mm(x, counts, w, g, u, d), experts_loop(x, counts, w, g, u, d),
-                               atol=2e-2, rtol=2e-2)
+    dy = torch.randn_like(x)
+    runs = []
+    for fn, dtype in ((experts_loop, torch.float64), (experts_loop, torch.bfloat16), (experts_grouped_mm, torch.bfloat16)):
+        leaves = [t.to(dtype).clone().requires_grad_() for t in (x, w, g, u, d)]
+        y = fn(leaves[0], counts, *leaves[1:])
+        y.backward(dy.to(dtype))
+        runs.append([y.detach().double()] + [t.grad.double() for t in leaves])
+    ref, loop, grouped = runs
+    for name, r, a, b in zip(("y", "x", "scale", "gate", "up", "down"), ref, loop, grouped):
+        err, loop_err = ((b - r).abs().max() / r.abs().max()).item(), ((a - r).abs().max() / r.abs().max()).item()
+        assert err < 1.5 * loop_err + 1e-3, (name, err, loop_err)  # no worse than bf16 itself (measured < 1.0x)
+    for grads in grouped[3:]:  # the weight gradients of the expert without rows: zero
+        assert grads[3].abs().max() == 0
 
 
 def test_routing_replay_reproduces_logits_and_choices():

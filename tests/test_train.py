@@ -471,40 +471,43 @@ def test_sft_run_learns_assistant_turns_and_exports_hf(tmp_path, tiny_model_path
 
 
 def grouped_vs_loop(rank, world, cfg, weights, out):
-    model, _ = build(cfg, weights, world)
-    mb = make_window(0, 2, seed=11)[rank]
+    mb = make_window(0, 2, seed=11, routes=True)[rank]  # replayed routes: bf16 and fp32 choose the same experts
     results = []
-    for grouped in (False, True):  # torch._grouped_mm runs on CPU too (bf16), so the GPU path is exercised here
-        for module in model.modules():
+    for dtype, grouped in (("float32", False), ("bfloat16", False), ("bfloat16", True)):
+        model, _ = build(dict(cfg, param_dtype=dtype), weights, world)
+        for module in model.modules():  # torch._grouped_mm runs on CPU too (bf16), so the GPU path is exercised here
             if hasattr(module, "use_grouped_mm"):
                 module.use_grouped_mm = grouped
         logprobs, _ = train.microbatch_logprobs(model, mb, cfg)
         (logprobs * mb["action_mask"]).sum().backward()
         results.append(dict(logprobs=logprobs.detach(), grads=full_grads(model)))
-        model.zero_grad(set_to_none=True)
     if rank == 0:
         torch.save(results, out)
 
 
-GROUPED_BF16_TOL = 1e-2  # relative to each gradient's largest entry; measured < 1e-4 on CPU
+GROUPED_BF16_RATIO = 1.5  # grouped error over the bf16 loop's, each against the fp32 loop; measured worst 1.22
 
 
 @pytest.mark.stack
 def test_grouped_gemm_experts_match_the_loop_under_expert_parallelism_in_bf16(tmp_path):
+    """Grouped GEMM experts (GroupedSwiGLU: elementwise work in fp32, like the compiled kernels on CUDA) against the
+    loop in bf16 (elementwise in bf16 on CPU): both are bf16 computations of the same function, so each is held to
+    the fp32 loop's gradients, the grouped one within 1.5x the loop's own error on every tensor."""
     weights = make_weights(str(tmp_path / "weights"))
     spawn(2, "grouped_vs_loop", trainer_config(ep_size=2, param_dtype="bfloat16"), weights, str(tmp_path / "out.pt"))
-    loop, grouped = torch.load(tmp_path / "out.pt", weights_only=False)
+    ref, loop, grouped = torch.load(tmp_path / "out.pt", weights_only=False)
     torch.testing.assert_close(grouped["logprobs"], loop["logprobs"], rtol=0, atol=2e-2)  # bf16 compute
-    # each gradient within a bf16-sized share of its own scale (measured worst: see the print), and every one of them
-    # far from zero, so that the tolerance cannot swallow it
-    worst = 0.0
-    for name, g in loop["grads"].items():
+    worst, errs = 0.0, {}
+    for name, g in ref["grads"].items():
         scale = g.abs().max().item()
-        err = (grouped["grads"][name] - g).abs().max().item() / scale
-        assert scale > 1e-4, name
-        assert err < GROUPED_BF16_TOL, (name, err)
-        worst = max(worst, err)
-    print(f"\ngrouped vs loop bf16 gradients: worst max |diff| / max |grad| {worst:.4f} over {len(loop['grads'])} tensors")
+        assert scale > 1e-4, name  # every gradient far from zero, so that no tolerance can swallow it
+        errs[name] = [(run["grads"][name] - g).abs().max().item() / scale for run in (loop, grouped)]
+        assert errs[name][0] < 0.1, (name, errs[name])  # bf16 itself: measured worst 0.045 (std 0.2 weights)
+        worst = max(worst, errs[name][1] / errs[name][0])
+    bad = {n: e for n, e in errs.items() if e[1] > GROUPED_BF16_RATIO * e[0]}
+    assert not bad, bad
+    print(f"\ngrouped vs loop bf16 gradients against fp32: worst error ratio {worst:.2f} over {len(errs)} tensors "
+          f"(worst loop error {max(e[0] for e in errs.values()):.4f})")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA")
