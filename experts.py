@@ -88,15 +88,47 @@ def experts_grouped_mm(x, counts, scale, gate_proj, up_proj, down_proj, lora=Non
     return LoRAGroupedMM.apply(silu_mul(gate, up, scale), rows, A_d, 1, down_proj, B_d * s)[0]
 
 
-@cuda_compiled
 def swiglu_backward(gate_up, scale, dh):
-    """silu_mul's backward from its input (N, 2H) = [gate | up]: d[gate | up] (N, 2H) in one tensor, and dscale (N,)."""
+    """silu_mul's backward from its input (N, 2H) = [gate | up]: d[gate | up] (N, 2H) in one tensor, and dscale (N,).
+    On CUDA one Triton kernel: each row read once and written once (torch.compile's kernel for the eager code below
+    read every row twice, once for each half of the concatenation, and a second kernel again for dscale)."""
+    if gate_up.is_cuda and triton is not None:
+        return swiglu_backward_triton(gate_up, scale, dh)
     gate, up = gate_up.float().chunk(2, -1)
     sig, s, dh = torch.sigmoid(gate), scale.float().unsqueeze(-1), dh.float()
     silu = gate * sig
     dgate = dh * up * s * sig * (1 + gate * (1 - sig))
     dscale = (dh * silu * up).sum(-1)
     return torch.cat([dgate, dh * silu * s], -1).to(gate_up.dtype), dscale.to(scale.dtype)
+
+
+def swiglu_backward_triton(gate_up, scale, dh):
+    gate_up, dh = gate_up.contiguous(), dh.contiguous()
+    N, H = dh.shape
+    dgu, dscale = torch.empty_like(gate_up), torch.empty_like(scale)
+    rows = 4
+    if N:
+        _swiglu_backward_kernel[(triton.cdiv(N, rows),)](gate_up, scale, dh, dgu, dscale, N, H, BR=rows,
+                                                         BH=triton.next_power_of_2(H), num_warps=8)
+    return dgu, dscale
+
+
+if triton is not None:
+    @triton.jit
+    def _swiglu_backward_kernel(gu, scale, dh, dgu, dscale, N, H, BR: tl.constexpr, BH: tl.constexpr):
+        rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)  # BR whole rows
+        cols = tl.arange(0, BH)
+        mask = (rows[:, None] < N) & (cols[None, :] < H)
+        at = rows[:, None] * 2 * H + cols[None, :]  # gate's columns; up's are H further
+        gate = tl.load(gu + at, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gu + at + H, mask=mask, other=0.0).to(tl.float32)
+        d = tl.load(dh + rows[:, None] * H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(scale + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        tl.store(dgu + at, (d * up * s * sig * (1 + gate * (1 - sig))).to(dgu.dtype.element_ty), mask=mask)
+        tl.store(dgu + at + H, (d * silu * s).to(dgu.dtype.element_ty), mask=mask)
+        tl.store(dscale + rows, tl.sum(d * silu * up, 1).to(dscale.dtype.element_ty), mask=rows < N)
 
 
 class GroupedSwiGLU(torch.autograd.Function):

@@ -255,8 +255,12 @@ def apply_rope(x, cos, sin):
 
 @cuda_compiled
 def norm_rope(x, weight, eps, zero_centred, cos, sin):
-    """Qwen3's per-head RMSNorm of q or k, then RoPE: x (B, T, nh, hd) -> (B, nh, T, hd)."""
-    return apply_rope(rms_norm.__wrapped__(x, weight, eps, zero_centred).transpose(1, 2), cos, sin)
+    """Qwen3's per-head RMSNorm of q or k, then RoPE: x (B, T, nh, hd) -> (B, T, nh, hd), a new tensor; cos and sin
+    as for (B, nh, T, hd): (T, rd) or (B, 1, T, rd). The caller's transpose to (B, nh, T, hd) is a view, so SDPA
+    gets q and k in the token-major layout its output takes, and neither the output nor its gradient is copied
+    into another layout."""
+    cos, sin = (t.transpose(-3, -2) if t.dim() == 4 else t.unsqueeze(-2) for t in (cos, sin))
+    return apply_rope(rms_norm.__wrapped__(x, weight, eps, zero_centred), cos, sin)
 
 
 class Attention(nn.Module):
@@ -283,8 +287,8 @@ class Attention(nn.Module):
         if self.gated:
             q, gate = q.chunk(2, dim=-1)
         k = k.view(B, T, self.n_kv, self.hd)    # (B, T, nkv, hd)
-        q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, self.gated, cos, sin)  # (B, nh, T, hd)
-        k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, self.gated, cos, sin)  # (B, nkv, T, hd)
+        q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, self.gated, cos, sin).transpose(1, 2)  # (B, nh, T, hd)
+        k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, self.gated, cos, sin).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
         # right-padded batches need no mask beyond causal: padding only follows real tokens
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,

@@ -159,7 +159,11 @@ def test_fp64_logits_and_every_gradient_equal_transformers(tmp_path, monkeypatch
     mine = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
     assert set(mine) == set(theirs) and any("linear_attn.A_log" in n for n in mine)
     for name in mine:
-        assert_close_rel(mine[name], theirs[name], name, rel=1e-10)
+        # q_norm and k_norm: both sides cast the zero-centred weight with .float() (transformers' Qwen3_5RMSNorm too),
+        # so its gradient is an fp32 sum over tokens and heads, whose order follows each side's memory layout (ours
+        # is token-major for SDPA): measured 1.6e-7 of the largest
+        fp32_sum = name.endswith(("q_norm.weight", "k_norm.weight"))
+        assert_close_rel(mine[name], theirs[name], name, rel=1e-6 if fp32_sum else 1e-10)
 
 
 def fp64_throughout(monkeypatch):

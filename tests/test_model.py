@@ -187,6 +187,11 @@ for N, K, D in ((50, 8, 2048), (37, 2, 100), (3, 4, 64), (0, 4, 64)):
     expected = torch.zeros(N, D).index_add_(0, slots // K, y)
     torch.testing.assert_close(experts.sum_slots_triton(y, position, K), expected)
     torch.testing.assert_close(experts.sum_slots(y, position, K), expected)
+# swiglu_backward: the Triton kernel against the eager reference (fp32 here: bf16 rounding aside, the same arithmetic)
+for N, H in ((37, 48), (5, 768), (0, 16)):
+    gu, scale, dh = torch.randn(N, 2 * H), torch.rand(N), torch.randn(N, H)
+    for got, want in zip(experts.swiglu_backward_triton(gu, scale, dh), experts.swiglu_backward(gu, scale, dh)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 # to_contiguous: a bf16 gradient of any strides (the grouped GEMM's comes transposed; an unused expert's is an
 # expanded zero) into a contiguous fp32 tensor, bit-equal to .to(); sizes not multiples of the 64 x 64 tiles
 E, R, C = 5, 70, 130
