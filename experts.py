@@ -249,6 +249,36 @@ if triton is not None:
             tl.store(ptrs, acc.to(y.dtype.element_ty), mask=mask)
 
 
+def topk_ids(probs, k):
+    """The indices of each row's k largest values, largest first (N, k) int64, as torch.topk gives them (ties aside).
+    On CUDA one Triton kernel holds each row (the router's E probabilities) in registers and takes k maxima: at
+    32K tokens of 128 experts, torch.topk's radix select took 0.2 ms, this a small fraction of that."""
+    if not (probs.is_cuda and triton is not None):
+        return torch.topk(probs, k, dim=-1).indices
+    probs = probs.contiguous()
+    (N, E), rows = probs.shape, 16
+    out = torch.empty(N, k, dtype=torch.int64, device=probs.device)
+    if N:
+        _topk_kernel[(triton.cdiv(N, rows),)](probs, out, N, E, K=k, BR=rows, BE=triton.next_power_of_2(E))
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _topk_kernel(probs, out, N, E, K: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr):
+        rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+        cols = tl.arange(0, BE)
+        ok = rows[:, None] < N
+        p = tl.load(probs + rows[:, None] * E + cols[None, :], mask=ok & (cols[None, :] < E), other=float("-inf"))
+        p = p.to(tl.float32)
+        for j in tl.static_range(K):
+            best = tl.max(p, 1)
+            # the first column holding the maximum, then out of the race
+            at = tl.min(tl.where(p == best[:, None], cols[None, :], BE), 1)
+            tl.store(out + rows * K + j, at.to(tl.int64), mask=rows < N)
+            p = tl.where(cols[None, :] == at[:, None], float("-inf"), p)
+
+
 # Rows and slots. Each row of an (N, D) tensor has K slots, slot s = row * K + j: a token's j-th chosen expert, or
 # under expert parallelism a token's copy for rank j. `slots` (S,) lists the slots in use in the order they are
 # wanted, and `position` (N*K,) is its inverse: each slot's index in `slots`, or S for a slot not in use.

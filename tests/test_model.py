@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import experts
 from experts import experts_grouped_mm, experts_loop
 from model import ModelConfig, Transformer, hf_to_ours, ours_to_hf, read_safetensors, num_params
 from tiny import TINY_CONFIG
@@ -127,6 +128,14 @@ def test_grouped_mm_matches_loop(device):
         assert grads[3].abs().max() == 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA")
+def test_topk_ids_on_cuda_equal_torch_topk():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for N, E, k in ((32768, 128, 8), (1000, 256, 8), (7, 60, 4)):
+        probs = torch.randn(N, E, device="cuda", generator=g).softmax(-1)
+        assert torch.equal(experts.topk_ids(probs, k), torch.topk(probs, k, dim=-1).indices), (N, E, k)
+
+
 def test_routing_replay_reproduces_logits_and_choices():
     m = random_model(MOE).eval()
     x = torch.randint(0, MOE.vocab_size, (2, 24))
@@ -187,6 +196,13 @@ for N, K, D in ((50, 8, 2048), (37, 2, 100), (3, 4, 64), (0, 4, 64)):
     expected = torch.zeros(N, D).index_add_(0, slots // K, y)
     torch.testing.assert_close(experts.sum_slots_triton(y, position, K), expected)
     torch.testing.assert_close(experts.sum_slots(y, position, K), expected)
+# topk_ids: the Triton kernel against torch.topk (distinct values: no ties), E not a power of two, a ragged last block
+for N, E, k in ((37, 128, 8), (5, 60, 4), (0, 16, 2)):
+    probs = torch.rand(N, E).softmax(-1)
+    out = torch.empty(N, k, dtype=torch.int64)
+    if N:
+        experts._topk_kernel[(experts.triton.cdiv(N, 16),)](probs, out, N, E, K=k, BR=16, BE=experts.triton.next_power_of_2(E))
+    assert torch.equal(out, torch.topk(probs, k, dim=-1).indices)
 # swiglu_backward: the Triton kernel against the eager reference (fp32 here: bf16 rounding aside, the same arithmetic)
 for N, H in ((37, 48), (5, 768), (0, 16)):
     gu, scale, dh = torch.randn(N, 2 * H), torch.rand(N), torch.randn(N, H)
