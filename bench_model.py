@@ -320,7 +320,7 @@ KERNEL_ROWS = (
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("communication", ("nccl",)),
     ("norms_rope", ("rsqrt", "rms_norm", "rmsnorm")),
-    ("swiglu", ("silu", "sigmoid")),  # GroupedSwiGLU's compiled backward: sigmoid, no silu op in its name
+    ("swiglu", ("silu", "swiglu")),
     ("router_permutation", ("sort", "topk", "scatter", "gather", "index", "sum_slots", "cumsum", "softmax", "radix",
                             "histogram", "bincount")),
     ("casts_copies", ("copy", "contiguous", "cat", "fill", "memcpy", "memset", "convert")),

@@ -43,7 +43,7 @@ import plan
 import runlog
 import vl
 from checkpoint import export_hf, latest_checkpoint, load_checkpoint, local_tensor, save_checkpoint
-from experts import EXPERT_PROJS, GatherRows, SumRows, count_ids, slot_positions, to_contiguous
+from experts import EXPERT_PROJS, AdamW, GatherRows, SumRows, count_ids, slot_positions, to_contiguous
 from model import (Transformer, checkpoint_reader, hf_name, init_parameters, is_stacked_experts, load_config,
                    read_experts)
 from tiny import ensure_tiny_model, is_tiny_model
@@ -585,9 +585,10 @@ def build_optimizer(model, cfg):
     experts = [p for n, p in trainable if is_stacked_experts(n)]
     dense = [p for n, p in trainable if not is_stacked_experts(n)]
     groups = [{"params": dense}] + ([{"params": experts}] if experts else [])
-    # fused: one kernel per group, on the GPU and on the CPU (offloaded state); it also takes the clipping factor
-    return torch.optim.AdamW(groups, lr=lora.learning_rate(cfg), betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["adam_eps"],
-                             weight_decay=cfg["weight_decay"], fused=True)
+    # fused: one kernel per group, on the GPU and on the CPU (offloaded state), and experts.AdamW's one per large CUDA
+    # tensor; both take the clipping factor
+    return AdamW(groups, lr=lora.learning_rate(cfg), betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["adam_eps"],
+                 weight_decay=cfg["weight_decay"], fused=True)
 
 
 def learning_rate_at(step, cfg):
