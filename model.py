@@ -298,7 +298,6 @@ class Attention(nn.Module):
             y = y * torch.sigmoid(gate.reshape(B, T, -1))
         return self.o_proj(y)
 
-
     def qkv(self, x):
         """q_proj(x), k_proj(x), v_proj(x): one GEMM over the three weights stacked when all three are plain Linears
         (LoRA's adapted ones stay apart), so x is read once and its gradient is one GEMM instead of three and two adds."""

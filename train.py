@@ -885,7 +885,7 @@ def keep_experts_local(experts, mesh, dtype, reuse_casts=False):
     for name, p in list(experts.named_parameters()):  # the three projections, and their adapters
         setattr(experts, name, nn.Parameter(DTensor.from_local(p.data, mesh, [Shard(0)], run_check=False),
                                             requires_grad=p.requires_grad))
-    casts = {}  # id(param) -> (param's version, its cast)
+    casts = {}  # ids of the params cast together -> (their versions, the cast)
 
     def cast(*ws):  # one weight, or several stacked on dim 1 into one tensor (Experts.weights: gate and up)
         # a cast is reused only within one window: the weights' gradients exist (a backward ran since train_step's
@@ -918,8 +918,6 @@ class CastForCompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dtype, *params):
         ctx.params = params
-        if len(params) == 1:
-            return local_tensor(params[0]).to(dtype)
         first = local_tensor(params[0])
         out = first.new_empty(first.shape[0], sum(p.shape[1] for p in params), *first.shape[2:], dtype=dtype)
         for part, p in zip(out.split([p.shape[1] for p in params], 1), params):
