@@ -282,14 +282,13 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask=None):
         """mask (B, 1, T, T) bool, True where a query may attend (packed rows); None: causal within each row."""
         B, T, _ = x.shape
-        q, k, v = self.qkv(x)
-        q = q.view(B, T, self.n_head, -1)  # (B, T, nh, hd), or (B, T, nh, 2 hd) with the gate
+        q = self.q_proj(x).view(B, T, self.n_head, -1)  # (B, T, nh, hd), or (B, T, nh, 2 hd) with the gate
         if self.gated:
             q, gate = q.chunk(2, dim=-1)
-        k = k.view(B, T, self.n_kv, self.hd)    # (B, T, nkv, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.hd)    # (B, T, nkv, hd)
         q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, self.gated, cos, sin).transpose(1, 2)  # (B, nh, T, hd)
         k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, self.gated, cos, sin).transpose(1, 2)  # (B, nkv, T, hd)
-        v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
         # right-padded batches need no mask beyond causal: padding only follows real tokens
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=self.n_kv != self.n_head)
@@ -297,15 +296,6 @@ class Attention(nn.Module):
         if self.gated:
             y = y * torch.sigmoid(gate.reshape(B, T, -1))
         return self.o_proj(y)
-
-    def qkv(self, x):
-        """q_proj(x), k_proj(x), v_proj(x): one GEMM over the three weights stacked when all three are plain Linears
-        (LoRA's adapted ones stay apart), so x is read once and its gradient is one GEMM instead of three and two adds."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        if any(type(p) is not nn.Linear for p in projs):
-            return [p(x) for p in projs]
-        bias = None if self.q_proj.bias is None else torch.cat([p.bias for p in projs])
-        return F.linear(x, torch.cat([p.weight for p in projs]), bias).split([p.out_features for p in projs], -1)
 
 
 class MLP(nn.Module):
