@@ -80,54 +80,10 @@ VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 # like Qwen3, tool-call and reasoning tags are single added (non-special) tokens: decode keeps them
 ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 
-# Qwen3-style chat template: tools in the system turn, Hermes <tool_call> JSON in assistant turns, tool results
-# as <tool_response> inside a user turn, and (as Qwen3 does) reasoning dropped from turns before the last query.
-CHAT_TEMPLATE = r"""
-{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
-    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- elif messages[0].role == 'system' %}
-    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-{%- endif %}
-{%- set ns = namespace(last_query_index=messages|length - 1) %}
-{%- for message in messages[::-1] %}
-    {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>')) %}
-        {%- set ns.last_query_index = index %}{%- break %}
-    {%- endif %}
-{%- endfor %}
-{%- for message in messages %}
-    {%- set content = message.content if message.content is string else '' %}
-    {%- if message.role == "user" or (message.role == "system" and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {%- set reasoning_content = message.reasoning_content if message.reasoning_content is string else '' %}
-        {%- if loop.index0 > ns.last_query_index and reasoning_content %}
-            {{- '<|im_start|>assistant\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
-        {%- else %}
-            {{- '<|im_start|>assistant\n' + content }}
-        {%- endif %}
-        {%- if message.tool_calls %}
-            {%- for tool_call in message.tool_calls %}
-                {%- if (loop.first and content) or (not loop.first) %}{{- '\n' }}{%- endif %}
-                {%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}
-                {{- '<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
-                {%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
-                {{- '}\n</tool_call>' }}
-            {%- endfor %}
-        {%- endif %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}{{- '<|im_start|>user' }}{%- endif %}
-        {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\n' }}{%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
-""".strip()
+# Qwen3-style chat template (tiny_qwen3.jinja): tools in the system turn, Hermes <tool_call> JSON in assistant turns,
+# tool results as <tool_response> inside a user turn, and (as Qwen3 does) reasoning dropped from turns before the last
+# query.
+CHAT_TEMPLATE = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_qwen3.jinja")).read().strip()
 
 
 # The VLM's template: the same, with each message's content rendered as Qwen3-VL does (text parts, and an image part
