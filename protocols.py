@@ -676,11 +676,9 @@ def error_response(protocol, status, message, param=None):
 
 def openai_completion(result):
     m = result["message"]
-    message = {"role": "assistant", "content": m["content"] if m["content"] or "tool_calls" not in m else None}
-    if m.get("reasoning_content"):  # as vLLM's reasoning parsers and DeepSeek's API give it
-        message["reasoning_content"] = m["reasoning_content"]
-    if "tool_calls" in m:
-        message["tool_calls"] = m["tool_calls"]
+    # reasoning_content as vLLM's reasoning parsers and DeepSeek's API give it
+    message = {"role": "assistant", "content": m["content"] if m["content"] or "tool_calls" not in m else None,
+               **{k: m[k] for k in ("reasoning_content", "tool_calls") if m.get(k)}}
     usage = result["prompt_tokens"], result["completion_tokens"]
     return {"id": "chatcmpl-" + result["id"], "object": "chat.completion", "created": result["created"],
             "model": result["model"], "choices": [{"index": 0, "message": message,
