@@ -203,14 +203,12 @@ def gather_to(p, dst, dtype, device):
     if rank() != dst:
         dist.gather(local.contiguous(), None, dst=dst, group=group)
         return None
-    shape = list(local.shape)
-    shape[dim] = chunk * world
-    full = local.new_empty(shape)
-    parts = list(full.chunk(world, dim))  # dim 0: contiguous views, the gather writes in place
-    if dim != 0:
+    if dim == 0:  # contiguous views of the full tensor: the gather writes in place
+        full = local.new_empty((chunk * world, *local.shape[1:]))
+        dist.gather(local.contiguous(), list(full.chunk(world)), dst=dst, group=group)
+    else:
         parts = [torch.empty_like(local) for _ in range(world)]
-    dist.gather(local.contiguous(), parts, dst=dst, group=group)
-    if dim != 0:
+        dist.gather(local.contiguous(), parts, dst=dst, group=group)
         full = torch.cat(parts, dim)
     return full.narrow(dim, 0, n)
 
