@@ -251,8 +251,7 @@ def load_prompts(path, row_map=None):
     for line, row in rows:
         if problem := row_problem(row):
             raise ValueError(f"{path}:{line}: {problem}")
-    for _, row in rows:
-        yield row
+    yield from (row for _, row in rows)
 
 
 def jsonl_rows(path):
