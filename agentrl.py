@@ -294,8 +294,7 @@ def row_problem(row):
             content = m.get("content")
             if not (content is None or isinstance(content, str) or isinstance(content, list)):
                 return f"`messages[{i}].content` must be a string or a list of text parts"
-    tools = row.get("tools")
-    if tools is not None:
+    if (tools := row.get("tools")) is not None:
         if not isinstance(tools, list):
             return "`tools` must be a list of OpenAI-format function specs"
         for i, t in enumerate(tools):

@@ -203,14 +203,12 @@ def check_engine_options(cfg, model_dir, **engine_kwargs):
     options = engine_options(cfg)
     if refusal(options) is None:
         return
-    base = refusal({})
-    if base is not None:
+    if (base := refusal({})) is not None:
         raise ConfigError(f"vLLM cannot start an engine on {model_dir!r} even with default options: {base}")
     tried = {}
     for name, value in options.items():  # add the options one at a time: the first one refused is named
         tried[name] = value
-        msg = refusal(tried)
-        if msg is not None:
+        if (msg := refusal(tried)) is not None:
             key = ENGINE_OPTIONS.get(name, "lora_rank")  # the others are the LoRA run's
             raise ConfigError(f"vLLM refuses engine option {key}={cfg[key]!r}: {msg}")
 

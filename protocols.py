@@ -312,8 +312,7 @@ def body_fields(body, known):
     """Refuse a body that is no JSON object, or holds a field this server does not know (it cannot honour it)."""
     if not isinstance(body, dict):
         raise RequestError(400, "The request body must be a JSON object.")
-    unknown = sorted(set(body) - known)
-    if unknown:
+    if unknown := sorted(set(body) - known):
         raise RequestError(400, f"Unsupported field `{unknown[0]}`: this server cannot honour it.", unknown[0])
 
 

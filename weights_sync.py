@@ -469,8 +469,7 @@ class WeightSyncWorker:
             with contextlib.suppress(Exception):
                 receiver.drain()
             raise
-        unconsumed = receiver.drain()
-        if unconsumed:
+        if unconsumed := receiver.drain():
             raise RuntimeError(f"the model loader stopped with {unconsumed} of {len(buckets)} weight buckets unread")
         if self.device.type == "cpu":
             for model in (self.model_runner.get_model(), *([drafter] if mtp and drafter is not None else [])):
