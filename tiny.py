@@ -144,10 +144,8 @@ def build_tokenizer(path, vocab_size, vision=False, chat_template=None):
                "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
                "unk_token": None, "add_bos_token": False, "clean_up_tokenization_spaces": False,
                "chat_template": chat_template or (VL_CHAT_TEMPLATE if vision else CHAT_TEMPLATE)}
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump(tok_cfg, f, indent=2)
-    with open(os.path.join(path, "special_tokens_map.json"), "w") as f:
-        json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, f, indent=2)
+    write_json(os.path.join(path, "tokenizer_config.json"), tok_cfg)
+    write_json(os.path.join(path, "special_tokens_map.json"), {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
     return tok
 
 
@@ -170,13 +168,9 @@ def ensure_tiny_model(path=TINY_MODEL_PATH, cfg=None, seed=0):
     model = Transformer(cfg)
     model.init_weights(seed)
     model.save_pretrained(tmp, dtype=torch.bfloat16)  # what the engine runs; the trainer upcasts
-    with open(os.path.join(tmp, "config.json")) as f:
-        hf = json.load(f)
-    hf.update(eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
-    with open(os.path.join(tmp, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": [eos, pad], "pad_token_id": pad}, f, indent=2)
+    config = os.path.join(tmp, "config.json")
+    write_json(config, dict(json.load(open(config)), eos_token_id=eos, pad_token_id=pad, bos_token_id=None))
+    write_json(os.path.join(tmp, "generation_config.json"), {"eos_token_id": [eos, pad], "pad_token_id": pad})
     try:
         os.rename(tmp, path)
     except OSError:  # another process finished first
@@ -229,8 +223,12 @@ def save_image_processor(path, vc, min_pixels=32 * 32, max_pixels=448 * 448):
     Qwen2VLImageProcessorPil(patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size,
                              merge_size=vc.spatial_merge_size, image_mean=[0.5] * 3, image_std=[0.5] * 3,
                              min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(path)
-    with open(os.path.join(path, "processor_config.json"), "w") as f:
-        json.dump({"processor_class": "Qwen3VLProcessor"}, f, indent=2)
+    write_json(os.path.join(path, "processor_config.json"), {"processor_class": "Qwen3VLProcessor"})
+
+
+def write_json(path, value):
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2)
 
 
 if __name__ == "__main__":
