@@ -417,9 +417,7 @@ class CaptureServer:
             raise RequestError(400, f"The request nests JSON deeper than {MAX_DEPTH} levels.")
         if isinstance(value, dict):
             return {self.escape(k, pattern): self.escape(v, pattern, depth + 1) for k, v in value.items()}
-        if isinstance(value, list):
-            return [self.escape(v, pattern, depth + 1) for v in value]
-        return value
+        return [self.escape(v, pattern, depth + 1) for v in value] if isinstance(value, list) else value
 
     def escape_messages(self, messages):
         return [{k: self.escape(v, self.escape_special if m.get("role") == "assistant" and k in (

@@ -268,9 +268,8 @@ def vision_activation_bytes(vc, checkpointing, dtype_bytes=2, patches=784):
     once = b * vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2 + 8 * (D // vc.num_heads)
     per_block = 11 * b * D + 2 * b * H + 4 * vc.num_heads + 4 * b
     mergers = (len(vc.deepstack_visual_indexes) + 1) * 3 * b * D + b * D  # + the last block's output
-    if checkpointing:
-        return patches * (once + vc.depth * b * D + per_block + mergers)
-    return patches * (once + vc.depth * per_block + mergers)
+    blocks = vc.depth * b * D + per_block if checkpointing else vc.depth * per_block  # inputs kept, one recomputed
+    return patches * (once + blocks + mergers)
 
 
 # NCCL bandwidth the all-to-all projection uses: a broadcast between 2 H200s over NVLink measured 370 GB/s
