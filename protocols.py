@@ -362,8 +362,7 @@ def parse_openai(body, server):
         w = f"messages[{i}]"
         if not isinstance(m, dict):
             raise RequestError(400, f"`{w}` must be an object.", w)
-        extra = [k for k, v in m.items() if k not in OPENAI_MESSAGE_FIELDS and v not in (None, [], {}, "")]
-        if extra:
+        if extra := [k for k, v in m.items() if k not in OPENAI_MESSAGE_FIELDS and v not in (None, [], {}, "")]:
             raise RequestError(400, f"`{w}.{extra[0]}` is not supported.", f"{w}.{extra[0]}")
         role = m.get("role")
         content = text_of(m.get("content"), f"{w}.content", images=role == "user")

@@ -435,8 +435,7 @@ class WeightSyncWorker:
 
     def init_weight_group(self, host, port, rank_offset, world_size, backend, timeout_s=600.0):
         self.close_weight_group()
-        self.weight_group = stateless_process_group(host, port, rank_offset + self.rank, world_size, backend,
-                                                    timeout_s)
+        self.weight_group = stateless_process_group(host, port, rank_offset + self.rank, world_size, backend, timeout_s)
 
     def close_weight_group(self):
         if getattr(self, "weight_group", None) is not None:
