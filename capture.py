@@ -158,12 +158,11 @@ def key_digest(api_key):
 
 def end_token_ids(tokenizer):
     ids = {tokenizer.eos_token_id}
-    try:  # the engine also stops at generation_config's eos ids (Qwen: <|im_end|> and <|endoftext|>)
+    # the engine also stops at generation_config's eos ids (Qwen: <|im_end|> and <|endoftext|>), where it has one
+    with contextlib.suppress(OSError, ValueError):
         from transformers import GenerationConfig
         eos = GenerationConfig.from_pretrained(tokenizer.name_or_path).eos_token_id
         ids.update(eos if isinstance(eos, list) else [eos])
-    except (OSError, ValueError):
-        pass
     return sorted(i for i in ids if i is not None)
 
 # -----------------------------------------------------------------------------

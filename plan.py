@@ -27,7 +27,7 @@ from tiny import tiny_model_config
 
 
 class ConfigError(ValueError):
-    pass
+    """A config value the run cannot work with: one sentence naming the key and what it accepts."""
 
 
 # -----------------------------------------------------------------------------
