@@ -123,8 +123,7 @@ class Run:
             if not os.path.isfile(path):
                 return None
             with open(path) as f:
-                summary, segments = json.loads(f.readline()), json.loads(f.readline())
-            return dict(summary=summary, segments=segments)
+                return dict(summary=json.loads(f.readline()), segments=json.loads(f.readline()))
         with self.lock:
             self.read_trajectories()
             summary, spans = self.traj.get(attempt_id, (None, []))
