@@ -251,8 +251,7 @@ def load_prompts(path, row_map=None):
     for line, row in rows:
         if problem := row_problem(row):
             raise ValueError(f"{path}:{line}: {problem}")
-    for _, row in rows:
-        yield row
+    yield from (row for _, row in rows)
 
 
 def jsonl_rows(path):
@@ -295,8 +294,7 @@ def row_problem(row):
             content = m.get("content")
             if not (content is None or isinstance(content, str) or isinstance(content, list)):
                 return f"`messages[{i}].content` must be a string or a list of text parts"
-    tools = row.get("tools")
-    if tools is not None:
+    if (tools := row.get("tools")) is not None:
         if not isinstance(tools, list):
             return "`tools` must be a list of OpenAI-format function specs"
         for i, t in enumerate(tools):

@@ -158,12 +158,11 @@ def key_digest(api_key):
 
 def end_token_ids(tokenizer):
     ids = {tokenizer.eos_token_id}
-    try:  # the engine also stops at generation_config's eos ids (Qwen: <|im_end|> and <|endoftext|>)
+    # the engine also stops at generation_config's eos ids (Qwen: <|im_end|> and <|endoftext|>), where it has one
+    with contextlib.suppress(OSError, ValueError):
         from transformers import GenerationConfig
         eos = GenerationConfig.from_pretrained(tokenizer.name_or_path).eos_token_id
         ids.update(eos if isinstance(eos, list) else [eos])
-    except (OSError, ValueError):
-        pass
     return sorted(i for i in ids if i is not None)
 
 # -----------------------------------------------------------------------------
@@ -417,9 +416,7 @@ class CaptureServer:
             raise RequestError(400, f"The request nests JSON deeper than {MAX_DEPTH} levels.")
         if isinstance(value, dict):
             return {self.escape(k, pattern): self.escape(v, pattern, depth + 1) for k, v in value.items()}
-        if isinstance(value, list):
-            return [self.escape(v, pattern, depth + 1) for v in value]
-        return value
+        return [self.escape(v, pattern, depth + 1) for v in value] if isinstance(value, list) else value
 
     def escape_messages(self, messages):
         return [{k: self.escape(v, self.escape_special if m.get("role") == "assistant" and k in (

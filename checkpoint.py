@@ -90,11 +90,9 @@ def full_parameters(model):
 def export_hf(model, path, dtype=torch.bfloat16, source_dir=None):
     """Write a consolidated HF safetensors directory (rank 0 writes) that vLLM and transformers load. Tokenizer and
     generation files are copied from source_dir, the HF directory the run started from."""
-    rank0 = dist.get_rank() == 0
-    state = {}
-    for name, t in full_parameters(model):
-        if rank0:
-            state[name] = t.cpu() if lora.is_adapter(name) else t.to(dtype).cpu()
+    rank0 = dist.get_rank() == 0  # every rank iterates full_parameters to the end: its gathers are collectives
+    state = {name: t.cpu() if lora.is_adapter(name) else t.to(dtype).cpu() for name, t in full_parameters(model)
+             if rank0}
     if rank0:  # LoRA: the adapters merged into their weights, and alone in path/adapter (PEFT's format)
         state = lora.export_adapters(state, model, os.path.join(path, "adapter"), source_dir or "")
         save_hf_checkpoint(path, ours_to_hf(state, model.config), model.config, dtype=dtype)

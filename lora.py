@@ -267,9 +267,10 @@ def served_targets(mcfg, cfg):
 def engine_options(cfg, mcfg):
     """engine.Engine keyword arguments of a LoRA run (plan.engine_options adds them when lora_rank > 0)."""
     options = dict(worker_extension_cls="engine.LoRAWeightSyncWorker")
-    if served_targets(mcfg, cfg):
-        options.update(enable_lora=True, max_loras=1, max_lora_rank=engine_lora_rank(cfg["lora_rank"]),
-                       lora_target_modules=served_targets(mcfg, cfg), lora_path=os.path.join(cfg["out_dir"], "engine_adapter"))
+    if served_targets(mcfg, cfg):  # max_lora_rank: the smallest vLLM accepts that holds lora_rank
+        options.update(enable_lora=True, max_loras=1, lora_target_modules=served_targets(mcfg, cfg),
+                       max_lora_rank=next(r for r in VLLM_RANKS if r >= cfg["lora_rank"]),
+                       lora_path=os.path.join(cfg["out_dir"], "engine_adapter"))
     return options
 
 
@@ -278,8 +279,3 @@ def write_zero_adapter(path, mcfg, cfg):
     first sync."""
     zeros = {n: torch.zeros(shape) for n, shape in adapter_shapes(mcfg, cfg, served_only=True).items()}
     return save_peft(path, peft_tensors(zeros), sync_config(cfg))
-
-
-def engine_lora_rank(rank):
-    """The smallest max_lora_rank vLLM accepts that holds `rank`."""
-    return next(r for r in VLLM_RANKS if r >= rank)

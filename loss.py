@@ -77,10 +77,6 @@ def _fused_chunk_grad_logits(logits, targets, lse, g_lp, entropy, g_entropy, tem
 FUSED_DEVICES = ("cuda",)  # device types that take the fused path (tests add "cpu" to run it eagerly)
 
 
-def _use_fused(hidden):
-    return hidden.device.type in FUSED_DEVICES
-
-
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     """Logprob of each target (and the entropy) chunk by chunk; backward recomputes each chunk's logits.
     Memory: two (C, V) fp32 buffers at a time (plus one in the weight dtype in backward), never (N, V).
@@ -94,7 +90,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         logprobs = torch.empty(N, dtype=dtype, device=hidden.device)
         logsumexp = torch.empty(N, dtype=dtype, device=hidden.device)
         entropy = torch.empty(N, dtype=dtype, device=hidden.device) if with_entropy else None
-        fused = _use_fused(hidden)
+        fused = hidden.device.type in FUSED_DEVICES
         kept = []  # (C, V) logits per chunk, with keep_logits
         for start in range(0, N, chunk_size):
             rows = slice(start, start + chunk_size)
@@ -119,8 +115,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 del logp
             del logits  # free this chunk before the next one is allocated
         ctx.save_for_backward(hidden, weight, targets, logsumexp, entropy)
-        ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
-        ctx.kept = kept
+        ctx.temperature, ctx.chunk_size, ctx.with_entropy, ctx.kept = temperature, chunk_size, with_entropy, kept
         return (logprobs, entropy) if with_entropy else logprobs
 
     @staticmethod
@@ -129,10 +124,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # fp32 accumulator over chunks: an O(V * D) copy when the weight is bf16, never O(N * V)
-        grad_weight = None
-        if need_weight:
-            grad_weight = torch.zeros(weight.shape, dtype=_compute_dtype(weight), device=weight.device)
-        fused = _use_fused(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=_compute_dtype(weight), device=weight.device) if need_weight \
+            else None
+        fused = hidden.device.type in FUSED_DEVICES
         kept, ctx.kept = ctx.kept, None
         for i, start in enumerate(range(0, hidden.shape[0], ctx.chunk_size)):
             rows = slice(start, start + ctx.chunk_size)
@@ -534,10 +528,7 @@ def reduce_metrics(metrics_list, group=None):
         advantage_mean=adv_mean, advantage_std=max(values["advantage_sq_sum"] / kept - adv_mean ** 2, 0.0) ** 0.5,
         advantage_min=values["advantage_min"], advantage_max=values["advantage_max"],
     )
-    if "entropy_sum" in values:
-        out["entropy"] = values["entropy_sum"] / kept
-    if "kl_ref_sum" in values:
-        out["kl_ref"] = values["kl_ref_sum"] / kept
+    out.update({k.removesuffix("_sum"): values[k] / kept for k in ("entropy_sum", "kl_ref_sum") if k in values})
     if "mtp_loss_sum" in values:  # each microbatch's share is already divided by the window's count (train.mtp_loss)
         out["mtp_loss"] = values["mtp_loss_sum"]
     return out

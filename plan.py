@@ -27,7 +27,7 @@ from tiny import tiny_model_config
 
 
 class ConfigError(ValueError):
-    pass
+    """A config value the run cannot work with: one sentence naming the key and what it accepts."""
 
 
 # -----------------------------------------------------------------------------
@@ -203,14 +203,12 @@ def check_engine_options(cfg, model_dir, **engine_kwargs):
     options = engine_options(cfg)
     if refusal(options) is None:
         return
-    base = refusal({})
-    if base is not None:
+    if (base := refusal({})) is not None:
         raise ConfigError(f"vLLM cannot start an engine on {model_dir!r} even with default options: {base}")
     tried = {}
     for name, value in options.items():  # add the options one at a time: the first one refused is named
         tried[name] = value
-        msg = refusal(tried)
-        if msg is not None:
+        if (msg := refusal(tried)) is not None:
             key = ENGINE_OPTIONS.get(name, "lora_rank")  # the others are the LoRA run's
             raise ConfigError(f"vLLM refuses engine option {key}={cfg[key]!r}: {msg}")
 
@@ -270,9 +268,8 @@ def vision_activation_bytes(vc, checkpointing, dtype_bytes=2, patches=784):
     once = b * vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2 + 8 * (D // vc.num_heads)
     per_block = 11 * b * D + 2 * b * H + 4 * vc.num_heads + 4 * b
     mergers = (len(vc.deepstack_visual_indexes) + 1) * 3 * b * D + b * D  # + the last block's output
-    if checkpointing:
-        return patches * (once + vc.depth * b * D + per_block + mergers)
-    return patches * (once + vc.depth * per_block + mergers)
+    blocks = vc.depth * b * D + per_block if checkpointing else vc.depth * per_block  # inputs kept, one recomputed
+    return patches * (once + blocks + mergers)
 
 
 # NCCL bandwidth the all-to-all projection uses: a broadcast between 2 H200s over NVLink measured 370 GB/s

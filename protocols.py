@@ -312,8 +312,7 @@ def body_fields(body, known):
     """Refuse a body that is no JSON object, or holds a field this server does not know (it cannot honour it)."""
     if not isinstance(body, dict):
         raise RequestError(400, "The request body must be a JSON object.")
-    unknown = sorted(set(body) - known)
-    if unknown:
+    if unknown := sorted(set(body) - known):
         raise RequestError(400, f"Unsupported field `{unknown[0]}`: this server cannot honour it.", unknown[0])
 
 
@@ -363,8 +362,7 @@ def parse_openai(body, server):
         w = f"messages[{i}]"
         if not isinstance(m, dict):
             raise RequestError(400, f"`{w}` must be an object.", w)
-        extra = [k for k, v in m.items() if k not in OPENAI_MESSAGE_FIELDS and v not in (None, [], {}, "")]
-        if extra:
+        if extra := [k for k, v in m.items() if k not in OPENAI_MESSAGE_FIELDS and v not in (None, [], {}, "")]:
             raise RequestError(400, f"`{w}.{extra[0]}` is not supported.", f"{w}.{extra[0]}")
         role = m.get("role")
         content = text_of(m.get("content"), f"{w}.content", images=role == "user")
@@ -676,11 +674,9 @@ def error_response(protocol, status, message, param=None):
 
 def openai_completion(result):
     m = result["message"]
-    message = {"role": "assistant", "content": m["content"] if m["content"] or "tool_calls" not in m else None}
-    if m.get("reasoning_content"):  # as vLLM's reasoning parsers and DeepSeek's API give it
-        message["reasoning_content"] = m["reasoning_content"]
-    if "tool_calls" in m:
-        message["tool_calls"] = m["tool_calls"]
+    # reasoning_content as vLLM's reasoning parsers and DeepSeek's API give it
+    message = {"role": "assistant", "content": m["content"] if m["content"] or "tool_calls" not in m else None,
+               **{k: m[k] for k in ("reasoning_content", "tool_calls") if m.get(k)}}
     usage = result["prompt_tokens"], result["completion_tokens"]
     return {"id": "chatcmpl-" + result["id"], "object": "chat.completion", "created": result["created"],
             "model": result["model"], "choices": [{"index": 0, "message": message,

@@ -470,13 +470,11 @@ class RolloutPool:
             self._changed.set()
         if self.trajectory_writer is not None and segments:
             self.trajectory_writer(segments)
-        records = [put_experience(seg, reward, group_id, failed, error) for seg in segments]
+        records = [dict(put_experience(seg, reward, group_id, failed, error), info=info) for seg in segments]
         if not records:  # an attempt that never reached the model still counts in its group's statistics
             records = [dict(ref=None, attempt_id=played["attempt_id"], segment_index=-1, group_id=group_id,
                             reward=reward, num_tokens=0, action_tokens=0, min_version=-1, max_version=-1,
-                            failed=failed, error=error)]
-        for r in records:
-            r["info"] = info
+                            failed=failed, error=error, info=info)]
         self.counters["generated_tokens"] += sum(r["action_tokens"] for r in records)
         return dict(attempt_id=played["attempt_id"], reward=reward, failed=failed, error=error, segments=records)
 

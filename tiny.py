@@ -80,54 +80,10 @@ VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 # like Qwen3, tool-call and reasoning tags are single added (non-special) tokens: decode keeps them
 ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 
-# Qwen3-style chat template: tools in the system turn, Hermes <tool_call> JSON in assistant turns, tool results
-# as <tool_response> inside a user turn, and (as Qwen3 does) reasoning dropped from turns before the last query.
-CHAT_TEMPLATE = r"""
-{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
-    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- elif messages[0].role == 'system' %}
-    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-{%- endif %}
-{%- set ns = namespace(last_query_index=messages|length - 1) %}
-{%- for message in messages[::-1] %}
-    {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>')) %}
-        {%- set ns.last_query_index = index %}{%- break %}
-    {%- endif %}
-{%- endfor %}
-{%- for message in messages %}
-    {%- set content = message.content if message.content is string else '' %}
-    {%- if message.role == "user" or (message.role == "system" and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {%- set reasoning_content = message.reasoning_content if message.reasoning_content is string else '' %}
-        {%- if loop.index0 > ns.last_query_index and reasoning_content %}
-            {{- '<|im_start|>assistant\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
-        {%- else %}
-            {{- '<|im_start|>assistant\n' + content }}
-        {%- endif %}
-        {%- if message.tool_calls %}
-            {%- for tool_call in message.tool_calls %}
-                {%- if (loop.first and content) or (not loop.first) %}{{- '\n' }}{%- endif %}
-                {%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}
-                {{- '<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
-                {%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
-                {{- '}\n</tool_call>' }}
-            {%- endfor %}
-        {%- endif %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}{{- '<|im_start|>user' }}{%- endif %}
-        {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\n' }}{%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
-""".strip()
+# Qwen3-style chat template (tiny_qwen3.jinja): tools in the system turn, Hermes <tool_call> JSON in assistant turns,
+# tool results as <tool_response> inside a user turn, and (as Qwen3 does) reasoning dropped from turns before the last
+# query.
+CHAT_TEMPLATE = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_qwen3.jinja")).read().strip()
 
 
 # The VLM's template: the same, with each message's content rendered as Qwen3-VL does (text parts, and an image part
@@ -188,10 +144,8 @@ def build_tokenizer(path, vocab_size, vision=False, chat_template=None):
                "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
                "unk_token": None, "add_bos_token": False, "clean_up_tokenization_spaces": False,
                "chat_template": chat_template or (VL_CHAT_TEMPLATE if vision else CHAT_TEMPLATE)}
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump(tok_cfg, f, indent=2)
-    with open(os.path.join(path, "special_tokens_map.json"), "w") as f:
-        json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, f, indent=2)
+    write_json(os.path.join(path, "tokenizer_config.json"), tok_cfg)
+    write_json(os.path.join(path, "special_tokens_map.json"), {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
     return tok
 
 
@@ -214,13 +168,9 @@ def ensure_tiny_model(path=TINY_MODEL_PATH, cfg=None, seed=0):
     model = Transformer(cfg)
     model.init_weights(seed)
     model.save_pretrained(tmp, dtype=torch.bfloat16)  # what the engine runs; the trainer upcasts
-    with open(os.path.join(tmp, "config.json")) as f:
-        hf = json.load(f)
-    hf.update(eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
-    with open(os.path.join(tmp, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": [eos, pad], "pad_token_id": pad}, f, indent=2)
+    config = os.path.join(tmp, "config.json")
+    write_json(config, dict(json.load(open(config)), eos_token_id=eos, pad_token_id=pad, bos_token_id=None))
+    write_json(os.path.join(tmp, "generation_config.json"), {"eos_token_id": [eos, pad], "pad_token_id": pad})
     try:
         os.rename(tmp, path)
     except OSError:  # another process finished first
@@ -273,8 +223,12 @@ def save_image_processor(path, vc, min_pixels=32 * 32, max_pixels=448 * 448):
     Qwen2VLImageProcessorPil(patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size,
                              merge_size=vc.spatial_merge_size, image_mean=[0.5] * 3, image_std=[0.5] * 3,
                              min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(path)
-    with open(os.path.join(path, "processor_config.json"), "w") as f:
-        json.dump({"processor_class": "Qwen3VLProcessor"}, f, indent=2)
+    write_json(os.path.join(path, "processor_config.json"), {"processor_class": "Qwen3VLProcessor"})
+
+
+def write_json(path, value):
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -123,8 +123,7 @@ class Run:
             if not os.path.isfile(path):
                 return None
             with open(path) as f:
-                summary, segments = json.loads(f.readline()), json.loads(f.readline())
-            return dict(summary=summary, segments=segments)
+                return dict(summary=json.loads(f.readline()), segments=json.loads(f.readline()))
         with self.lock:
             self.read_trajectories()
             summary, spans = self.traj.get(attempt_id, (None, []))
@@ -242,14 +241,13 @@ def segment_record(arrays, tokenizer, trainer_logprobs=None):
     """A segment's per-token truth for the page: each token's text, mask, behavior logprob, policy version, the
     trainer's logprob where it computed one, routed experts (unless too many), images (base64)."""
     ids = [int(t) for t in arrays["token_ids"]]
-    routes = arrays.get("routed_experts")
-    routes = None if getattr(routes, "size", 0) > MAX_ROUTE_NUMBERS else routes
+    routes = arrays.get("routed_experts")  # left out when too many
     return dict(attempt_id=arrays["attempt_id"], segment_index=int(arrays["segment_index"]),
                 opened=arrays.get("opened"), token_ids=ids, tokens=tokenizer.batch_decode([[t] for t in ids]),
                 action_mask=[int(m) for m in arrays["action_mask"]],
                 behavior_logprobs=[round(float(x), 5) for x in arrays["behavior_logprobs"]],
                 token_versions=[int(v) for v in arrays["token_versions"]], trainer_logprobs=trainer_logprobs,
-                routed_experts=None if routes is None else routes.tolist(),
+                routed_experts=None if routes is None or routes.size > MAX_ROUTE_NUMBERS else routes.tolist(),
                 images=[base64.b64encode(bytes(b)).decode() for b in arrays.get("images") or []])
 
 

@@ -203,14 +203,12 @@ def gather_to(p, dst, dtype, device):
     if rank() != dst:
         dist.gather(local.contiguous(), None, dst=dst, group=group)
         return None
-    shape = list(local.shape)
-    shape[dim] = chunk * world
-    full = local.new_empty(shape)
-    parts = list(full.chunk(world, dim))  # dim 0: contiguous views, the gather writes in place
-    if dim != 0:
+    if dim == 0:  # contiguous views of the full tensor: the gather writes in place
+        full = local.new_empty((chunk * world, *local.shape[1:]))
+        dist.gather(local.contiguous(), list(full.chunk(world)), dst=dst, group=group)
+    else:
         parts = [torch.empty_like(local) for _ in range(world)]
-    dist.gather(local.contiguous(), parts, dst=dst, group=group)
-    if dim != 0:
+        dist.gather(local.contiguous(), parts, dst=dst, group=group)
         full = torch.cat(parts, dim)
     return full.narrow(dim, 0, n)
 
@@ -437,8 +435,7 @@ class WeightSyncWorker:
 
     def init_weight_group(self, host, port, rank_offset, world_size, backend, timeout_s=600.0):
         self.close_weight_group()
-        self.weight_group = stateless_process_group(host, port, rank_offset + self.rank, world_size, backend,
-                                                    timeout_s)
+        self.weight_group = stateless_process_group(host, port, rank_offset + self.rank, world_size, backend, timeout_s)
 
     def close_weight_group(self):
         if getattr(self, "weight_group", None) is not None:
@@ -471,8 +468,7 @@ class WeightSyncWorker:
             with contextlib.suppress(Exception):
                 receiver.drain()
             raise
-        unconsumed = receiver.drain()
-        if unconsumed:
+        if unconsumed := receiver.drain():
             raise RuntimeError(f"the model loader stopped with {unconsumed} of {len(buckets)} weight buckets unread")
         if self.device.type == "cpu":
             for model in (self.model_runner.get_model(), *([drafter] if mtp and drafter is not None else [])):
