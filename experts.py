@@ -265,7 +265,8 @@ class AdamW(torch.optim.AdamW):
                  local(p).is_contiguous()] for g in self.param_groups]
         kept = [g["params"] for g in self.param_groups]
         for g, ps in zip(self.param_groups, mine):  # torch's step sees the others only
-            g["params"] = [p for p in g["params"] if id(p) not in set(map(id, ps))]
+            ids = set(map(id, ps))
+            g["params"] = [p for p in g["params"] if id(p) not in ids]
         try:
             super().step()
         finally:
@@ -285,10 +286,10 @@ def local(t):  # a DTensor's local shard, or the tensor itself
 
 def adamw_triton(p, grad, m, v, step, grad_scale, group):
     (beta1, beta2), n, block = group["betas"], p.numel(), 4096
-    _adamw_kernel[(triton.cdiv(n, block),)](p, grad.contiguous(), m, v, step, step if grad_scale is None else grad_scale,
-                                            n, float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"],
-                                            math.log2(beta1), math.log2(beta2), SCALED=grad_scale is not None,
-                                            BLOCK=block)
+    scale = step if grad_scale is None else grad_scale  # a pointer the kernel reads only when SCALED
+    _adamw_kernel[(triton.cdiv(n, block),)](p, grad.contiguous(), m, v, step, scale, n, float(group["lr"]), beta1,
+                                            beta2, group["eps"], group["weight_decay"], math.log2(beta1),
+                                            math.log2(beta2), SCALED=grad_scale is not None, BLOCK=block)
 
 
 if triton is not None:
@@ -362,8 +363,9 @@ if triton is not None:
 def to_contiguous(x, dtype, into=None):
     """x (E, R, C) of any strides -> a contiguous tensor in `dtype`, in one pass (x itself when it already is one).
     With `into` (a contiguous (E, R, C) tensor): into += x in place, in one pass (x read once, `into` read and written
-    once), and returns `into`. The backward of a local expert weight's cast uses it: the grouped GEMM's weight
-    gradient comes transposed, and from a window's second microbatch on it adds into the fp32 gradient."""
+    once), and returns `into`. The backward of a local expert weight's cast uses it: gate's and up's gradients arrive
+    as strided slices of their stacked (E, 2H, D) gradient, and from a window's second microbatch on it adds into the
+    fp32 gradient."""
     kernel = x.is_cuda and triton is not None and x.dim() == 3
     if into is not None:
         return to_contiguous_triton(x, into, True) if kernel else into.add_(x)  # the reference

@@ -115,7 +115,8 @@ def test_grouped_mm_matches_loop(device):
     w = torch.rand(x.shape[0], device=device, dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     runs = []
-    for fn, dtype in ((experts_loop, torch.float64), (experts_loop, torch.bfloat16), (experts_grouped_mm, torch.bfloat16)):
+    for fn, dtype in ((experts_loop, torch.float64), (experts_loop, torch.bfloat16),
+                      (experts_grouped_mm, torch.bfloat16)):
         leaves = [t.to(dtype).clone().requires_grad_() for t in (x, w, g, u, d)]
         y = fn(leaves[0], counts, *leaves[1:])
         y.backward(dy.to(dtype))
@@ -231,8 +232,9 @@ for N, H in ((37, 48), (5, 768), (0, 16)):
     gu, scale, dh = torch.randn(N, 2 * H), torch.rand(N), torch.randn(N, H)
     for got, want in zip(experts.swiglu_backward_triton(gu, scale, dh), experts.swiglu_backward(gu, scale, dh)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-# to_contiguous: a bf16 gradient of any strides (the grouped GEMM's comes transposed; an unused expert's is an
-# expanded zero) into a contiguous fp32 tensor, bit-equal to .to(); sizes not multiples of the 64 x 64 tiles
+# to_contiguous: a bf16 gradient of any strides (a slice of the stacked gate/up gradient, a transpose; an unused
+# expert's is an expanded zero) into a contiguous fp32 tensor, bit-equal to .to(); sizes not multiples of the 64 x 64
+# tiles
 E, R, C = 5, 70, 130
 for name, grad in {"contiguous": torch.randn(E, R, C).bfloat16(), "transposed": torch.randn(E, C, R).bfloat16().transpose(1, 2),
                    "expanded": torch.ones((), dtype=torch.bfloat16).expand(E, R, C)}.items():
