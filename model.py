@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from experts import EXPERT_PROJS, Experts, cuda_compiled
+from experts import EXPERT_PROJS, Experts, cuda_compiled, topk_ids as experts_topk_ids
 from gdn import GatedDeltaNet
 
 # -----------------------------------------------------------------------------
@@ -328,10 +328,10 @@ class MoE(nn.Module):
         x = x.reshape(B * T, D)
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (N, E)
         if replay_ids is None:
-            topk_probs, topk_ids = torch.topk(probs, self.top_k, dim=-1)  # (N, K)
+            topk_ids = experts_topk_ids(probs.detach(), self.top_k)  # (N, K)
         else:
             topk_ids = replay_ids.reshape(B * T, -1).long()
-            topk_probs = probs.gather(1, topk_ids)  # gradients still reach the router
+        topk_probs = probs.gather(1, topk_ids)  # (N, K); gradients reach the router through it
         if self.norm_topk_prob:
             topk_probs = topk_probs / topk_probs.sum(-1, keepdim=True)
         y = self.experts(x, topk_ids, topk_probs.to(x.dtype))

@@ -319,9 +319,11 @@ def plan_memory(cfg, mcfg, shards):
         vision_act_bytes_per_image={c: vision_activation_bytes(mcfg.vision, c, b) if mcfg.vision and cfg[
             "train_vision"] else 0 for c in (True, False)},
         # the root unit (embeddings, final norm, lm_head) stays gathered from forward to the end of backward, with
-        # its gradient; blocks: the one computing plus the next one prefetched, and the computing one's gradient
-        # unsharded in the compute dtype and in fp32 for the reduce-scatter
-        gather_bytes=2 * b * root_numel + 2 * b * block_numel + (b + 4) * block_numel,
+        # its gradient; blocks: the one computing plus the next one prefetched (on one rank every block, kept from
+        # forward to backward: train.shard_model), and the computing one's gradient unsharded in the compute dtype
+        # and in fp32 for the reduce-scatter
+        gather_bytes=2 * b * root_numel + (mcfg.num_hidden_layers if W == 1 else 2) * b * block_numel +
+        (b + 4) * block_numel,
         root_numel=root_numel, block_numel=block_numel, tokens=tokens,
         act_bytes_ckpt=activation_bytes(mcfg, tokens, True, b, ep > 1),
         # + experts kept outside FSDP (train.experts_skip_fsdp): autograd keeps each layer's cast of them to the
