@@ -277,6 +277,7 @@ PLACEHOLDER, PLACEHOLDER_BASE = "\ue000", 0xE100
 PLACEHOLDERS = re.compile(PLACEHOLDER + "(.)", re.S)
 INLINE_RENDER_BYTES = 64 << 10  # larger request bodies render on the render thread
 MAX_DEPTH = 64  # JSON nesting in tool schemas and arguments (real schemas stay under ~15)
+PROBE = [{"role": "user", "content": "x"}]  # a conversation rendered to see what the template adds after it
 
 
 def plain_token_ids(tokenizer, text):
@@ -351,8 +352,7 @@ class CaptureServer:
         self.uvicorn = self.loop = self.thread = None
         # what the template's generation prompt adds to close reasoning (enable_thinking=False): the context that
         # structured output and Anthropic's thinking "disabled" sample after ("" for a template without reasoning)
-        user = [{"role": "user", "content": "x"}]
-        thinking, closed = (self.render_text(user, None, True, **kw) for kw in ({}, {"enable_thinking": False}))
+        thinking, closed = (self.render_text(PROBE, None, True, **kw) for kw in ({}, {"enable_thinking": False}))
         self.closed_reasoning = closed[len(thinking):] if closed.startswith(thinking) else ""
         routes = [Route(path, handler, methods=[method]) for path, handler, method in (
             ("/sessions", self.http_new_session, "POST"), ("/sessions/{sid}", self.http_get_session, "GET"),
@@ -605,11 +605,10 @@ class CaptureServer:
         """The template's text that opens a tool call, up to the name (tool_choice "required") or up to the arguments
         (a named tool; in XML, up to the line of the first parameter): what the template renders for such a call after
         the generation prompt (after empty reasoning, for a reasoning template)."""
-        user = [{"role": "user", "content": "x"}]
         arguments = {"\1": "\1"} if self.arguments_as_mapping else "\1"
         call = {"role": "assistant", "content": "", "tool_calls": [tool_call("call_0", request.forced or "\0", arguments)]}
-        prompt = self.render_text(user, request.tools, True)
-        full = self.render_text(user + [call], request.tools, False)
+        prompt = self.render_text(PROBE, request.tools, True)
+        full = self.render_text(PROBE + [call], request.tools, False)
         cut = full.find("\1" if request.forced else "\0")
         if request.forced and self.arguments_as_mapping:
             cut = full.rfind("\n", 0, cut) + 1
