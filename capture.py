@@ -623,16 +623,14 @@ class CaptureServer:
         trajectory holds exactly what the agent was shown."""
         ids, parse = out["token_ids"], request.parse_tools and bool(request.tools)
         n = len(ids) - (bool(ids) and ids[-1] in self.end_ids)
-
-        def decode(k):
-            return self.tokenizer.decode(ids[:k], skip_special_tokens=not parse)  # tool tags may be special tokens
-        text = decode(n)
+        text = self.decode_turn(ids, n, request)
         hits = [(text.find(s), s) for s in request.sampling["stop"] if s in text]
         stop_sequence = min(hits)[1] if hits else None
         if hits:
-            while n and len(decode(n)) > min(hits)[0]:  # drop the token where the stop string starts, and later ones
+            # drop the token where the stop string starts, and later ones
+            while n and len(self.decode_turn(ids, n, request)) > min(hits)[0]:
                 n -= 1
-            text, dropped = decode(n), len(ids) - n
+            text, dropped = self.decode_turn(ids, n, request), len(ids) - n
             out.update({k: out[k][:n] for k in ("token_ids", "logprobs", "token_versions", "top_logprobs") if k in out})
             if out.get("routed_experts") is not None:
                 out["routed_experts"] = out["routed_experts"][:len(out["routed_experts"]) - dropped]
@@ -657,6 +655,10 @@ class CaptureServer:
                     stop_sequence=stop_sequence, prompt_tokens=num_prompt_tokens, completion_tokens=len(out["token_ids"]),
                     model=request.model or self.model_name, logprobs=logprobs)
 
+    def decode_turn(self, ids, n, request):
+        """The text of a turn's first n tokens; tool tags (which may be special tokens) kept where calls are parsed."""
+        return self.tokenizer.decode(ids[:n], skip_special_tokens=not (request.parse_tools and request.tools))
+
     def tool_parser(self, tools):
         """A fresh parser of the model's call format for one turn (a streaming parser holds its turn's state); the tools'
         schemas type XML arguments (a parameter's text becomes a number where its schema says so)."""
@@ -673,13 +675,12 @@ class CaptureServer:
         """The text of a turn's tokens so far that is sure to begin the text answer() parses: the forced call's
         opening, then with stop strings only up to a token boundary at least the longest stop string away from the
         end (a stop string completing later cannot start before it; answer cuts there); no half characters."""
-        parse = request.parse_tools and bool(request.tools)
         n, hold = len(ids) - (bool(ids) and ids[-1] in self.end_ids), max(map(len, request.sampling["stop"]), default=0)
-        text = self.tokenizer.decode(ids[:n], skip_special_tokens=not parse)
+        text = self.decode_turn(ids, n, request)
         limit = len(text) - hold
         while hold and n and len(text) > limit:
             n -= 1
-            text = self.tokenizer.decode(ids[:n], skip_special_tokens=not parse)
+            text = self.decode_turn(ids, n, request)
         return request.opening + text.rstrip("\ufffd")
 
     async def live(self, request, tokens, first, task, session_id):
