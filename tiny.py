@@ -10,6 +10,8 @@ the template, a 3-layer vision tower and its image processor. A directory is bui
 """
 import json
 import os
+import shutil
+import sys
 from dataclasses import replace
 
 import torch
@@ -174,7 +176,6 @@ def ensure_tiny_model(path=TINY_MODEL_PATH, cfg=None, seed=0):
     try:
         os.rename(tmp, path)
     except OSError:  # another process finished first
-        import shutil
         shutil.rmtree(tmp, ignore_errors=True)
     return path
 
@@ -184,9 +185,7 @@ def ensure_warm_start(path):
     when its recipe changes: the random-init tiny model after `python train.py --sft_data=FILE`, a supervised run on
     worked examples of its task (the agent file's transcripts()). Returns the path."""
     import runpy
-    import shutil
     import subprocess
-    import sys
     path, root = os.path.abspath(path), os.path.dirname(os.path.abspath(__file__))
     base_name, agent_file, warm_start = WARM_STARTS[os.path.basename(path)]
     recipe = os.path.join(path, "warm_start.json")
@@ -232,7 +231,6 @@ def write_json(path, value):
 
 
 if __name__ == "__main__":
-    import sys
     p = ensure_tiny_model(sys.argv[1] if len(sys.argv) > 1 else TINY_MODEL_PATH)
     m = Transformer.from_pretrained(p)
     print(f"{p}: {sum(t.numel() for t in m.parameters()) / 1e6:.2f}M parameters, {m.config}")
