@@ -189,10 +189,6 @@ def peft_names(name, shape):
     return [f"{PEFT_PREFIX}{prefix}.mlp.experts.{e}.{proj}.lora_{ab}.weight" for e in range(shape[0])]
 
 
-def is_expert_tensor(peft_name):
-    return ".mlp.experts." in peft_name
-
-
 def peft_config(rank, alpha, targets, base_model=""):
     """adapter_config.json of a PEFT LoRA adapter (what PEFT and vLLM read)."""
     return dict(peft_type="LORA", task_type="CAUSAL_LM", r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",

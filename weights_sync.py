@@ -489,13 +489,13 @@ class WeightSyncWorker:
             tensors = dict(receiver)
         finally:
             receiver.drain()
-        scaling = config["lora_alpha"] / config["r"]
-        merged = merged_experts(self, {k: v for k, v in tensors.items() if lora.is_expert_tensor(k)}, scaling)
+        scaling = config["lora_alpha"] / config["r"]  # expert adapters (PEFT's per-expert names hold .mlp.experts.)
+        merged = merged_experts(self, {k: v for k, v in tensors.items() if is_stacked_experts(k)}, scaling)
         if merged:  # the reload empties vLLM's LoRA slots: the adapter is set again below
             self.reload_weights(weights_iterator=iter(merged), is_checkpoint_format=True)
             if self.device.type == "cpu":
                 repack_cpu_moe_experts(self.model_runner.get_model())
-        served = {k: v for k, v in tensors.items() if not lora.is_expert_tensor(k)}
+        served = {k: v for k, v in tensors.items() if not is_stacked_experts(k)}
         if served:
             from vllm.lora.lora_model import LoRAModel
             from vllm.lora.peft_helper import PEFTHelper
