@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import lora
-from model import is_stacked_experts, ours_to_hf, weight_files
+from model import checkpoint_reader, is_stacked_experts, ours_to_hf, weight_files
 
 ALIGN = 256  # byte alignment of each tensor in a bucket: keeps copies and NCCL on aligned addresses
 
@@ -532,13 +532,9 @@ def merged_experts(worker, adapters, scaling):
     if not adapters:
         return []
     if not hasattr(worker, "base_experts"):  # read once: the engine's weights will hold merged values
-        from safetensors import safe_open
         path = worker.model_config.model
-        worker.base_experts = {}
-        for name, fname in weight_files(path).items():
-            if is_stacked_experts(name):
-                with safe_open(f"{path}/{fname}", framework="pt") as f:
-                    worker.base_experts[name] = f.get_tensor(name)
+        read = checkpoint_reader(path)
+        worker.base_experts = {name: read(name) for name in weight_files(path) if is_stacked_experts(name)}
     out = []
     for a_name in (k for k in adapters if ".lora_A." in k):
         weight = a_name.removeprefix(lora.PEFT_PREFIX).replace(".lora_A.", ".")
