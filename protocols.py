@@ -98,6 +98,14 @@ def field(body, key, types, default=None, required=False, where=""):
     return value
 
 
+def objects(body, key):
+    """(where, item) for each item of the array body[key] (required), refusing one that is no object."""
+    for i, item in enumerate(field(body, key, list, required=True)):
+        if not isinstance(item, dict):
+            raise invalid(f"{key}[{i}]", "must be an object.")
+        yield f"{key}[{i}]", item
+
+
 TEXT_PARTS = ("text", "input_text", "output_text")  # chat completions and Anthropic; the Responses API's
 IMAGE_PARTS = ("image_url", "input_image", "image")  # chat completions; the Responses API; Anthropic
 
@@ -360,10 +368,7 @@ def parse_openai(body, server):
         if field(body, key, (int, float), 0) != 0:
             raise invalid(key, "is not supported: the trainer could not reproduce the penalized distribution.")
     messages = []
-    for i, m in enumerate(field(body, "messages", list, required=True)):
-        w = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise invalid(w, "must be an object.")
+    for w, m in objects(body, "messages"):
         if extra := [k for k, v in m.items() if k not in OPENAI_MESSAGE_FIELDS and v not in (None, [], {}, "")]:
             raise invalid(f"{w}.{extra[0]}", "is not supported.")
         role = m.get("role")
@@ -429,10 +434,7 @@ def parse_anthropic(body, server, counting=False):
     budget = field(config or {}, "budget_tokens", int, required=thinking == "enabled", where="thinking.")
     system = body.get("system")
     messages = [] if system is None else [{"role": "system", "content": text_of(system, "system")}]
-    for i, m in enumerate(field(body, "messages", list, required=True)):
-        w = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise invalid(w, "must be an object.")
+    for w, m in objects(body, "messages"):
         role, content = m.get("role"), m.get("content")
         if role not in ("user", "assistant"):
             raise invalid(f"{w}.role", f"must be \"user\" or \"assistant\", got {role!r}.")
