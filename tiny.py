@@ -32,8 +32,8 @@ TINY_VL_CONFIG = replace(TINY_CONFIG, moe_intermediate_size=192, mrope_section=[
     depth=3, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, deepstack_visual_indexes=[0, 1],
     vision_start_token_id=3, vision_end_token_id=4, image_token_id=5, video_token_id=6))  # VISION_TOKENS' ids
 # The tiny Qwen3.6-style hybrid VLM (Qwen3_5MoeForConditionalGeneration): Gated DeltaNet and gated full attention in
-# an irregular pattern, a shared expert, partial rotary (16 of 64 dims) with interleaved M-RoPE, a 2-layer tower
-# without deepstack, one MTP layer. Head dims 64: vLLM's CPU attention has no kernel for 32.
+# an irregular pattern, a shared expert, partial rotary (16 of 64 dims) with interleaved M-RoPE, the tiny VLM's tower
+# with 2 layers and without deepstack, one MTP layer. Head dims 64: vLLM's CPU attention has no kernel for 32.
 TINY_QWEN36_CONFIG = ModelConfig(
     family="qwen3_5", vocab_size=2048, hidden_size=128, num_hidden_layers=5, num_attention_heads=4,
     num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, rope_theta=10000.0, partial_rotary_factor=0.25,
@@ -41,9 +41,7 @@ TINY_QWEN36_CONFIG = ModelConfig(
                                           "full_attention"],
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, shared_expert_intermediate_size=192,
-    mtp_num_hidden_layers=1, vision=VisionConfig(
-        depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, deepstack_visual_indexes=[],
-        vision_start_token_id=3, vision_end_token_id=4, image_token_id=5, video_token_id=6))
+    mtp_num_hidden_layers=1, vision=replace(TINY_VL_CONFIG.vision, depth=2, deepstack_visual_indexes=[]))
 # The default model_path: the tiny Qwen3-MoE after a short supervised warm start on worked examples of the calculator
 # task, which train.py builds with its own trainer and loss (ensure_warm_start) and rebuilds when WARM_START changes.
 # It teaches the protocol (call the tool, copy the numbers in and the result out), not which operation a word names
