@@ -796,12 +796,11 @@ async def openai_events(items, request):
     if kind == "error":  # as vLLM's OpenAI server does: an error chunk (the SDKs raise it), then the end
         yield sse(None, error_body("openai", item[1], item[2])) + "data: [DONE]\n\n"
         return
-    result = item[1]
-    logprobs = result["logprobs"] and {"content": result["logprobs"]}
-    yield sse(None, {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": result["finish_reason"],
-                                          "logprobs": logprobs}]})
+    answer = openai_completion(item[1])  # the last chunk: its choice's finish reason and logprobs, then its usage
+    finish = {k: answer["choices"][0][k] for k in ("finish_reason", "logprobs")}
+    yield sse(None, {**base, "choices": [{"index": 0, "delta": {}, **finish}]})
     if request.include_usage:
-        yield sse(None, {**base, "choices": [], "usage": openai_completion(result)["usage"]})
+        yield sse(None, {**base, "choices": [], "usage": answer["usage"]})
     yield "data: [DONE]\n\n"
 
 
