@@ -170,12 +170,10 @@ def setup_agent(run, cfg):
     """Call the agent module's `setup(cfg)`, if it has one, with the resolved config. Returns the clean-up to call
     when the run ends (a no-op when there is none)."""
     setup = getattr(run, "setup", None)
-    if setup is None:
-        return lambda: None
     if inspect.iscoroutinefunction(setup):
         raise TypeError("an agent module's `setup(cfg)` must be a plain function: what it starts has to outlive any "
                         "one event loop, so serve it from its own thread (agents/frozen.py does)")
-    cleanup = setup(cfg)
+    cleanup = setup(cfg) if setup is not None else None
     if cleanup is not None and not callable(cleanup):
         raise TypeError(f"an agent module's `setup(cfg)` must return None or a clean-up function, got "
                         f"{type(cleanup).__name__}")
