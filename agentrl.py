@@ -289,8 +289,7 @@ def row_problem(row):
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ROLES:
                 return f"`messages[{i}]` must be an object with a `role` among {', '.join(ROLES)}"
-            content = m.get("content")
-            if not (content is None or isinstance(content, str) or isinstance(content, list)):
+            if not isinstance(m.get("content"), (str, list, type(None))):
                 return f"`messages[{i}].content` must be a string or a list of text parts"
     if (tools := row.get("tools")) is not None:
         if not isinstance(tools, list):
