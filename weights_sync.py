@@ -363,8 +363,7 @@ async def sync_weights(engines, sender, model, policy_version):
         loads = [asyncio.ensure_future(_call(e, "collective_rpc", *rpc)) for e in engines]
         send = asyncio.ensure_future(asyncio.to_thread(sender.send, model, layout))
         done, _ = await asyncio.wait([*loads, send], return_when=asyncio.FIRST_EXCEPTION)
-        failed = [f for f in [*loads, send] if f in done and f.exception() is not None]
-        if failed:
+        if any(f in done and f.exception() is not None for f in [*loads, send]):
             sender.close()
             await asyncio.wait([*loads, send], timeout=60)  # let the others fail fast on the closed group
             errors = [f.exception() for f in [*loads, send] if f.done() and f.exception() is not None]
