@@ -149,8 +149,8 @@ def load_agent(path):
     Result, `prompts` the module's prompt iterator function or None."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"agent module {path!r} does not exist; set `agent` to a .py file exporting `agent`")
-    folder = os.path.dirname(os.path.abspath(path))
-    if folder not in sys.path:  # as `python path` does: the files beside it import by name
+    # as `python path` does: the files beside it import by name
+    if (folder := os.path.dirname(os.path.abspath(path))) not in sys.path:
         sys.path.insert(0, folder)
     name = "agent_" + os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(name, path)

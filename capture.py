@@ -496,8 +496,7 @@ class CaptureServer:
             images = self.vision.check(request.messages)  # the prompt's images, in order
 
             def prepare():  # images are decoded here: those of the new messages
-                ext = self.segment_extension(session, request.messages, request.tools)
-                if ext is not None:
+                if (ext := self.segment_extension(session, request.messages, request.tools)) is not None:
                     old = session.segments[-1]
                     appended, counts = self.vision.expand(ext[0], images[len(old.images):])
                     return ext, appended, old.token_ids + appended, ext[1], old.image_tokens + counts
@@ -637,8 +636,8 @@ class CaptureServer:
         text, calls = request.opening + text, []
         reasoning, text = split_reasoning(text, self.call_tags[0]) if request.reasoning else ("", text)
         if parse:
-            info = self.tool_parser(request.tools).extract_tool_calls(text, None)
-            if info.tools_called:  # the arguments as the model wrote them (as a stream sends them) where they parse
+            # the arguments as the model wrote them (as a stream sends them) where they parse
+            if (info := self.tool_parser(request.tools).extract_tool_calls(text, None)).tools_called:
                 text, written = info.content or "", read_calls(self.tool_parser(request.tools), "", text)[1]
                 calls = [tool_call(call_id(request.protocol, request.id, i), c.function.name, written[i][1]
                                    if i < len(written) and same_json(written[i][1], c.function.arguments)
@@ -755,8 +754,7 @@ class CaptureServer:
 
     async def read_json(self, request):
         """The raw body and its JSON (None when empty), read within body_timeout_s."""
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
+        if (declared := request.headers.get("content-length", "")).isdigit() and int(declared) > self.max_body_bytes:
             raise RequestError(413, f"The request body is larger than {self.max_body_bytes} bytes.")
         chunks, size = [], 0
         try:

@@ -44,8 +44,7 @@ PEFT_PREFIX = "base_model.model."
 def parse_targets(spec):
     """"q_proj,v_proj,experts" -> ("q_proj", "v_proj", "experts"); "all" is every target. ValueError names a bad one."""
     names = TARGETS if spec.strip() == "all" else tuple(t.strip() for t in spec.split(",") if t.strip())
-    bad = [t for t in names if t not in TARGETS + GDN_TARGETS]
-    if bad or not names:
+    if (bad := [t for t in names if t not in TARGETS + GDN_TARGETS]) or not names:
         raise ValueError(f"lora_targets={spec!r}: {'unknown ' + ', '.join(bad) if bad else 'empty'}; "
                          f"use 'all' or a comma-separated list of {', '.join(TARGETS + GDN_TARGETS)}")
     return names

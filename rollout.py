@@ -77,8 +77,7 @@ def check_engine_gpus(engines, gpus_per_node):
     placed = ray.get([e.__ray_call__.remote(lambda _: (ray.get_runtime_context().get_node_id(), ray.get_gpu_ids()))
                       for e in engines])
     for i, (node, gpu_ids) in enumerate(placed):
-        clash = {int(g) for g in gpu_ids} & set(range(gpus_per_node.get(node, 0)))
-        if clash:
+        if clash := {int(g) for g in gpu_ids} & set(range(gpus_per_node.get(node, 0))):
             raise RuntimeError(f"rollout engine {i} was given GPU(s) {sorted(clash)} of node {node}, which trainer "
                                "ranks use: start the trainer on the lowest GPUs of its nodes, or keep engines on "
                                "nodes of their own (torchrun.sh ROLLOUT_NODE=1)")

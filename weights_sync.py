@@ -489,13 +489,12 @@ class WeightSyncWorker:
         finally:
             receiver.drain()
         scaling = config["lora_alpha"] / config["r"]  # expert adapters (PEFT's per-expert names hold .mlp.experts.)
-        merged = merged_experts(self, {k: v for k, v in tensors.items() if is_stacked_experts(k)}, scaling)
-        if merged:  # the reload empties vLLM's LoRA slots: the adapter is set again below
+        # the reload empties vLLM's LoRA slots: the adapter is set again below
+        if merged := merged_experts(self, {k: v for k, v in tensors.items() if is_stacked_experts(k)}, scaling):
             self.reload_weights(weights_iterator=iter(merged), is_checkpoint_format=True)
             if self.device.type == "cpu":
                 repack_cpu_moe_experts(self.model_runner.get_model())
-        served = {k: v for k, v in tensors.items() if not is_stacked_experts(k)}
-        if served:
+        if served := {k: v for k, v in tensors.items() if not is_stacked_experts(k)}:
             from vllm.lora.lora_model import LoRAModel
             from vllm.lora.peft_helper import PEFTHelper
             manager = self.model_runner.lora_manager
@@ -550,6 +549,5 @@ def repack_cpu_moe_experts(model):
     garbage. Packing them again here makes the engine match the trainer (tests/test_weights_sync.py checks it).
     GPU backends need no repack: their layout conversion runs on every load."""
     for layer in model.modules():
-        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
-        if kernel is not None:
+        if (kernel := getattr(getattr(layer, "quant_method", None), "moe_kernel", None)) is not None:
             kernel.fused_experts.process_weights_after_loading(layer)
