@@ -141,11 +141,9 @@ class Router:
         self.sessions = OrderedDict()  # session id -> engine index, least recently used first
         self.max_sessions = max_sessions
         self.restarts = self.failed_requests = 0
-        self.busy_s = [0.0] * len(self.engines)  # time with >= 1 request in flight, per engine
-        self._busy_since = [None] * len(self.engines)
-        self._created = time.monotonic()
         self._reviving = set()
         self._lock = threading.Lock()  # the driver thread reads what the capture server's loop writes
+        self.reset_idle_clock()  # busy_s: time with >= 1 request in flight, per engine
 
     def pick(self, session_id=None):
         with self._lock:
@@ -381,8 +379,7 @@ class RolloutPool:
         """Block until groups_per_batch complete groups exist; return them as a flat list of segment records (each
         attempt's segments share its attempt_id, group_id and reward). hold=True starts no new group until
         resume(): a synchronous generate-then-train loop (the baseline of `bench.py async`)."""
-        future = asyncio.run_coroutine_threadsafe(self._take_batch(hold), self._loop)
-        return future.result(timeout)
+        return asyncio.run_coroutine_threadsafe(self._take_batch(hold), self._loop).result(timeout)
 
     def resume(self):
         async def go():
