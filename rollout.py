@@ -251,8 +251,7 @@ class Router:
         """Engines up now, and whether that set differs from the one in the weight group (reconnect first)."""
         with self._lock:
             live = [e for e, up in zip(self.engines, self.up) if up]
-            changed = any(up != joined for up, joined in zip(self.up, self.in_weight_group))
-            return live, changed
+            return live, any(up != joined for up, joined in zip(self.up, self.in_weight_group))
 
     def mark_connected(self, live):
         with self._lock:

@@ -186,8 +186,7 @@ def ensure_warm_start(path):
     import subprocess
     path, root = os.path.abspath(path), os.path.dirname(os.path.abspath(__file__))
     base_name, agent_file, warm_start = WARM_STARTS[os.path.basename(path)]
-    recipe = os.path.join(path, "warm_start.json")
-    if os.path.isfile(recipe) and json.load(open(recipe)) == warm_start:
+    if os.path.isfile(recipe := os.path.join(path, "warm_start.json")) and json.load(open(recipe)) == warm_start:
         return path
     base, work = ensure_tiny_model(os.path.join(os.path.dirname(path), base_name)), path + ".build"
     shutil.rmtree(work, ignore_errors=True)
