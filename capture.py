@@ -944,8 +944,7 @@ def write_trajectories(path, segments, tokenizer):
     """Append one JSON line per segment (token ids, mask, logprobs, versions, reward, decoded text)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a") as f:
-        for segment in segments:
-            f.write(json.dumps(trajectory_record(segment, tokenizer)) + "\n")
+        f.writelines(json.dumps(trajectory_record(segment, tokenizer)) + "\n" for segment in segments)
 
 # -----------------------------------------------------------------------------
 # standalone: one engine and the server on loopback, for trying an agent by hand
