@@ -62,9 +62,8 @@ def reserve_trainer_gpus(gpus_per_node):
     ranks are not Ray workers, so Ray does not know they hold GPUs). Returns the placement group (keep it alive)."""
     if not gpus_per_node:
         return None
-    node_ids = list(gpus_per_node)
-    pg = placement_group([{"GPU": gpus_per_node[n]} for n in node_ids], strategy="PACK",
-                         bundle_label_selector=[{"ray.io/node-id": n} for n in node_ids])
+    pg = placement_group([{"GPU": n} for n in gpus_per_node.values()], strategy="PACK",
+                         bundle_label_selector=[{"ray.io/node-id": node} for node in gpus_per_node])
     ray.get(pg.ready(), timeout=120)
     return pg
 
