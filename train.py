@@ -1115,9 +1115,9 @@ def deliver_lost_interrupts(unraisable, report=sys.unraisablehook):
     which may be inside a weakref callback or a __del__ (the import machinery's module locks, a finalizer the GC
     runs): a KeyboardInterrupt raised there cannot propagate, Python only reports it, and the run goes on as if
     Ctrl-C had never been pressed (seen with a SIGINT sent while the driver imports vLLM's parsers, after its
-    engines start). Signal the main thread again, from a thread of its own once this hook has returned (raised inside the
-    hook, the KeyboardInterrupt would be lost the same way); a real signal, unlike _thread.interrupt_main, also
-    ends a blocking call such as a sleep or a lock's wait."""
+    engines start). Signal the main thread again, from a thread of its own once this hook has returned (raised
+    inside the hook, the KeyboardInterrupt would be lost the same way); a real signal, unlike
+    _thread.interrupt_main, also ends a blocking call such as a sleep or a lock's wait."""
     if not issubclass(unraisable.exc_type, KeyboardInterrupt):
         return report(unraisable)
     threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
