@@ -149,8 +149,8 @@ def load_agent(path):
     Result, `prompts` the module's prompt iterator function or None."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"agent module {path!r} does not exist; set `agent` to a .py file exporting `agent`")
-    folder = os.path.dirname(os.path.abspath(path))
-    if folder not in sys.path:  # as `python path` does: the files beside it import by name
+    # as `python path` does: the files beside it import by name
+    if (folder := os.path.dirname(os.path.abspath(path))) not in sys.path:
         sys.path.insert(0, folder)
     name = "agent_" + os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(name, path)
@@ -170,12 +170,10 @@ def setup_agent(run, cfg):
     """Call the agent module's `setup(cfg)`, if it has one, with the resolved config. Returns the clean-up to call
     when the run ends (a no-op when there is none)."""
     setup = getattr(run, "setup", None)
-    if setup is None:
-        return lambda: None
     if inspect.iscoroutinefunction(setup):
         raise TypeError("an agent module's `setup(cfg)` must be a plain function: what it starts has to outlive any "
                         "one event loop, so serve it from its own thread (agents/frozen.py does)")
-    cleanup = setup(cfg)
+    cleanup = setup(cfg) if setup is not None else None
     if cleanup is not None and not callable(cleanup):
         raise TypeError(f"an agent module's `setup(cfg)` must return None or a clean-up function, got "
                         f"{type(cleanup).__name__}")
@@ -291,8 +289,7 @@ def row_problem(row):
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ROLES:
                 return f"`messages[{i}]` must be an object with a `role` among {', '.join(ROLES)}"
-            content = m.get("content")
-            if not (content is None or isinstance(content, str) or isinstance(content, list)):
+            if not isinstance(m.get("content"), (str, list, type(None))):
                 return f"`messages[{i}].content` must be a string or a list of text parts"
     if (tools := row.get("tools")) is not None:
         if not isinstance(tools, list):

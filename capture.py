@@ -277,6 +277,7 @@ PLACEHOLDER, PLACEHOLDER_BASE = "\ue000", 0xE100
 PLACEHOLDERS = re.compile(PLACEHOLDER + "(.)", re.S)
 INLINE_RENDER_BYTES = 64 << 10  # larger request bodies render on the render thread
 MAX_DEPTH = 64  # JSON nesting in tool schemas and arguments (real schemas stay under ~15)
+PROBE = [{"role": "user", "content": "x"}]  # a conversation rendered to see what the template adds after it
 
 
 def plain_token_ids(tokenizer, text):
@@ -351,15 +352,12 @@ class CaptureServer:
         self.uvicorn = self.loop = self.thread = None
         # what the template's generation prompt adds to close reasoning (enable_thinking=False): the context that
         # structured output and Anthropic's thinking "disabled" sample after ("" for a template without reasoning)
-        user = [{"role": "user", "content": "x"}]
-        thinking, closed = (self.render_text(user, None, True, **kw) for kw in ({}, {"enable_thinking": False}))
+        thinking, closed = (self.render_text(PROBE, None, True, **kw) for kw in ({}, {"enable_thinking": False}))
         self.closed_reasoning = closed[len(thinking):] if closed.startswith(thinking) else ""
-        routes = [Route("/sessions", self.http_new_session, methods=["POST"]),
-                  Route("/sessions/{sid}", self.http_get_session, methods=["GET"]),
-                  Route("/sessions/{sid}/finish", self.http_finish_session, methods=["POST"]),
-                  Route("/s/{sid}/v1/models", self.http_models, methods=["GET"]),
-                  Route("/s/{sid}/v1/chat/completions", self.http_chat, methods=["POST"]),
-                  Route("/s/{sid}/v1/responses", self.http_chat, methods=["POST"])]
+        routes = [Route(path, handler, methods=[method]) for path, handler, method in (
+            ("/sessions", self.http_new_session, "POST"), ("/sessions/{sid}", self.http_get_session, "GET"),
+            ("/sessions/{sid}/finish", self.http_finish_session, "POST"), ("/s/{sid}/v1/models", self.http_models, "GET"),
+            ("/s/{sid}/v1/chat/completions", self.http_chat, "POST"), ("/s/{sid}/v1/responses", self.http_chat, "POST"))]
         # Anthropic Messages and its token count, also under the /v1 the Anthropic SDK adds to the same base_url
         routes += [Route(f"/s/{{sid}}/v1{v}/messages{tail}", handler, methods=["POST"]) for v in ("", "/v1")
                    for tail, handler in (("", self.http_chat), ("/count_tokens", self.http_count_tokens))]
@@ -498,8 +496,7 @@ class CaptureServer:
             images = self.vision.check(request.messages)  # the prompt's images, in order
 
             def prepare():  # images are decoded here: those of the new messages
-                ext = self.segment_extension(session, request.messages, request.tools)
-                if ext is not None:
+                if (ext := self.segment_extension(session, request.messages, request.tools)) is not None:
                     old = session.segments[-1]
                     appended, counts = self.vision.expand(ext[0], images[len(old.images):])
                     return ext, appended, old.token_ids + appended, ext[1], old.image_tokens + counts
@@ -607,11 +604,10 @@ class CaptureServer:
         """The template's text that opens a tool call, up to the name (tool_choice "required") or up to the arguments
         (a named tool; in XML, up to the line of the first parameter): what the template renders for such a call after
         the generation prompt (after empty reasoning, for a reasoning template)."""
-        user = [{"role": "user", "content": "x"}]
         arguments = {"\1": "\1"} if self.arguments_as_mapping else "\1"
         call = {"role": "assistant", "content": "", "tool_calls": [tool_call("call_0", request.forced or "\0", arguments)]}
-        prompt = self.render_text(user, request.tools, True)
-        full = self.render_text(user + [call], request.tools, False)
+        prompt = self.render_text(PROBE, request.tools, True)
+        full = self.render_text(PROBE + [call], request.tools, False)
         cut = full.find("\1" if request.forced else "\0")
         if request.forced and self.arguments_as_mapping:
             cut = full.rfind("\n", 0, cut) + 1
@@ -626,24 +622,22 @@ class CaptureServer:
         trajectory holds exactly what the agent was shown."""
         ids, parse = out["token_ids"], request.parse_tools and bool(request.tools)
         n = len(ids) - (bool(ids) and ids[-1] in self.end_ids)
-
-        def decode(k):
-            return self.tokenizer.decode(ids[:k], skip_special_tokens=not parse)  # tool tags may be special tokens
-        text = decode(n)
+        text = self.decode_turn(ids, n, request)
         hits = [(text.find(s), s) for s in request.sampling["stop"] if s in text]
         stop_sequence = min(hits)[1] if hits else None
         if hits:
-            while n and len(decode(n)) > min(hits)[0]:  # drop the token where the stop string starts, and later ones
+            # drop the token where the stop string starts, and later ones
+            while n and len(self.decode_turn(ids, n, request)) > min(hits)[0]:
                 n -= 1
-            text, dropped = decode(n), len(ids) - n
+            text, dropped = self.decode_turn(ids, n, request), len(ids) - n
             out.update({k: out[k][:n] for k in ("token_ids", "logprobs", "token_versions", "top_logprobs") if k in out})
             if out.get("routed_experts") is not None:
                 out["routed_experts"] = out["routed_experts"][:len(out["routed_experts"]) - dropped]
         text, calls = request.opening + text, []
         reasoning, text = split_reasoning(text, self.call_tags[0]) if request.reasoning else ("", text)
         if parse:
-            info = self.tool_parser(request.tools).extract_tool_calls(text, None)
-            if info.tools_called:  # the arguments as the model wrote them (as a stream sends them) where they parse
+            # the arguments as the model wrote them (as a stream sends them) where they parse
+            if (info := self.tool_parser(request.tools).extract_tool_calls(text, None)).tools_called:
                 text, written = info.content or "", read_calls(self.tool_parser(request.tools), "", text)[1]
                 calls = [tool_call(call_id(request.protocol, request.id, i), c.function.name, written[i][1]
                                    if i < len(written) and same_json(written[i][1], c.function.arguments)
@@ -659,6 +653,10 @@ class CaptureServer:
                     reasoning_tokens=(ends[0] if ends else n) if reasoning else 0,
                     stop_sequence=stop_sequence, prompt_tokens=num_prompt_tokens, completion_tokens=len(out["token_ids"]),
                     model=request.model or self.model_name, logprobs=logprobs)
+
+    def decode_turn(self, ids, n, request):
+        """The text of a turn's first n tokens; tool tags (which may be special tokens) kept where calls are parsed."""
+        return self.tokenizer.decode(ids[:n], skip_special_tokens=not (request.parse_tools and request.tools))
 
     def tool_parser(self, tools):
         """A fresh parser of the model's call format for one turn (a streaming parser holds its turn's state); the tools'
@@ -676,13 +674,12 @@ class CaptureServer:
         """The text of a turn's tokens so far that is sure to begin the text answer() parses: the forced call's
         opening, then with stop strings only up to a token boundary at least the longest stop string away from the
         end (a stop string completing later cannot start before it; answer cuts there); no half characters."""
-        parse = request.parse_tools and bool(request.tools)
         n, hold = len(ids) - (bool(ids) and ids[-1] in self.end_ids), max(map(len, request.sampling["stop"]), default=0)
-        text = self.tokenizer.decode(ids[:n], skip_special_tokens=not parse)
+        text = self.decode_turn(ids, n, request)
         limit = len(text) - hold
         while hold and n and len(text) > limit:
             n -= 1
-            text = self.tokenizer.decode(ids[:n], skip_special_tokens=not parse)
+            text = self.decode_turn(ids, n, request)
         return request.opening + text.rstrip("\ufffd")
 
     async def live(self, request, tokens, first, task, session_id):
@@ -757,8 +754,7 @@ class CaptureServer:
 
     async def read_json(self, request):
         """The raw body and its JSON (None when empty), read within body_timeout_s."""
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
+        if (declared := request.headers.get("content-length", "")).isdigit() and int(declared) > self.max_body_bytes:
             raise RequestError(413, f"The request body is larger than {self.max_body_bytes} bytes.")
         chunks, size = [], 0
         try:
@@ -948,8 +944,7 @@ def write_trajectories(path, segments, tokenizer):
     """Append one JSON line per segment (token ids, mask, logprobs, versions, reward, decoded text)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a") as f:
-        for segment in segments:
-            f.write(json.dumps(trajectory_record(segment, tokenizer)) + "\n")
+        f.writelines(json.dumps(trajectory_record(segment, tokenizer)) + "\n" for segment in segments)
 
 # -----------------------------------------------------------------------------
 # standalone: one engine and the server on loopback, for trying an agent by hand

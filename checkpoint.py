@@ -14,13 +14,9 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_op
 from torch.distributed.tensor import DTensor, Shard
 
 import lora
+from experts import local as local_tensor  # a DTensor's local shard, or the tensor itself (train.py imports it here)
 from model import copy_hf_extras, is_stacked_experts, ours_to_hf, save_hf_checkpoint
 from weights_sync import gather, global_shape
-
-
-def local_tensor(t):
-    return t.to_local() if isinstance(t, DTensor) else t
-
 
 
 def with_global_experts(state, model, experts=None):

@@ -43,8 +43,7 @@ PEFT_PREFIX = "base_model.model."
 def parse_targets(spec):
     """"q_proj,v_proj,experts" -> ("q_proj", "v_proj", "experts"); "all" is every target. ValueError names a bad one."""
     names = TARGETS if spec.strip() == "all" else tuple(t.strip() for t in spec.split(",") if t.strip())
-    bad = [t for t in names if t not in TARGETS + GDN_TARGETS]
-    if bad or not names:
+    if (bad := [t for t in names if t not in TARGETS + GDN_TARGETS]) or not names:
         raise ValueError(f"lora_targets={spec!r}: {'unknown ' + ', '.join(bad) if bad else 'empty'}; "
                          f"use 'all' or a comma-separated list of {', '.join(TARGETS + GDN_TARGETS)}")
     return names
@@ -186,10 +185,6 @@ def peft_names(name, shape):
         return [f"{PEFT_PREFIX}{weight[:-len('.weight')]}.lora_{ab}.weight"]
     prefix, proj = weight.split(".mlp.experts.")
     return [f"{PEFT_PREFIX}{prefix}.mlp.experts.{e}.{proj}.lora_{ab}.weight" for e in range(shape[0])]
-
-
-def is_expert_tensor(peft_name):
-    return ".mlp.experts." in peft_name
 
 
 def peft_config(rank, alpha, targets, base_model=""):

@@ -511,23 +511,21 @@ def reduce_metrics(metrics_list, group=None):
             if tensor.numel():
                 dist.all_reduce(tensor, op=op, group=group)
     values = dict(zip(sums + mins + maxes, torch.cat(reduced).tolist()))  # the one device-to-host sync
+    kept = max(values["kept_tokens"], 1.0)
+    out = dict(action_tokens=values["action_tokens"], kept_tokens=values["kept_tokens"],
+               loss=values["loss_sum"] / kept)  # equals the window loss: window_tokens = kept tokens of the window
     if "fresh_tokens" not in values:  # sft_loss's: token counts and the mean NLL
-        return dict(action_tokens=values["action_tokens"], kept_tokens=values["kept_tokens"],
-                    loss=values["loss_sum"] / max(values["kept_tokens"], 1.0))
-    action, kept, fresh = (max(values[k], 1.0) for k in ("action_tokens", "kept_tokens", "fresh_tokens"))
+        return out
+    action, fresh = (max(values[k], 1.0) for k in ("action_tokens", "fresh_tokens"))
     adv_mean = values["advantage_sum"] / kept
-    out = dict(
-        action_tokens=values["action_tokens"], kept_tokens=values["kept_tokens"],
-        loss=values["loss_sum"] / kept,  # equals the window loss: window_tokens = kept tokens of the window
-        stale_frac=values["stale_tokens"] / action, is_masked_frac=values["is_masked_tokens"] / action,
-        clip_frac=values["clipped_tokens"] / kept, dual_clip_frac=values["dual_clipped_tokens"] / kept,
-        mismatch_kl=values["mismatch_kl_sum"] / fresh, mismatch_k1=values["mismatch_k1_sum"] / fresh,
-        mismatch_kl_current=(values["mismatch_kl_current_sum"] / values["current_tokens"]
-                             if values["current_tokens"] else None),
-        is_weight_mean=values["is_weight_sum"] / kept, ratio_mean=values["ratio_sum"] / kept,
-        advantage_mean=adv_mean, advantage_std=max(values["advantage_sq_sum"] / kept - adv_mean ** 2, 0.0) ** 0.5,
-        advantage_min=values["advantage_min"], advantage_max=values["advantage_max"],
-    )
+    out.update(stale_frac=values["stale_tokens"] / action, is_masked_frac=values["is_masked_tokens"] / action,
+               clip_frac=values["clipped_tokens"] / kept, dual_clip_frac=values["dual_clipped_tokens"] / kept,
+               mismatch_kl=values["mismatch_kl_sum"] / fresh, mismatch_k1=values["mismatch_k1_sum"] / fresh,
+               mismatch_kl_current=(values["mismatch_kl_current_sum"] / values["current_tokens"]
+                                    if values["current_tokens"] else None),
+               is_weight_mean=values["is_weight_sum"] / kept, ratio_mean=values["ratio_sum"] / kept,
+               advantage_mean=adv_mean, advantage_std=max(values["advantage_sq_sum"] / kept - adv_mean ** 2, 0.0) ** 0.5,
+               advantage_min=values["advantage_min"], advantage_max=values["advantage_max"])
     out.update({k.removesuffix("_sum"): values[k] / kept for k in ("entropy_sum", "kl_ref_sum") if k in values})
     if "mtp_loss_sum" in values:  # each microbatch's share is already divided by the window's count (train.mtp_loss)
         out["mtp_loss"] = values["mtp_loss_sum"]

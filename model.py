@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from experts import EXPERT_PROJS, Experts, cuda_compiled
+from experts import EXPERT_PROJS, Experts, cuda_compiled, topk_ids as experts_topk_ids
 from gdn import GatedDeltaNet
 
 # -----------------------------------------------------------------------------
@@ -282,13 +282,18 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask=None):
         """mask (B, 1, T, T) bool, True where a query may attend (packed rows); None: causal within each row."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, -1)  # (B, T, nh, hd), or (B, T, nh, 2 hd) with the gate
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if all(type(p) is nn.Linear and p.bias is None for p in projs):  # not LoRA's adapted ones
+            q, k, v = ProjectQKV.apply(x, *(p.weight for p in projs))
+        else:
+            q, k, v = (p(x) for p in projs)
+        q = q.view(B, T, self.n_head, -1)  # (B, T, nh, hd), or (B, T, nh, 2 hd) with the gate
         if self.gated:
             q, gate = q.chunk(2, dim=-1)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.hd)    # (B, T, nkv, hd)
+        k = k.view(B, T, self.n_kv, self.hd)    # (B, T, nkv, hd)
         q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, self.gated, cos, sin).transpose(1, 2)  # (B, nh, T, hd)
         k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, self.gated, cos, sin).transpose(1, 2)  # (B, nkv, T, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
         # right-padded batches need no mask beyond causal: padding only follows real tokens
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=self.n_kv != self.n_head)
@@ -296,6 +301,26 @@ class Attention(nn.Module):
         if self.gated:
             y = y * torch.sigmoid(gate.reshape(B, T, -1))
         return self.o_proj(y)
+
+
+class ProjectQKV(torch.autograd.Function):
+    """x @ Wq^T, x @ Wk^T, x @ Wv^T as one GEMM over the weights stacked (a copy of the three, made again in
+    backward rather than kept), and their input's gradient as one GEMM where autograd would run three and add them
+    twice; the weights' gradients are one GEMM too, split. q and k are column views of the one output; v is copied
+    out of it, so that what SDPA keeps of v for backward does not keep q and k alive."""
+
+    @staticmethod
+    def forward(ctx, x, *weights):
+        ctx.save_for_backward(x, *weights)
+        q, k, v = F.linear(x, torch.cat(weights)).split([w.shape[0] for w in weights], -1)
+        return q, k, v.contiguous()
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        x, *weights = ctx.saved_tensors
+        dy = torch.cat([dq, dk, dv], -1)
+        dw = dy.flatten(0, -2).T @ x.flatten(0, -2)
+        return dy @ torch.cat(weights), *dw.split([w.shape[0] for w in weights])
 
 
 class MLP(nn.Module):
@@ -328,10 +353,10 @@ class MoE(nn.Module):
         x = x.reshape(B * T, D)
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (N, E)
         if replay_ids is None:
-            topk_probs, topk_ids = torch.topk(probs, self.top_k, dim=-1)  # (N, K)
+            topk_ids = experts_topk_ids(probs.detach(), self.top_k)  # (N, K)
         else:
             topk_ids = replay_ids.reshape(B * T, -1).long()
-            topk_probs = probs.gather(1, topk_ids)  # gradients still reach the router
+        topk_probs = probs.gather(1, topk_ids)  # (N, K); gradients reach the router through it
         if self.norm_topk_prob:
             topk_probs = topk_probs / topk_probs.sum(-1, keepdim=True)
         y = self.experts(x, topk_ids, topk_probs.to(x.dtype))

@@ -304,6 +304,11 @@ def plan_memory(cfg, mcfg, shards):
     # False, the tower) is stored in param_dtype under LoRA, else in fp32
     tokens = max(cfg["microbatch_tokens"], cfg["engine_max_model_len"])
     root_numel, block_numel = shards["root_numel"], shards["block_numel"]
+    # a trained tower's activations, at most one 448x448 image (784 patches, 196 tokens) per 196 tokens of the
+    # microbatch: the bound where every token is an image token (a frozen tower keeps none); they join the text's
+    images = tokens // (784 // mcfg.vision.spatial_merge_size ** 2) if mcfg.vision else 0
+    per_image = {c: vision_activation_bytes(mcfg.vision, c, b) if mcfg.vision and cfg["train_vision"] else 0
+                 for c in (True, False)}
     figures = dict(
         world=W, ep=ep, params_total=num_params(mcfg), params_active=num_params(mcfg, active=True),
         params_dense_local=p_dense, params_expert_local=p_expert,
@@ -313,21 +318,19 @@ def plan_memory(cfg, mcfg, shards):
         # kl_coef > 0: the reference policy, a frozen copy of the initial weights sharded like them, in param_dtype
         # (train.build_reference); a LoRA run's is its frozen base, at no extra memory
         reference_bytes=b * params if cfg["kl_coef"] and not cfg["lora_rank"] else 0,
-        # a trained tower's activations, at most one 448x448 image (784 patches, 196 tokens) per 196 tokens of the
-        # microbatch: the bound where every token is an image token (a frozen tower keeps none)
-        images=tokens // (784 // mcfg.vision.spatial_merge_size ** 2) if mcfg.vision else 0,
-        vision_act_bytes_per_image={c: vision_activation_bytes(mcfg.vision, c, b) if mcfg.vision and cfg[
-            "train_vision"] else 0 for c in (True, False)},
+        images=images, vision_act_bytes_per_image=per_image,
         # the root unit (embeddings, final norm, lm_head) stays gathered from forward to the end of backward, with
-        # its gradient; blocks: the one computing plus the next one prefetched, and the computing one's gradient
-        # unsharded in the compute dtype and in fp32 for the reduce-scatter
-        gather_bytes=2 * b * root_numel + 2 * b * block_numel + (b + 4) * block_numel,
+        # its gradient; blocks: the one computing plus the next one prefetched (on one rank every block, kept from
+        # forward to backward: train.shard_model), and the computing one's gradient unsharded in the compute dtype
+        # and in fp32 for the reduce-scatter
+        gather_bytes=2 * b * root_numel + (mcfg.num_hidden_layers if W == 1 else 2) * b * block_numel +
+        (b + 4) * block_numel,
         root_numel=root_numel, block_numel=block_numel, tokens=tokens,
-        act_bytes_ckpt=activation_bytes(mcfg, tokens, True, b, ep > 1),
+        act_bytes_ckpt=activation_bytes(mcfg, tokens, True, b, ep > 1) + images * per_image[True],
         # + experts kept outside FSDP (train.experts_skip_fsdp): autograd keeps each layer's cast of them to the
         # compute dtype (none when that is fp32 itself)
         act_bytes_full=activation_bytes(mcfg, tokens, False, b, ep > 1) +
-        (b * p_expert if shards["experts_skip_fsdp"] and b < 4 else 0),
+        (b * p_expert if shards["experts_skip_fsdp"] and b < 4 else 0) + images * per_image[False],
         # chunked logprobs: fp32 logits of one chunk, their softmax and its gradient (loss.token_logprobs)
         logits_bytes=3 * 4 * min(cfg["logprob_chunk_size"], tokens) * mcfg.vocab_size,
         # Gated DeltaNet under fla: one layer's backward recomputes its chunk states (a (dk, dv) state per value head
@@ -339,9 +342,6 @@ def plan_memory(cfg, mcfg, shards):
     on_gpu_state = 0 if cfg["cpu_offload_optimizer"] else (figures["params_bytes"] + figures["grads_bytes"] +
                                                           figures["optimizer_bytes"] + figures["reference_bytes"])
     transient = figures["gather_bytes"] + figures["logits_bytes"] + figures["gdn_state_bytes"]
-    for c in (True, False):  # the image bound's vision activations join the text's
-        figures["act_bytes_" + ("ckpt" if c else "full")] += (figures["images"] *
-                                                             figures["vision_act_bytes_per_image"][c])
     act = figures["act_bytes_ckpt"] if cfg["activation_checkpointing"] else figures["act_bytes_full"]
     figures["total_bytes"] = on_gpu_state + transient + act
     figures["total_bytes_other_ckpt"] = on_gpu_state + transient + (

@@ -57,6 +57,11 @@ class RequestError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
+def invalid(where, what):
+    """A 400 about the field at `where` (its param), the message naming it first: "`where` what"."""
+    return RequestError(400, f"`{where}` {what}", where)
+
+
 class ChatRequest:
     """One turn asked for in any protocol: OpenAI-style messages, function tools (`strict`: the names of those marked
     strict, whose calls are sampled under their schema) and sampling; `stream` and `model` read from the body."""
@@ -85,13 +90,20 @@ def field(body, key, types, default=None, required=False, where=""):
     value = body.get(key)
     if value is None:
         if required:
-            raise RequestError(400, f"`{where}{key}` is required.", where + key)
+            raise invalid(where + key, "is required.")
         return default
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         names = ["a number"] if types == (int, float) else [TYPE_NAMES[t] for t in types]
-        raise RequestError(400, f"`{where}{key}` must be {' or '.join(names)}, "
-                                f"got {type(value).__name__}.", where + key)
+        raise invalid(where + key, f"must be {' or '.join(names)}, got {type(value).__name__}.")
     return value
+
+
+def objects(body, key):
+    """(where, item) for each item of the array body[key] (required), refusing one that is no object."""
+    for i, item in enumerate(field(body, key, list, required=True)):
+        if not isinstance(item, dict):
+            raise invalid(f"{key}[{i}]", "must be an object.")
+        yield f"{key}[{i}]", item
 
 
 TEXT_PARTS = ("text", "input_text", "output_text")  # chat completions and Anthropic; the Responses API's
@@ -104,7 +116,7 @@ def text_of(content, where, images=False):
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
-        raise RequestError(400, f"`{where}` must be a string or an array of text parts.", where)
+        raise invalid(where, "must be a string or an array of text parts.")
     parts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -114,8 +126,8 @@ def text_of(content, where, images=False):
             parts.append({"type": "text", "text": part["text"]})
         else:
             allowed = "a text or image part" if images else "a text part {\"type\": \"text\", \"text\": ...}"
-            raise RequestError(400, f"`{where}[{i}]` must be {allowed}; only "
-                                    f"{'text and image' if images else 'text'} content is supported here.", f"{where}[{i}]")
+            raise invalid(f"{where}[{i}]", f"must be {allowed}; only {'text and image' if images else 'text'} content "
+                                           "is supported here.")
     return joined(parts)
 
 
@@ -136,9 +148,9 @@ def image_of(part, where):
     if part["type"] == "image":  # Anthropic: {"source": {"type": "base64", "media_type": ..., "data": ...}}
         source = field(part, "source", dict, required=True, where=where + ".")
         if source.get("type") != "base64":
-            raise RequestError(400, f"`{where}.source.type` is {source.get('type')!r}: this server fetches nothing; "
-                                    "send the image inline ({\"type\": \"base64\", \"media_type\": ..., \"data\": ...}).",
-                               where + ".source.type")
+            raise invalid(where + ".source.type", f"is {source.get('type')!r}: this server fetches nothing; send "
+                                                  "the image inline ({\"type\": \"base64\", \"media_type\": ..., "
+                                                  "\"data\": ...}).")
         at = where + ".source.data"
         data = field(source, "data", str, required=True, where=where + ".source.")
     else:  # a data URI; chat completions nest it in {"url": ...}
@@ -147,15 +159,15 @@ def image_of(part, where):
             url, at = url.get("url") if isinstance(url, dict) else None, at + ".url"
         if not isinstance(url, str) or not url.startswith("data:"):
             what = "a URL" if isinstance(url, str) and url.startswith(("http:", "https:")) else "not a data URI"
-            raise RequestError(400, f"`{at}` is {what}: this server does not fetch images; send each image inline "
-                                    "as a data URI (data:image/png;base64,...).", at)
+            raise invalid(at, f"is {what}: this server does not fetch images; send each image inline as a data URI "
+                              "(data:image/png;base64,...).")
         head, _, data = url.partition(",")
         if not head.endswith(";base64"):
-            raise RequestError(400, f"`{at}` must be a base64 data URI (data:image/png;base64,...).", at)
+            raise invalid(at, "must be a base64 data URI (data:image/png;base64,...).")
     try:
         image = ImageBytes(base64.b64decode(data, validate=True))
     except ValueError:  # binascii.Error
-        raise RequestError(400, f"`{at}` is not valid base64.", at)
+        raise invalid(at, "is not valid base64.")
     image.where = where
     return image
 
@@ -165,9 +177,9 @@ def tool_choice_of(request, kind, name, parallel=True):
     "function" (`name`): the call is forced, see CaptureServer.call_opening. parallel=False stops after one call."""
     names = {t["function"]["name"] for t in request.tools}
     if kind == "function" and (not isinstance(name, str) or name not in names):
-        raise RequestError(400, f"`tool_choice` names the tool {name!r}, which is not among `tools`.", "tool_choice")
+        raise invalid("tool_choice", f"names the tool {name!r}, which is not among `tools`.")
     if kind in ("required", "function") and not names:
-        raise RequestError(400, "`tool_choice` forces a tool call but `tools` is empty.", "tool_choice")
+        raise invalid("tool_choice", "forces a tool call but `tools` is empty.")
     request.parse_tools, request.parallel = kind != "none", parallel
     request.forced = None if kind in ("auto", "none") else name or ""
     return request
@@ -290,17 +302,16 @@ def call_id(protocol, answer_id, index):
 def sampling_of(server, body, max_tokens, stop, seed, max_temperature):
     temperature, top_p = field(body, "temperature", (int, float)), field(body, "top_p", (int, float))
     if temperature is not None and not 0 <= temperature <= max_temperature:
-        raise RequestError(400, f"`temperature` must be between 0 and {max_temperature}, got {temperature}.",
-                           "temperature")
+        raise invalid("temperature", f"must be between 0 and {max_temperature}, got {temperature}.")
     if top_p is not None and not 0 < top_p <= 1:
-        raise RequestError(400, f"`top_p` must be in (0, 1], got {top_p}.", "top_p")
+        raise invalid("top_p", f"must be in (0, 1], got {top_p}.")
     if top_p is not None and top_p < 1 and server.importance_correction:
-        raise RequestError(400, "`top_p` < 1 is refused: importance correction is on and the trainer's logprobs "
-                                "cover the full vocabulary, not the nucleus.", "top_p")
+        raise invalid("top_p", "< 1 is refused: importance correction is on and the trainer's logprobs cover the full "
+                               "vocabulary, not the nucleus.")
     if max_tokens is not None and max_tokens < 1:
-        raise RequestError(400, f"`max_tokens` must be at least 1, got {max_tokens}.", "max_tokens")
+        raise invalid("max_tokens", f"must be at least 1, got {max_tokens}.")
     if seed is not None and not 0 <= seed < 2**63:
-        raise RequestError(400, f"`seed` must be in [0, 2**63), got {seed}.", "seed")
+        raise invalid("seed", f"must be in [0, 2**63), got {seed}.")
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if len(stop) > 16 or not all(isinstance(s, str) and s for s in stop):
         raise RequestError(400, "stop sequences must be at most 16 non-empty strings.", "stop")
@@ -320,7 +331,7 @@ def top_logprobs_of(body, wanted):
     """The `top_logprobs` asked for (0 by default) when logprobs are `wanted`, else None."""
     top_logprobs = field(body, "top_logprobs", int, 0) if wanted else None
     if top_logprobs is not None and not 0 <= top_logprobs <= 20:
-        raise RequestError(400, f"`top_logprobs` must be between 0 and 20, got {top_logprobs}.", "top_logprobs")
+        raise invalid("top_logprobs", f"must be between 0 and 20, got {top_logprobs}.")
     return top_logprobs
 
 
@@ -351,19 +362,15 @@ OPENAI_MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"
 def parse_openai(body, server):
     body_fields(body, OPENAI_FIELDS)
     if field(body, "n", int, 1) != 1:
-        raise RequestError(400, "`n` must be 1: each request records one turn of one trajectory.", "n")
+        raise invalid("n", "must be 1: each request records one turn of one trajectory.")
     top_logprobs = top_logprobs_of(body, field(body, "logprobs", bool, False))
     for key in ("frequency_penalty", "presence_penalty"):
         if field(body, key, (int, float), 0) != 0:
-            raise RequestError(400, f"`{key}` is not supported: the trainer could not reproduce the penalized "
-                                    "distribution.", key)
+            raise invalid(key, "is not supported: the trainer could not reproduce the penalized distribution.")
     messages = []
-    for i, m in enumerate(field(body, "messages", list, required=True)):
-        w = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise RequestError(400, f"`{w}` must be an object.", w)
+    for w, m in objects(body, "messages"):
         if extra := [k for k, v in m.items() if k not in OPENAI_MESSAGE_FIELDS and v not in (None, [], {}, "")]:
-            raise RequestError(400, f"`{w}.{extra[0]}` is not supported.", f"{w}.{extra[0]}")
+            raise invalid(f"{w}.{extra[0]}", "is not supported.")
         role = m.get("role")
         content = text_of(m.get("content"), f"{w}.content", images=role == "user")
         name = {"name": m["name"]} if field(m, "name", str, where=w + ".") else {}  # for templates that show it
@@ -384,10 +391,9 @@ def parse_openai(body, server):
             messages.append({"role": "tool", "content": content,
                              "tool_call_id": field(m, "tool_call_id", str, required=True, where=w + ".")})
         else:
-            raise RequestError(400, f"`{w}.role` must be one of system, developer, user, assistant, tool; got {role!r}.",
-                               f"{w}.role")
+            raise invalid(f"{w}.role", f"must be one of system, developer, user, assistant, tool; got {role!r}.")
     if not messages:
-        raise RequestError(400, "`messages` must not be empty.", "messages")
+        raise invalid("messages", "must not be empty.")
     tools, strict = tools_of(body, lambda t, i: (field(t, "function", dict, required=True, where=f"tools[{i}]."),
                                                  f"tools[{i}].function."))
     max_tokens = field(body, "max_completion_tokens", int, field(body, "max_tokens", int))
@@ -405,12 +411,11 @@ def openai_choice(choice, nested):
     if isinstance(choice, dict):
         fn = choice.get("function") if nested == "function" else choice
         if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise RequestError(400, "`tool_choice` must be \"auto\", \"none\", \"required\" or "
-                                    f"{{\"type\": \"function\", ...}} naming a function, got {choice!r}.", "tool_choice")
+            raise invalid("tool_choice", "must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", ...} "
+                                         f"naming a function, got {choice!r}.")
         return "function", fn["name"]
     if choice not in ("auto", "none", "required"):
-        raise RequestError(400, f"`tool_choice` must be \"auto\", \"none\", \"required\" or a function, got {choice!r}.",
-                           "tool_choice")
+        raise invalid("tool_choice", f"must be \"auto\", \"none\", \"required\" or a function, got {choice!r}.")
     return choice, None
 
 
@@ -421,7 +426,7 @@ ANTHROPIC_FIELDS = {"model", "messages", "max_tokens", "system", "tools", "tool_
 def parse_anthropic(body, server, counting=False):
     body_fields(body, ANTHROPIC_FIELDS)
     if field(body, "top_k", int) is not None:
-        raise RequestError(400, "`top_k` is not supported: the trainer's logprobs cover the full vocabulary.", "top_k")
+        raise invalid("top_k", "is not supported: the trainer's logprobs cover the full vocabulary.")
     config = field(body, "thinking", dict)  # a reasoning model thinks unless it is "disabled"
     thinking = None if config is None else config.get("type")
     if config is not None and thinking not in ("enabled", "adaptive", "disabled"):
@@ -429,16 +434,13 @@ def parse_anthropic(body, server, counting=False):
     budget = field(config or {}, "budget_tokens", int, required=thinking == "enabled", where="thinking.")
     system = body.get("system")
     messages = [] if system is None else [{"role": "system", "content": text_of(system, "system")}]
-    for i, m in enumerate(field(body, "messages", list, required=True)):
-        w = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise RequestError(400, f"`{w}` must be an object.", w)
+    for w, m in objects(body, "messages"):
         role, content = m.get("role"), m.get("content")
         if role not in ("user", "assistant"):
-            raise RequestError(400, f"`{w}.role` must be \"user\" or \"assistant\", got {role!r}.", f"{w}.role")
+            raise invalid(f"{w}.role", f"must be \"user\" or \"assistant\", got {role!r}.")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
-            raise RequestError(400, f"`{w}.content` must be a string or an array of content blocks.", f"{w}.content")
+            raise invalid(f"{w}.content", "must be a string or an array of content blocks.")
         text, calls, reasoning = [], [], []  # text: the text (and image) parts in order
         for j, b in enumerate(blocks):
             wb = f"{w}.content[{j}]."
@@ -465,20 +467,18 @@ def parse_anthropic(body, server, counting=False):
                                  [{"type": "text", "text": error}] * bool(error) + result})
             else:
                 allowed = "text, thinking and tool_use" if role == "assistant" else "text, image and tool_result"
-                raise RequestError(400, f"`{wb}type` {kind!r} is not supported in {role} messages ({allowed} are).",
-                                   wb + "type")
+                raise invalid(wb + "type", f"{kind!r} is not supported in {role} messages ({allowed} are).")
         if role == "assistant":
             messages.append({"role": "assistant", "content": joined(text), **({"tool_calls": calls} if calls else {}),
                              **({"reasoning_content": "".join(reasoning)} if reasoning else {})})
         elif text or not blocks:
             messages.append({"role": "user", "content": joined(text)})
     if len(messages) == (system is not None):
-        raise RequestError(400, "`messages` must not be empty.", "messages")
+        raise invalid("messages", "must not be empty.")
 
     def client_tool(t, i):
         if t.get("type") not in (None, "custom"):
-            raise RequestError(400, f"`tools[{i}].type` {t.get('type')!r} is not supported (client tools only).",
-                               f"tools[{i}].type")
+            raise invalid(f"tools[{i}].type", f"{t.get('type')!r} is not supported (client tools only).")
         return t, f"tools[{i}]."
     tools, strict = tools_of(body, client_tool, "input_schema")
     choice = field(body, "tool_choice", dict, {"type": "auto"})
@@ -490,8 +490,7 @@ def parse_anthropic(body, server, counting=False):
     sampling = sampling_of(server, body, field(body, "max_tokens", int, required=not counting),
                            field(body, "stop_sequences", list), None, 1.0)
     if budget is not None and not 1024 <= budget < (sampling["max_tokens"] or budget + 1):  # not enforced: README
-        raise RequestError(400, f"`thinking.budget_tokens` must be at least 1024 and less than `max_tokens`, got "
-                                f"{budget}.", "thinking.budget_tokens")
+        raise invalid("thinking.budget_tokens", f"must be at least 1024 and less than `max_tokens`, got {budget}.")
     request = ChatRequest("anthropic", body, messages, tools, strict, sampling)
     request.close_reasoning = thinking == "disabled"
     return tool_choice_of(request, kind, choice.get("name"),
@@ -521,7 +520,7 @@ def parse_responses(body, server):
         if kind == "reasoning":
             for j, part in enumerate(field(item, "content", list, [], where=w)):
                 if not (isinstance(part, dict) and part.get("type") == "reasoning_text"):
-                    raise RequestError(400, f"`{w}content[{j}]` must be a reasoning_text part.", f"{w}content[{j}]")
+                    raise invalid(f"{w}content[{j}]", "must be a reasoning_text part.")
                 reasoning += field(part, "text", str, "", where=f"{w}content[{j}].")
             continue
         if kind == "message" and item.get("role") in ("system", "developer", "user", "assistant"):
@@ -538,14 +537,14 @@ def parse_responses(body, server):
             messages.append({"role": "tool", "tool_call_id": field(item, "call_id", str, required=True, where=w),
                              "content": text_of(output, w + "output", images=True)})
         else:
-            raise RequestError(400, f"`{w}type` {kind!r} is not supported (items: {RESPONSES_ITEMS}; message roles "
-                                    "system, developer, user, assistant).", w + "type")
+            raise invalid(w + "type", f"{kind!r} is not supported (items: {RESPONSES_ITEMS}; message roles system, "
+                                      "developer, user, assistant).")
         if reasoning and messages[-1]["role"] == "assistant":
             messages[-1]["reasoning_content"], reasoning = reasoning, ""
 
     def function_tool(t, i):
         if t.get("type") != "function":
-            raise RequestError(400, f"`tools[{i}].type` must be \"function\" (function tools only).", f"tools[{i}].type")
+            raise invalid(f"tools[{i}].type", "must be \"function\" (function tools only).")
         return t, f"tools[{i}]."
     tools, strict = tools_of(body, function_tool)
     top_logprobs = top_logprobs_of(body, "message.output_text.logprobs" in field(body, "include", list, []))
@@ -557,7 +556,7 @@ def parse_responses(body, server):
     request.previous_response_id = field(body, "previous_response_id", str)
     request.store = field(body, "store", bool, True)
     if not items:
-        raise RequestError(400, "`input` must not be empty.", "input")
+        raise invalid("input", "must not be empty.")
     return tool_choice_of(request, *openai_choice(field(body, "tool_choice", (str, dict), "auto"), "flat"),
                           field(body, "parallel_tool_calls", bool, True))
 
@@ -616,7 +615,7 @@ class ImageTokens:
         except RequestError:
             raise
         except Exception as e:  # PIL raises many kinds (UnidentifiedImageError, OSError, DecompressionBombError...)
-            raise RequestError(400, f"`{where}` is not an image this server can decode: {e}.", where)
+            raise invalid(where, f"is not an image this server can decode: {e}.")
         try:
             n = self.processor._get_num_multimodal_tokens(image_sizes=[(h, w)]).num_image_tokens[0]
         except ValueError as e:  # the processor's own rules (Qwen-VL: an aspect ratio of at most 200)
@@ -797,12 +796,11 @@ async def openai_events(items, request):
     if kind == "error":  # as vLLM's OpenAI server does: an error chunk (the SDKs raise it), then the end
         yield sse(None, error_body("openai", item[1], item[2])) + "data: [DONE]\n\n"
         return
-    result = item[1]
-    logprobs = result["logprobs"] and {"content": result["logprobs"]}
-    yield sse(None, {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": result["finish_reason"],
-                                          "logprobs": logprobs}]})
+    answer = openai_completion(item[1])  # the last chunk: its choice's finish reason and logprobs, then its usage
+    finish = {k: answer["choices"][0][k] for k in ("finish_reason", "logprobs")}
+    yield sse(None, {**base, "choices": [{"index": 0, "delta": {}, **finish}]})
     if request.include_usage:
-        yield sse(None, {**base, "choices": [], "usage": openai_completion(result)["usage"]})
+        yield sse(None, {**base, "choices": [], "usage": answer["usage"]})
     yield "data: [DONE]\n\n"
 
 

@@ -62,9 +62,8 @@ def reserve_trainer_gpus(gpus_per_node):
     ranks are not Ray workers, so Ray does not know they hold GPUs). Returns the placement group (keep it alive)."""
     if not gpus_per_node:
         return None
-    node_ids = list(gpus_per_node)
-    pg = placement_group([{"GPU": gpus_per_node[n]} for n in node_ids], strategy="PACK",
-                         bundle_label_selector=[{"ray.io/node-id": n} for n in node_ids])
+    pg = placement_group([{"GPU": n} for n in gpus_per_node.values()], strategy="PACK",
+                         bundle_label_selector=[{"ray.io/node-id": node} for node in gpus_per_node])
     ray.get(pg.ready(), timeout=120)
     return pg
 
@@ -77,8 +76,7 @@ def check_engine_gpus(engines, gpus_per_node):
     placed = ray.get([e.__ray_call__.remote(lambda _: (ray.get_runtime_context().get_node_id(), ray.get_gpu_ids()))
                       for e in engines])
     for i, (node, gpu_ids) in enumerate(placed):
-        clash = {int(g) for g in gpu_ids} & set(range(gpus_per_node.get(node, 0)))
-        if clash:
+        if clash := {int(g) for g in gpu_ids} & set(range(gpus_per_node.get(node, 0))):
             raise RuntimeError(f"rollout engine {i} was given GPU(s) {sorted(clash)} of node {node}, which trainer "
                                "ranks use: start the trainer on the lowest GPUs of its nodes, or keep engines on "
                                "nodes of their own (torchrun.sh ROLLOUT_NODE=1)")
@@ -142,11 +140,9 @@ class Router:
         self.sessions = OrderedDict()  # session id -> engine index, least recently used first
         self.max_sessions = max_sessions
         self.restarts = self.failed_requests = 0
-        self.busy_s = [0.0] * len(self.engines)  # time with >= 1 request in flight, per engine
-        self._busy_since = [None] * len(self.engines)
-        self._created = time.monotonic()
         self._reviving = set()
         self._lock = threading.Lock()  # the driver thread reads what the capture server's loop writes
+        self.reset_idle_clock()  # busy_s: time with >= 1 request in flight, per engine
 
     def pick(self, session_id=None):
         with self._lock:
@@ -254,8 +250,7 @@ class Router:
         """Engines up now, and whether that set differs from the one in the weight group (reconnect first)."""
         with self._lock:
             live = [e for e, up in zip(self.engines, self.up) if up]
-            changed = any(up != joined for up, joined in zip(self.up, self.in_weight_group))
-            return live, changed
+            return live, any(up != joined for up, joined in zip(self.up, self.in_weight_group))
 
     def mark_connected(self, live):
         with self._lock:
@@ -382,8 +377,7 @@ class RolloutPool:
         """Block until groups_per_batch complete groups exist; return them as a flat list of segment records (each
         attempt's segments share its attempt_id, group_id and reward). hold=True starts no new group until
         resume(): a synchronous generate-then-train loop (the baseline of `bench.py async`)."""
-        future = asyncio.run_coroutine_threadsafe(self._take_batch(hold), self._loop)
-        return future.result(timeout)
+        return asyncio.run_coroutine_threadsafe(self._take_batch(hold), self._loop).result(timeout)
 
     def resume(self):
         async def go():

@@ -74,8 +74,7 @@ def plot_metrics(out_dir):
     fig, axes = plt.subplots(n, 3, figsize=(12, 2.8 * n))
     for ax, (key, title) in zip(axes.flat, panels):
         for line in (key, OVERLAYS.get(key)):  # eval/success_blank beside eval/success: the image ablation
-            points = [(r["step"], r[line]) for r in rows if line and r.get(line) is not None]
-            if points:
+            if points := [(r["step"], r[line]) for r in rows if line and r.get(line) is not None]:
                 ax.plot(*zip(*points), marker=".", label=line)
         if any(r.get(OVERLAYS.get(key, "")) is not None for r in rows):
             ax.legend(fontsize=7)

@@ -10,6 +10,8 @@ the template, a 3-layer vision tower and its image processor. A directory is bui
 """
 import json
 import os
+import shutil
+import sys
 from dataclasses import replace
 
 import torch
@@ -30,8 +32,8 @@ TINY_VL_CONFIG = replace(TINY_CONFIG, moe_intermediate_size=192, mrope_section=[
     depth=3, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, deepstack_visual_indexes=[0, 1],
     vision_start_token_id=3, vision_end_token_id=4, image_token_id=5, video_token_id=6))  # VISION_TOKENS' ids
 # The tiny Qwen3.6-style hybrid VLM (Qwen3_5MoeForConditionalGeneration): Gated DeltaNet and gated full attention in
-# an irregular pattern, a shared expert, partial rotary (16 of 64 dims) with interleaved M-RoPE, a 2-layer tower
-# without deepstack, one MTP layer. Head dims 64: vLLM's CPU attention has no kernel for 32.
+# an irregular pattern, a shared expert, partial rotary (16 of 64 dims) with interleaved M-RoPE, the tiny VLM's tower
+# with 2 layers and without deepstack, one MTP layer. Head dims 64: vLLM's CPU attention has no kernel for 32.
 TINY_QWEN36_CONFIG = ModelConfig(
     family="qwen3_5", vocab_size=2048, hidden_size=128, num_hidden_layers=5, num_attention_heads=4,
     num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, rope_theta=10000.0, partial_rotary_factor=0.25,
@@ -39,9 +41,7 @@ TINY_QWEN36_CONFIG = ModelConfig(
                                           "full_attention"],
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, shared_expert_intermediate_size=192,
-    mtp_num_hidden_layers=1, vision=VisionConfig(
-        depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, deepstack_visual_indexes=[],
-        vision_start_token_id=3, vision_end_token_id=4, image_token_id=5, video_token_id=6))
+    mtp_num_hidden_layers=1, vision=replace(TINY_VL_CONFIG.vision, depth=2, deepstack_visual_indexes=[]))
 # The default model_path: the tiny Qwen3-MoE after a short supervised warm start on worked examples of the calculator
 # task, which train.py builds with its own trainer and loss (ensure_warm_start) and rebuilds when WARM_START changes.
 # It teaches the protocol (call the tool, copy the numbers in and the result out), not which operation a word names
@@ -174,7 +174,6 @@ def ensure_tiny_model(path=TINY_MODEL_PATH, cfg=None, seed=0):
     try:
         os.rename(tmp, path)
     except OSError:  # another process finished first
-        import shutil
         shutil.rmtree(tmp, ignore_errors=True)
     return path
 
@@ -184,13 +183,10 @@ def ensure_warm_start(path):
     when its recipe changes: the random-init tiny model after `python train.py --sft_data=FILE`, a supervised run on
     worked examples of its task (the agent file's transcripts()). Returns the path."""
     import runpy
-    import shutil
     import subprocess
-    import sys
     path, root = os.path.abspath(path), os.path.dirname(os.path.abspath(__file__))
     base_name, agent_file, warm_start = WARM_STARTS[os.path.basename(path)]
-    recipe = os.path.join(path, "warm_start.json")
-    if os.path.isfile(recipe) and json.load(open(recipe)) == warm_start:
+    if os.path.isfile(recipe := os.path.join(path, "warm_start.json")) and json.load(open(recipe)) == warm_start:
         return path
     base, work = ensure_tiny_model(os.path.join(os.path.dirname(path), base_name)), path + ".build"
     shutil.rmtree(work, ignore_errors=True)
@@ -227,7 +223,6 @@ def save_image_processor(path, vc, min_pixels=32 * 32, max_pixels=448 * 448):
 
 
 if __name__ == "__main__":
-    import sys
     p = ensure_tiny_model(sys.argv[1] if len(sys.argv) > 1 else TINY_MODEL_PATH)
     m = Transformer.from_pretrained(p)
     print(f"{p}: {sum(t.numel() for t in m.parameters()) / 1e6:.2f}M parameters, {m.config}")

@@ -725,7 +725,9 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
         with torch.no_grad(), lora.base_only(reference):
             for mb in microbatches:
                 mb["ref_logprobs"] = microbatch_logprobs(reference, dict(mb, routed_experts=None), cfg)[0]
-        reference is model or reference.reshard()  # its root unit stays gathered after a forward (FSDP2)
+        if reference is not model:  # FSDP2 leaves the root unit gathered after a forward, and on one rank every unit
+            for unit in (u for u in reference.modules() if isinstance(u, FSDPModule)):
+                unit.reshard()
     old_logprobs = [None] * len(microbatches)
     if lcfg.is_mode == "mask" and lcfg.is_level != "none" and not sft:  # rejection needs the trainer's logprobs first
         with torch.no_grad():
@@ -840,6 +842,8 @@ def shard_model(model, meshes, cfg):
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg["param_dtype"]), reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg["cpu_offload_optimizer"] else OffloadPolicy()
     kw = dict(mp_policy=mp, offload_policy=offload)
+    if meshes["fsdp"].size() == 1:  # nothing to gather, yet resharding after forward would copy and cast every
+        kw["reshard_after_forward"] = False  # block's weights again for its backward (plan_memory counts them all)
     local_experts = experts_skip_fsdp(meshes, cfg)
     kept = set()
     for block in [*model.model.layers, *(model.mtp.layers if model.mtp is not None else [])]:

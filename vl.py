@@ -92,13 +92,11 @@ def transcript_images(ids, mask, messages, model_path):
     if len(at) != len(images):
         raise ValueError(f"the chat template of {model_path} rendered {len(at)} image placeholders for a transcript "
                          f"holding {len(images)} images")
-    out_ids, out_mask, done = [], [], 0
-    for i, image in zip(at, images):
-        n = vision.count(image)
-        out_ids += list(ids[done:i]) + [vision.token_id] * n
-        out_mask += list(mask[done:i]) + [0] * n
-        done = i + 1
-    return out_ids + list(ids[done:]), out_mask + list(mask[done:]), [bytes(b) for b in images]
+    ids, counts = vision.expand(list(ids), images)  # as the capture server expands them
+    mask = list(mask)
+    for i, n in zip(reversed(at), reversed(counts)):  # an image's tokens are context
+        mask[i:i + 1] = [0] * n
+    return ids, mask, [bytes(b) for b in images]
 
 
 def blank_images(prompt):

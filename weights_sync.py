@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import lora
-from model import is_stacked_experts, ours_to_hf, weight_files
+from model import checkpoint_reader, is_stacked_experts, ours_to_hf, weight_files
 
 ALIGN = 256  # byte alignment of each tensor in a bucket: keeps copies and NCCL on aligned addresses
 
@@ -363,8 +363,7 @@ async def sync_weights(engines, sender, model, policy_version):
         loads = [asyncio.ensure_future(_call(e, "collective_rpc", *rpc)) for e in engines]
         send = asyncio.ensure_future(asyncio.to_thread(sender.send, model, layout))
         done, _ = await asyncio.wait([*loads, send], return_when=asyncio.FIRST_EXCEPTION)
-        failed = [f for f in [*loads, send] if f in done and f.exception() is not None]
-        if failed:
+        if any(f in done and f.exception() is not None for f in [*loads, send]):
             sender.close()
             await asyncio.wait([*loads, send], timeout=60)  # let the others fail fast on the closed group
             errors = [f.exception() for f in [*loads, send] if f.done() and f.exception() is not None]
@@ -489,14 +488,13 @@ class WeightSyncWorker:
             tensors = dict(receiver)
         finally:
             receiver.drain()
-        scaling = config["lora_alpha"] / config["r"]
-        merged = merged_experts(self, {k: v for k, v in tensors.items() if lora.is_expert_tensor(k)}, scaling)
-        if merged:  # the reload empties vLLM's LoRA slots: the adapter is set again below
+        scaling = config["lora_alpha"] / config["r"]  # expert adapters (PEFT's per-expert names hold .mlp.experts.)
+        # the reload empties vLLM's LoRA slots: the adapter is set again below
+        if merged := merged_experts(self, {k: v for k, v in tensors.items() if is_stacked_experts(k)}, scaling):
             self.reload_weights(weights_iterator=iter(merged), is_checkpoint_format=True)
             if self.device.type == "cpu":
                 repack_cpu_moe_experts(self.model_runner.get_model())
-        served = {k: v for k, v in tensors.items() if not lora.is_expert_tensor(k)}
-        if served:
+        if served := {k: v for k, v in tensors.items() if not is_stacked_experts(k)}:
             from vllm.lora.lora_model import LoRAModel
             from vllm.lora.peft_helper import PEFTHelper
             manager = self.model_runner.lora_manager
@@ -532,13 +530,9 @@ def merged_experts(worker, adapters, scaling):
     if not adapters:
         return []
     if not hasattr(worker, "base_experts"):  # read once: the engine's weights will hold merged values
-        from safetensors import safe_open
         path = worker.model_config.model
-        worker.base_experts = {}
-        for name, fname in weight_files(path).items():
-            if is_stacked_experts(name):
-                with safe_open(f"{path}/{fname}", framework="pt") as f:
-                    worker.base_experts[name] = f.get_tensor(name)
+        read = checkpoint_reader(path)
+        worker.base_experts = {name: read(name) for name in weight_files(path) if is_stacked_experts(name)}
     out = []
     for a_name in (k for k in adapters if ".lora_A." in k):
         weight = a_name.removeprefix(lora.PEFT_PREFIX).replace(".lora_A.", ".")
@@ -555,6 +549,5 @@ def repack_cpu_moe_experts(model):
     garbage. Packing them again here makes the engine match the trainer (tests/test_weights_sync.py checks it).
     GPU backends need no repack: their layout conversion runs on every load."""
     for layer in model.modules():
-        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
-        if kernel is not None:
+        if (kernel := getattr(getattr(layer, "quant_method", None), "moe_kernel", None)) is not None:
             kernel.fused_experts.process_weights_after_loading(layer)

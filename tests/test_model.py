@@ -130,6 +130,14 @@ def test_grouped_mm_matches_loop(device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA")
+def test_topk_ids_on_cuda_equal_torch_topk():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for N, E, k in ((32768, 128, 8), (1000, 256, 8), (7, 60, 4)):
+        probs = torch.randn(N, E, device="cuda", generator=g).softmax(-1)
+        assert torch.equal(experts.topk_ids(probs, k), torch.topk(probs, k, dim=-1).indices), (N, E, k)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA")
 def test_adamw_steps_large_tensors_like_torchs_fused_adamw():
     """experts.AdamW: its large tensors in the Triton kernel, the rest in torch's fused step, against torch's fused
     AdamW on copies: same weights (fp32 rounding), same state keys, with clipping's grad_scale."""
@@ -213,6 +221,13 @@ for N, K, D in ((50, 8, 2048), (37, 2, 100), (3, 4, 64), (0, 4, 64)):
     expected = torch.zeros(N, D).index_add_(0, slots // K, y)
     torch.testing.assert_close(experts.sum_slots_triton(y, position, K), expected)
     torch.testing.assert_close(experts.sum_slots(y, position, K), expected)
+# topk_ids: the Triton kernel against torch.topk (distinct values: no ties), E not a power of two, a ragged last block
+for N, E, k in ((37, 128, 8), (5, 60, 4), (0, 16, 2)):
+    probs = torch.rand(N, E).softmax(-1)
+    out = torch.empty(N, k, dtype=torch.int64)
+    if N:
+        experts._topk_kernel[(experts.triton.cdiv(N, 16),)](probs, out, N, E, K=k, BR=16, BE=experts.triton.next_power_of_2(E))
+    assert torch.equal(out, torch.topk(probs, k, dim=-1).indices)
 # experts.AdamW's kernel against torch's AdamW: 3 steps, with and without weight decay and a clipping grad_scale
 for wd, scale in ((0.1, torch.tensor(2.5)), (0.0, None)):
     p0 = torch.randn(5000)
