@@ -15,7 +15,6 @@ Imports nothing of ours but model.py.
 """
 
 import contextlib
-import json
 import math
 import os
 
@@ -24,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from experts import EXPERT_PROJS
-from model import Transformer
+from model import Transformer, write_json
 
 LINEAR_TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                   "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -231,8 +230,7 @@ def save_peft(path, tensors, config):
     os.makedirs(path, exist_ok=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
               os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    write_json(os.path.join(path, "adapter_config.json"), config)
     return path
 
 

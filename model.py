@@ -868,8 +868,7 @@ def save_hf_checkpoint(path, hf_sd, cfg, max_shard_bytes=5 * 2**30, dtype=None):
     hf = cfg.to_hf()
     if dtype is not None:
         hf["torch_dtype"] = str(dtype).removeprefix("torch.")
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
+    write_json(os.path.join(path, "config.json"), hf)
     shards, cur, size = [], {}, 0
     for k in sorted(hf_sd):
         nbytes = hf_sd[k].numel() * hf_sd[k].element_size()
@@ -887,8 +886,8 @@ def save_hf_checkpoint(path, hf_sd, cfg, max_shard_bytes=5 * 2**30, dtype=None):
         save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
         weight_map.update({k: fname for k in shard})
     total = sum(v.numel() * v.element_size() for v in hf_sd.values())
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    write_json(os.path.join(path, "model.safetensors.index.json"), dict(metadata={"total_size": total}, weight_map=weight_map))
+
 
 def copy_hf_extras(source_dir, path):
     """Tokenizer, chat template and generation config from source_dir; token ids from its config.json."""
@@ -898,15 +897,16 @@ def copy_hf_extras(source_dir, path):
             continue
         if os.path.isfile(os.path.join(source_dir, fname)):
             shutil.copy(os.path.join(source_dir, fname), os.path.join(path, fname))
-    src_cfg = os.path.join(source_dir, "config.json")
+    src_cfg, config = os.path.join(source_dir, "config.json"), os.path.join(path, "config.json")
     if os.path.isfile(src_cfg):
-        with open(src_cfg) as f:
-            src = json.load(f)
-        with open(os.path.join(path, "config.json")) as f:
-            hf = json.load(f)
-        hf.update({k: src[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in src})
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(hf, f, indent=2)
+        src = json.load(open(src_cfg))
+        write_json(config, dict(json.load(open(config)),
+                                **{k: src[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in src}))
+
+
+def write_json(path, value):
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2)
 
 
 def num_params(cfg, active=False):

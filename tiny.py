@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from model import ModelConfig, Transformer, VisionConfig
+from model import ModelConfig, Transformer, VisionConfig, write_json
 
 TINY_MODEL_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache", "tiny-qwen3-moe")
 
@@ -220,11 +220,6 @@ def save_image_processor(path, vc, min_pixels=32 * 32, max_pixels=448 * 448):
                              merge_size=vc.spatial_merge_size, image_mean=[0.5] * 3, image_std=[0.5] * 3,
                              min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(path)
     write_json(os.path.join(path, "processor_config.json"), {"processor_class": "Qwen3VLProcessor"})
-
-
-def write_json(path, value):
-    with open(path, "w") as f:
-        json.dump(value, f, indent=2)
 
 
 if __name__ == "__main__":

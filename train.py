@@ -23,7 +23,9 @@ import inspect
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 import warnings
 
@@ -1112,7 +1114,21 @@ def copy_shard(p, full):
     local.copy_(full.to(local.dtype))
 
 
+def deliver_lost_interrupts(unraisable, report=sys.unraisablehook):
+    """sys.unraisablehook of `python train.py`. Python runs the SIGINT handler at the main thread's next bytecode,
+    which may be inside a weakref callback or a __del__ (the import machinery's module locks, a finalizer the GC
+    runs): a KeyboardInterrupt raised there cannot propagate, Python only reports it, and the run goes on as if
+    Ctrl-C had never been pressed (seen with a SIGINT sent while the driver imports vLLM's parsers, after its
+    engines start). Signal the main thread again, from a thread of its own once this hook has returned (raised
+    inside the hook, the KeyboardInterrupt would be lost the same way); a real signal, unlike
+    _thread.interrupt_main, also ends a blocking call such as a sleep or a lock's wait."""
+    if not issubclass(unraisable.exc_type, KeyboardInterrupt):
+        return report(unraisable)
+    threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+
+
 if __name__ == "__main__":
+    sys.unraisablehook = deliver_lost_interrupts
     main(sys.argv[1:])
     # NOTE: vLLM imports triton, whose bindings print hundreds of "nanobind: leaked ..." lines while the interpreter
     # tears down; everything is written, closed and shut down by now, so leave without the teardown
