@@ -354,10 +354,12 @@ class CaptureServer:
         # structured output and Anthropic's thinking "disabled" sample after ("" for a template without reasoning)
         thinking, closed = (self.render_text(PROBE, None, True, **kw) for kw in ({}, {"enable_thinking": False}))
         self.closed_reasoning = closed[len(thinking):] if closed.startswith(thinking) else ""
-        routes = [Route(path, handler, methods=[method]) for path, handler, method in (
-            ("/sessions", self.http_new_session, "POST"), ("/sessions/{sid}", self.http_get_session, "GET"),
-            ("/sessions/{sid}/finish", self.http_finish_session, "POST"), ("/s/{sid}/v1/models", self.http_models, "GET"),
-            ("/s/{sid}/v1/chat/completions", self.http_chat, "POST"), ("/s/{sid}/v1/responses", self.http_chat, "POST"))]
+        routes = [Route("/sessions", self.http_new_session, methods=["POST"]),
+                  Route("/sessions/{sid}", self.http_get_session, methods=["GET"]),
+                  Route("/sessions/{sid}/finish", self.http_finish_session, methods=["POST"]),
+                  Route("/s/{sid}/v1/models", self.http_models, methods=["GET"]),
+                  Route("/s/{sid}/v1/chat/completions", self.http_chat, methods=["POST"]),
+                  Route("/s/{sid}/v1/responses", self.http_chat, methods=["POST"])]
         # Anthropic Messages and its token count, also under the /v1 the Anthropic SDK adds to the same base_url
         routes += [Route(f"/s/{{sid}}/v1{v}/messages{tail}", handler, methods=["POST"]) for v in ("", "/v1")
                    for tail, handler in (("", self.http_chat), ("/count_tokens", self.http_count_tokens))]

@@ -886,7 +886,8 @@ def save_hf_checkpoint(path, hf_sd, cfg, max_shard_bytes=5 * 2**30, dtype=None):
         save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
         weight_map.update({k: fname for k in shard})
     total = sum(v.numel() * v.element_size() for v in hf_sd.values())
-    write_json(os.path.join(path, "model.safetensors.index.json"), dict(metadata={"total_size": total}, weight_map=weight_map))
+    write_json(os.path.join(path, "model.safetensors.index.json"),
+               dict(metadata={"total_size": total}, weight_map=weight_map))
 
 
 def copy_hf_extras(source_dir, path):

@@ -842,8 +842,10 @@ def shard_model(model, meshes, cfg):
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg["param_dtype"]), reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg["cpu_offload_optimizer"] else OffloadPolicy()
     kw = dict(mp_policy=mp, offload_policy=offload)
-    if meshes["fsdp"].size() == 1:  # nothing to gather, yet resharding after forward would copy and cast every
-        kw["reshard_after_forward"] = False  # block's weights again for its backward (plan_memory counts them all)
+    # one FSDP rank: nothing to gather, yet resharding after forward would copy and cast every block's weights again
+    # for its backward; they stay unsharded from forward to backward (plan_memory counts them all)
+    if meshes["fsdp"].size() == 1:
+        kw["reshard_after_forward"] = False
     local_experts = experts_skip_fsdp(meshes, cfg)
     kept = set()
     for block in [*model.model.layers, *(model.mtp.layers if model.mtp is not None else [])]:
