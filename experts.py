@@ -3,7 +3,7 @@ The MoE experts and their kernels: E stacked SwiGLU experts (`Experts`) computed
 readable reference, used on CPU) or with grouped GEMM on CUDA (`GroupedSwiGLU` on `torch._grouped_mm`), LoRA adapters
 on them (`LoRAGroupedMM`), the router's top-k, the permutation of rows to and from expert order (`GatherRows`,
 `SumRows`), and the few Triton kernels on CUDA beside their eager references (`topk_ids`, `sum_slots`,
-`swiglu_backward`, `to_contiguous`, `lowrank_add`, and the AdamW step of large tensors, `AdamW`). `cuda_compiled` is
+`swiglu_backward`, `grouped_grad`, `lowrank_add`, and the AdamW step of large tensors, `AdamW`). `cuda_compiled` is
 the one torch.compile wrapper of the project (model.py and loss.py use it too). `python bench.py layer` measures
 them in the decoder layer on a GPU.
 
@@ -19,6 +19,7 @@ import os
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 try:  # a few small kernels on CUDA; everything else, and all of it on CPU, is plain PyTorch
     import triton
@@ -139,24 +140,33 @@ class GroupedSwiGLU(torch.autograd.Function):
     gate_up (E, 2H, D) the gate and up weights stacked (one GEMM for both, x read once; one GEMM for their input
     gradient, no add), down (E, D, H), scale (N,) each row's routing weight -> (N, D) = experts_loop's product.
     Backward forms each weight gradient in its weight's own (E, out, in) layout (dy^T h rather than autograd's
-    (h^T dy)^T, the same GEMM), so that the fp32 accumulation after it (train.CastForCompute) reads it in order.
-    Saves what autograd would: x, gate_up's output and the hidden rows h."""
+    (h^T dy)^T, the same GEMM). With `into` ((gate, up), (down,): fp32 parameters whose casts gate_up and down are,
+    train.keep_experts_local's), it adds them into those parameters' .grad itself (grouped_grad, fp32 in the GEMM's
+    epilogue) and returns none for the casts. Saves what autograd would: x, gate_up's output and the hidden rows h."""
 
     @staticmethod
-    def forward(ctx, x, offs, scale, gate_up, down):
+    def forward(ctx, x, offs, scale, gate_up, down, into=None):
         gu = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offs)  # (N, 2H)
         h = silu_mul(*gu.chunk(2, -1), scale)
         ctx.save_for_backward(x, offs, scale, gate_up, down, gu, h)
+        ctx.into = into
         return torch._grouped_mm(h, down.transpose(-2, -1), offs=offs)
 
     @staticmethod
     def backward(ctx, dy):
         x, offs, scale, gate_up, down, gu, h = ctx.saved_tensors
         dy = dy.contiguous()
-        d_down = torch._grouped_mm(dy.t(), h, offs=offs)  # (E, D, H)
         dgu, dscale = swiglu_backward(gu, scale, torch._grouped_mm(dy, down, offs=offs))
-        d_gate_up = torch._grouped_mm(dgu.t(), x, offs=offs)  # (E, 2H, D)
-        return torch._grouped_mm(dgu, gate_up, offs=offs), None, dscale, d_gate_up, d_down
+        dx = torch._grouped_mm(dgu, gate_up, offs=offs)
+        if ctx.into is None:  # the weight gradients to autograd: (E, 2H, D) and (E, D, H)
+            return dx, None, dscale, torch._grouped_mm(dgu.t(), x, offs=offs), torch._grouped_mm(dy.t(), h, offs=offs), None
+        for params, a, b in zip(ctx.into, (dgu, dy), (x, h)):
+            grads = grouped_grad(a, b, offs, [None if p.grad is None else local(p.grad) for p in params])
+            for p, g in zip(params, grads):
+                if p.grad is None:
+                    p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False) \
+                        if isinstance(p, DTensor) else g
+        return dx, None, dscale, None, None, None
 
 
 class LoRAGroupedMM(torch.autograd.Function):
@@ -389,39 +399,64 @@ if triton is not None:
         tl.store(out + row * D + cols, acc.to(out.dtype.element_ty), mask=cols < D)
 
 
-def to_contiguous(x, dtype, into=None):
-    """x (E, R, C) of any strides -> a contiguous tensor in `dtype`, in one pass (x itself when it already is one).
-    With `into` (a contiguous (E, R, C) tensor): into += x in place, in one pass (x read once, `into` read and written
-    once), and returns `into`. The backward of a local expert weight's cast uses it: gate's and up's gradients arrive
-    as strided slices of their stacked (E, 2H, D) gradient, and from a window's second microbatch on it adds into the
-    fp32 gradient."""
-    kernel = x.is_cuda and triton is not None and x.dim() == 3
-    if into is not None:
-        return to_contiguous_triton(x, into, True) if kernel else into.add_(x)  # the reference
-    if (x.dtype == dtype and x.is_contiguous()) or not kernel:
-        return x.to(dtype, memory_format=torch.contiguous_format)  # the reference; the kernel matches it bit for bit
-    return to_contiguous_triton(x, torch.empty(x.shape, dtype=dtype, device=x.device), False)
+def grouped_grad(a, b, offs, grads):
+    """Each expert's weight gradient a_e^T b_e in fp32, for a (N, M) and b (N, K) with rows sorted by expert (offs:
+    cumulative row counts), into `grads`: one or two fp32 (E, M / n, K) tensors, the parts of M in order (gate's and
+    up's halves of the stacked 2H), each added into, or made where it is None. Returns them. On CUDA one Triton
+    kernel adds each output tile into the fp32 gradient in its epilogue, so that no bf16 gradient is written only to
+    be read again and added (at Qwen3-30B-A3B's experts 6 GB of traffic per layer and microbatch)."""
+    (E,), M, K, n = offs.shape, a.shape[1], b.shape[1], len(grads)
+    if None in grads and any(g is not None for g in grads):  # one made and not the other: the other made as zeros
+        grads = [torch.zeros(E, M // n, K, device=a.device) if g is None else g for g in grads]
+    if not (a.is_cuda and triton is not None and a.dtype == torch.bfloat16 and (M // n) % 16 == K % 16 == 0):
+        parts = torch._grouped_mm(a.t(), b, offs=offs).float().chunk(n, 1)  # the reference
+        return [p.contiguous() if g is None else g.add_(p) for g, p in zip(grads, parts)]
+    if grads[0] is None:
+        return grouped_grad_triton(a, b, offs, [a.new_empty(E, M // n, K, dtype=torch.float32) for _ in grads], False)
+    return grouped_grad_triton(a, b, offs, grads, True)
 
 
-def to_contiguous_triton(x, out, accumulate):
-    E, R, C = x.shape
-    _to_contiguous_kernel[(E, triton.cdiv(R, 64), triton.cdiv(C, 64))](out, x, R, C, *x.stride(), BR=64, BC=64,
-                                                                      ACCUMULATE=accumulate)
-    return out
+def grouped_grad_triton(a, b, offs, grads, accumulate):
+    (E,), M, K, M0 = offs.shape, a.shape[1], b.shape[1], grads[0].shape[1]
+    BM, (BN, BK) = next(bm for bm in (128, 64, 32, 16) if M0 % bm == 0), (256, 64) if K % 256 == 0 else (128, 64)
+    desc_a, desc_b = (TensorDescriptor.from_tensor(t, [BK, bs]) for t, bs in ((a, BM), (b, BN)))
+    _grouped_grad_kernel[(E * triton.cdiv(M, BM) * triton.cdiv(K, BN),)](
+        desc_a, desc_b, offs, grads[0], grads[-1], M0, M, K, ACCUMULATE=accumulate, BM=BM, BN=BN, BK=BK,
+        num_warps=8, num_stages=3)
+    return grads
 
 
 if triton is not None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     @triton.jit
-    def _to_contiguous_kernel(out, x, R, C, s0, s1, s2, BR: tl.constexpr, BC: tl.constexpr, ACCUMULATE: tl.constexpr):
-        e = tl.program_id(0).to(tl.int64)  # one (BR, BC) tile of matrix e; Triton reads x along its unit stride
-        rows = tl.program_id(1) * BR + tl.arange(0, BR)[:, None]
-        cols = tl.program_id(2) * BC + tl.arange(0, BC)[None, :]
-        mask = (rows < R) & (cols < C)
-        tile = tl.load(x + e * s0 + rows * s1 + cols * s2, mask=mask).to(out.dtype.element_ty)
-        ptrs = out + e * R * C + rows * C + cols
+    def _grouped_grad_kernel(a, b, offs, c0, c1, M0, M, K, ACCUMULATE: tl.constexpr, BM: tl.constexpr,
+                             BN: tl.constexpr, BK: tl.constexpr):
+        # program: expert e, output tile (tm, tn), tm fastest (the tiles of one expert run together, its rows in L2);
+        # output rows below M0 go to c0, the others to c1 (BM divides M0)
+        tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(K, BN)
+        pid = tl.program_id(0)
+        e, tm, tn = pid // (tiles_m * tiles_n), pid % tiles_m, pid // tiles_m % tiles_n
+        start = tl.load(offs + e - 1, mask=e > 0, other=0)
+        end = tl.load(offs + e)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for i in range((end - start) // BK):  # whole blocks of rows: tensor-core operands straight from TMA
+            acc = tl.dot(a.load([start + i * BK, tm * BM]).T, b.load([start + i * BK, tn * BN]), acc)
+        last = start + (end - start) // BK * BK
+        if last < end:  # the expert's last rows; the rest of the block is the next expert's: zeroed
+            keep = (last + tl.arange(0, BK) < end)[:, None]
+            acc = tl.dot(tl.where(keep, a.load([last, tm * BM]), 0).T, tl.where(keep, b.load([last, tn * BN]), 0),
+                         acc)
+        rows = tm * BM + tl.arange(0, BM)[:, None]
+        cols = tn * BN + tl.arange(0, BN)[None, :]
+        if tm * BM < M0:
+            ptrs = c0 + e.to(tl.int64) * M0 * K + rows * K + cols
+        else:
+            ptrs = c1 + e.to(tl.int64) * (M - M0) * K + (rows - M0) * K + cols
+        mask = (rows < M) & (cols < K)
         if ACCUMULATE:
-            tile = tl.load(ptrs, mask=mask) + tile
-        tl.store(ptrs, tile, mask=mask)
+            acc += tl.load(ptrs, mask=mask)
+        tl.store(ptrs, acc, mask=mask)
 
 
 class GatherRows(torch.autograd.Function):
@@ -509,8 +544,10 @@ class Experts(nn.Module):
             # and so does the backward all-to-all of the routing weights that arrived (empty) from other ranks
             adapters = sum(w.sum() for ab in lora[1] for w in ab) if lora is not None else 0
             return x + 0 * (scale.sum() + sum(w.sum() for w in ws) + adapters)
-        if stacked:
-            return GroupedSwiGLU.apply(x, torch.cumsum(counts, 0, dtype=torch.int32), scale, *ws)
+        if stacked:  # local fp32 experts (cast_weights) get their gradients added into .grad by GroupedSwiGLU
+            local = self.cast_weights is not None and self.gate_proj.requires_grad
+            return GroupedSwiGLU.apply(x, torch.cumsum(counts, 0, dtype=torch.int32), scale, *ws,
+                                       ((self.gate_proj, self.up_proj), (self.down_proj,)) if local else None)
         return (experts_grouped_mm if grouped else experts_loop)(x, counts, scale, *ws, lora)
 
     def forward(self, x, topk_ids, topk_weights):

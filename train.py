@@ -45,7 +45,7 @@ import plan
 import runlog
 import vl
 from checkpoint import export_hf, latest_checkpoint, load_checkpoint, local_tensor, save_checkpoint
-from experts import EXPERT_PROJS, AdamW, GatherRows, SumRows, count_ids, slot_positions, to_contiguous
+from experts import EXPERT_PROJS, AdamW, GatherRows, SumRows, count_ids, slot_positions
 from model import (Transformer, checkpoint_reader, hf_name, init_parameters, is_stacked_experts, load_config,
                    read_experts)
 from tiny import ensure_tiny_model, is_tiny_model
@@ -915,17 +915,16 @@ def keep_experts_local(experts, mesh, dtype, reuse_casts=False):
 
 class CastForCompute(torch.autograd.Function):
     """Local expert weights (fp32 DTensors on a one-rank mesh, stacked on dim 1 when several) -> one local tensor in
-    the compute dtype. Backward writes each weight's gradient in the parameter's layout in one pass
-    (experts.to_contiguous; it takes any strides, and autograd's own cast would keep them, making every later add
-    into .grad a strided pass). The first backward of a window returns it as a new fp32 tensor, which autograd takes
-    as .grad; later ones (gradient accumulation over microbatches) add into .grad in place, in the same pass, and
-    return None, so that no fp32 copy is written only to be added (at Qwen3-30B-A3B's experts 4.8 GB less traffic
-    per layer and microbatch). torch.autograd.grad on these weights while .grad is set would then not see them: the
-    trainer accumulates into .grad."""
+    the compute dtype. Where the grouped GEMM experts compute with the cast (CUDA), they add the weights' gradients
+    into .grad themselves, in fp32 (experts.GroupedSwiGLU's `into`), and send this backward none. Otherwise its
+    backward returns each weight's gradient in fp32 (autograd takes it as .grad), or from a window's second
+    microbatch on adds it into .grad in place and returns None. torch.autograd.grad on these weights would not see
+    gradients added into .grad: the trainer accumulates into .grad."""
 
     @staticmethod
     def forward(ctx, dtype, *params):
         ctx.params = params
+        ctx.set_materialize_grads(False)  # None when GroupedSwiGLU took the gradients
         first = local_tensor(params[0])
         out = first.new_empty(first.shape[0], sum(p.shape[1] for p in params), *first.shape[2:], dtype=dtype)
         for part, p in zip(out.split([p.shape[1] for p in params], 1), params):
@@ -934,15 +933,15 @@ class CastForCompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grads = grad.split([p.shape[1] for p in ctx.params], 1)
         out = [None]
-        for p, g in zip(ctx.params, grads):
+        for p, g in zip(ctx.params, grad.split([p.shape[1] for p in ctx.params], 1) if grad is not None else ()):
             if p.grad is not None:
-                to_contiguous(g, p.dtype, into=local_tensor(p.grad))
+                local_tensor(p.grad).add_(g)
                 out.append(None)
             else:
-                out.append(DTensor.from_local(to_contiguous(g, p.dtype), p.device_mesh, p.placements, run_check=False))
-        return tuple(out)
+                out.append(DTensor.from_local(g.to(p.dtype, memory_format=torch.contiguous_format), p.device_mesh,
+                                              p.placements, run_check=False))
+        return tuple(out + [None] * (len(ctx.params) + 1 - len(out)))
 
 
 def expert_placement(experts, meshes):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import experts
-from experts import experts_grouped_mm, experts_loop
+from experts import GroupedSwiGLU, experts_grouped_mm, experts_loop
 from model import ModelConfig, Transformer, hf_to_ours, ours_to_hf, read_safetensors, num_params
 from tiny import TINY_CONFIG
 
@@ -121,11 +121,25 @@ def test_grouped_mm_matches_loop(device):
         y = fn(leaves[0], counts, *leaves[1:])
         y.backward(dy.to(dtype))
         runs.append([y.detach().double()] + [t.grad.double() for t in leaves])
-    ref, loop, grouped = runs
-    for name, r, a, b in zip(("y", "x", "scale", "gate", "up", "down"), ref, loop, grouped):
+    # the local fp32 experts' path (train.keep_experts_local): GroupedSwiGLU adds the weight gradients into .grad in
+    # fp32 itself (grouped_grad); two backwards of the same microbatch, the second adding into the first's
+    x_, w_ = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ws = [t.float().requires_grad_() for t in (g, u, d)]
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    for _ in range(2):
+        y = GroupedSwiGLU.apply(x_, offs, w_, torch.cat(ws[:2], 1).bfloat16(), ws[2].bfloat16(), (ws[:2], ws[2:]))
+        y.backward(dy)
+    assert all(t.grad.dtype == torch.float32 for t in ws)
+    runs.append([y.detach().double()] + [t.grad.double() / 2 for t in (x_, w_, *ws)])
+    ref, loop, grouped, grouped_into = runs
+    assert torch.equal(grouped_into[1], grouped[1]) and torch.equal(grouped_into[2], grouped[2])  # x's, w's: the same
+    for name, r, a, b, c in zip(("y", "x", "scale", "gate", "up", "down"), ref, loop, grouped, grouped_into):
         err, loop_err = ((b - r).abs().max() / r.abs().max()).item(), ((a - r).abs().max() / r.abs().max()).item()
         assert err < 1.5 * loop_err + 1e-3, (name, err, loop_err)  # no worse than bf16 itself (measured < 1.0x)
-    for grads in grouped[3:]:  # the weight gradients of the expert without rows: zero
+        into_err = ((c - r).abs().max() / r.abs().max()).item()
+        assert into_err < 1.5 * loop_err + 1e-3, (name, into_err, loop_err)
+        print(f"{device} {name}: loop {loop_err:.2e} grouped {err:.2e} into .grad {into_err:.2e}")
+    for grads in grouped[3:] + grouped_into[3:]:  # the weight gradients of the expert without rows: zero
         assert grads[3].abs().max() == 0
 
 
@@ -247,25 +261,24 @@ for N, H in ((37, 48), (5, 768), (0, 16)):
     gu, scale, dh = torch.randn(N, 2 * H), torch.rand(N), torch.randn(N, H)
     for got, want in zip(experts.swiglu_backward_triton(gu, scale, dh), experts.swiglu_backward(gu, scale, dh)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-# to_contiguous: a bf16 gradient of any strides (a slice of the stacked gate/up gradient, a transpose; an unused
-# expert's is an expanded zero) into a contiguous fp32 tensor, bit-equal to .to(); sizes not multiples of the 64 x 64
-# tiles
-E, R, C = 5, 70, 130
-for name, grad in {"contiguous": torch.randn(E, R, C).bfloat16(), "transposed": torch.randn(E, C, R).bfloat16().transpose(1, 2),
-                   "expanded": torch.ones((), dtype=torch.bfloat16).expand(E, R, C)}.items():
-    out = experts.to_contiguous_triton(grad, torch.empty(E, R, C), False)
-    assert out.is_contiguous(), name
-    torch.testing.assert_close(out, grad.float(), rtol=0, atol=0, msg=name)
-    # accumulate (a window's later microbatches): into += grad in place, equal to the reference add
-    into = torch.randn(E, R, C)
-    want = into + grad.float()
-    assert experts.to_contiguous_triton(grad, into, True) is into
-    torch.testing.assert_close(into, want, rtol=0, atol=0, msg=name)
+# grouped_grad: each expert's a_e^T b_e in fp32, written (into NaNs: every element must be written, an empty expert's
+# as zeros) or added into one or two tensors splitting M; experts with no rows, rows not multiples of the 64-row
+# blocks, outputs not multiples of the tiles (fp32 operands here: the interpreter's bf16 dot is not the GPU's)
+for counts, M, K, n in (([5, 0, 70, 64, 1], 64, 96, 2), ([130, 3], 48, 32, 1), ([0, 0, 9], 32, 256, 2)):
+    E, offs = len(counts), torch.tensor(counts).cumsum(0).to(torch.int32)
+    a, b = torch.randn(sum(counts), M), torch.randn(sum(counts), K)
+    want = torch.stack([a[o - c:o].T @ b[o - c:o] for c, o in zip(counts, offs.tolist())])
+    got = experts.grouped_grad_triton(a, b, offs, [torch.full((E, M // n, K), float("nan")) for _ in range(n)], False)
+    torch.testing.assert_close(torch.cat(got, 1), want, rtol=1e-5, atol=1e-4)
+    into = [torch.randn(E, M // n, K) for _ in range(n)]
+    base = torch.cat(into, 1)
+    assert all(g is i for g, i in zip(experts.grouped_grad_triton(a, b, offs, into, True), into))
+    torch.testing.assert_close(torch.cat(into, 1), base + want, rtol=1e-5, atol=1e-4)
 """
 
 
 def test_triton_kernels_match_their_references():
-    """The Triton kernels (sum_slots, to_contiguous) run on CUDA; checked here on CPU by Triton's interpreter."""
+    """The Triton kernels (sum_slots, grouped_grad, ...) run on CUDA; checked here on CPU by Triton's interpreter."""
     pytest.importorskip("triton")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", SUM_SLOTS_CHECK], env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=root,

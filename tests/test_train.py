@@ -511,22 +511,27 @@ def test_grouped_gemm_experts_match_the_loop_under_expert_parallelism_in_bf16(tm
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA")
-def test_to_contiguous_takes_any_layout_on_cuda():
-    """The kernel behind CastForCompute's backward: a bf16 gradient of any strides (the grouped GEMM's comes
-    transposed; an unused expert's is an expanded zero) into a contiguous fp32 tensor, bit-equal to .to()."""
+def test_grouped_grad_adds_fp32_weight_gradients_on_cuda():
+    """experts.grouped_grad's kernel (bf16 operands, TMA loads, fp32 out): each expert's a_e^T b_e written, then
+    added, at the expert shapes of Qwen3-30B-A3B (gate and up stacked: 2 x 768 by 2048; down 2048 by 768) with rows
+    per expert that are not multiples of the blocks and an expert without rows, against fp32 products of the same
+    bf16 operands. The negative control: the same product rounded to bf16, as torch._grouped_mm gives it."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    E, R, C = 5, 70, 130  # not multiples of the 64 x 64 tiles
-    grads = {"contiguous": torch.randn(E, R, C, device="cuda", generator=g).bfloat16(),
-             "transposed": torch.randn(E, C, R, device="cuda", generator=g).bfloat16().transpose(1, 2),
-             "expanded": torch.ones((), device="cuda", dtype=torch.bfloat16).expand(E, R, C)}
-    for name, grad in grads.items():
-        out = experts.to_contiguous(grad, torch.float32)
-        assert out.is_contiguous(), name
-        torch.testing.assert_close(out, grad.float(), rtol=0, atol=0, msg=name)
-        into = torch.randn(E, R, C, device="cuda", generator=g)
-        want = into + grad.float()
-        assert experts.to_contiguous(grad, torch.float32, into=into) is into
-        torch.testing.assert_close(into, want, rtol=0, atol=0, msg=name)
+    for M, K, n in ((1536, 2048, 2), (2048, 768, 1)):
+        counts = torch.randint(1, 700, (12,), device="cuda", generator=g)
+        counts[5] = 0
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        a, b = (torch.randn(int(offs[-1]), s, device="cuda", generator=g).bfloat16() for s in (M, K))
+        want = torch.stack([a[o - c:o].float().T @ b[o - c:o].float() for c, o in zip(counts.tolist(), offs.tolist())])
+        got = torch.cat(experts.grouped_grad(a, b, offs, [None] * n), 1)
+        scale = want.abs().max()
+        assert (got - want).abs().max() < 1e-5 * scale, ((got - want).abs().max() / scale).item()  # measured 0
+        assert (torch._grouped_mm(a.t(), b, offs=offs).float() - want).abs().max() > 1e-3 * scale  # bf16 output
+        into = [torch.randn(len(counts), M // n, K, device="cuda", generator=g) for _ in range(n)]
+        base = torch.cat(into, 1)
+        assert all(x is y for x, y in zip(experts.grouped_grad(a, b, offs, into), into))
+        assert (torch.cat(into, 1) - base - want).abs().max() < 1e-5 * scale
+        assert torch.cat(into, 1)[5].sub(base[5]).abs().max() == 0  # the expert without rows: nothing added
 
 
 def test_collate_places_per_token_advantages_shifted_like_the_targets():
