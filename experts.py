@@ -406,8 +406,6 @@ def grouped_grad(a, b, offs, grads):
     kernel adds each output tile into the fp32 gradient in its epilogue, so that no bf16 gradient is written only to
     be read again and added (at Qwen3-30B-A3B's experts 6 GB of traffic per layer and microbatch)."""
     (E,), M, K, n = offs.shape, a.shape[1], b.shape[1], len(grads)
-    if None in grads and any(g is not None for g in grads):  # one made and not the other: the other made as zeros
-        grads = [torch.zeros(E, M // n, K, device=a.device) if g is None else g for g in grads]
     if not (a.is_cuda and triton is not None and a.dtype == torch.bfloat16 and (M // n) % 16 == K % 16 == 0):
         parts = torch._grouped_mm(a.t(), b, offs=offs).float().chunk(n, 1)  # the reference
         return [p.contiguous() if g is None else g.add_(p) for g, p in zip(grads, parts)]
@@ -439,14 +437,6 @@ if triton is not None:
         e, tm, tn = pid // (tiles_m * tiles_n), pid % tiles_m, pid // tiles_m % tiles_n
         start = tl.load(offs + e - 1, mask=e > 0, other=0)
         end = tl.load(offs + e)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for i in range((end - start) // BK):  # whole blocks of rows: tensor-core operands straight from TMA
-            acc = tl.dot(a.load([start + i * BK, tm * BM]).T, b.load([start + i * BK, tn * BN]), acc)
-        last = start + (end - start) // BK * BK
-        if last < end:  # the expert's last rows; the rest of the block is the next expert's: zeroed
-            keep = (last + tl.arange(0, BK) < end)[:, None]
-            acc = tl.dot(tl.where(keep, a.load([last, tm * BM]), 0).T, tl.where(keep, b.load([last, tn * BN]), 0),
-                         acc)
         rows = tm * BM + tl.arange(0, BM)[:, None]
         cols = tn * BN + tl.arange(0, BN)[None, :]
         if tm * BM < M0:
@@ -454,8 +444,16 @@ if triton is not None:
         else:
             ptrs = c1 + e.to(tl.int64) * (M - M0) * K + (rows - M0) * K + cols
         mask = (rows < M) & (cols < K)
-        if ACCUMULATE:
-            acc += tl.load(ptrs, mask=mask)
+        # the accumulator starts from the gradient so far: its load overlaps the first operand loads (loaded after
+        # the loop it was measured 0.1-0.2 ms slower per GEMM on an H200)
+        acc = tl.load(ptrs, mask=mask) if ACCUMULATE else tl.zeros((BM, BN), dtype=tl.float32)
+        for i in range((end - start) // BK):  # whole blocks of rows: tensor-core operands straight from TMA
+            acc = tl.dot(a.load([start + i * BK, tm * BM]).T, b.load([start + i * BK, tn * BN]), acc)
+        last = start + (end - start) // BK * BK
+        if last < end:  # the expert's last rows; the rest of the block is the next expert's: zeroed
+            keep = (last + tl.arange(0, BK) < end)[:, None]
+            acc = tl.dot(tl.where(keep, a.load([last, tm * BM]), 0).T, tl.where(keep, b.load([last, tn * BN]), 0),
+                         acc)
         tl.store(ptrs, acc, mask=mask)
 
 
