@@ -525,8 +525,9 @@ def test_grouped_grad_adds_fp32_weight_gradients_on_cuda():
         want = torch.stack([a[o - c:o].float().T @ b[o - c:o].float() for c, o in zip(counts.tolist(), offs.tolist())])
         got = torch.cat(experts.grouped_grad(a, b, offs, [None] * n), 1)
         scale = want.abs().max()
-        assert (got - want).abs().max() < 1e-5 * scale, ((got - want).abs().max() / scale).item()  # measured 0
-        assert (torch._grouped_mm(a.t(), b, offs=offs).float() - want).abs().max() > 1e-3 * scale  # bf16 output
+        bf16 = torch._grouped_mm(a.t(), b, offs=offs).float()
+        err, bf16_err = (((t - want).abs().max() / scale).item() for t in (got, bf16))
+        assert err < 1e-5 and bf16_err > 1e-3, (err, bf16_err)  # measured 1.2e-6 (fp32 sums) and 2.7e-3-2.9e-3
         into = [torch.randn(len(counts), M // n, K, device="cuda", generator=g) for _ in range(n)]
         base = torch.cat(into, 1)
         assert all(x is y for x, y in zip(experts.grouped_grad(a, b, offs, into), into))
