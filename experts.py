@@ -159,7 +159,8 @@ class GroupedSwiGLU(torch.autograd.Function):
         dgu, dscale = swiglu_backward(gu, scale, torch._grouped_mm(dy, down, offs=offs))
         dx = torch._grouped_mm(dgu, gate_up, offs=offs)
         if ctx.into is None:  # the weight gradients to autograd: (E, 2H, D) and (E, D, H)
-            return dx, None, dscale, torch._grouped_mm(dgu.t(), x, offs=offs), torch._grouped_mm(dy.t(), h, offs=offs), None
+            d_gate_up, d_down = torch._grouped_mm(dgu.t(), x, offs=offs), torch._grouped_mm(dy.t(), h, offs=offs)
+            return dx, None, dscale, d_gate_up, d_down, None
         for params, a, b in zip(ctx.into, (dgu, dy), (x, h)):
             grads = grouped_grad(a, b, offs, [None if p.grad is None else local(p.grad) for p in params])
             for p, g in zip(params, grads):
@@ -406,7 +407,8 @@ def grouped_grad(a, b, offs, grads):
     kernel adds each output tile into the fp32 gradient in its epilogue, so that no bf16 gradient is written only to
     be read again and added (at Qwen3-30B-A3B's experts 6 GB of traffic per layer and microbatch)."""
     (E,), M, K, n = offs.shape, a.shape[1], b.shape[1], len(grads)
-    if not (a.is_cuda and triton is not None and a.dtype == torch.bfloat16 and (M // n) % 16 == K % 16 == 0):
+    kernel = a.is_cuda and triton is not None and torch.cuda.get_device_capability(a.device)[0] >= 9  # TMA: Hopper on
+    if not (kernel and a.dtype == torch.bfloat16 and (M // n) % 16 == K % 16 == 0):
         parts = torch._grouped_mm(a.t(), b, offs=offs).float().chunk(n, 1)  # the reference
         return [p.contiguous() if g is None else g.add_(p) for g, p in zip(grads, parts)]
     if grads[0] is None:
