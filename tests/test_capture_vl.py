@@ -3,7 +3,8 @@ SDK clients send images (several per conversation, across turns, in an Anthropic
 input_image). Every mask-1 token is the engine's (token identity), every image token is context (mask 0), each image
 takes the tokens its processor grid says, the segment carries the image files, and our model.py on the same
 checkpoint, given the segment's images, computes the engine's logprobs (the gap is printed). Bad images get a 400
-naming the part, and the session carries on.
+naming the part, and the session carries on. The engine alone, given a rendered chat, expands each image to its
+processor's token count and its logprobs are model.py's.
 
     .venv/bin/python -m pytest tests/test_capture_vl.py -q -s     # one engine for the file (~30-60 s to start)
 """
@@ -429,3 +430,43 @@ def test_trainer_images_line_up_with_their_tokens(stack, trainer_model):
     assert (trainer_logprobs([red, blue])[generated] - behavior).abs().max() < 0.5  # the sampled tokens too
     assert gaps["same"].mean() < 0.05
     assert gaps["swapped"].mean() > 3 * gaps["same"].mean() and gaps["reordered"].mean() > 3 * gaps["same"].mean()
+
+
+def test_the_engine_expands_each_image_and_its_logprobs_are_ours(stack, trainer_model):
+    """The engine itself (no capture server) on the files save_pretrained wrote (fused Qwen3-VL-MoE experts): one
+    <|image_pad|> per image is expanded to as many tokens as our processor's grid gives, and its bf16 logprobs (the
+    prompt's, image tokens included, and the sampled tokens') agree with our fp32 forward on the same ids and images."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from tiny import TINY_VL_CONFIG
+    server, _, path = stack
+    engine, vc = server.backend.engine, TINY_VL_CONFIG.vision
+    images = [Image.new("RGB", (96, 64), "white"), Image.new("RGB", (200, 140), "white")]
+    ImageDraw.Draw(images[0]).polygon([(5, 60), (90, 60), (40, 5)], outline="black")
+    ImageDraw.Draw(images[1]).ellipse([20, 20, 120, 120], outline="red", width=3)
+    files = []
+    for image in images:
+        buf = io.BytesIO()
+        image.save(buf, "PNG")  # lossless: the engine decodes the pixels our processor is given
+        files.append(buf.getvalue())
+    tok = AutoTokenizer.from_pretrained(path)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is 12 + 7?"}, {"type": "image"}]},
+                {"role": "assistant", "content": "19"},
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this one?"}]}]
+    prompt = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))["input_ids"]
+    pix = AutoImageProcessor.from_pretrained(path)(images=images, return_tensors="pt")
+    n = iter((pix["image_grid_thw"].prod(-1) // vc.spatial_merge_size ** 2).tolist())  # one pad per image above
+    expanded = [t for t in prompt for t in ([t] * next(n) if t == vc.image_token_id else [t])]
+    out = server.run_in_loop(engine.generate(prompt, dict(max_tokens=8, seed=0), "vl-engine", images=files))
+    generated = out["token_ids"]
+    assert out["num_prompt_tokens"] == len(expanded)
+    prompt_logprobs = server.run_in_loop(engine.prompt_logprobs(prompt, files))
+    assert len(prompt_logprobs) == len(expanded)
+    ids = torch.tensor([expanded + generated])
+    theirs = torch.tensor(prompt_logprobs[1:] + out["logprobs"])
+    with torch.no_grad():
+        logits = trainer_model[0](ids, pixel_values=pix["pixel_values"], image_grid_thw=pix["image_grid_thw"])
+    mine = torch.log_softmax(logits[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
+    gap = (mine - theirs).abs()
+    print(f"engine bf16 vs ours fp32 on {ids.shape[1]} tokens ({(ids == vc.image_token_id).sum()} image tokens): "
+          f"max |logprob gap| {gap.max():.3f}, mean {gap.mean():.4f}")
+    assert gap.max() < 0.1
