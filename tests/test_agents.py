@@ -182,27 +182,11 @@ class Recording:
         return out
 
 
-def test_distill_returns_teacher_logprobs_aligned_with_the_segments(stack, cfg):
-    run, prompts = recipe("distill")
+def test_distill_refuses_a_temperature_other_than_1(cfg):
+    """Before its teacher starts (the teacher's alignment with the trained segments: the distill training step)."""
+    run, _ = recipe("distill")
     with pytest.raises(ValueError, match="temperature=1.0"):
         setup_agent(run, dict(cfg, temperature=0.7))
-    cleanup = setup_agent(run, cfg)
-    try:
-        result, segments, calls = play(stack, run, next(prompts()), sampling=dict(SAMPLING, max_tokens=24))
-    finally:
-        cleanup()
-    teacher = result.info["teacher_logprobs"]
-    assert len(teacher) == len(segments) == 1 and len(teacher[0]) == len(segments[0]["token_ids"])
-    mask = torch.tensor(segments[0]["action_mask"], dtype=torch.bool)
-    student = torch.tensor(segments[0]["behavior_logprobs"])
-    teacher_lp = torch.tensor(teacher[0])
-    # the teacher has the student's weights here: on the student's tokens the two agree (bf16 prefill vs decode)
-    rewards = loss.distill_token_rewards(student, teacher_lp)[mask]
-    assert mask.sum() == len(calls[0]["out"]["token_ids"]) and rewards.abs().max() < 2e-2
-    assert abs(result.reward - rewards.mean().item()) < 1e-5 and result.info["reverse_kl"] == -result.reward
-    # and the check can fail: shifted by one token, the teacher's numbers do not match the student's
-    shifted = teacher_lp.roll(1)[mask] - student[mask]
-    assert shifted.abs().mean() > 0.1
 
 # -----------------------------------------------------------------------------
 # context compaction: several segments, one attempt
@@ -518,7 +502,8 @@ def test_recipe_with_a_frozen_engine_trains_one_step(tmp_path, tiny_model_path, 
                                                      monkeypatch):
     """The judge's verdicts are recorded on its own frozen engine (started by the recipe's setup, as the driver
     calls it): each trained answer was judged greedily from the question, the reference and the answer, and its
-    reward is the parse of what the judge wrote."""
+    reward is the parse of what the judge wrote. The teacher's logprobs (distill) line up with each trained segment's
+    tokens, and the attempt's reward is their mean token reward."""
     from frozen import FrozenModel
     judges, real_start = [], FrozenModel.start
 
@@ -528,6 +513,8 @@ def test_recipe_with_a_frozen_engine_trains_one_step(tmp_path, tiny_model_path, 
         judges.append(self.server)
         return self
     monkeypatch.setattr(FrozenModel, "start", start)
+    scored, token_rewards = [], loss.distill_token_rewards  # (student, teacher) logprobs as the trainer scores them
+    monkeypatch.setattr(loss, "distill_token_rewards", lambda s, t: scored.append((s, t)) or token_rewards(s, t))
     overrides = {"advantage_estimator": "distill"} if name == "distill" else {}  # dense per-token advantages
     row, attempts = train_one_step(tmp_path, tiny_model_path, rollout_engine, device, name, **overrides)
     if name == "judge":
@@ -547,7 +534,18 @@ def test_recipe_with_a_frozen_engine_trains_one_step(tmp_path, tiny_model_path, 
             prompt = next(p for p, _, _ in verdicts if question in p and f"Answer: {answer}\n" in p)
             assert "Reference answer: " in prompt and segment["reward"] == parse_score(judged[0])[0]
     if name == "distill":  # the teacher is the policy's starting weights: the log-ratio starts near 0
-        assert abs(row["reward_mean"]) < 2e-2
+        assert abs(row["reward_mean"]) < 2e-2 and row["info/reverse_kl"] == pytest.approx(-row["reward_mean"])
+        segments = [s for group in attempts.values() for s in group]
+        assert len(scored) == len(segments) == 2
+        for student, teacher in scored:
+            (segment,) = [s for s in segments if len(s["behavior_logprobs"]) == len(student) and
+                          torch.allclose(torch.tensor(s["behavior_logprobs"]), student.float(), atol=1e-6)]
+            mask = torch.tensor(segment["action_mask"], dtype=torch.bool)
+            rewards = (teacher - student)[mask]  # on the student's tokens the two agree (bf16 prefill vs decode)
+            assert mask.any() and rewards.abs().max() < 2e-2
+            assert segment["reward"] == pytest.approx(rewards.mean().item(), abs=1e-5)
+            # and the check can fail: shifted by one token, the teacher's numbers do not match the student's
+            assert (teacher.roll(1)[mask] - student[mask]).abs().mean() > 0.1
     # the driver ran the module's setup(cfg) and, at the end, its clean-up: the frozen engine is gone
     frozen = getattr(sys.modules["agent_" + name], name if name == "judge" else "teacher")
     assert frozen is not None and frozen.server is None
