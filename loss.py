@@ -198,9 +198,8 @@ def token_logprobs(hidden, lm_head_weight, targets, temperature=1.0, chunk_size=
     top_p=1)."""
     _check_logprob_inputs(hidden, lm_head_weight, targets, temperature, chunk_size)
     lead = targets.shape
-    out = _ChunkedTokenLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), lm_head_weight,
-                                      targets.reshape(-1).long(), float(temperature), chunk_size, with_entropy,
-                                      keep_logits)
+    out = _ChunkedTokenLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), lm_head_weight, targets.reshape(-1).long(),
+                                      float(temperature), chunk_size, with_entropy, keep_logits)
     logprobs, entropy = out if with_entropy else (out, None)
     return logprobs.view(lead), (entropy.view(lead) if with_entropy else None)
 

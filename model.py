@@ -152,11 +152,10 @@ class ModelConfig:
             return self.to_hf_qwen3_5()
         hf = {f.name: getattr(self, f.name) for f in fields(self) if f.name in QWEN3_FIELDS}
         hf.update(model_type="qwen3_moe" if self.is_moe else "qwen3",
-                  architectures=["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"],
-                  hidden_act="silu", torch_dtype="bfloat16", attention_dropout=0.0,
-                  use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers,
-                  rope_scaling=None, initializer_range=0.02, output_router_logits=False,
-                  router_aux_loss_coef=0.001, use_cache=True)
+                  architectures=["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"], hidden_act="silu",
+                  torch_dtype="bfloat16", attention_dropout=0.0, use_sliding_window=False, sliding_window=None,
+                  max_window_layers=self.num_hidden_layers, rope_scaling=None, initializer_range=0.02,
+                  output_router_logits=False, router_aux_loss_coef=0.001, use_cache=True)
         if not self.is_moe:
             for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                       "decoder_sparse_step", "mlp_only_layers", "output_router_logits", "router_aux_loss_coef"):
@@ -352,10 +351,8 @@ class MoE(nn.Module):
         B, T, D = x.shape
         x = x.reshape(B * T, D)
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (N, E)
-        if replay_ids is None:
-            topk_ids = experts_topk_ids(probs.detach(), self.top_k)  # (N, K)
-        else:
-            topk_ids = replay_ids.reshape(B * T, -1).long()
+        topk_ids = experts_topk_ids(probs.detach(), self.top_k) if replay_ids is None else \
+            replay_ids.reshape(B * T, -1).long()  # (N, K)
         topk_probs = probs.gather(1, topk_ids)  # (N, K); gradients reach the router through it
         if self.norm_topk_prob:
             topk_probs = topk_probs / topk_probs.sum(-1, keepdim=True)
@@ -388,10 +385,8 @@ class Block(nn.Module):
         h = self.input_layernorm(x)
         x = x + (self.linear_attn(h, cu_seqlens) if self.is_linear else self.self_attn(h, cos, sin, mask))
         h = self.post_attention_layernorm(x)
-        if self.is_moe:
-            h, ids = self.mlp(h, replay_ids)
-            return x + h, ids
-        return x + self.mlp(h), None
+        h, ids = self.mlp(h, replay_ids) if self.is_moe else (self.mlp(h), None)
+        return x + h, ids
 
 
 class Decoder(nn.Module):
@@ -602,8 +597,8 @@ def packing(segment_ids, B, T, device):
     new = torch.ones(B, T, dtype=torch.bool, device=device)
     new[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
     start = torch.where(new, idx, 0).cummax(-1).values
-    end = torch.tensor([B * T], device=device)
-    cu_seqlens = torch.cat([new.flatten().nonzero()[:, 0], end])  # NOTE: a device-to-host sync
+    # NOTE: a device-to-host sync (nonzero)
+    cu_seqlens = torch.cat([new.flatten().nonzero()[:, 0], torch.tensor([B * T], device=device)])
     # NOTE: a (T, T) mask a row, which attention kernels read instead of skipping the blocks it masks
     mask = (idx[:, :, None] >= idx[:, None, :]) & (segment_ids[:, :, None] == segment_ids[:, None, :])
     return mask[:, None], cu_seqlens, start
@@ -655,9 +650,7 @@ class Transformer(nn.Module):
             x, cos, sin, image_tokens, deepstack = embed_images(self, input_ids, x, pixel_values, image_grid_thw, start)
         routes, m, self.positions = [], 0, (cos, sin, mask)  # mtp_hidden runs the MTP layers at these positions
         for i, block in enumerate(self.model.layers):
-            replay = None
-            if block.is_moe and routed_experts is not None:
-                replay = routed_experts[:, :, m]
+            replay = routed_experts[:, :, m] if block.is_moe and routed_experts is not None else None
             if self.activation_checkpointing and self.training:
                 # recompute the block in backward: activations of one block instead of all of them
                 x, ids = torch.utils.checkpoint.checkpoint(block, x, cos, sin, replay, mask, cu_seqlens,
@@ -792,8 +785,7 @@ def hf_to_ours(sd, cfg):
             if cfg.vision is not None and cfg.family == "qwen3" and rest in ("gate_up_proj", "down_proj"):
                 t = t.transpose(1, 2)  # Qwen3-VL-MoE checkpoints stack experts as (E, in, out)
             if rest.startswith("gate_up_proj"):  # transformers 5's fused layout (E, 2H, D)
-                g, u = t.chunk(2, dim=1)
-                out[f"{prefix}.mlp.experts.gate_proj"], out[f"{prefix}.mlp.experts.up_proj"] = g, u
+                out[f"{prefix}.mlp.experts.gate_proj"], out[f"{prefix}.mlp.experts.up_proj"] = t.chunk(2, dim=1)
             elif rest in EXPERT_PROJS:  # already stacked (E, ...)
                 out[name] = t
             else:

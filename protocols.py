@@ -335,13 +335,18 @@ def top_logprobs_of(body, wanted):
     return top_logprobs
 
 
-def tools_of(body, function_of, schema="parameters"):
-    """A request's function tools as chat templates read them, and the names of the `strict` ones. function_of(tool,
-    i) checks the i-th tool (an object) and gives (its function's fields, where they are); its `schema` field holds
-    the parameters (required, unless it is "parameters": then an empty object schema by default)."""
+def tools_of(body, types=None, refusal="", schema="parameters"):
+    """A request's function tools as chat templates read them, and the names of the `strict` ones. types: the tool
+    `type`s accepted, the function's fields beside it (refusal: the message for another type, {} standing for it);
+    None: chat completions', the function's fields nested under "function". The `schema` field holds the parameters
+    (required, unless it is "parameters": then an empty object schema by default)."""
     tools, strict = [], set()
-    for i, t in enumerate(field(body, "tools", list, [])):
-        fn, where = function_of(t if isinstance(t, dict) else {}, i)
+    for i, tool in enumerate(field(body, "tools", list, [])):
+        fn, where = tool if isinstance(tool, dict) else {}, f"tools[{i}]."
+        if types is None:
+            fn, where = field(fn, "function", dict, required=True, where=where), where + "function."
+        elif fn.get("type") not in types:
+            raise invalid(where + "type", refusal.format(fn.get("type")))
         spec = {"name": field(fn, "name", str, required=True, where=where)}
         if field(fn, "description", str, where=where):
             spec["description"] = fn["description"]
@@ -394,8 +399,7 @@ def parse_openai(body, server):
             raise invalid(f"{w}.role", f"must be one of system, developer, user, assistant, tool; got {role!r}.")
     if not messages:
         raise invalid("messages", "must not be empty.")
-    tools, strict = tools_of(body, lambda t, i: (field(t, "function", dict, required=True, where=f"tools[{i}]."),
-                                                 f"tools[{i}].function."))
+    tools, strict = tools_of(body)
     max_tokens = field(body, "max_completion_tokens", int, field(body, "max_tokens", int))
     sampling = sampling_of(server, body, max_tokens, field(body, "stop", (str, list)), field(body, "seed", int), 2.0)
     sampling["structured"] = structured_of(field(body, "response_format", dict, {"type": "text"}), "response_format")
@@ -475,12 +479,7 @@ def parse_anthropic(body, server, counting=False):
             messages.append({"role": "user", "content": joined(text)})
     if len(messages) == (system is not None):
         raise invalid("messages", "must not be empty.")
-
-    def client_tool(t, i):
-        if t.get("type") not in (None, "custom"):
-            raise invalid(f"tools[{i}].type", f"{t.get('type')!r} is not supported (client tools only).")
-        return t, f"tools[{i}]."
-    tools, strict = tools_of(body, client_tool, "input_schema")
+    tools, strict = tools_of(body, (None, "custom"), "{!r} is not supported (client tools only).", "input_schema")
     choice = field(body, "tool_choice", dict, {"type": "auto"})
     kind = choice.get("type")
     kind = {"any": "required", "tool": "function"}.get(kind, kind) if isinstance(kind, str) else kind
@@ -541,12 +540,7 @@ def parse_responses(body, server):
                                       "developer, user, assistant).")
         if reasoning and messages[-1]["role"] == "assistant":
             messages[-1]["reasoning_content"], reasoning = reasoning, ""
-
-    def function_tool(t, i):
-        if t.get("type") != "function":
-            raise invalid(f"tools[{i}].type", "must be \"function\" (function tools only).")
-        return t, f"tools[{i}]."
-    tools, strict = tools_of(body, function_tool)
+    tools, strict = tools_of(body, ("function",), "must be \"function\" (function tools only).")
     top_logprobs = top_logprobs_of(body, "message.output_text.logprobs" in field(body, "include", list, []))
     sampling = sampling_of(server, body, field(body, "max_output_tokens", int), None, field(body, "seed", int), 2.0)
     sampling["structured"] = structured_of(field(field(body, "text", dict, {}), "format", dict, {"type": "text"},

@@ -130,7 +130,9 @@ class Router:
     engine lives, so its growing prompt hits the prefix cache; a new session goes to the engine with the fewest
     requests in flight. A request on an engine that dies fails (its attempt fails); the engine is started again
     when Ray has restarted the actor, at weight version 0 (the base weights: its tokens count as stale until the
-    next weight sync reaches it). With no engine up, requests wait for one instead of failing at once."""
+    next weight sync reaches it). With no engine up, requests wait for one (wait_for_engine_s) instead of failing at
+    once."""
+    wait_for_engine_s = 600.0
 
     def __init__(self, engines, max_sessions=100_000):
         self.engines = list(engines)
@@ -159,9 +161,8 @@ class Router:
                     self.sessions.popitem(last=False)
             return i
 
-    async def generate(self, prompt_token_ids, sampling, request_id, session_id=None, wait_for_engine_s=600.0,
-                       images=None):
-        async with self.serving(session_id, wait_for_engine_s) as engine:
+    async def generate(self, prompt_token_ids, sampling, request_id, session_id=None, images=None):
+        async with self.serving(session_id) as engine:
             ref = engine.generate.remote(prompt_token_ids, sampling, request_id, **images_kwarg(images))
             try:
                 return await ref
@@ -169,10 +170,9 @@ class Router:
                 ray.cancel(ref)
                 raise
 
-    async def stream(self, prompt_token_ids, sampling, request_id, session_id=None, wait_for_engine_s=600.0,
-                     images=None):
+    async def stream(self, prompt_token_ids, sampling, request_id, session_id=None, images=None):
         """generate's turn while it is sampled (engine.Engine.stream), through a Ray streaming generator."""
-        async with self.serving(session_id, wait_for_engine_s) as engine:
+        async with self.serving(session_id) as engine:
             turn = engine.stream.options(num_returns="streaming").remote(prompt_token_ids, sampling, request_id,
                                                                          **images_kwarg(images))
             try:
@@ -183,12 +183,12 @@ class Router:
                 raise
 
     @contextlib.asynccontextmanager
-    async def serving(self, session_id, wait_for_engine_s):
+    async def serving(self, session_id):
         """The session's engine for one request, once one is up; a request on an engine that dies fails."""
-        deadline = time.monotonic() + wait_for_engine_s
+        deadline = time.monotonic() + self.wait_for_engine_s
         while (i := self.pick(session_id)) is None:  # every engine is restarting
             if time.monotonic() > deadline:
-                raise RuntimeError(f"no rollout engine came back within {wait_for_engine_s:.0f}s")
+                raise RuntimeError(f"no rollout engine came back within {self.wait_for_engine_s:.0f}s")
             await asyncio.sleep(0.5)
         with self._lock:  # busy from the first request in flight to the last (idle_fraction)
             if self.in_flight[i] == 0:
@@ -294,8 +294,7 @@ def put_experience(segment, reward, group_id, failed=False, error=None):
     generated = versions[mask == 1]
     return dict(ref=ray.put(arrays), attempt_id=segment["attempt_id"], segment_index=segment["segment_index"],
                 group_id=group_id, reward=float(reward), num_tokens=len(mask), action_tokens=int(mask.sum()),
-                num_images=len(arrays["images"]),
-                min_version=int(generated.min()) if generated.size else -1,
+                num_images=len(arrays["images"]), min_version=int(generated.min()) if generated.size else -1,
                 max_version=int(generated.max()) if generated.size else -1, failed=failed, error=error)
 
 

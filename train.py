@@ -479,9 +479,8 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
     pool = rollout.RolloutPool(
         run_agent, prompts, server, group_size=cfg["group_size"], groups_per_batch=cfg["groups_per_batch"],
         groups_in_flight=cfg["groups_in_flight"], attempt_timeout_s=cfg["attempt_timeout_s"],
-        failed_group_rule=cfg["failed_group_rule"],
+        failed_group_rule=cfg["failed_group_rule"], model_name=server.model_name, trajectory_writer=writer,
         max_failed_in_a_row=cfg["max_failed_rounds"] * cfg["groups_in_flight"] * cfg["group_size"],
-        model_name=server.model_name, trajectory_writer=writer,
         first_prompt=data_position,
         sampling=dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_tokens=cfg["max_tokens"]))
     blank = [vl.blank_images(p) for p in held_out] if cfg["eval_every"] else []
@@ -507,11 +506,10 @@ def share_batch(records, cfg, rank, world):
     shards = None
     distill = cfg["advantage_estimator"] == "distill"
     if rank == 0:
-        if distill:  # dense per-token advantages, computed below from each segment's teacher logprobs
-            advantages = [0.0] * len(records)
-        else:
-            advantages = loss.segment_advantages([r["attempt_id"] for r in records], [r["group_id"] for r in records],
-                                                 [r["reward"] for r in records], cfg["advantage_estimator"])
+        # distill: dense per-token advantages, computed below from each segment's teacher logprobs
+        advantages = [0.0] * len(records) if distill else loss.segment_advantages(
+            [r["attempt_id"] for r in records], [r["group_id"] for r in records], [r["reward"] for r in records],
+            cfg["advantage_estimator"])
         with_tokens = [dict(r, advantage=float(a)) for r, a in zip(records, advantages) if r["ref"] is not None]
         # ray's pickler, not plain pickle: an object ref must carry its owner to be fetched by another process
         shards = ray.cloudpickle.dumps(rollout.balance_by_tokens(with_tokens, world))
@@ -608,33 +606,26 @@ def collate(segments, advantages, pad_id=0):
     one advantage each (a float, or a (T,) tensor of per-token advantages) -> one right-padded microbatch. Position t
     predicts token t + 1, so every per-token field is the segment's shifted by one; routed_experts stay with the
     input tokens that were routed."""
-    T = max(len(s["token_ids"]) for s in segments) - 1
-    B = len(segments)
+    B, T = len(segments), max(len(s["token_ids"]) for s in segments) - 1
     per_token = any(torch.is_tensor(a) for a in advantages)
-    if per_token:
-        dense = torch.zeros(B, T)
-        for i, a in enumerate(advantages):
-            a = torch.as_tensor(a, dtype=torch.float32).reshape(-1)
-            dense[i, :len(a) - 1] = a[1:] if len(a) > 1 else 0.0
-        advantages = dense
+    with_routes = all(s.get("routed_experts") is not None for s in segments)
+    L, K = (len(segments[0]["routed_experts"][0]), len(segments[0]["routed_experts"][0][0])) if with_routes else (0, 0)
     mb = dict(input_ids=torch.full((B, T), pad_id, dtype=torch.long), targets=torch.full((B, T), pad_id, dtype=torch.long),
               action_mask=torch.zeros(B, T), behavior_logprobs=torch.zeros(B, T), real=torch.zeros(B, T),
               token_versions=torch.full((B, T), -1, dtype=torch.long),
-              advantages=advantages if per_token else torch.as_tensor(advantages, dtype=torch.float32).reshape(B))
-    with_routes = all(s.get("routed_experts") is not None for s in segments)
-    if with_routes:
-        L, K = len(segments[0]["routed_experts"][0]), len(segments[0]["routed_experts"][0][0])
-        mb["routed_experts"] = torch.zeros(B, T, L, K, dtype=torch.long)
-    for i, s in enumerate(segments):
+              advantages=torch.zeros(B, T) if per_token else torch.as_tensor(advantages, dtype=torch.float32).reshape(B),
+              routed_experts=torch.zeros(B, T, L, K, dtype=torch.long) if with_routes else None)
+    for i, (s, a) in enumerate(zip(segments, advantages)):
         n = len(s["token_ids"]) - 1
         ids = torch.as_tensor(s["token_ids"], dtype=torch.long)
         mb["input_ids"][i, :n], mb["targets"][i, :n], mb["real"][i, :n] = ids[:-1], ids[1:], 1.0
         for k in ("action_mask", "behavior_logprobs", "token_versions"):
             mb[k][i, :n] = torch.as_tensor(s[k][1:], dtype=mb[k].dtype)
+        if per_token:  # shifted by one, as every per-token field
+            a = torch.as_tensor(a, dtype=torch.float32).reshape(-1)
+            mb["advantages"][i, :len(a) - 1] = a[1:] if len(a) > 1 else 0.0
         if with_routes:
             mb["routed_experts"][i, :n] = torch.as_tensor(s["routed_experts"][:n], dtype=torch.long)
-    if not with_routes:
-        mb["routed_experts"] = None
     return dict(mb, **vl.collate_images(segments))
 
 
@@ -672,11 +663,11 @@ def mtp_mask(mb):  # collate's real tokens; packed rows (segment_ids): never acr
 
 
 @torch.no_grad()
-def clip_grad_norm(model, max_norm, device, optimizer=None):
+def clip_grad_norm(model, max_norm, device, optimizer):
     """Total gradient norm over every shard of every parameter, then scale to max_norm (0 = never scale).
     Dense weights are sharded over all ranks and experts over ep x expert_fsdp ranks, so each gradient element
     lives on exactly one rank: the sum of squares of the local shards, summed over all ranks, is the global one.
-    One all-reduce; the result stays on the device (no host sync here). Given a fused optimizer, the gradients are
+    One all-reduce; the result stays on the device (no host sync here). With a fused optimizer the gradients are
     not rewritten: its step divides each one by `grad_scale` as it reads it (the hook torch.amp.GradScaler uses),
     which saves a read and a write of every gradient."""
     local = [local_tensor(p.grad) for p in model.parameters() if p.grad is not None]
@@ -684,11 +675,10 @@ def clip_grad_norm(model, max_norm, device, optimizer=None):
     sq = torch.stack(torch._foreach_norm(local)).float().pow(2).sum().to(device) if local else torch.zeros((), device=device)
     dist.all_reduce(sq)
     norm = sq.sqrt()
-    if optimizer is not None:
-        optimizer.grad_scale = None
+    optimizer.grad_scale = None
     if max_norm > 0 and local:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0).to(local[0].device)
-        if optimizer is not None and optimizer.defaults.get("fused"):
+        if optimizer.defaults.get("fused"):
             optimizer.grad_scale = 1.0 / scale
         else:
             torch._foreach_mul_(local, scale)
@@ -749,9 +739,9 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
         metrics.append(dict(mb_metrics, **{"mtp_loss_sum": mtp_l[0].detach()} if mtp_l else {}))
         kept_logprobs.append((mb.get("segment_rows"), logprobs.detach()))  # B x T floats kept until the step returns
 
-    grad_norm = clip_grad_norm(model, cfg["grad_clip"], device, optimizer)
+    # NOTE: host sync, once per step: the skip decision is made on the host
+    grad_norm = clip_grad_norm(model, cfg["grad_clip"], device, optimizer).item()
     lr = learning_rate_at(step, cfg)
-    grad_norm = grad_norm.item()  # NOTE: host sync, once per step: the skip decision is made on the host
     skipped = not math.isfinite(grad_norm)
     if skipped:
         print0(f"step {step}: non-finite gradient norm ({grad_norm}); skipping the optimizer step")
@@ -764,8 +754,7 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
     tokens = torch.tensor(sum(mb["input_ids"].numel() for mb in microbatches), device=device)
     dist.all_reduce(tokens)
     out.update(grad_norm=grad_norm, lr=lr, skipped=skipped, window_tokens=int(window_tokens.item()),
-               tokens=int(tokens.item()), train_step_s=time.perf_counter() - t0,
-               logprobs=kept_logprobs)
+               tokens=int(tokens.item()), train_step_s=time.perf_counter() - t0, logprobs=kept_logprobs)
     return out
 
 
@@ -974,52 +963,45 @@ class ExpertParallel:
         self.group, self.size, self.rank = ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank()
 
     def dispatch(self, x, topk_ids, topk_weights, num_experts):
-        return ep_dispatch(x, topk_ids, topk_weights, num_experts, self.group)
+        """Send each token once to every rank holding one of its chosen experts, with its choices there.
+
+        x (N, D), topk_ids (N, K) global expert ids, topk_weights (N, K). A token with several experts on one rank
+        crosses once, not once per expert (with top-8 of 128 experts on 2 ranks: 2 rows per token instead of 8).
+        Returns what arrived, x_recv (R, D) with ids_recv (R, K) local expert ids (E_local for choices held
+        elsewhere) and weights_recv (R, K), the number of local choices among them (a host int), and the routes
+        `combine` needs.
+        """
+        N, K = topk_ids.shape
+        ep, device, group = self.size, x.device, self.group
+        E_local = num_experts // ep
+        rank_of = topk_ids // E_local  # (N, K) the rank holding each choice
+        on_rank = torch.zeros(N, ep, dtype=torch.bool, device=device).scatter_(1, rank_of, True)  # (N, ep)
+        # 1. counts first. For each destination rank: rows, then choices per local expert
+        choices = count_ids(topk_ids.flatten(), num_experts)
+        send_counts = torch.cat([on_rank.sum(0).view(ep, 1), choices.view(ep, E_local)], dim=1)  # (ep, 1 + E_local)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=group)
+        # NOTE: device-to-host sync (one per MoE layer): all_to_all_single takes its split sizes as Python ints
+        splits = torch.cat([send_counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum().view(1)]).tolist()
+        send_rows, recv_rows, pairs = splits[:ep], splits[ep:2 * ep], splits[-1]
+        # 2. the rows, in (destination rank, token) order: slot n * ep + r is token n's copy for rank r
+        slot_rank = torch.where(on_rank, torch.arange(ep, device=device), ep).flatten()  # (N*ep,), ep: not sent
+        slots = slot_rank.argsort(stable=True)[:sum(send_rows)]
+        position = slot_positions(slots, N * ep)
+        token, dest = slots // ep, slots % ep
+        held = rank_of.index_select(0, token) == dest.unsqueeze(1)  # (S, K) the choices the destination holds
+        ids_send = torch.where(held, topk_ids.index_select(0, token) % E_local, E_local)  # their ids there
+        x_recv = all_to_all(GatherRows.apply(x, slots, position, ep), recv_rows, send_rows, group)  # (R, D)
+        weights_recv = all_to_all(GatherRows.apply(topk_weights, slots, position, ep), recv_rows, send_rows, group)
+        ids_recv = ids_send.new_empty((sum(recv_rows), K))
+        dist.all_to_all_single(ids_recv, ids_send, recv_rows, send_rows, group=group)
+        return x_recv, ids_recv, weights_recv, pairs, (slots, position, send_rows, recv_rows)
 
     def combine(self, y_recv, routes):
-        return ep_combine(y_recv, routes, self.group)
-
-
-def ep_dispatch(x, topk_ids, topk_weights, num_experts, group):
-    """Send each token once to every rank holding one of its chosen experts, with its choices there.
-
-    x (N, D), topk_ids (N, K) global expert ids, topk_weights (N, K). A token with several experts on one rank
-    crosses once, not once per expert (with top-8 of 128 experts on 2 ranks: 2 rows per token instead of 8).
-    Returns what arrived, x_recv (R, D) with ids_recv (R, K) local expert ids (E_local for choices held elsewhere)
-    and weights_recv (R, K), the number of local choices among them (a host int), and the routes `ep_combine` needs.
-    """
-    N, K = topk_ids.shape
-    ep, device = group.size(), x.device
-    E_local = num_experts // ep
-    rank_of = topk_ids // E_local  # (N, K) the rank holding each choice
-    on_rank = torch.zeros(N, ep, dtype=torch.bool, device=device).scatter_(1, rank_of, True)  # (N, ep)
-    # 1. counts first. For each destination rank: rows, then choices per local expert
-    choices = count_ids(topk_ids.flatten(), num_experts)
-    send_counts = torch.cat([on_rank.sum(0).view(ep, 1), choices.view(ep, E_local)], dim=1)  # (ep, 1 + E_local)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    # NOTE: device-to-host sync (one per MoE layer): all_to_all_single takes its split sizes as Python ints
-    splits = torch.cat([send_counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum().view(1)]).tolist()
-    send_rows, recv_rows, pairs = splits[:ep], splits[ep:2 * ep], splits[-1]
-    # 2. the rows, in (destination rank, token) order: slot n * ep + r is token n's copy for rank r
-    slot_rank = torch.where(on_rank, torch.arange(ep, device=device), ep).flatten()  # (N*ep,), ep: not sent
-    slots = slot_rank.argsort(stable=True)[:sum(send_rows)]
-    position = slot_positions(slots, N * ep)
-    token, dest = slots // ep, slots % ep
-    held = rank_of.index_select(0, token) == dest.unsqueeze(1)  # (S, K) the choices the destination holds
-    ids_send = torch.where(held, topk_ids.index_select(0, token) % E_local, E_local)  # their ids there
-    x_recv = all_to_all(GatherRows.apply(x, slots, position, ep), recv_rows, send_rows, group)  # (R, D)
-    weights_recv = all_to_all(GatherRows.apply(topk_weights, slots, position, ep), recv_rows, send_rows, group)
-    ids_recv = ids_send.new_empty((sum(recv_rows), K))
-    dist.all_to_all_single(ids_recv, ids_send, recv_rows, send_rows, group=group)
-    return x_recv, ids_recv, weights_recv, pairs, (slots, position, send_rows, recv_rows)
-
-
-def ep_combine(y_recv, routes, group):
-    """Send each rank's weighted sums back to the tokens' ranks and add up each token's copies."""
-    slots, position, send_rows, recv_rows = routes
-    y_back = all_to_all(y_recv, send_rows, recv_rows, group)  # (S, D) in ep_dispatch's send order
-    return SumRows.apply(y_back, slots, position, group.size())  # (N, D)
+        """Send each rank's weighted sums back to the tokens' ranks and add up each token's copies."""
+        slots, position, send_rows, recv_rows = routes
+        y_back = all_to_all(y_recv, send_rows, recv_rows, self.group)  # (S, D) in dispatch's send order
+        return SumRows.apply(y_back, slots, position, self.size)  # (N, D)
 
 
 def dry_run_main(cfg):
@@ -1088,13 +1070,12 @@ def load_hf_weights(model, path):
     only its rows (for experts, only its own experts), so no rank ever holds the whole model."""
     read, cfg = checkpoint_reader(path), model.config
     for name, p in model.named_parameters():
-        if lora.is_adapter(name):
-            continue  # not in the checkpoint: build_model initializes them
+        # adapters are not in the checkpoint (build_model initializes them); a tied lm_head is embed_tokens itself
+        if lora.is_adapter(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
         if is_stacked_experts(name):
             first = model.get_submodule(name.rsplit(".", 1)[0]).first_expert
             full = read_experts(read, name, range(first, first + p.shape[0]), cfg)  # p.shape[0]: this rank's experts
-        elif name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue  # the same parameter as embed_tokens
         else:
             full = read(hf_name(name, cfg))
         copy_shard(p, full)
@@ -1106,13 +1087,10 @@ def copy_shard(p, full):
     them)."""
     if tuple(full.shape) != tuple(p.shape):
         raise ValueError(f"checkpoint tensor of shape {tuple(full.shape)} does not fit parameter of shape {tuple(p.shape)}")
-    local = local_tensor(p)
     if isinstance(p, DTensor):
-        mesh = p.device_mesh
-        chunks = full.chunk(mesh.size(), dim=p.placements[0].dim)
-        r = mesh.get_local_rank()
+        chunks, r = full.chunk(p.device_mesh.size(), dim=p.placements[0].dim), p.device_mesh.get_local_rank()
         full = chunks[r] if r < len(chunks) else full[:0]
-    local.copy_(full.to(local.dtype))
+    local_tensor(p).copy_(full.to(p.dtype))
 
 
 def deliver_lost_interrupts(unraisable, report=sys.unraisablehook):

@@ -68,10 +68,9 @@ def attempt_summary(segments, head=None, **fields):
     generated = [v for s in segments for m, v in zip(s["action_mask"], s["token_versions"]) if m]
     error = head.get("error")
     return dict(dict(attempt_id=head["attempt_id"], group_id=head.get("group_id"), reward=head.get("reward"),
-                     segments=len(segments), tokens=sum(len(s["token_ids"]) for s in segments),
-                     generated=len(generated), min_version=min(generated, default=None),
-                     max_version=max(generated, default=None), failed=bool(head.get("failed")),
-                     timed_out="timed out" in (error or ""), error=error), **fields)
+                     segments=len(segments), tokens=sum(len(s["token_ids"]) for s in segments), generated=len(generated),
+                     min_version=min(generated, default=None), max_version=max(generated, default=None),
+                     failed=bool(head.get("failed")), timed_out="timed out" in (error or ""), error=error), **fields)
 
 
 class Run:

@@ -390,6 +390,8 @@ class BucketReceiver:
     the whole layer has arrived, and a layer may span two buckets."""
 
     def __init__(self, group, buckets, device):
+        if group is None:  # an engine worker's, before init_weight_group
+            raise RuntimeError("weights were sent before init_weight_group: call connect_engines first")
         self.group, self.buckets, self.device = group, buckets, device
         self.posted = []  # (buffer, work) per bucket whose broadcast has been posted
 
@@ -445,10 +447,8 @@ class WeightSyncWorker:
         """Receive the buckets and load them. `reload_weights` runs vLLM's layerwise reload (the checkpoint-format
         loader, then each layer's weight processing, then a copy into the kernel tensors), so every layer updates
         on CPU and GPU alike. Returns the bytes received."""
-        if getattr(self, "weight_group", None) is None:
-            raise RuntimeError("receive_weights before init_weight_group: call connect_engines first")
         from vllm.config import set_current_vllm_config
-        receiver = BucketReceiver(self.weight_group, buckets, self.device)
+        receiver = BucketReceiver(getattr(self, "weight_group", None), buckets, self.device)
         drafter, mtp = getattr(getattr(self.model_runner, "drafter", None), "model", None), []
         # the target's load_weights drops mtp.*: they are set aside (views into their buckets) for the MTP drafter
         target = (x for x in receiver if not (x[0].startswith("mtp.") and mtp.append(x) is None))
@@ -481,9 +481,7 @@ class WeightSyncWorker:
         here, base + scaling * B @ A per expert (vLLM's MoE LoRA needs a LoRA-aware fused-experts kernel: Triton on
         GPU, none on CPU), from a host copy of the base experts read once from the model directory; only adapters
         travel either way. Returns the bytes received."""
-        if getattr(self, "weight_group", None) is None:
-            raise RuntimeError("receive_adapter before init_weight_group: call connect_engines first")
-        receiver = BucketReceiver(self.weight_group, buckets, self.device)
+        receiver = BucketReceiver(getattr(self, "weight_group", None), buckets, self.device)
         try:
             tensors = dict(receiver)
         finally:

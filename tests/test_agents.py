@@ -502,12 +502,15 @@ def test_recipe_with_a_frozen_engine_trains_one_step(tmp_path, tiny_model_path, 
                                                      monkeypatch):
     """The judge's verdicts are recorded on its own frozen engine (started by the recipe's setup, as the driver
     calls it): each trained answer was judged greedily from the question, the reference and the answer, and its
-    reward is the parse of what the judge wrote. The teacher's logprobs (distill) line up with each trained segment's
-    tokens, and the attempt's reward is their mean token reward."""
+    reward is the parse of what the judge wrote. The distill teacher runs on an engine actor of its own
+    (placement="ray": what a GPU run uses to keep it off the trainer's GPUs; here on a CPU bundle): its logprobs line
+    up with each trained segment's tokens, and the attempt's reward is their mean token reward."""
     from frozen import FrozenModel
     judges, real_start = [], FrozenModel.start
 
     def start(self):
+        if self.name == "teacher":
+            self.placement = "ray"
         real_start(self)
         self.server.backend = Recording(self.server.backend)
         judges.append(self.server)
@@ -548,26 +551,7 @@ def test_recipe_with_a_frozen_engine_trains_one_step(tmp_path, tiny_model_path, 
             assert (teacher.roll(1)[mask] - student[mask]).abs().mean() > 0.1
     # the driver ran the module's setup(cfg) and, at the end, its clean-up: the frozen engine is gone
     frozen = getattr(sys.modules["agent_" + name], name if name == "judge" else "teacher")
-    assert frozen is not None and frozen.server is None
-
-
-def test_frozen_model_as_an_engine_actor(tiny_model_path, rollout_engine):
-    """placement="ray": the frozen model on an engine actor of its own, beside the rollout engine (what a GPU run
-    uses to keep a judge or teacher off the trainer's GPUs; here on a CPU bundle)."""
-    from frozen import FrozenModel
-    frozen = FrozenModel(tiny_model_path, max_model_len=1024, memory_fraction=0.3, placement="ray").start()
-    try:
-        async def use():
-            async with frozen.client() as client:
-                reply = await client.chat.completions.create(
-                    model="judge", temperature=0.0, max_tokens=4, messages=[{"role": "user", "content": "Grade it."}])
-            ids = frozen.server.render([{"role": "user", "content": "hello there"}], [], True)
-            return reply, ids, await frozen.prompt_logprobs(ids)
-        reply, ids, logprobs = asyncio.run(use())
-        assert reply.choices[0].finish_reason in ("stop", "length") and frozen.server.sessions == {}
-        assert len(logprobs) == len(ids) and logprobs[0] is None and all(lp <= 0 for lp in logprobs[1:])
-    finally:
-        frozen.close()
-    assert frozen.actor is None and frozen.server is None
+    assert frozen is not None and frozen.server is None and frozen.actor is None
+    assert frozen.placement == ("ray" if name == "distill" else "local")
     with pytest.raises(ValueError, match="placement must be"):
         FrozenModel(tiny_model_path, placement="gpu0")
