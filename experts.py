@@ -165,8 +165,7 @@ class GroupedSwiGLU(torch.autograd.Function):
             grads = grouped_grad(a, b, offs, [None if p.grad is None else local(p.grad) for p in params])
             for p, g in zip(params, grads):
                 if p.grad is None:
-                    p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False) \
-                        if isinstance(p, DTensor) else g
+                    p.grad = placed_like(p, g)
         return dx, None, dscale, None, None, None
 
 
@@ -324,6 +323,10 @@ def local(t):  # a DTensor's local shard, or the tensor itself
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def placed_like(p, t):  # a local tensor placed as p is: a DTensor on p's mesh where p is one (local's inverse)
+    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False) if isinstance(p, DTensor) else t
+
+
 def adamw_triton(p, grad, m, v, step, grad_scale, group):
     (beta1, beta2), n, block = group["betas"], p.numel(), 4096
     scale = step if grad_scale is None else grad_scale  # a pointer the kernel reads only when SCALED
@@ -408,7 +411,7 @@ def grouped_grad(a, b, offs, grads):
     be read again and added (at Qwen3-30B-A3B's experts 6 GB of traffic per layer and microbatch)."""
     (E,), M, K, n = offs.shape, a.shape[1], b.shape[1], len(grads)
     kernel = a.is_cuda and triton is not None and torch.cuda.get_device_capability(a.device)[0] >= 9  # TMA: Hopper on
-    if not (kernel and a.dtype == torch.bfloat16 and (M // n) % 16 == K % 16 == 0):
+    if not (kernel and a.dtype == torch.bfloat16 and (M // n) % 16 == 0 and K % 16 == 0):
         parts = torch._grouped_mm(a.t(), b, offs=offs).float().chunk(n, 1)  # the reference
         return [p.contiguous() if g is None else g.add_(p) for g, p in zip(grads, parts)]
     if grads[0] is None:
@@ -545,9 +548,9 @@ class Experts(nn.Module):
             adapters = sum(w.sum() for ab in lora[1] for w in ab) if lora is not None else 0
             return x + 0 * (scale.sum() + sum(w.sum() for w in ws) + adapters)
         if stacked:  # local fp32 experts (cast_weights) get their gradients added into .grad by GroupedSwiGLU
-            local = self.cast_weights is not None and self.gate_proj.requires_grad
+            own_grads = self.cast_weights is not None and self.gate_proj.requires_grad
             return GroupedSwiGLU.apply(x, torch.cumsum(counts, 0, dtype=torch.int32), scale, *ws,
-                                       ((self.gate_proj, self.up_proj), (self.down_proj,)) if local else None)
+                                       ((self.gate_proj, self.up_proj), (self.down_proj,)) if own_grads else None)
         return (experts_grouped_mm if grouped else experts_loop)(x, counts, scale, *ws, lora)
 
     def forward(self, x, topk_ids, topk_weights):

@@ -45,7 +45,7 @@ import plan
 import runlog
 import vl
 from checkpoint import export_hf, latest_checkpoint, load_checkpoint, local_tensor, save_checkpoint
-from experts import EXPERT_PROJS, AdamW, GatherRows, SumRows, count_ids, slot_positions
+from experts import EXPERT_PROJS, AdamW, GatherRows, SumRows, count_ids, placed_like, slot_positions
 from model import (Transformer, checkpoint_reader, hf_name, init_parameters, is_stacked_experts, load_config,
                    read_experts)
 from tiny import ensure_tiny_model, is_tiny_model
@@ -922,15 +922,16 @@ class CastForCompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if grad is None:  # GroupedSwiGLU added the gradients into .grad itself
+            return (None,) * (len(ctx.params) + 1)
         out = [None]
-        for p, g in zip(ctx.params, grad.split([p.shape[1] for p in ctx.params], 1) if grad is not None else ()):
+        for p, g in zip(ctx.params, grad.split([p.shape[1] for p in ctx.params], 1)):
             if p.grad is not None:
                 local_tensor(p.grad).add_(g)
                 out.append(None)
             else:
-                out.append(DTensor.from_local(g.to(p.dtype, memory_format=torch.contiguous_format), p.device_mesh,
-                                              p.placements, run_check=False))
-        return tuple(out + [None] * (len(ctx.params) + 1 - len(out)))
+                out.append(placed_like(p, g.to(p.dtype, memory_format=torch.contiguous_format)))
+        return tuple(out)
 
 
 def expert_placement(experts, meshes):
