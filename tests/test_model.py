@@ -263,7 +263,14 @@ for N, H in ((37, 48), (5, 768), (0, 16)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 # grouped_grad: each expert's a_e^T b_e in fp32, written (into NaNs: every element must be written, an empty expert's
 # as zeros) or added into one or two tensors splitting M; experts with no rows, rows not multiples of the 64-row
-# blocks, outputs not multiples of the tiles (fp32 operands here: the interpreter's bf16 dot is not the GPU's)
+# blocks, outputs not multiples of the tiles (fp32 operands here: the interpreter's bf16 dot is not the GPU's). The
+# interpreter has no TMA reduce-add: here it is a load, an add and a store of the tile (on CUDA the hardware's, which
+# test_train's test_grouped_grad_adds_fp32_weight_gradients_on_cuda checks)
+from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+def reduce_add(self, kind, desc, value, indices):
+    old = self.create_descriptor_load(desc, indices, None, None)
+    return self.create_descriptor_store(desc, TensorHandle(old.data + value.data, value.dtype), indices)
+InterpreterBuilder.create_descriptor_reduce = reduce_add
 for counts, M, K, n in (([5, 0, 70, 64, 1], 64, 96, 2), ([130, 3], 48, 32, 1), ([0, 0, 9], 32, 256, 2)):
     E, offs = len(counts), torch.tensor(counts).cumsum(0).to(torch.int32)
     a, b = torch.randn(sum(counts), M), torch.randn(sum(counts), K)
