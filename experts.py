@@ -35,7 +35,10 @@ COMPILE_ON_CUDA = True  # fuse the elementwise chains below with torch.compile w
 def cuda_compiled(fn):
     """fn through torch.compile when its first argument is a CUDA tensor: a chain of elementwise ops becomes one
     kernel forward and one backward instead of one fp32 pass per op. Eager elsewhere (CPU runs need no compiler).
-    A new shape recompiles once with dynamic shapes, after which microbatch shapes do not recompile."""
+    A new shape recompiles once with dynamic shapes, after which microbatch shapes do not recompile. Inductor tunes
+    each kernel's launch configuration as it compiles (max-autotune; no CUDA graphs): on an H200 at 8 x 4096 tokens
+    rms_norm's forward and backward took 0.37 ms instead of the default's 0.56, norm_rope's of q 0.94 instead of
+    1.07."""
     compiled = None
 
     @functools.wraps(fn)
@@ -44,7 +47,7 @@ def cuda_compiled(fn):
         if not (x.is_cuda and COMPILE_ON_CUDA):
             return fn(x, *args)
         if compiled is None:
-            compiled = torch.compile(fn)
+            compiled = torch.compile(fn, mode="max-autotune-no-cudagraphs")
         return compiled(x, *args)
     return run
 

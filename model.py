@@ -224,6 +224,14 @@ def rms_norm(x, weight, eps, zero_centred=False):
     return weight * x.to(dtype)
 
 
+@cuda_compiled
+def add_rms_norm(x, r, weight, eps, zero_centred=False):
+    """The residual stream x + r, and its RMSNorm: on CUDA one kernel forward and one backward (the add no pass of its
+    own in either)."""
+    x = x + r
+    return x, rms_norm.__wrapped__(x, weight, eps, zero_centred)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps, zero_centred=False):
         super().__init__()
@@ -383,8 +391,9 @@ class Block(nn.Module):
         """mask: the attention mask of packed rows (None: causal per row); cu_seqlens (S+1,): the segments' offsets in
         the B*T tokens, where Gated DeltaNet restarts its state."""
         h = self.input_layernorm(x)
-        x = x + (self.linear_attn(h, cu_seqlens) if self.is_linear else self.self_attn(h, cos, sin, mask))
-        h = self.post_attention_layernorm(x)
+        h = self.linear_attn(h, cu_seqlens) if self.is_linear else self.self_attn(h, cos, sin, mask)
+        norm = self.post_attention_layernorm
+        x, h = add_rms_norm(x, h, norm.weight, norm.eps, norm.zero_centred)
         h, ids = self.mlp(h, replay_ids) if self.is_moe else (self.mlp(h), None)
         return x + h, ids
 
