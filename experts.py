@@ -319,9 +319,7 @@ class AdamW(torch.optim.AdamW):
             self._init_group(dict(g, params=ps), params, grads, m, v, [], steps)
             for p, grad, m1, v1, t in zip(params, grads, m, v, steps):
                 t += 1
-                cast, written = getattr(p, "compute_cast", (None, set()))
-                adamw_triton(*map(local, (p, grad, m1, v1)), t, getattr(self, "grad_scale", None), g, cast)
-                written.add(id(p))
+                adamw_triton(*map(local, (p, grad, m1, v1)), t, getattr(self, "grad_scale", None), g)
 
 
 def local(t):  # a DTensor's local shard, or the tensor itself
@@ -332,23 +330,18 @@ def placed_like(p, t):  # a local tensor placed as p is: a DTensor on p's mesh w
     return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False) if isinstance(p, DTensor) else t
 
 
-def adamw_triton(p, grad, m, v, step, grad_scale, group, cast=None):
-    """cast: None, or a compute-dtype tensor shaped as p, each p[i] contiguous (a slice along dim 1 of a stacked
-    cast): the kernel writes the updated weight's cast there too (train.keep_experts_local's next forward then
-    reads it instead of casting p again: 2 of the 3 bytes of that pass a parameter saved)."""
+def adamw_triton(p, grad, m, v, step, grad_scale, group):
     (beta1, beta2), n, block = group["betas"], p.numel(), 4096
     scale = step if grad_scale is None else grad_scale  # a pointer the kernel reads only when SCALED
-    inner, stride = (1, 1) if cast is None else (cast[0].numel(), cast.stride(0))
-    _adamw_kernel[(triton.cdiv(n, block),)](p, grad.contiguous(), m, v, step, scale, p if cast is None else cast, n,
-                                            inner, stride, float(group["lr"]), beta1, beta2, group["eps"],
-                                            group["weight_decay"], math.log2(beta1), math.log2(beta2),
-                                            SCALED=grad_scale is not None, CAST=cast is not None, BLOCK=block)
+    _adamw_kernel[(triton.cdiv(n, block),)](p, grad.contiguous(), m, v, step, scale, n, float(group["lr"]), beta1,
+                                            beta2, group["eps"], group["weight_decay"], math.log2(beta1),
+                                            math.log2(beta2), SCALED=grad_scale is not None, BLOCK=block)
 
 
 if triton is not None:
     @triton.jit
-    def _adamw_kernel(p, g, m, v, step, scale, cast, n, inner, stride, lr, beta1, beta2, eps, wd, log2_beta1,
-                      log2_beta2, SCALED: tl.constexpr, CAST: tl.constexpr, BLOCK: tl.constexpr):
+    def _adamw_kernel(p, g, m, v, step, scale, n, lr, beta1, beta2, eps, wd, log2_beta1, log2_beta2,
+                      SCALED: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         t = tl.load(step).to(tl.float32)
@@ -360,8 +353,6 @@ if triton is not None:
         denom = tl.sqrt(v1) / tl.sqrt(1 - tl.exp2(t * log2_beta2)) + eps
         w = tl.load(p + offs, mask=mask) * (1 - lr * wd) - lr / (1 - tl.exp2(t * log2_beta1)) * m1 / denom
         tl.store(p + offs, w, mask=mask)
-        if CAST:  # p's element i of each inner-sized block goes to the block's place in the cast
-            tl.store(cast + offs // inner * stride + offs % inner, w.to(cast.dtype.element_ty), mask=mask)
         tl.store(m + offs, m1, mask=mask)
         tl.store(v + offs, v1, mask=mask)
 

@@ -882,24 +882,20 @@ def keep_experts_local(experts, mesh, dtype, reuse_casts=False):
     for name, p in list(experts.named_parameters()):  # the three projections, and their adapters
         setattr(experts, name, nn.Parameter(DTensor.from_local(p.data, mesh, [Shard(0)], run_check=False),
                                             requires_grad=p.requires_grad))
-    casts = {}  # ids of the params cast together -> [their versions, the cast, ids of those AdamW wrote it for]
+    casts = {}  # ids of the params cast together -> (their versions, the cast)
 
     def cast(*ws):  # one weight, or several stacked on dim 1 into one tensor (Experts.weights: gate and up)
-        # a cast is reused while no in-place write bumped a version counter, and either within one window (the
-        # weights' gradients exist: a backward ran since train_step's zero_grad(set_to_none=True), which follows every
-        # optimizer step; the fused AdamW step leaves a DTensor parameter's version counter alone, seen on an H200)
-        # or in the window after an optimizer step that wrote it (experts.AdamW, through each weight's compute_cast)
+        # a cast is reused only within one window: the weights' gradients exist (a backward ran since train_step's
+        # zero_grad(set_to_none=True), which follows every optimizer step: the guard that matters, since the fused
+        # AdamW step leaves a DTensor parameter's version counter alone, seen on an H200) and no in-place write
+        # bumped a version counter since
         key, versions = tuple(map(id, ws)), [w._version for w in ws]
         kept = casts.get(key)
-        if kept is not None and kept[0] == versions and torch.is_grad_enabled() and (
-                all(w.grad is not None for w in ws) or kept[2] == set(key)):
-            kept[2].clear()  # AdamW holds this set: once read, the window's gradients take over as the guard
+        if kept is not None and kept[0] == versions and all(w.grad is not None for w in ws) and torch.is_grad_enabled():
             return kept[1]
         out = CastForCompute.apply(dtype, *ws)
         if reuse_casts and torch.is_grad_enabled():
-            casts[key] = kept = [versions, out, set()]
-            for w, part in zip(ws, out.split([w.shape[1] for w in ws], 1)):
-                w.compute_cast = (part, kept[2])
+            casts[key] = (versions, out)
         return out
     experts.cast_weights = cast
     experts.register_forward_pre_hook(
