@@ -219,7 +219,7 @@ def check_engine_options(cfg, model_dir, **engine_kwargs):
 GiB = 2**30
 
 
-def activation_bytes(mcfg, tokens, checkpointing, dtype_bytes=2, expert_parallel=False, routing_replay=True):
+def activation_bytes(mcfg, tokens, checkpointing, dtype_bytes=2, expert_parallel=False):
     """Estimated bytes autograd saves for backward in one microbatch of `tokens` tokens (flash attention, balanced
     routing), counted from what each op of model.py saves. Per token and layer: each RMSNorm an fp32 copy of its
     input, the normed input and its output (4 + 2b) * D (zero-centred, Qwen3.5: the fp32 normed input, (8 + b) * D),
@@ -248,12 +248,11 @@ def activation_bytes(mcfg, tokens, checkpointing, dtype_bytes=2, expert_parallel
            (4 * b * mcfg.shared_expert_intermediate_size + b * D + b if mcfg.shared_expert_intermediate_size else 0))
     layers = [(gdn if mcfg.layer_type(i) == "linear_attention" else attn) + (
         moe if mcfg.is_moe_layer(i) else 4 * b * mcfg.intermediate_size) for i in range(mcfg.num_hidden_layers)]
-    n_moe = len(mcfg.moe_layers)
     once = norm + 8 + 2 * b * mcfg.rotary_dim  # the final norm, the token ids, RoPE's cos and sin
     if not checkpointing:
         return tokens * (sum(layers) + once)
-    replay = 8 * K * n_moe if (routing_replay and n_moe) else 0  # (B, T, L_moe, K) int64 expert ids
-    return tokens * (b * D * mcfg.num_hidden_layers + replay + max(layers) + once)
+    # beside each block's input, routing replay's (B, T, L_moe, K) int64 expert ids
+    return tokens * (b * D * mcfg.num_hidden_layers + 8 * K * len(mcfg.moe_layers) + max(layers) + once)
 
 
 def vision_activation_bytes(vc, checkpointing, dtype_bytes=2, patches=784):
