@@ -236,8 +236,7 @@ def compute_advantages(rewards, group_ids, estimator, eps=1e-6):
         raise ValueError("rewards must be finite; give failed attempts a number or drop their group")
     r = rewards.double()  # (A,) fp64: an all-equal group must come out exactly zero
     if estimator == "reinforce":
-        adv = r - r.mean()
-        return torch.where(r.max() == r.min(), torch.zeros_like(r), adv).float()
+        return torch.where(r.max() == r.min(), torch.zeros_like(r), r - r.mean()).float()
     _, g = torch.unique(group_ids, return_inverse=True)  # (A,) group index 0..G-1
     G = int(g.max()) + 1 if g.numel() else 0
     n = torch.bincount(g, minlength=G).double()  # (G,)
@@ -347,10 +346,8 @@ def _importance_weight(old_logprobs, behavior_logprobs, fresh, cfg):
             log_u = log_u / fresh.sum(-1, keepdim=True).clamp(min=1)
         log_u = log_u.expand_as(log_rho)
     u = log_u.exp()  # may be inf for a long sequence; each mode below stays finite
-    if cfg.is_mode == "truncate":
-        return u.clamp(max=cfg.is_high), torch.ones_like(fresh)
-    if cfg.is_mode == "clip":
-        return u.clamp(cfg.is_low, cfg.is_high), torch.ones_like(fresh)
+    if cfg.is_mode != "mask":  # truncate: min(u, is_high); clip: clamp(u, is_low, is_high)
+        return u.clamp(cfg.is_low if cfg.is_mode == "clip" else None, cfg.is_high), torch.ones_like(fresh)
     # mask: compare in log space so an overflowing u is rejected, not inf * 0
     log_low = math.log(cfg.is_low) if cfg.is_low > 0 else -math.inf
     accepted = (log_u >= log_low) & (log_u <= math.log(cfg.is_high))
@@ -443,8 +440,8 @@ def policy_loss(logprobs, old_logprobs, behavior_logprobs, advantages, mask, tok
     if cfg.entropy_coef:
         per_token = per_token - cfg.entropy_coef * entropy.float()
     loss_sum = torch.where(kept, per_token, 0.0).sum()
-    denominator = torch.as_tensor(window_tokens, device=loss_sum.device).float().clamp(min=1)  # all rejected: 0
-    loss = loss_sum * (dp_world_size / denominator)
+    # clamp: window_tokens is 0 when every token was rejected
+    loss = loss_sum * (dp_world_size / torch.as_tensor(window_tokens, device=loss_sum.device).float().clamp(min=1))
 
     with torch.no_grad():
         def total(x, where):
