@@ -176,11 +176,8 @@ class ModelConfig:
         """Qwen3_5MoeForConditionalGeneration's config.json (Qwen3_5MoeForCausalLM's without a tower)."""
         moe, mt = self.is_moe, "qwen3_5_moe" if self.is_moe else "qwen3_5"
         keep = QWEN3_FIELDS - {"rope_theta", "decoder_sparse_step", "mlp_only_layers"} | QWEN3_5_FIELDS
-        if moe:
-            keep = keep - {"intermediate_size"}
-        else:
-            keep = keep - {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                           "shared_expert_intermediate_size"}
+        keep -= {"intermediate_size"} if moe else {"num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                   "norm_topk_prob", "shared_expert_intermediate_size"}
         text = {k: getattr(self, k) for k in sorted(keep)}
         text.update(model_type=mt + "_text", hidden_act="silu", attention_dropout=0.0, initializer_range=0.02,
                     use_cache=True, torch_dtype="bfloat16", rope_parameters=dict(
