@@ -215,8 +215,8 @@ def call_grammar(format_name, request):
     "hermes" for <tool_call> JSON, "qwen_3_coder" for Qwen3.5's XML, ...): the schema constrains the arguments
     whatever wraps them. JSON whitespace runs are capped (a random model can loop on them: the turn never ends)."""
     structured = request.sampling.get("structured")
-    constrained = request.strict or request.forced is not None
-    if not (format_name and request.tools and request.parse_tools and constrained or structured):
+    calls = format_name and request.tools and request.parse_tools and (request.strict or request.forced is not None)
+    if not (calls or structured):
         return None
     from pydantic import BaseModel
     from xgrammar import Grammar, StructuralTag
@@ -224,7 +224,7 @@ def call_grammar(format_name, request):
                                          TagsWithSeparatorFormat, TriggeredTagsFormat)
     answer = structured and JSONSchemaFormat(json_schema=bounded(structured.get("json", {"type": "object"})),
                                              max_whitespace_cnt=MAX_JSON_WHITESPACE)
-    if not (format_name and request.tools and request.parse_tools and constrained):
+    if not calls:
         return StructuralTag(format=answer).model_dump_json(), None
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
     from vllm.tool_parsers.structural_tag_registry import get_model_structural_tag
