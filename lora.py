@@ -57,10 +57,10 @@ class LoRALinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.lora_A = nn.Parameter(torch.empty(rank, in_features))
         self.lora_B = nn.Parameter(torch.empty(out_features, rank))
-        self.scaling = scaling
+        self.lora_scaling = scaling  # named as experts.Experts names it: base_only and export_adapters read both
 
     def forward(self, x):
-        return super().forward(x) + self.scaling * F.linear(F.linear(x, self.lora_A), self.lora_B)
+        return super().forward(x) + self.lora_scaling * F.linear(F.linear(x, self.lora_A), self.lora_B)
 
 
 def add_adapters(model, rank, alpha, targets):
@@ -109,15 +109,14 @@ def apply(model, cfg, frozen=False):
 def base_only(model):
     """Inside, `model` computes its frozen base alone, every adapter's scaling 0 (a LoRA run's reference policy for
     the KL penalty, at no memory); a model without adapters is unchanged."""
-    key = lambda m: "scaling" if isinstance(m, LoRALinear) else "lora_scaling"  # noqa: E731
-    saved = {m: getattr(m, key(m)) for m in model.modules() if isinstance(m, LoRALinear) or getattr(m, "lora_scaling", None)}
+    saved = {m: m.lora_scaling for m in model.modules() if getattr(m, "lora_scaling", None) is not None}
     for m in saved:
-        setattr(m, key(m), 0.0)
+        m.lora_scaling = 0.0
     try:
         yield model
     finally:
         for m, value in saved.items():
-            setattr(m, key(m), value)
+            m.lora_scaling = value
 
 
 def initial_adapters(model, seed):
@@ -168,8 +167,7 @@ def export_adapters(state, model, path, base_model=""):
     """A full state dict of `model` (our names) -> the same with every adapter merged into its weight; the adapters
     alone go to `path` as a PEFT directory. Without adapters the state comes back as it is."""
     adapters = {k: v for k, v in state.items() if is_adapter(k)}
-    scaling = next((m.scaling if isinstance(m, LoRALinear) else m.lora_scaling for m in model.modules()
-                    if isinstance(m, LoRALinear) or getattr(m, "lora_scaling", None)), None)
+    scaling = next((m.lora_scaling for m in model.modules() if getattr(m, "lora_scaling", None)), None)
     if not adapters:
         return state
     rank = next(v.shape[-2] for k, v in adapters.items() if k.endswith("A"))
@@ -214,10 +212,6 @@ def learning_rate_key(cfg):
     return "lora_learning_rate" if cfg["lora_rank"] else "learning_rate"
 
 
-def learning_rate(cfg):
-    return cfg[learning_rate_key(cfg)]
-
-
 def sync_config(cfg):
     """What a LoRA run's weight sync sends with the adapters (their PEFT config); None for full fine-tuning."""
     return peft_config(cfg["lora_rank"], cfg["lora_alpha"], parse_targets(cfg["lora_targets"])) if cfg["lora_rank"] else None
@@ -260,8 +254,8 @@ def served_targets(mcfg, cfg):
 def engine_options(cfg, mcfg):
     """engine.Engine keyword arguments of a LoRA run (plan.engine_options adds them when lora_rank > 0)."""
     options = dict(worker_extension_cls="engine.LoRAWeightSyncWorker")
-    if served_targets(mcfg, cfg):  # max_lora_rank: the smallest vLLM accepts that holds lora_rank
-        options.update(enable_lora=True, max_loras=1, lora_target_modules=served_targets(mcfg, cfg),
+    if targets := served_targets(mcfg, cfg):  # max_lora_rank: the smallest vLLM accepts that holds lora_rank
+        options.update(enable_lora=True, max_loras=1, lora_target_modules=targets,
                        max_lora_rank=next(r for r in VLLM_RANKS if r >= cfg["lora_rank"]),
                        lora_path=os.path.join(cfg["out_dir"], "engine_adapter"))
     return options
