@@ -186,12 +186,10 @@ def configure(argv, defaults=None):
                     put(k, v, path)
         elif arg.startswith("--") and "=" in arg:
             key, val = arg[2:].split("=", 1)
-            try:
-                value = ast.literal_eval(val)
+            try:  # a string key takes the text as it is
+                value = val if isinstance(cfg.get(key), str) else ast.literal_eval(val)
             except (SyntaxError, ValueError):
                 value = val  # a bare string
-            if isinstance(cfg.get(key), str):
-                value = val
             put(key, value, f"--{key}")
         else:
             raise ConfigError(f"cannot parse argument {arg!r}: use --config FILE or --key=value")
@@ -514,10 +512,10 @@ def share_batch(records, cfg, rank, world):
         # ray's pickler, not plain pickle: an object ref must carry its owner to be fetched by another process
         shards = ray.cloudpickle.dumps(rollout.balance_by_tokens(with_tokens, world))
     mine = ray.cloudpickle.loads(from_rank0(shards, world))[rank]
-    segments = ray.get([r["ref"] for r in mine])  # the only copy of token data that reaches this rank
-    # the object store hands out read-only views; torch wants arrays it may write (a copy of a few KB each)
-    segments = [{k: v.copy() if hasattr(v, "copy") else v for k, v in s.items()} for s in segments]
-    segments = [vl.with_pixels(s, cfg["model_path"]) for s in segments]  # this rank decodes its own images only
+    # ray.get: the only copy of token data that reaches this rank. The object store hands out read-only views; torch
+    # wants arrays it may write (a copy of a few KB each). This rank decodes its own images only
+    segments = [vl.with_pixels({k: v.copy() if hasattr(v, "copy") else v for k, v in s.items()}, cfg["model_path"])
+                for s in ray.get([r["ref"] for r in mine])]
     if not distill:
         return segments, [r["advantage"] for r in mine]
     advantages = []  # on-policy distillation: reverse KL to the teacher on every generated token, (T,) per segment
@@ -587,14 +585,14 @@ def build_optimizer(model, cfg):
     groups = [{"params": dense}] + ([{"params": experts}] if experts else [])
     # fused: one kernel per group, on the GPU and on the CPU (offloaded state), and experts.AdamW's one per large CUDA
     # tensor; both take the clipping factor
-    return AdamW(groups, lr=lora.learning_rate(cfg), betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["adam_eps"],
+    return AdamW(groups, lr=cfg[lora.learning_rate_key(cfg)], betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["adam_eps"],
                  weight_decay=cfg["weight_decay"], fused=True)
 
 
 def learning_rate_at(step, cfg):
     """Linear warm-up to learning_rate (lora_learning_rate for LoRA) over warmup_steps, then cosine decay to min_lr at
     max_steps."""
-    lr, min_lr, warmup, total = lora.learning_rate(cfg), cfg["min_lr"], cfg["warmup_steps"], cfg["max_steps"]
+    lr, min_lr, warmup, total = cfg[lora.learning_rate_key(cfg)], cfg["min_lr"], cfg["warmup_steps"], cfg["max_steps"]
     if step < warmup:
         return lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
@@ -791,12 +789,10 @@ def init_distributed(timeout_s=600):
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
         torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if backend == "nccl" else None)  # NCCL: bind this rank's GPU now
