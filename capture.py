@@ -400,7 +400,7 @@ class CaptureServer:
             if not (idle or full):
                 break
             if (idle or s.finished) and not s.lock.locked():  # a request in flight keeps its session
-                self.drop_session(s.id, None if s.finished else self.expiry(s))
+                self.drop_session(s.id, None if s.finished else self.expiry())
         return len(self.http_sessions) < self.max_http_sessions
 
     # --- rendering and the segmenter
@@ -418,15 +418,13 @@ class CaptureServer:
             return {self.escape(k, pattern): self.escape(v, pattern, depth + 1) for k, v in value.items()}
         return [self.escape(v, pattern, depth + 1) for v in value] if isinstance(value, list) else value
 
-    def escape_messages(self, messages):
-        return [{k: self.escape(v, self.escape_special if m.get("role") == "assistant" and k in (
-            "content", "reasoning_content") else self.escape_any) for k, v in m.items()} for m in messages]
-
     def render_text(self, messages, tools, add_generation_prompt, **template_kwargs):
         if self.arguments_as_mapping:  # XML templates write each argument: they read a mapping, as vLLM gives them
             messages = [dict(m, tool_calls=[argument_mapping(c) for c in m["tool_calls"]]) if m.get("tool_calls")
                         else m for m in messages]
-        messages, tools = self.escape_messages(messages), self.escape(tools, self.escape_any)
+        messages = [{k: self.escape(v, self.escape_special if m.get("role") == "assistant" and k in (
+            "content", "reasoning_content") else self.escape_any) for k, v in m.items()} for m in messages]
+        tools = self.escape(tools, self.escape_any)
         try:
             return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt, **template_kwargs)
@@ -727,7 +725,7 @@ class CaptureServer:
 
     # --- HTTP
 
-    def expiry(self, session):
+    def expiry(self):
         return f"it expired after {self.http_session_idle_s:g} s without a request (http_session_idle_s)"
 
     def authorize(self, request):
@@ -748,8 +746,8 @@ class CaptureServer:
                                     "(max_http_sessions): read a session's segments from its finish reply.")
         if session.id in self.http_sessions:
             if time.monotonic() - session.last_used > self.http_session_idle_s and not session.lock.locked():
-                self.drop_session(session.id, self.expiry(session))
-                raise RequestError(410, f"Session {session.id} is gone: {self.expiry(session)}.")
+                self.drop_session(session.id, self.expiry())
+                raise RequestError(410, f"Session {session.id} is gone: {self.expiry()}.")
             self.http_sessions.move_to_end(session.id)
         session.last_used = time.monotonic()
         return session
