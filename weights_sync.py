@@ -196,10 +196,8 @@ def gather_to(p, dst, dtype, device):
     local = p.to_local().detach().to(device=device, dtype=dtype)  # a copy: the sharded params may be offloaded
     n, world = p.shape[dim], len(ranks)
     chunk = -(-n // world)
-    if local.shape[dim] < chunk:
-        pad = list(local.shape)
-        pad[dim] = chunk - local.shape[dim]
-        local = torch.cat([local, local.new_zeros(pad)], dim)
+    if local.shape[dim] < chunk:  # zeros after a short (or empty) shard, on dim `dim`
+        local = torch.nn.functional.pad(local, (0, 0) * (local.dim() - 1 - dim) + (0, chunk - local.shape[dim]))
     if rank() != dst:
         dist.gather(local.contiguous(), None, dst=dst, group=group)
         return None
@@ -400,18 +398,13 @@ class BucketReceiver:
         self.posted.append((buf, self.group.broadcast(buf, 0)))
 
     def __iter__(self):
-        for tensors in self.iter_buckets():
-            yield from tensors
-
-    def iter_buckets(self):
-        """The same, one list of (hf_name, tensor) per bucket (for a caller that copies a bucket at once)."""
         for k, bucket in enumerate(self.buckets):
             while len(self.posted) < min(k + 2, len(self.buckets)):
                 self._post()
             buf, work = self.posted[k]
             work.wait()  # NCCL: the stream waits, not the host
-            yield [(name, tensor_view(buf, dtype_name, shape, offset))
-                   for name, dtype_name, shape, offset in bucket["tensors"]]
+            yield from [(name, tensor_view(buf, dtype_name, shape, offset))
+                        for name, dtype_name, shape, offset in bucket["tensors"]]
             self.posted[k] = None  # drop our reference; the loader holds what it still needs
 
     def drain(self):
