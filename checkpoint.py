@@ -40,8 +40,7 @@ def with_global_experts(state, model, experts=None):
 def save_checkpoint(out_dir, model, optimizer, step, cfg, extra=None):
     """Write out_dir/checkpoints/step_NNNNNN (every rank writes its shards) and point `latest` at it."""
     path = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
-    state = lora.checkpoint_state(model, optimizer)
-    dcp.save(with_global_experts(state, model), checkpoint_id=path)
+    dcp.save(with_global_experts(lora.checkpoint_state(model, optimizer), model), checkpoint_id=path)
     if dist.get_rank() == 0:
         torch.save({"step": step, "config": cfg, "extra": extra or {}}, os.path.join(path, "trainer_state.pt"))
         with open(os.path.join(path, "config.json"), "w") as f:

@@ -262,8 +262,7 @@ def segment_advantages(segment_attempt_ids, segment_group_ids, segment_rewards, 
         raise ValueError("segment_attempt_ids, segment_group_ids and segment_rewards must have one length")
     attempt_index, group_index = {}, {}
     attempt_group, attempt_reward = [], []
-    for attempt, group, reward in zip(segment_attempt_ids, segment_group_ids, segment_rewards):
-        reward = float(reward)
+    for attempt, group, reward in zip(segment_attempt_ids, segment_group_ids, map(float, segment_rewards)):
         if attempt not in attempt_index:
             attempt_index[attempt] = len(attempt_index)
             attempt_group.append(group_index.setdefault(group, len(group_index)))

@@ -767,10 +767,8 @@ def checkpoint_reader(path):
 
 def read_safetensors(path):
     """All tensors of a checkpoint directory, single file or sharded."""
-    sd = {}
-    for fname in sorted(set(weight_files(path).values())):
-        sd.update(load_file(os.path.join(path, fname)))
-    return sd
+    return {k: v for fname in sorted(set(weight_files(path).values()))
+            for k, v in load_file(os.path.join(path, fname)).items()}
 
 
 def is_stacked_experts(name):

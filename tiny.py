@@ -204,8 +204,7 @@ def ensure_warm_start(path):
     subprocess.run([sys.executable, os.path.join(root, "train.py"), f"--model_path={base}", f"--sft_data={data}",
                     f"--out_dir={work}", "--checkpoint_every=1000000", *keys], check=True,
                    env={k: v for k, v in os.environ.items() if k not in rendezvous})
-    with open(os.path.join(work, "hf", "warm_start.json"), "w") as f:
-        json.dump(warm_start, f)
+    write_json(os.path.join(work, "hf", "warm_start.json"), warm_start)  # read back with json.load: any indent
     shutil.rmtree(path, ignore_errors=True)
     os.rename(os.path.join(work, "hf"), path)
     return path
