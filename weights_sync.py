@@ -69,12 +69,12 @@ def stateless_process_group(host, port, rank, world_size, backend, timeout_s=600
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"weight sync backend must be 'gloo' or 'nccl', got {backend!r}")
     from torch.distributed import PrefixStore, ProcessGroup, TCPStore
-    init_method = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
     timeout = timedelta(seconds=timeout_s)
     # a TCPStore of our own, not torch.distributed.rendezvous: under torchrun that one only ever connects to the
     # launcher's store (TORCHELASTIC_USE_AGENT_STORE) and never serves ours
     store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
-    prefix_store = PrefixStore(init_method, store)  # our keys never collide with another user of the store
+    # prefixed: our keys never collide with another user of the store
+    prefix_store = PrefixStore(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}", store)
     pg = ProcessGroup(prefix_store, rank, world_size)
     if backend == "gloo":
         from torch.distributed import ProcessGroupGloo
@@ -398,13 +398,18 @@ class BucketReceiver:
         self.posted.append((buf, self.group.broadcast(buf, 0)))
 
     def __iter__(self):
+        for tensors in self.iter_buckets():
+            yield from tensors
+
+    def iter_buckets(self):
+        """The same, one list of (hf_name, tensor) per bucket (for a caller that copies a bucket at once)."""
         for k, bucket in enumerate(self.buckets):
             while len(self.posted) < min(k + 2, len(self.buckets)):
                 self._post()
             buf, work = self.posted[k]
             work.wait()  # NCCL: the stream waits, not the host
-            yield from [(name, tensor_view(buf, dtype_name, shape, offset))
-                        for name, dtype_name, shape, offset in bucket["tensors"]]
+            yield [(name, tensor_view(buf, dtype_name, shape, offset))
+                   for name, dtype_name, shape, offset in bucket["tensors"]]
             self.posted[k] = None  # drop our reference; the loader holds what it still needs
 
     def drain(self):
