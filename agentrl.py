@@ -160,9 +160,10 @@ def load_agent(path):
     if not hasattr(module, "agent"):
         raise AttributeError(f"agent module {path!r} exports no `agent` (a ChatAgent, an Env subclass or an async function)")
     run = as_run_function(module.agent, path)
-    run.setup = getattr(module, "setup", None)  # for setup_agent: the same module object the agent lives in
-    run.eval_prompts = getattr(module, "eval_prompts", None)
-    run.prompt_from_row = getattr(module, "prompt_from_row", None)  # a data file's own layout -> a prompt row
+    # setup: for setup_agent, the same module object the agent lives in; prompt_from_row: a data file's own layout ->
+    # a prompt row
+    for name in ("setup", "eval_prompts", "prompt_from_row"):
+        setattr(run, name, getattr(module, name, None))
     return run, getattr(module, "prompts", None)
 
 

@@ -961,10 +961,8 @@ def main(argv=None):
     if args.view:  # no engine: the page over the run's files (viewer.py)
         import viewer
         return viewer.main(args.view, args.port)
-    model = args.model
-    if model is None:
-        from tiny import ensure_tiny_model
-        model = ensure_tiny_model()
+    from tiny import ensure_tiny_model
+    model = args.model if args.model is not None else ensure_tiny_model()
     if not os.path.isfile(os.path.join(model, "config.json")):
         sys.exit(f"--model {model}: no config.json there; pass a local HuggingFace model directory.")
 

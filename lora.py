@@ -245,17 +245,14 @@ def adapter_shapes(mcfg, cfg, served_only=False):
     return {n: p.shape for n, p in model.named_parameters() if is_adapter(n)}
 
 
-def served_targets(mcfg, cfg):
-    """The modules vLLM serves LoRA on, in vLLM's names (it packs q/k/v and gate/up); the routed experts are merged
-    into the engines' weights instead (weights_sync.WeightSyncWorker.receive_adapter)."""
-    return sorted({VLLM_MODULES[n.rsplit(".", 2)[-2]] for n in adapter_shapes(mcfg, cfg, served_only=True)})
-
-
 def engine_options(cfg, mcfg):
     """engine.Engine keyword arguments of a LoRA run (plan.engine_options adds them when lora_rank > 0)."""
     options = dict(worker_extension_cls="engine.LoRAWeightSyncWorker")
-    if targets := served_targets(mcfg, cfg):  # max_lora_rank: the smallest vLLM accepts that holds lora_rank
+    # the modules vLLM serves LoRA on, in vLLM's names (it packs q/k/v and gate/up); the routed experts are merged
+    # into the engines' weights instead (weights_sync.WeightSyncWorker.receive_adapter)
+    if targets := sorted({VLLM_MODULES[n.rsplit(".", 2)[-2]] for n in adapter_shapes(mcfg, cfg, served_only=True)}):
         options.update(enable_lora=True, max_loras=1, lora_target_modules=targets,
+                       # the smallest max_lora_rank vLLM accepts that holds lora_rank
                        max_lora_rank=next(r for r in VLLM_RANKS if r >= cfg["lora_rank"]),
                        lora_path=os.path.join(cfg["out_dir"], "engine_adapter"))
     return options

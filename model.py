@@ -482,6 +482,12 @@ class VisionBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+def run_block(block, checkpointing, *args):
+    """block(*args); with checkpointing the block keeps only its inputs and is recomputed in backward: the
+    activations of one block at a time instead of all of them."""
+    return torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False) if checkpointing else block(*args)
+
+
 def merge_order(x, m):
     """(h, w, ...) -> (h * w, ...) in the processor's patch order: the m x m patches of one merged token adjacent."""
     h, w = x.shape[:2]
@@ -526,10 +532,7 @@ class VisionModel(nn.Module):
         lengths = [h * w for t, h, w in grids for _ in range(t)]
         deepstack = []
         for i, block in enumerate(self.blocks):
-            if checkpointing:  # each block keeps its input alone and is recomputed in backward, as the text blocks
-                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, lengths, use_reentrant=False)
-            else:
-                x = block(x, cos, sin, lengths)
+            x = run_block(block, checkpointing, x, cos, sin, lengths)  # checkpointed as the text blocks are
             if i in vc.deepstack_visual_indexes:
                 deepstack.append(self.deepstack_merger_list[vc.deepstack_visual_indexes.index(i)](x))
         return self.merger(x), deepstack
@@ -657,12 +660,8 @@ class Transformer(nn.Module):
         routes, m, self.positions = [], 0, (cos, sin, mask)  # mtp_hidden runs the MTP layers at these positions
         for i, block in enumerate(self.model.layers):
             replay = routed_experts[:, :, m] if block.is_moe and routed_experts is not None else None
-            if self.activation_checkpointing and self.training:
-                # recompute the block in backward: activations of one block instead of all of them
-                x, ids = torch.utils.checkpoint.checkpoint(block, x, cos, sin, replay, mask, cu_seqlens,
-                                                           use_reentrant=False)
-            else:
-                x, ids = block(x, cos, sin, replay, mask, cu_seqlens)
+            x, ids = run_block(block, self.activation_checkpointing and self.training, x, cos, sin, replay, mask,
+                               cu_seqlens)
             if block.is_moe:
                 routes.append(ids)
                 m += 1
@@ -813,8 +812,7 @@ def ours_to_hf(sd, cfg):
     for name, t in sd.items():
         if is_stacked_experts(name):
             prefix, proj = name.split(".mlp.experts.")
-            for e in range(t.shape[0]):
-                out[f"{prefix}.mlp.experts.{e}.{proj}.weight"] = t[e]
+            out.update({f"{prefix}.mlp.experts.{e}.{proj}.weight": t[e] for e in range(t.shape[0])})
         elif not (cfg.tie_word_embeddings and name == "lm_head.weight"):
             out[name] = t
     return {hf_name(k, cfg): v for k, v in out.items()}

@@ -149,8 +149,8 @@ def planned_model_config(cfg):
             return load_config(path)
         except ValueError as e:  # model.py names the model types it implements
             raise ConfigError(f"model_path={path!r}: {e}") from None
-    if tiny_model_config(path):
-        return tiny_model_config(path)
+    if tiny := tiny_model_config(path):
+        return tiny
     if cfg["dry_run"] and cfg["model_config"]:
         try:
             return ModelConfig.from_hf(cfg["model_config"])
@@ -284,8 +284,7 @@ def ep_all_to_all(mcfg, tokens, ep, checkpointing):
     a rank holds none of a token's k experts with probability C(E - E/ep, k) / C(E, k). Returns (remote rows per
     token, bytes, seconds at NCCL_GBPS, unoverlapped)."""
     E, k, D = mcfg.num_experts, mcfg.num_experts_per_tok, mcfg.hidden_size
-    none_here = math.comb(E - E // ep, k) / math.comb(E, k)
-    remote_rows = (ep - 1) * (1 - none_here)
+    remote_rows = (ep - 1) * (1 - math.comb(E - E // ep, k) / math.comb(E, k))  # 1 - P(none of its k here)
     dispatch_row = 2 * D + k * (2 + 8)  # the bf16 row, its k bf16 routing weights and int64 expert ids
     passes = 3 if checkpointing else 2  # forward, backward (gradients the other way), the recomputed forward
     nbytes = tokens * remote_rows * (dispatch_row + 2 * D) * passes  # dispatch, then combine's bf16 row back
@@ -341,10 +340,9 @@ def plan_memory(cfg, mcfg, shards):
     on_gpu_state = 0 if cfg["cpu_offload_optimizer"] else (figures["params_bytes"] + figures["grads_bytes"] +
                                                           figures["optimizer_bytes"] + figures["reference_bytes"])
     transient = figures["gather_bytes"] + figures["logits_bytes"] + figures["gdn_state_bytes"]
-    act = figures["act_bytes_ckpt"] if cfg["activation_checkpointing"] else figures["act_bytes_full"]
-    figures["total_bytes"] = on_gpu_state + transient + act
-    figures["total_bytes_other_ckpt"] = on_gpu_state + transient + (
-        figures["act_bytes_full"] if cfg["activation_checkpointing"] else figures["act_bytes_ckpt"])
+    # the activations with activation_checkpointing as configured, then with the other setting
+    acts = [figures["act_bytes_ckpt"], figures["act_bytes_full"]][::1 if cfg["activation_checkpointing"] else -1]
+    figures["total_bytes"], figures["total_bytes_other_ckpt"] = (on_gpu_state + transient + a for a in acts)
     # rollout: bf16 weights split over tensor_parallel_size GPUs; KV heads split too (replicated past nkv)
     tp = cfg["tensor_parallel_size"]
     # MTP drafting (speculative_tokens k): the engine builds the drafter's own layers (mtp.*; the embeddings and lm_head

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 import traceback
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import numpy as np
 import ray
@@ -339,8 +339,8 @@ class RolloutPool:
         self.open_groups = 0  # started and not yet taken by the trainer
         self.held = False  # next_batch(hold=True) until resume(): no new groups
         self.prompts_drawn = first_prompt  # the data position a checkpoint records; also the next group id
-        self.counters = dict(attempts=0, failed_attempts=0, timed_out_attempts=0, dropped_groups=0,
-                             generated_tokens=0, reward_sum=0.0)
+        self.counters = Counter(attempts=0, failed_attempts=0, timed_out_attempts=0, dropped_groups=0,
+                                generated_tokens=0, reward_sum=0.0)
         self.errors = []  # the last few failures, for the log
         self.max_failed_in_a_row, self.failed_in_a_row = max_failed_in_a_row, 0
         self._loop = asyncio.new_event_loop()
@@ -389,7 +389,7 @@ class RolloutPool:
         async def read():
             out = dict(self.counters, open_groups=self.open_groups, ready_groups=len(self.ready))
             if reset:
-                self.counters = {k: 0 if isinstance(v, int) else 0.0 for k, v in self.counters.items()}
+                self.counters = Counter({k: 0 if isinstance(v, int) else 0.0 for k, v in self.counters.items()})
             return out
         return asyncio.run_coroutine_threadsafe(read(), self._loop).result()
 
@@ -447,10 +447,8 @@ class RolloutPool:
                 failed, error = True, f"the agent gave teacher_logprobs for {len(teacher)} of {len(segments)} segments"
             for s in segments:
                 s["teacher_logprobs"] = None if failed else teacher[s["segment_index"]]
-        self.counters["attempts"] += 1
-        self.counters["failed_attempts"] += failed
-        self.counters["timed_out_attempts"] += played["timed_out"]
-        self.counters["reward_sum"] += reward
+        self.counters.update(attempts=1, failed_attempts=failed, timed_out_attempts=played["timed_out"],
+                             reward_sum=reward)  # Counter.update adds
         if failed:
             self.errors = (self.errors + [error])[-20:]
         # a failure while an engine is down is the engine's (the router restarts it), not a sign of a broken agent
