@@ -887,10 +887,9 @@ def save_hf_checkpoint(path, hf_sd, cfg, max_shard_bytes=5 * 2**30, dtype=None):
 def copy_hf_extras(source_dir, path):
     """Tokenizer, chat template and generation config from source_dir; token ids from its config.json."""
     import shutil
-    for fname in os.listdir(source_dir):
-        if fname.endswith((".safetensors", ".index.json", ".bin")) or fname == "config.json":
-            continue
-        if os.path.isfile(os.path.join(source_dir, fname)):
+    for fname in os.listdir(source_dir):  # weights and config.json are written, not copied
+        if os.path.isfile(os.path.join(source_dir, fname)) and not (
+                fname.endswith((".safetensors", ".index.json", ".bin")) or fname == "config.json"):
             shutil.copy(os.path.join(source_dir, fname), os.path.join(path, fname))
     src_cfg, config = os.path.join(source_dir, "config.json"), os.path.join(path, "config.json")
     if os.path.isfile(src_cfg):

@@ -13,7 +13,6 @@ trainer.
 
 import dataclasses
 import importlib.util
-import json
 import math
 import os
 import sys
@@ -22,7 +21,7 @@ import torch
 
 import lora
 import loss
-from model import ModelConfig, load_config, num_params
+from model import ModelConfig, load_config, num_params, write_json
 from tiny import tiny_model_config
 
 
@@ -398,8 +397,7 @@ def plan_run(cfg, mcfg, shards):
         check_engine_options(cfg, cfg["model_path"])
     else:  # the model is not here: vLLM validates against its config.json alone
         with tempfile.TemporaryDirectory() as tmp:
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump(mcfg.to_hf(), f)
+            write_json(os.path.join(tmp, "config.json"), mcfg.to_hf())
             check_engine_options(cfg, tmp, skip_tokenizer_init=True)
     figures["engine_check"] = "accepted by vLLM's engine-config validation"
     return figures
