@@ -71,10 +71,6 @@ def tiny_model_config(path):
     return TINY_MODELS.get(name) if os.path.basename(head) == ".cache" else None
 
 
-def is_tiny_model(path):
-    return tiny_model_config(path) is not None
-
-
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]  # special, as in Qwen3-VL
 # like Qwen3, tool-call and reasoning tags are single added (non-special) tokens: decode keeps them

@@ -48,7 +48,7 @@ from checkpoint import export_hf, latest_checkpoint, load_checkpoint, local_tens
 from experts import EXPERT_PROJS, AdamW, GatherRows, SumRows, count_ids, placed_like, slot_positions
 from model import (Transformer, checkpoint_reader, hf_name, init_parameters, is_stacked_experts, load_config,
                    read_experts)
-from tiny import ensure_tiny_model, is_tiny_model
+from tiny import ensure_tiny_model, tiny_model_config
 from plan import ConfigError, check_config, loss_config
 from weights_sync import free_port
 
@@ -215,7 +215,7 @@ def main(argv):
     if rank == 0:
         print(json.dumps(cfg, indent=1))
         os.makedirs(cfg["out_dir"], exist_ok=True)
-        if is_tiny_model(cfg["model_path"]):  # the default one after its warm start (an SFT run of this file)
+        if tiny_model_config(cfg["model_path"]):  # the default one after its warm start (an SFT run of this file)
             ensure_tiny_model(cfg["model_path"])
         if not cfg["resume"] and not cfg["export_hf_dir"] and os.path.exists(os.path.join(cfg["out_dir"], "metrics.jsonl")):
             os.remove(os.path.join(cfg["out_dir"], "metrics.jsonl"))  # a fresh run starts a fresh log
