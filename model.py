@@ -126,9 +126,8 @@ class ModelConfig:
         text = {**hf["text_config"], "tie_word_embeddings": hf.get("tie_word_embeddings", False)} if vl else hf
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}  # transformers 5 nests rope_theta here
         names = {f.name for f in fields(cls)} - {"vision", "mrope_section", "family"}
-        kw = {k: v for k, v in text.items() if k in names and v is not None}
+        kw = dict({k: v for k, v in text.items() if k in names and v is not None}, family=family)
         kw.setdefault("rope_theta", rope.get("rope_theta", cls.rope_theta))
-        kw["family"] = family
         if family == "qwen3_5":
             kw["partial_rotary_factor"] = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
             kw.setdefault("layer_types", ["linear_attention" if (i + 1) % text.get("full_attention_interval", 4)
