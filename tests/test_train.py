@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -143,8 +144,11 @@ def reference_run(weights, wins, cfg, steps=STEPS, prepare=None, reference_is_po
 
 
 def spawn(world, scenario, *args):
+    """`world` ranks on gloo and the CPU, also on a machine with GPUs (fewer of them than ranks, or their NCCL and
+    kernels, would change what these tests compare)."""
     port = train.free_port()
-    mp.spawn(_rank_main, args=(world, port, scenario, args), nprocs=world, join=True)
+    with mock.patch.dict(os.environ, CUDA_VISIBLE_DEVICES=""):  # the ranks inherit it; this process's CUDA is as it was
+        mp.spawn(_rank_main, args=(world, port, scenario, args), nprocs=world, join=True)
 
 
 def _rank_main(rank, world, port, scenario, args):
