@@ -339,9 +339,9 @@ def plan_memory(cfg, mcfg, shards):
     on_gpu_state = 0 if cfg["cpu_offload_optimizer"] else (figures["params_bytes"] + figures["grads_bytes"] +
                                                           figures["optimizer_bytes"] + figures["reference_bytes"])
     transient = figures["gather_bytes"] + figures["logits_bytes"] + figures["gdn_state_bytes"]
-    # the activations with activation_checkpointing as configured, then with the other setting
-    acts = [figures["act_bytes_ckpt"], figures["act_bytes_full"]][::1 if cfg["activation_checkpointing"] else -1]
-    figures["total_bytes"], figures["total_bytes_other_ckpt"] = (on_gpu_state + transient + a for a in acts)
+    ckpt, full = figures["act_bytes_ckpt"], figures["act_bytes_full"]
+    act, other = (ckpt, full) if cfg["activation_checkpointing"] else (full, ckpt)  # as configured, and the other
+    figures["total_bytes"], figures["total_bytes_other_ckpt"] = (on_gpu_state + transient + a for a in (act, other))
     # rollout: bf16 weights split over tensor_parallel_size GPUs; KV heads split too (replicated past nkv)
     tp = cfg["tensor_parallel_size"]
     # MTP drafting (speculative_tokens k): the engine builds the drafter's own layers (mtp.*; the embeddings and lm_head

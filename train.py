@@ -512,10 +512,10 @@ def share_batch(records, cfg, rank, world):
         # ray's pickler, not plain pickle: an object ref must carry its owner to be fetched by another process
         shards = ray.cloudpickle.dumps(rollout.balance_by_tokens(with_tokens, world))
     mine = ray.cloudpickle.loads(from_rank0(shards, world))[rank]
-    # ray.get: the only copy of token data that reaches this rank. The object store hands out read-only views; torch
-    # wants arrays it may write (a copy of a few KB each). This rank decodes its own images only
-    segments = [vl.with_pixels({k: v.copy() if hasattr(v, "copy") else v for k, v in s.items()}, cfg["model_path"])
-                for s in ray.get([r["ref"] for r in mine])]
+    segments = ray.get([r["ref"] for r in mine])  # the only copy of token data that reaches this rank
+    # the object store hands out read-only views; torch wants arrays it may write (a copy of a few KB each)
+    segments = [{k: v.copy() if hasattr(v, "copy") else v for k, v in s.items()} for s in segments]
+    segments = [vl.with_pixels(s, cfg["model_path"]) for s in segments]  # this rank decodes its own images only
     if not distill:
         return segments, [r["advantage"] for r in mine]
     advantages = []  # on-policy distillation: reverse KL to the teacher on every generated token, (T,) per segment
@@ -789,10 +789,11 @@ def init_distributed(timeout_s=600):
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
+    if torch.cuda.is_available():
+        device, backend = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))), "nccl"
         torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if backend == "nccl" else None)  # NCCL: bind this rank's GPU now

@@ -319,13 +319,12 @@ def test_compiled_norms_match_eager_on_cuda(zero_centred, monkeypatch):
             o.dtype) for o in outs])
         return [*outs, *(t.grad for t in leaves)]
 
-    errs = {}
+    errs, rel = {}, lambda a, b: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()  # noqa: E731
     for name, (fn, args) in cases.items():
         compiled = run(fn, args, 1e-6)
         monkeypatch.setattr(experts, "COMPILE_ON_CUDA", False)
         eager, control = run(fn, args, 1e-6), run(fn, args, 0.1)
         monkeypatch.setattr(experts, "COMPILE_ON_CUDA", True)
-        rel = lambda a, b: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()  # noqa: E731
         errs[name] = (max(map(rel, compiled, eager)), max(map(rel, control, eager)))
     print(zero_centred, {k: (f"{a:.1e}", f"{b:.1e}") for k, (a, b) in errs.items()})
     assert all(a < COMPILED_REL < b for a, b in errs.values()), errs
