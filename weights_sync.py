@@ -518,7 +518,8 @@ class WeightSyncWorker:
                 if p.numel() == 0 and hasattr(m, "cpu_linear"):
                     p = m.cpu_linear(torch.eye(getattr(m, "input_size_per_partition", m.input_size), dtype=p.dtype),
                                      p, None)
-                out[name] = hashlib.sha256(p.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+                data = p.detach().contiguous().reshape(-1).view(torch.uint8).cpu()  # GPU: a sync
+                out[name] = hashlib.sha256(data.numpy()).hexdigest()
         return out
 
 
