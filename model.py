@@ -461,7 +461,7 @@ class VisionAttention(nn.Module):
         q, k, v = self.qkv(x).view(N, 3, self.n_head, -1).permute(1, 2, 0, 3).unbind(0)  # each (nh, N, hd)
         q, k = (apply_rope(t.float(), cos, sin).to(v.dtype) for t in (q, k))  # 2-D RoPE in fp32, as HF does
         # full (not causal) attention within each image: one call per image keeps memory at one image's scores;
-        # 4-D inputs, since on CUDA 3-D ones fall back to the unfused math kernel (in fp32: 3x slower here)
+        # 4-D inputs, since on CUDA 3-D ones fall back to the unfused math kernel
         y = torch.cat([F.scaled_dot_product_attention(*(t[None] for t in qkv))[0] for qkv in
                        zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1))], dim=1)  # (nh, N, hd)
         return self.proj(y.transpose(0, 1).reshape(N, D))
@@ -518,7 +518,7 @@ class VisionModel(nn.Module):
         grids = grid_thw.tolist()  # NOTE: a device-to-host sync when grid_thw is on the GPU
         pos, rows_cols, per_size = [], [], {}
         for t, h, w in grids:
-            if (h, w) not in per_size:  # once per image size: the interpolation's backward costs ~2 ms an image
+            if (h, w) not in per_size:  # once per image size: the interpolation's backward costs
                 pe = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0].permute(1, 2, 0)
                 rc = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1).to(dev)
                 per_size[h, w] = merge_order(pe, m), merge_order(rc, m)
