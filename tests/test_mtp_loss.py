@@ -30,7 +30,7 @@ def test_mtp_loss_by_hand():
     m, rows, mb = model_and_rows()
     hidden = m.hidden_states(mb["input_ids"])
     got = train.mtp_loss(m, hidden, mb, train.mtp_mask(mb).sum())
-    nll = []
+    nll, off = [], []
     for r in rows:
         ids = torch.tensor([r])
         h = m.hidden_states(ids)
@@ -40,10 +40,11 @@ def test_mtp_loss_by_hand():
         x, _ = m.mtp.layers[0](x, cos[:-1], sin[:-1])
         logits = m.lm_head(m.mtp.norm(x))[0, :-1]  # position t predicts token t + 2
         nll.append(F.cross_entropy(logits, ids[0, 2:], reduction="none"))
+        off.append(F.cross_entropy(logits, ids[0, 1:-1], reduction="none"))  # the control: t + 1
     assert [len(n) for n in nll] == [7, 4]
     assert torch.allclose(got, torch.cat(nll).mean(), atol=1e-5), (got, torch.cat(nll).mean())
-    # control: the same by hand with the target one token off (t + 1) is far from it
-    assert not torch.allclose(got, F.cross_entropy(logits, ids[0, 1:-1]), atol=1e-2)
+    # control: the same mean over both rows with the target one token off (t + 1) is far from it
+    assert (got - torch.cat(off).mean()).abs() > 1e-2  # 3.6e-2 measured where 1e-5 is allowed
 
 
 def test_packed_rows_never_predict_across_a_segment_boundary():
