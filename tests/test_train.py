@@ -273,11 +273,11 @@ def test_matches_single_process(tmp_path, world, ep, extra, mcfg):
     # step, the reference drifts from the ranks by more than one step's rounding: Adam divides each
     # gradient element by its own scale (eps 1e-5) and the chunked delta rule is sensitive to its
     # inputs, so step 0's differences (1.9e-6 of a tensor's largest gradient) grew to 5e-5 to 8e-5
-    # of it at steps 1 and 2. Whether every element then met GRAD_TOL's absolute 2e-6 hung on how the
-    # CPU's kernels round (MKL picks them by CPU): all did on the Intel Xeon where GRAD_TOL was set;
-    # on an AMD EPYC (AVX-512) conv1d.weight's step-1 gradient missed by 4.3e-6 (2 ranks) and 4.5e-6
-    # (4). From the ranks' parameters, on that AMD EPYC (2 and 4 ranks): gradients within 9.7e-8
-    # (1.9e-6 of a tensor's largest), parameters within PARAM_TOL's rtol alone but for 8e-9.
+    # of it at steps 1 and 2. Whether every element then met GRAD_TOL's absolute 2e-6 hung on how
+    # the CPU's kernels round (MKL picks them by CPU): all did on the Intel Xeon where GRAD_TOL was
+    # set; on an AMD EPYC (AVX-512) conv1d.weight's step-1 gradient missed by 4.3e-6 (2 ranks) and
+    # 4.5e-6 (4). From the ranks' parameters, on that AMD EPYC (2 and 4 ranks): gradients within
+    # 9.7e-8 (1.9e-6 of a tensor's largest), parameters within PARAM_TOL's rtol alone but for 8e-9.
     ref = reference_run(weights, wins, cfg, params_at=got["params_at"])
     check_matches_single_process(got, ref)
     # negative control: a reference that lost one microbatch of six (a rank's share gone missing)
