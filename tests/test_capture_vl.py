@@ -373,9 +373,9 @@ def test_the_model_is_never_let_write_an_image_placeholder(stack, monkeypatch):
     monkeypatch.setattr(recorder, "generate", recording)
     session = server.new_session(attempt_id="vl-ban")
     client = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+    picture = {"type": "image_url", "image_url": {"url": data_uri(png(64, 48, 1))}}
     client.chat.completions.create(model="tiny", max_tokens=4, messages=[
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(png(64, 48, 1))}},
-                                     {"type": "text", "text": "What is drawn?"}]}])
+        {"role": "user", "content": [picture, {"type": "text", "text": "What is drawn?"}]}])
     server.finish_session(session.id, 0.0)
     (prompt, sampling, images), = sent
     placeholder = server.vision.token_id
