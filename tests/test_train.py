@@ -461,14 +461,19 @@ def test_collate_shifts_and_pads():
 
 @pytest.mark.stack
 def test_bench_train_smoke_runs_both_trainers():
-    """The GPU benchmark's code paths (ours and transformers under FSDP2) at a tiny shape on CPU."""
+    """The GPU benchmark's code paths (ours and transformers under FSDP2) at a tiny shape on CPU:
+    both train the same model (the baseline's parameter count is ours), ours without a skipped
+    step."""
+    from bench_model import SMOKE_MOE
     out = subprocess.run([sys.executable, "bench.py", "train", "--smoke"], cwd=ROOT, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["ratio"] > 0 and "transformers_error" not in result
-    assert result["ours"]["skipped_steps"] == 0 and result["ours"]["tokens_per_s"] > 0
-    assert result["transformers"]["tokens_per_s"] > 0
+    assert "transformers_error" not in result and result["tokens_per_step"] == 2 * 64  # --smoke's
+    ours, baseline = result["ours"], result["transformers"]
+    assert ours["skipped_steps"] == 0 and 0 < abs(ours["loss"]) < 100
+    assert baseline["params"] == model.num_params(ModelConfig(**SMOKE_MOE, num_hidden_layers=2))
+    assert ours["tokens_per_s"] > 0 and baseline["tokens_per_s"] > 0
 
 
 @pytest.mark.stack
