@@ -41,8 +41,9 @@ def test_geometry_recipe_trains_the_tiny_vlm_end_to_end(tmp_path, tiny_vl_model_
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [row["step"] for row in rows] == [0, 1, 2] and rows[-1]["policy_version"] == 2
-    print(f"mismatch_kl of steps 1, 2: {[row['mismatch_kl'] for row in rows[1:]]}")
-    assert rows[1]["mismatch_kl"] < 1e-2  # engine and trainer agree on the segments with images
+    # engine and trainer agree on the first batch's segments with images (the same weights): 1.4e-6
+    # measured on an AMD EPYC; the second batch, partly sampled before the first sync, gave 2.5e-2
+    assert rows[1]["mismatch_kl"] < 1e-4
     # held-out evaluation at versions 0 and 2, and its ablation: the same prompts with each picture
     # blank (its size kept, no pixels), logged as eval/success_blank and kept per prompt
     assert [row["step"] for row in rows if "eval/success_blank" in row] == [0, 2]
