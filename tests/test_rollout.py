@@ -190,7 +190,7 @@ def test_hanging_tool_times_out_and_the_pool_goes_on(server):
                      failed_group_rule="complete")
     try:
         batches, deadline = [pool.next_batch(timeout=120)], time.monotonic() + 120
-        while 0 not in groups_of(batches[-1]) and time.monotonic() < deadline:  # others stream past it
+        while 0 not in groups_of(batches[-1]) and time.monotonic() < deadline:  # others go past
             batches.append(pool.next_batch(timeout=120))
         stats = pool.stats()
     finally:
