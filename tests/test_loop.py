@@ -2,8 +2,9 @@
 The whole loop on the tiny default: the calculator agent through the OpenAI SDK -> capture server -> router -> a
 real vLLM engine actor -> experiences in the Ray object store -> the FSDP2 trainer (gloo, one rank) -> weight sync.
 Then resuming from the checkpoint, an off-policy run that drops stale tokens, held-out evaluation in the loop (never
-trained on), a run that survives a failing agent, a hanging tool and a killed engine, and one whose steps are
-all skipped (with TensorBoard scalars). The engine is shared with test_rollout.py (tests/conftest.py).
+trained on), a run that survives a failing agent, a hanging tool and a killed engine, and one
+whose steps are all skipped (with TensorBoard scalars). The engine is shared with test_rollout.py
+(tests/conftest.py).
 
     .venv/bin/python -m pytest tests/test_loop.py -q
 """

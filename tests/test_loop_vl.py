@@ -1,7 +1,8 @@
 """The geometry recipe end to end on the random-init tiny Qwen3-VL-MoE: `python train.py --config configs/tiny_vl.py
 --agent=agents/geometry.py` as a process (real Ray, a real vLLM engine serving images, the capture server, the FSDP2
 trainer, weight sync), then its checkpoint exported: the diagrams reached the model (image tokens recorded as context) and the trainer (the
-vision tower's weights moved: only images give it gradients); held-out evaluation with its blank-picture ablation.
+vision tower's weights moved: only images give it gradients); held-out evaluation with its
+blank-picture ablation.
 
     .venv/bin/python -m pytest tests/test_loop_vl.py -q     # several minutes on 2 cores
 """
