@@ -44,6 +44,7 @@ same call the factory's `finish_weight_update(weight_version=...)` makes (`updat
 import asyncio
 import contextlib
 import math
+import random
 import socket
 import time
 from datetime import timedelta
@@ -95,10 +96,30 @@ def stateless_process_group(host, port, rank, world_size, backend, timeout_s=600
     return pg
 
 
+HANDED_OUT = set()  # the ports free_port gave this process
+
+
 def free_port(host="127.0.0.1"):
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nothing is bound to now, for a server the caller starts. Picked at random below the
+    kernel's ephemeral range, from which the kernel takes the local ports of outgoing connections (a
+    port it gave for binding could be taken so before the server binds it); never twice in one
+    process."""
+    try:  # Linux; elsewhere the range starts at 32768 or above
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except OSError:
+        ephemeral = 32768
+    rng = random.Random()  # its own seed: tests seed the global generator alike in every process
+    while True:
+        port = rng.randrange(10000, ephemeral)
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        if port not in HANDED_OUT:
+            HANDED_OUT.add(port)
+            return port
 
 # -----------------------------------------------------------------------------
 # the bucket layout: which tensor goes where, computed from global shapes alone (no communication)

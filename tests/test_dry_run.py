@@ -492,3 +492,14 @@ def test_imports_run_one_way():
         reached.add(m)
     assert "train" not in reached and "train" in graph["bench"], sorted(reached)
     assert set(import_cycle(dict(graph, plan=graph["plan"] | {"train"}))) == {"plan", "train"}
+
+
+def test_lora_on_a_vision_language_model_is_refused():
+    """LoRA is for text models: a Qwen3-VL model with lora_rank > 0 is refused before any work, with
+    the way out named; the same config on the text model, and full fine-tuning of the VLM, pass."""
+    from tiny import TINY_CONFIG, TINY_VL_CONFIG
+    refused = r"lora_rank > 0 is not supported for Qwen3-VL .* lora_rank=0"
+    with pytest.raises(ConfigError, match=refused):
+        plan.check_config(tiny_cfg(lora_rank=8), TINY_VL_CONFIG)
+    plan.check_config(tiny_cfg(lora_rank=8), TINY_CONFIG)
+    plan.check_config(tiny_cfg(), TINY_VL_CONFIG)

@@ -3,7 +3,8 @@ The trajectory viewer (viewer.py, viewer.html) over HTTP and in a real headless 
 protocol: over a run directory holding bad input (a corrupt and a truncated JSONL line, a missing log, an unreadable
 attempt file, a 50,000-token attempt) beside an attempt with a tool call, an image and routed experts; live during a
 tiny run (view_port, the rotating sample with the trainer's logprobs, Weights & Biases offline); and over that run's
-directory with `python capture.py --view`. Without Chromium (Debian: apt-get install chromium) the browser tests skip.
+directory with `python capture.py --view`. The browser tests need Chromium (Debian: apt-get install
+chromium) and fail without it, unless NO_BROWSER=1 (`make test NO_BROWSER=1`) skips them.
 
     .venv/bin/python -m pytest tests/test_viewer.py -q
 """
@@ -27,8 +28,8 @@ import viewer
 from conftest import ROOT, child_env
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine: apt-get install chromium "
-                                                             "(.ci/run installs it)")
+NO_BROWSER = os.environ.get("NO_BROWSER") == "1"  # the Makefile's switch: no Chromium here
+needs_chromium = pytest.mark.skipif(NO_BROWSER, reason="NO_BROWSER=1 skips the browser tests")
 SHOTS = os.environ.get("VIEWER_SCREENSHOTS")  # a directory: keep the screenshots there too
 
 
@@ -37,6 +38,8 @@ class Browser:
     comes with vLLM). JavaScript exceptions on the page are collected in `errors`."""
 
     def __init__(self, profile):
+        assert CHROMIUM, ("no Chromium on this machine: apt-get install chromium (.ci/run does), "
+                          "or skip the browser tests with NO_BROWSER=1")
         self.proc = subprocess.Popen([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                                       "--no-first-run", "--disable-background-networking", "--disable-component-update",
                                       "--disable-sync", f"--user-data-dir={profile}", "--remote-debugging-port=0",
@@ -321,7 +324,7 @@ def test_live_during_a_tiny_run_then_over_its_directory(tmp_path, tiny_model_pat
             done.set()
     thread = threading.Thread(target=go)
     thread.start()
-    browser = Browser(str(tmp_path / "profile")) if CHROMIUM else None
+    browser = None if NO_BROWSER else Browser(str(tmp_path / "profile"))
     browser and request.addfinalizer(browser.close)  # whatever fails below
     try:
         assert get(url + "/api/attempts", 401)  # up at once, and keyed
