@@ -250,10 +250,11 @@ async def run_sequence(server, seed):
         call = backend.calls[-1]
         prompt, out = call["prompt"], call["out"]
         def common(r):  # leading messages the request shares with a segment's conversation
-            return next((i for i, (a, b) in enumerate(zip(r.conversation, messages)) if not same(a, b)),
+            pairs = enumerate(zip(r.conversation, messages))
+            return next((i for i, (a, b) in pairs if not same(a, b)),
                         min(len(r.conversation), len(messages)))
-        # the open segment (every one: fewer than 16 per sequence) that the request's messages start with,
-        # the longest; it extends it if the template renders it as a prefix
+        # the open segment (every one: fewer than 16 per sequence) that the request's messages start
+        # with, the longest; it extends it if the template renders it as a prefix
         seg = max([r for r in reference if tools == r.tools and common(r) == len(r.conversation)],
                   key=lambda r: (len(r.conversation), r.step), default=None)
         extends = seg is not None and render_text(messages, tools, True).startswith(
@@ -270,12 +271,13 @@ async def run_sequence(server, seed):
                 len(messages) - len(seg.conversation))
         else:
             assert prompt == tokens(render_text(messages, tools, True))  # a new segment: a full render
-            near = max(reference, key=lambda r: (common(r), r.step), default=None)  # told against it
+            near = max(reference, key=lambda r: (common(r), r.step), default=None)  # told against
             why = ("the attempt's first request" if near is None else
                    "a new conversation" if not common(near) else
                    "changed tools" if tools != near.tools else
                    "compaction" if len(messages) < len(near.conversation) else
-                   "a rewrite of message" if common(near) < len(near.conversation) else "a chat template")
+                   "a rewrite of message" if common(near) < len(near.conversation) else
+                   "a chat template")
             seg = ReferenceSegment(prompt)
             seg.tools = tools
             reference.append(seg)
@@ -366,9 +368,9 @@ def test_stop_string_cuts_the_text_and_records_every_sampled_token(server):
     result, session = asyncio.run(answer(server, body, forced=("one two STOP", [], "stop")))
     assert result["message"]["content"] == "one two " and result["finish_reason"] == "stop"
     assert protocols.anthropic_message(result)["stop_reason"] == "stop_sequence"
-    # the client sees the text before the stop string; the trajectory holds every token the engine sampled,
-    # the stop string's included (mask 1), and the next turn closes ours with the template's end-of-turn
-    # token and separator (context, mask 0)
+    # the client sees the text before the stop string; the trajectory holds every token the
+    # engine sampled, the stop string's included (mask 1), and the next turn closes ours with the
+    # template's end-of-turn token and separator (context, mask 0)
     segment = session.segments[0]
     generated = [t for t, m in zip(segment.token_ids, segment.action_mask) if m]
     assert generated == tok("one two STOP")["input_ids"]
@@ -376,23 +378,29 @@ def test_stop_string_cuts_the_text_and_records_every_sampled_token(server):
                                               {"role": "user", "content": "more"}]}
     asyncio.run(server.respond(session, protocols.parse_openai(follow, server)))
     text = tok.decode(session.segments[0].token_ids)
-    assert len(session.segments) == 1 and "one two STOP<|im_end|>\n<|im_start|>user\nmore<|im_end|>" in text
-    # a stop string inside a token: the text ends where the stop string begins, the token is recorded
-    result, session = asyncio.run(answer(server, dict(body, stop=["wo"]), forced=("one two", [], "stop")))
+    assert len(session.segments) == 1
+    assert "one two STOP<|im_end|>\n<|im_start|>user\nmore<|im_end|>" in text
+    # a stop string inside a token: the text ends where the stop string begins, the token recorded
+    forced = ("one two", [], "stop")
+    result, session = asyncio.run(answer(server, dict(body, stop=["wo"]), forced=forced))
     ids = tok("one two")["input_ids"]
-    assert result["message"]["content"] == "one t" and session.segments[0].token_ids[-len(ids):] == ids
+    assert result["message"]["content"] == "one t"
+    assert session.segments[0].token_ids[-len(ids):] == ids
     assert session.segments[0].action_mask[-len(ids):] == [1] * len(ids)
     # a turn whose first token holds the stop string: that token is recorded, the text is empty
-    result, session = asyncio.run(answer(server, dict(body, stop=[" "]), forced=(" hello", [], "stop")))
+    forced = (" hello", [], "stop")
+    result, session = asyncio.run(answer(server, dict(body, stop=[" "]), forced=forced))
     assert result["message"]["content"] == "" and result["stop_sequence"] == " "
     first = tok(" hello")["input_ids"][:1]
     assert " " in tok.decode(first)  # vLLM stops on it
-    assert [t for t, m in zip(session.segments[0].token_ids, session.segments[0].action_mask) if m] == first
+    segment = session.segments[0]
+    assert [t for t, m in zip(segment.token_ids, segment.action_mask) if m] == first
     # tokens a backend sampled past the token that completed the stop string are not recorded
     result, session = asyncio.run(answer(server, body, forced=("one STOP two three", [], "stop")))
     assert result["message"]["content"] == "one "
-    assert tok.decode([t for t, m in zip(session.segments[0].token_ids, session.segments[0].action_mask)
-                       if m]) == "one STOP"
+    segment = session.segments[0]
+    generated = [t for t, m in zip(segment.token_ids, segment.action_mask) if m]
+    assert tok.decode(generated) == "one STOP"
     result, _ = asyncio.run(answer(server, {"messages": body["messages"]}, forced=("cut short", [], "length")))
     assert result["finish_reason"] == "length"
     assert protocols.anthropic_message(result)["stop_reason"] == "max_tokens"
