@@ -499,10 +499,9 @@ def test_subagents_recipe_trains_one_step_on_a_tree(tmp_path, tiny_model_path, r
         lead = [s for s in segments if '"name": "solver"' in s["text"]]
         subs = [s for s in segments if s["parent"] is not None]
         assert len(segments) == 3 and len(lead) == 1 and lead[0]["parent"] is None
-        systems = sorted(s["text"].split("<|im_end|>")[0].removeprefix("<|im_start|>system\n")
-                         for s in subs)  # each sub-agent's conversation, from its instructions on
-        assert systems == ["Compute the expression with the calculator; reply with the number.",
-                           "Work the expression out yourself; reply with the number only."]
+        # each sub-agent's instructions open its segment (the solver's tools follow them)
+        opening = sorted(s["text"].removeprefix("<|im_start|>system\n")[:24] for s in subs)
+        assert opening == ["Compute the expression w", "Work the expression out "]
         # each sub-agent's segment under the lead's, begun after it; the lead's holds both answers
         assert all(s["parent"] == lead[0]["segment_index"] and s["started"] > lead[0]["started"]
                    for s in subs)
