@@ -35,7 +35,7 @@ Streaming requests get text and tool-call deltas as the engine samples them (wit
 `stream`; the calls read by vLLM's streaming parser). A turn that begins inside `<think>` (the generation prompt of
 a reasoning template opens it) is split at `</think>`: the reasoning goes to the client as its protocol expects and is
 recorded as the generated tokens it is; a template that drops earlier turns' reasoning at a new user query rewrites
-them, and the segment is sealed there (a tool loop keeps its reasoning shown: one segment).
+them, and a new segment opens there (a tool loop keeps its reasoning shown: one segment).
 
 Images (OpenAI image_url and Responses input_image data URIs, Anthropic base64 image blocks, in user messages and
 tool results) are part of their message: the same text with another image is a rewrite. Each image's placeholder is
