@@ -1,19 +1,21 @@
 """
-A lead agent with two sub-agents as its tools (the OpenAI Agents SDK's `Agent.as_tool`, unchanged), on the
-calculator task's questions (agents/calculator.py): the lead asks a `solver` (which has the calculator tool)
-and a `checker` (which works the question out alone), then answers with the number. The SDK runs the two
-sub-agents at once when the lead calls both in one turn.
+A lead agent with two sub-agents as its tools (the OpenAI Agents SDK's `Agent.as_tool`, unchanged),
+on the calculator task's questions (agents/calculator.py): the lead asks a `solver` (which has the
+calculator tool) and a `checker` (which works the question out alone), then answers with the
+number. The SDK runs the two sub-agents at once when the lead calls both in one turn.
 
     pip install -r requirements-extras.txt      # openai-agents, an optional extra
     python train.py --agent=agents/subagents.py
 
-One attempt, three conversations on one session: the capture server records one segment per conversation
-(each holding all of that conversation's turns), each sub-agent's under the lead's segment (its `parent`), so
-an attempt is a tree (the viewer shows it); every segment shares the attempt's reward. Reward:
-calculator.score of the lead's final output against the expression's value (as agents/agents_sdk.py); a run
-the SDK cannot finish scores 0 and its recorded turns still train.
+One attempt, three conversations on one session: the capture server records one segment per
+conversation (each holding all of that conversation's turns), each sub-agent's under the lead's
+segment (its `parent`), so an attempt is a tree (the viewer shows it); every segment shares the
+attempt's reward. Reward: calculator.score of the lead's final output against the expression's
+value (as agents/agents_sdk.py); a run the SDK cannot finish scores 0 and its recorded turns still
+train.
 """
-from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+from agents import (Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool,
+                    set_tracing_disabled)
 from agents.exceptions import AgentsException
 from openai import AsyncOpenAI
 
@@ -39,7 +41,8 @@ class LeadWithSubAgents(ChatAgent):
             solver, checker = agent("solver", SOLVER, [calculator]), agent("checker", CHECKER)
             lead = agent("lead", LEAD, [
                 solver.as_tool("solver", "Computes an arithmetic expression.", max_turns=SUB_TURNS),
-                checker.as_tool("checker", "Checks an arithmetic expression.", max_turns=SUB_TURNS)])
+                checker.as_tool("checker", "Checks an arithmetic expression.", max_turns=SUB_TURNS),
+            ])
             try:
                 result = await Runner.run(lead, ctx.prompt, max_turns=MAX_TURNS)
             except AgentsException as e:  # ModelBehaviorError, MaxTurnsExceeded
