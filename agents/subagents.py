@@ -20,7 +20,7 @@ from agents.exceptions import AgentsException
 from openai import AsyncOpenAI
 
 from agentrl import ChatAgent, Result
-from calculator import calculate, eval_prompts, prompts, score  # noqa: F401 (the same questions)
+from calculator import calculate, prompts, score  # noqa: F401 (prompts: the same questions)
 from calculator import calculator as run_calculator
 
 MAX_TURNS, SUB_TURNS = 4, 3
