@@ -479,7 +479,10 @@ def test_two_subagents_streaming_at_once_are_served_at_once(stack, tiny_engine):
     first = None
     tiny_engine.run(attempt())
     # the second began after the first's first token; its first token came before the first's last
-    assert arrivals[0][0] < arrivals[1][0] < arrivals[0][-1]
+    a, b = arrivals[0], arrivals[1]
+    print(f"first stream: {len(a)} chunks over {a[-1] - a[0]:.2f} s; the second's first at "
+          f"+{b[0] - a[0]:.2f} s, its last at +{b[-1] - a[0]:.2f} s")
+    assert a[0] < b[0] < a[-1]
     assert len(arrivals[0]) > 20
     segments = server.finish_session(session.id, 1.0)
     check_token_identity(segments, recorder.of(session.id))
