@@ -255,6 +255,73 @@ def test_page_shows_tokens_tool_calls_images_and_survives_bad_input(bad_run_view
     assert browser.screenshot(tmp_path / "viewer-bad-input.png") > 10_000
 
 
+@pytest.fixture(scope="module")
+def tree_run(tmp_path_factory, tiny_model_path):
+    """A run directory with an attempt of three segments (a lead and two sub-agents under it),
+    held-out results whose prompts hold an image, and metrics over 12 steps."""
+    from transformers import AutoTokenizer
+    out = str(tmp_path_factory.mktemp("tree_run"))
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(dict(step=s, reward_mean=0.05 * s, loss=2.0 / s)) + "\n"
+                     for s in range(1, 13))
+    image = "data:image/png;base64," + base64.b64encode(png(16, 12, (30, 200, 30))).decode()
+    prompt = [{"role": "system", "content": "Name colours."},
+              {"role": "user", "content": [{"type": "text", "text": "Which colour is this?"},
+                                           {"type": "image_url", "image_url": {"url": image}}]}]
+    with open(os.path.join(out, "eval_results.jsonl"), "w") as f:
+        f.write(json.dumps(dict(policy_version=2, prompt=prompt, label="green", success=1.0,
+                                reward=1.0, generated_tokens=3, text=["green"])) + "\n")
+    segments = []
+    tree = [(None, 100.0, "Plan the trip."), (0, 101.5, "Flights."), (0, 101.75, "Hotels.")]
+    for i, (parent, started, text) in enumerate(tree):
+        ids = tok(text + " Done.", add_special_tokens=False)["input_ids"]
+        mask = [0] * (len(ids) - 2) + [1, 1]
+        arrays = dict(attempt_id="tree", segment_index=i, token_ids=np.array(ids),
+                      action_mask=np.array(mask), behavior_logprobs=np.where(mask, -0.5, 0.0),
+                      token_versions=np.where(mask, 2, -1),
+                      images=[], parent=parent, started=started, opened="a new conversation")
+        segments.append(viewer.segment_record(arrays, tok))
+    summary = viewer.attempt_summary(segments, step=3, policy_version=2, reward=1.0, group_id=1)
+    write_attempt(out, "00000003-tree.json", summary, segments)
+    server, url = viewer.serve_in_thread(out)
+    yield url
+    server.should_exit = True
+
+
+@needs_chromium
+def test_page_shows_the_segment_tree_eval_thumbnails_and_axes(tree_run, browser):
+    browser.open(tree_run)
+    # the curves have axes: round ticks with labels on both, and the axes' names
+    browser.wait("document.querySelectorAll('#curves .panel').length === 2")
+    ticks = browser.js("[...document.querySelectorAll('#curves .panel')].map(p => "
+                       "['x-axis', 'y-axis'].map(a => "
+                       "[...p.querySelectorAll(`.${a} text.tick`)].map(t => t.textContent)))")
+    assert ticks[0][0] == ["2", "4", "6", "8", "10", "12"] and ticks[0][1] == ["0.2", "0.4", "0.6"]
+    assert len(ticks[1][0]) >= 4 and len(ticks[1][1]) >= 3
+    labels = browser.js("[...document.querySelectorAll('#curves .panel text.label')]"
+                        ".map(t => t.textContent)")
+    assert labels == ["step", "reward_mean", "step", "loss"]
+    # the held-out prompt: its text and a thumbnail of its image, no base64 in the text
+    browser.wait("document.querySelectorAll('#evals tbody tr').length === 1")
+    cell = browser.js("document.querySelector('#evals tbody td').textContent")
+    assert "Which colour is this?" in cell and "system: Name colours." in cell
+    assert "base64" not in cell
+    assert browser.wait("(i => i && i.complete && [i.naturalWidth, i.naturalHeight])"
+                        "(document.querySelector('#evals img.thumb'))") == [16, 12]
+    # the attempt as a tree: both sub-agents' segments under the lead's, with when each began
+    browser.js("location.hash = 'attempt=tree&file=00000003-tree.json'")
+    browser.wait("document.querySelectorAll('#detail .segment').length === 3")
+    tree = browser.js("[...document.querySelectorAll('#detail .tree-node')].map(n => "
+                      "[n.querySelector('h3').textContent, n.parentElement.className])")
+    assert [t[1] for t in tree] == ["", "subtree", "subtree"]
+    assert "under segment 0" in tree[1][0] and "began at +1.50 s" in tree[1][0]
+    assert "began at +1.75 s" in tree[2][0] and "under" not in tree[0][0]
+    assert browser.js("document.querySelector('#detail .subtree').parentElement.querySelector('h3')"
+                      ".textContent").startswith("segment 0")
+    assert browser.errors == []
+
+
 def wandb_records(path, block=32768):
     """The protobuf records of a W&B run file (run-ID.wandb): a 7-byte header, then LevelDB-log style blocks of
     records, each chunk behind a 7-byte header (CRC-32, length, kind: 1 full, 2 first, 3 middle, 4 last)."""
