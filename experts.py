@@ -2,10 +2,10 @@
 The MoE experts and their kernels: E stacked SwiGLU experts (`Experts`) computed with a plain loop over experts (the
 readable reference, used on CPU) or with grouped GEMM on CUDA (`GroupedSwiGLU` on `torch._grouped_mm`), LoRA adapters
 on them (`LoRAGroupedMM`), the router's top-k, the permutation of rows to and from expert order (`GatherRows`,
-`SumRows`), and the few Triton kernels on CUDA beside their eager references (`topk_ids`, `sum_slots`,
-`swiglu_backward`, `grouped_grad`, `lowrank_add`, and the AdamW step of large tensors, `AdamW`). `cuda_compiled` is
-the one torch.compile wrapper of the project (model.py and loss.py use it too). `python bench.py layer` measures
-them in the decoder layer on a GPU.
+`SumRows`), the cast of experts kept outside FSDP (`CastForCompute`), and the few Triton kernels on CUDA
+beside their eager references (`topk_ids`, `sum_slots`, `swiglu_backward`, `grouped_grad`, `lowrank_add`, and the
+AdamW step of large tensors, `AdamW`). `cuda_compiled` is the one torch.compile wrapper of the project (model.py and
+loss.py use it too). `python bench.py layer` measures them in the decoder layer on a GPU.
 
 This file imports nothing of ours; model.py builds its MoE layers from `Experts`.
 
@@ -170,6 +170,39 @@ class GroupedSwiGLU(torch.autograd.Function):
                 if p.grad is None:
                     p.grad = placed_like(p, g)
         return dx, None, dscale, None, None, None
+
+
+class CastForCompute(torch.autograd.Function):
+    """Local expert weights (fp32 DTensors on a one-rank mesh, stacked on dim 1 when several) -> one local tensor in
+    the compute dtype (train.keep_experts_local's cast of experts kept outside FSDP). Where the grouped GEMM experts
+    compute with the cast (CUDA), they add the weights' gradients into .grad themselves, in fp32 (GroupedSwiGLU's
+    `into`), and send this backward none. Otherwise its backward returns each weight's gradient in fp32 (autograd
+    takes it as .grad), or from a window's second microbatch on adds it into .grad in place and returns None.
+    torch.autograd.grad on these weights would not see gradients added into .grad: the trainer accumulates into
+    .grad."""
+
+    @staticmethod
+    def forward(ctx, dtype, *params):
+        ctx.params = params
+        ctx.set_materialize_grads(False)  # None when GroupedSwiGLU took the gradients
+        first = local(params[0])
+        out = first.new_empty(first.shape[0], sum(p.shape[1] for p in params), *first.shape[2:], dtype=dtype)
+        for part, p in zip(out.split([p.shape[1] for p in params], 1), params):
+            part.copy_(local(p))  # cast and stack in one pass
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:  # GroupedSwiGLU added the gradients into .grad itself
+            return (None,) * (len(ctx.params) + 1)
+        out = [None]
+        for p, g in zip(ctx.params, grad.split([p.shape[1] for p in ctx.params], 1)):
+            if p.grad is not None:
+                local(p.grad).add_(g)
+                out.append(None)
+            else:
+                out.append(placed_like(p, g.to(p.dtype, memory_format=torch.contiguous_format)))
+        return tuple(out)
 
 
 class LoRAGroupedMM(torch.autograd.Function):

@@ -45,7 +45,7 @@ import plan
 import runlog
 import vl
 from checkpoint import export_hf, latest_checkpoint, load_checkpoint, local_tensor, save_checkpoint
-from experts import EXPERT_PROJS, AdamW, GatherRows, SumRows, count_ids, placed_like, slot_positions
+from experts import EXPERT_PROJS, AdamW, CastForCompute, GatherRows, SumRows, count_ids, slot_positions
 from model import (Transformer, checkpoint_reader, hf_name, init_parameters, is_stacked_experts, load_config,
                    read_experts)
 from tiny import ensure_tiny_model, tiny_model_config
@@ -897,38 +897,6 @@ def keep_experts_local(experts, mesh, dtype, reuse_casts=False):
     experts.cast_weights = cast
     experts.register_forward_pre_hook(
         lambda module, args: tuple(a.to(dtype) if torch.is_floating_point(a) else a for a in args))
-
-
-class CastForCompute(torch.autograd.Function):
-    """Local expert weights (fp32 DTensors on a one-rank mesh, stacked on dim 1 when several) -> one local tensor in
-    the compute dtype. Where the grouped GEMM experts compute with the cast (CUDA), they add the weights' gradients
-    into .grad themselves, in fp32 (experts.GroupedSwiGLU's `into`), and send this backward none. Otherwise its
-    backward returns each weight's gradient in fp32 (autograd takes it as .grad), or from a window's second
-    microbatch on adds it into .grad in place and returns None. torch.autograd.grad on these weights would not see
-    gradients added into .grad: the trainer accumulates into .grad."""
-
-    @staticmethod
-    def forward(ctx, dtype, *params):
-        ctx.params = params
-        ctx.set_materialize_grads(False)  # None when GroupedSwiGLU took the gradients
-        first = local_tensor(params[0])
-        out = first.new_empty(first.shape[0], sum(p.shape[1] for p in params), *first.shape[2:], dtype=dtype)
-        for part, p in zip(out.split([p.shape[1] for p in params], 1), params):
-            part.copy_(local_tensor(p))  # cast and stack in one pass
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        if grad is None:  # GroupedSwiGLU added the gradients into .grad itself
-            return (None,) * (len(ctx.params) + 1)
-        out = [None]
-        for p, g in zip(ctx.params, grad.split([p.shape[1] for p in ctx.params], 1)):
-            if p.grad is not None:
-                local_tensor(p.grad).add_(g)
-                out.append(None)
-            else:
-                out.append(placed_like(p, g.to(p.dtype, memory_format=torch.contiguous_format)))
-        return tuple(out)
 
 
 def expert_placement(experts, meshes):
