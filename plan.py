@@ -277,7 +277,7 @@ NCCL_GBPS = 370.0
 
 def ep_all_to_all(mcfg, tokens, ep, checkpointing):
     """What expert parallelism sends per rank, MoE layer and microbatch of `tokens` tokens: each token crosses once
-    to every other rank that holds one of its top-k experts (train.ExpertParallel.dispatch), as bf16 rows of the
+    to every other rank that holds one of its top-k experts (experts.dispatch), as bf16 rows of the
     model width with its routing weights and expert ids, and comes back the same way (its combine); backward sends
     the gradients back along both routes, and activation checkpointing runs the forward's two again. Uniform routing:
     a rank holds none of a token's k experts with probability C(E - E/ep, k) / C(E, k). Returns (remote rows per

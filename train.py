@@ -27,11 +27,9 @@ import signal
 import sys
 import threading
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
@@ -45,7 +43,7 @@ import plan
 import runlog
 import vl
 from checkpoint import export_hf, latest_checkpoint, load_checkpoint, local_tensor, save_checkpoint
-from experts import EXPERT_PROJS, AdamW, CastForCompute, GatherRows, SumRows, count_ids, slot_positions
+from experts import EXPERT_PROJS, AdamW, CastForCompute
 from model import (Transformer, checkpoint_reader, hf_name, init_parameters, is_stacked_experts, load_config,
                    read_experts)
 from tiny import ensure_tiny_model, tiny_model_config
@@ -774,7 +772,8 @@ def print0(*args):
 
 
 # -----------------------------------------------------------------------------
-# parallelism: process group, device meshes, expert partition, fully_shard, expert-parallel dispatch/combine
+# parallelism: process group, device meshes, expert partition, fully_shard (expert-parallel dispatch and combine:
+# experts.py)
 #
 # Ranks are laid out as rank = expert_fsdp_index * ep_size + ep_index, so an expert-parallel group is ep_size
 # consecutive ranks (one node's NVLink domain when ep_size <= GPUs per node). Dense weights (attention, norms,
@@ -815,7 +814,7 @@ def build_meshes(world, ep_size, device_type):
 def meta_sharded_model(mcfg, meshes, cfg, frozen=False):
     """The model on the meta device with this rank's experts only (E / ep_size of each layer), fully_shard applied
     (frozen: all of it frozen in param_dtype, lora.apply)."""
-    ep = ExpertParallel(meshes["ep"]) if meshes["ep"].size() > 1 else None
+    ep = meshes["ep"].get_group() if meshes["ep"].size() > 1 else None  # experts.dispatch and combine's
     with torch.device("meta"):
         model = lora.apply(Transformer(mcfg, expert_parallel=ep), cfg, frozen)
     return shard_model(model, meshes, cfg)
@@ -907,67 +906,6 @@ def expert_placement(experts, meshes):
     shapes = [getattr(experts, name).shape for name in EXPERT_PROJS]
     dim = 1 if shapes[0][0] % n and all(shape[1] % n == 0 for shape in shapes) else 0
     return lambda param: Shard(dim if param.shape[1] % n == 0 else 0)  # an adapter's rank may not divide
-
-
-# the autograd all-to-all; torch 2.13 suggests the traced functional collectives instead, but this one is the
-# same eager call on torch 2.11 and 2.13
-warnings.filterwarnings("ignore", message="torch.distributed.nn.functional.all_to_all_single is deprecated")
-
-
-def all_to_all(x, out_splits, in_splits, group):
-    """Autograd all-to-all of rows: backward sends the gradients back along the same routes."""
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    return dist_nn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-
-
-class ExpertParallel:
-    """The experts of each MoE layer split over the `ep` mesh's ranks, and the two all-to-alls experts.Experts calls
-    around its local experts: `dispatch` sends each token to the ranks holding its experts, `combine` brings the
-    weighted sums back."""
-
-    def __init__(self, ep_mesh):
-        self.group, self.size, self.rank = ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank()
-
-    def dispatch(self, x, topk_ids, topk_weights, num_experts):
-        """Send each token once to every rank holding one of its chosen experts, with its choices there.
-
-        x (N, D), topk_ids (N, K) global expert ids, topk_weights (N, K). A token with several experts on one rank
-        crosses once, not once per expert (with top-8 of 128 experts on 2 ranks: 2 rows per token instead of 8).
-        Returns what arrived, x_recv (R, D) with ids_recv (R, K) local expert ids (E_local for choices held
-        elsewhere) and weights_recv (R, K), the number of local choices among them (a host int), and the routes
-        `combine` needs.
-        """
-        N, K = topk_ids.shape
-        ep, device, group = self.size, x.device, self.group
-        E_local = num_experts // ep
-        rank_of = topk_ids // E_local  # (N, K) the rank holding each choice
-        on_rank = torch.zeros(N, ep, dtype=torch.bool, device=device).scatter_(1, rank_of, True)  # (N, ep)
-        # 1. counts first. For each destination rank: rows, then choices per local expert
-        choices = count_ids(topk_ids.flatten(), num_experts)
-        send_counts = torch.cat([on_rank.sum(0).view(ep, 1), choices.view(ep, E_local)], dim=1)  # (ep, 1 + E_local)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=group)
-        # NOTE: device-to-host sync (one per MoE layer): all_to_all_single takes its split sizes as Python ints
-        splits = torch.cat([send_counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum().view(1)]).tolist()
-        send_rows, recv_rows, pairs = splits[:ep], splits[ep:2 * ep], splits[-1]
-        # 2. the rows, in (destination rank, token) order: slot n * ep + r is token n's copy for rank r
-        slot_rank = torch.where(on_rank, torch.arange(ep, device=device), ep).flatten()  # (N*ep,), ep: not sent
-        slots = slot_rank.argsort(stable=True)[:sum(send_rows)]
-        position = slot_positions(slots, N * ep)
-        token, dest = slots // ep, slots % ep
-        held = rank_of.index_select(0, token) == dest.unsqueeze(1)  # (S, K) the choices the destination holds
-        ids_send = torch.where(held, topk_ids.index_select(0, token) % E_local, E_local)  # their ids there
-        x_recv = all_to_all(GatherRows.apply(x, slots, position, ep), recv_rows, send_rows, group)  # (R, D)
-        weights_recv = all_to_all(GatherRows.apply(topk_weights, slots, position, ep), recv_rows, send_rows, group)
-        ids_recv = ids_send.new_empty((sum(recv_rows), K))
-        dist.all_to_all_single(ids_recv, ids_send, recv_rows, send_rows, group=group)
-        return x_recv, ids_recv, weights_recv, pairs, (slots, position, send_rows, recv_rows)
-
-    def combine(self, y_recv, routes):
-        """Send each rank's weighted sums back to the tokens' ranks and add up each token's copies."""
-        slots, position, send_rows, recv_rows = routes
-        y_back = all_to_all(y_recv, send_rows, recv_rows, self.group)  # (S, D) in dispatch's send order
-        return SumRows.apply(y_back, slots, position, self.size)  # (N, D)
 
 
 def dry_run_main(cfg):

@@ -367,17 +367,16 @@ def test_non_finite_gradient_skips_the_step(tmp_path, capfd):
 
 def replay(rank, world, cfg, weights, x, routes, out):
     model, _ = build(cfg, weights, world)
-    experts = model.model.layers[0].mlp.experts
-    seen, dispatch = [], experts.expert_parallel.dispatch
+    seen, dispatch = [], experts.dispatch
     def recording_dispatch(x, topk_ids, *args):
         seen.append(topk_ids.clone())  # the choices this rank dispatches
         return dispatch(x, topk_ids, *args)
-    experts.expert_parallel.dispatch = recording_dispatch
-    sent, a2a = [], train.all_to_all
+    experts.dispatch = recording_dispatch
+    sent, a2a = [], experts.all_to_all
     def recording_all_to_all(x, out_splits, in_splits, group):
         sent.append(list(in_splits))  # rows this rank sends to each rank
         return a2a(x, out_splits, in_splits, group)
-    train.all_to_all = recording_all_to_all
+    experts.all_to_all = recording_all_to_all
     mine, my_routes = x[rank::world], routes[rank::world]
     with torch.no_grad():
         hidden, used = model.hidden_states(mine, routed_experts=my_routes, return_routes=True)
