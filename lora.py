@@ -121,7 +121,7 @@ def base_only(model):
 
 def initial_adapters(model, seed):
     """(adapter parameter, its initial value) for every adapter: the full value of the parameter as it stands on this
-    rank before FSDP cuts it, so that a sharded trainer copies its shard (train.copy_shard) and an unsharded model
+    rank before FSDP cuts it, so that a sharded trainer copies its shard (checkpoint.copy_shard) and an unsharded model
     the whole. Expert adapters: this rank's experts of the global (E, ...) value."""
     for name, p in model.named_parameters():
         if is_adapter(name):

@@ -42,10 +42,10 @@ import loss
 import plan
 import runlog
 import vl
-from checkpoint import export_hf, latest_checkpoint, load_checkpoint, local_tensor, save_checkpoint
+from checkpoint import (copy_shard, export_hf, latest_checkpoint, load_checkpoint, load_hf_weights, local_tensor,
+                        save_checkpoint)
 from experts import EXPERT_PROJS, AdamW, CastForCompute
-from model import (Transformer, checkpoint_reader, hf_name, init_parameters, is_stacked_experts, load_config,
-                   read_experts)
+from model import Transformer, init_parameters, is_stacked_experts, load_config
 from tiny import ensure_tiny_model, tiny_model_config
 from plan import ConfigError, check_config, loss_config
 from weights_sync import free_port
@@ -966,35 +966,6 @@ def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_
     for p, full in lora.initial_adapters(model, cfg["seed"]):
         copy_shard(p, full)
     return model
-
-
-@torch.no_grad()
-def load_hf_weights(model, path):
-    """Fill each rank's shards from an HF safetensors directory; files are memory-mapped and each rank copies
-    only its rows (for experts, only its own experts), so no rank ever holds the whole model."""
-    read, cfg = checkpoint_reader(path), model.config
-    for name, p in model.named_parameters():
-        # adapters are not in the checkpoint (build_model initializes them); a tied lm_head is embed_tokens itself
-        if lora.is_adapter(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
-            continue
-        if is_stacked_experts(name):
-            first = model.get_submodule(name.rsplit(".", 1)[0]).first_expert
-            full = read_experts(read, name, range(first, first + p.shape[0]), cfg)  # p.shape[0]: this rank's experts
-        else:
-            full = read(hf_name(name, cfg))
-        copy_shard(p, full)
-
-
-@torch.no_grad()
-def copy_shard(p, full):
-    """Copy this rank's FSDP shard of `full` into parameter p (chunks on its shard dim, as FSDP and torch.chunk cut
-    them)."""
-    if tuple(full.shape) != tuple(p.shape):
-        raise ValueError(f"checkpoint tensor of shape {tuple(full.shape)} does not fit parameter of shape {tuple(p.shape)}")
-    if isinstance(p, DTensor):
-        chunks, r = full.chunk(p.device_mesh.size(), dim=p.placements[0].dim), p.device_mesh.get_local_rank()
-        full = chunks[r] if r < len(chunks) else full[:0]
-    local_tensor(p).copy_(full.to(p.dtype))
 
 
 def deliver_lost_interrupts(unraisable, report=sys.unraisablehook):
