@@ -1,12 +1,13 @@
 """
-The MoE experts and their kernels: E stacked SwiGLU experts (`Experts`) computed with a plain loop over experts (the
-readable reference, used on CPU) or with grouped GEMM on CUDA (`GroupedSwiGLU` on `torch._grouped_mm`), LoRA adapters
-on them (`LoRAGroupedMM`), the router's top-k, the permutation of rows to and from expert order (`GatherRows`,
-`SumRows`), expert parallelism's `dispatch` and `combine` around `all_to_all`, the cast of experts kept outside
-FSDP (`CastForCompute`), and the few Triton kernels on CUDA beside their eager references (`topk_ids`,
-`sum_slots`, `swiglu_backward`, `grouped_grad`, `lowrank_add`, and the AdamW step of large tensors, `AdamW`).
-`cuda_compiled` is the one torch.compile wrapper of the project (model.py and loss.py use it too). `python bench.py
-layer` measures them in the decoder layer on a GPU.
+The MoE experts and their kernels: E stacked SwiGLU experts (`Experts`) computed with a plain loop
+over experts (the readable reference, used on CPU) or with grouped GEMM on CUDA (`GroupedSwiGLU` on
+`torch._grouped_mm`), LoRA adapters on them (`LoRAGroupedMM`), the router's top-k, the permutation
+of rows to and from expert order (`GatherRows`, `SumRows`), expert parallelism's `dispatch` and
+`combine` around `all_to_all`, the cast of experts kept outside FSDP (`CastForCompute`), and the few
+Triton kernels on CUDA beside their eager references (`topk_ids`, `sum_slots`, `swiglu_backward`,
+`grouped_grad`, `lowrank_add`, and the AdamW step of large tensors, `AdamW`). `cuda_compiled` is the
+one torch.compile wrapper of the project (model.py and loss.py use it too). `python bench.py layer`
+measures them in the decoder layer on a GPU.
 
 This file imports nothing of ours; model.py builds its MoE layers from `Experts`.
 
@@ -177,20 +178,22 @@ class GroupedSwiGLU(torch.autograd.Function):
 
 
 class CastForCompute(torch.autograd.Function):
-    """Local expert weights (fp32 DTensors on a one-rank mesh, stacked on dim 1 when several) -> one local tensor in
-    the compute dtype (train.keep_experts_local's cast of experts kept outside FSDP). Where the grouped GEMM experts
-    compute with the cast (CUDA), they add the weights' gradients into .grad themselves, in fp32 (GroupedSwiGLU's
-    `into`), and send this backward none. Otherwise its backward returns each weight's gradient in fp32 (autograd
-    takes it as .grad), or from a window's second microbatch on adds it into .grad in place and returns None.
-    torch.autograd.grad on these weights would not see gradients added into .grad: the trainer accumulates into
-    .grad."""
+    """Local expert weights (fp32 DTensors on a one-rank mesh, stacked on dim 1 when several) -> one
+    local tensor in the compute dtype (train.keep_experts_local's cast of experts kept outside
+    FSDP). Where the grouped GEMM experts compute with the cast (CUDA), they add the weights'
+    gradients into .grad themselves, in fp32 (GroupedSwiGLU's `into`), and send this backward none.
+    Otherwise its backward returns each weight's gradient in fp32 (autograd takes it as .grad), or
+    from a window's second microbatch on adds it into .grad in place and returns None.
+    torch.autograd.grad on these weights would not see gradients added into .grad: the trainer
+    accumulates into .grad."""
 
     @staticmethod
     def forward(ctx, dtype, *params):
         ctx.params = params
         ctx.set_materialize_grads(False)  # None when GroupedSwiGLU took the gradients
         first = local(params[0])
-        out = first.new_empty(first.shape[0], sum(p.shape[1] for p in params), *first.shape[2:], dtype=dtype)
+        width = sum(p.shape[1] for p in params)
+        out = first.new_empty(first.shape[0], width, *first.shape[2:], dtype=dtype)
         for part, p in zip(out.split([p.shape[1] for p in params], 1), params):
             part.copy_(local(p))  # cast and stack in one pass
         return out
@@ -538,13 +541,15 @@ class SumRows(torch.autograd.Function):
 
 
 # -----------------------------------------------------------------------------
-# expert parallelism: the experts of each MoE layer split over the ranks of the `ep` process group (train.py's
-# `ep` mesh), and the two all-to-alls that Experts.forward calls around its local experts: `dispatch` sends each
-# token to the ranks holding its experts, `combine` brings the weighted sums back
+# expert parallelism: the experts of each MoE layer split over the ranks of the `ep` process group
+# (train.py's `ep` mesh), and the two all-to-alls that Experts.forward calls around its local
+# experts: `dispatch` sends each token to the ranks holding its experts, `combine` brings the
+# weighted sums back
 
-# the autograd all-to-all; torch 2.13 suggests the traced functional collectives instead, but this one is the
-# same eager call on torch 2.11 and 2.13
-warnings.filterwarnings("ignore", message="torch.distributed.nn.functional.all_to_all_single is deprecated")
+# the autograd all-to-all; torch 2.13 suggests the traced functional collectives instead, but this
+# one is the same eager call on torch 2.11 and 2.13
+warnings.filterwarnings("ignore",
+                        message="torch.distributed.nn.functional.all_to_all_single is deprecated")
 
 
 def all_to_all(x, out_splits, in_splits, group):
@@ -554,36 +559,42 @@ def all_to_all(x, out_splits, in_splits, group):
 
 
 def dispatch(x, topk_ids, topk_weights, num_experts, group):
-    """Send each token once to every rank of `group` holding one of its chosen experts, with its choices there.
+    """Send each token once to every rank of `group` holding one of its chosen experts, with its
+    choices there.
 
-    x (N, D), topk_ids (N, K) global expert ids, topk_weights (N, K). A token with several experts on one rank
-    crosses once, not once per expert (with top-8 of 128 experts on 2 ranks: 2 rows per token instead of 8).
-    Returns what arrived, x_recv (R, D) with ids_recv (R, K) local expert ids (E_local for choices held
-    elsewhere) and weights_recv (R, K), the number of local choices among them (a host int), and the routes
-    `combine` needs.
+    x (N, D), topk_ids (N, K) global expert ids, topk_weights (N, K). A token with several experts
+    on one rank crosses once, not once per expert (with top-8 of 128 experts on 2 ranks: 2 rows per
+    token instead of 8). Returns what arrived, x_recv (R, D) with ids_recv (R, K) local expert ids
+    (E_local for choices held elsewhere) and weights_recv (R, K), the number of local choices among
+    them (a host int), and the routes `combine` needs.
     """
     N, K = topk_ids.shape
     ep, device = group.size(), x.device
     E_local = num_experts // ep
     rank_of = topk_ids // E_local  # (N, K) the rank holding each choice
-    on_rank = torch.zeros(N, ep, dtype=torch.bool, device=device).scatter_(1, rank_of, True)  # (N, ep)
+    on_rank = torch.zeros(N, ep, dtype=torch.bool, device=device)
+    on_rank.scatter_(1, rank_of, True)  # (N, ep)
     # 1. counts first. For each destination rank: rows, then choices per local expert
-    choices = count_ids(topk_ids.flatten(), num_experts)
-    send_counts = torch.cat([on_rank.sum(0).view(ep, 1), choices.view(ep, E_local)], dim=1)  # (ep, 1 + E_local)
+    choices = count_ids(topk_ids.flatten(), num_experts).view(ep, E_local)
+    send_counts = torch.cat([on_rank.sum(0).view(ep, 1), choices], dim=1)  # (ep, 1 + E_local)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
-    # NOTE: device-to-host sync (one per MoE layer): all_to_all_single takes its split sizes as Python ints
-    splits = torch.cat([send_counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum().view(1)]).tolist()
+    # NOTE: device-to-host sync (one per MoE layer): all_to_all_single takes its split sizes as
+    # Python ints
+    pairs_in = recv_counts[:, 1:].sum().view(1)
+    splits = torch.cat([send_counts[:, 0], recv_counts[:, 0], pairs_in]).tolist()
     send_rows, recv_rows, pairs = splits[:ep], splits[ep:2 * ep], splits[-1]
     # 2. the rows, in (destination rank, token) order: slot n * ep + r is token n's copy for rank r
-    slot_rank = torch.where(on_rank, torch.arange(ep, device=device), ep).flatten()  # (N*ep,), ep: not sent
-    slots = slot_rank.argsort(stable=True)[:sum(send_rows)]
+    slot_rank = torch.where(on_rank, torch.arange(ep, device=device), ep)  # (N, ep), ep: unsent
+    slots = slot_rank.flatten().argsort(stable=True)[:sum(send_rows)]
     position = slot_positions(slots, N * ep)
     token, dest = slots // ep, slots % ep
-    held = rank_of.index_select(0, token) == dest.unsqueeze(1)  # (S, K) the choices the destination holds
-    ids_send = torch.where(held, topk_ids.index_select(0, token) % E_local, E_local)  # their ids there
-    x_recv = all_to_all(GatherRows.apply(x, slots, position, ep), recv_rows, send_rows, group)  # (R, D)
-    weights_recv = all_to_all(GatherRows.apply(topk_weights, slots, position, ep), recv_rows, send_rows, group)
+    held = rank_of.index_select(0, token) == dest.unsqueeze(1)  # (S, K) what the destination holds
+    ids_send = torch.where(held, topk_ids.index_select(0, token) % E_local, E_local)  # ids there
+    x_recv = all_to_all(GatherRows.apply(x, slots, position, ep), recv_rows, send_rows,
+                        group)  # (R, D)
+    weights_recv = all_to_all(GatherRows.apply(topk_weights, slots, position, ep), recv_rows,
+                              send_rows, group)  # (R, K)
     ids_recv = ids_send.new_empty((sum(recv_rows), K))
     dist.all_to_all_single(ids_recv, ids_send, recv_rows, send_rows, group=group)
     return x_recv, ids_recv, weights_recv, pairs, (slots, position, send_rows, recv_rows)
@@ -599,10 +610,10 @@ def combine(y_recv, routes, group):
 class Experts(nn.Module):
     """E stacked SwiGLU experts. HF checkpoints name them `experts.{e}.gate_proj.weight` etc.; we stack them.
 
-    `expert_parallel` (a process group, train.py's `ep` mesh's, or None): its ranks split the experts, and this
-    one holds [first_expert, first_expert + E / size); `forward` sends each token to every rank that holds one of
-    its chosen experts, once, and takes back one weighted sum per rank (`dispatch` and `combine`: two all-to-alls
-    of rows).
+    `expert_parallel` (a process group, train.py's `ep` mesh's, or None): its ranks split the
+    experts, and this one holds [first_expert, first_expert + E / size); `forward` sends each token
+    to every rank that holds one of its chosen experts, once, and takes back one weighted sum per
+    rank (`dispatch` and `combine`: two all-to-alls of rows).
     """
 
     def __init__(self, E, D, H, expert_parallel=None):
@@ -612,7 +623,7 @@ class Experts(nn.Module):
             raise ValueError(f"{ep.size()} expert-parallel ranks cannot split {E} experts evenly")
         E_local = E if ep is None else E // ep.size()
         self.num_experts = E  # global count; the parameters hold E_local of them
-        self.first_expert = 0 if ep is None else ep.rank() * E_local  # global index of local expert 0
+        self.first_expert = 0 if ep is None else ep.rank() * E_local  # global index of local 0
         self.expert_parallel = ep
         self.gate_proj = nn.Parameter(torch.empty(E_local, H, D))  # (E_local, H, D)
         self.up_proj = nn.Parameter(torch.empty(E_local, H, D))    # (E_local, H, D)
@@ -662,7 +673,8 @@ class Experts(nn.Module):
         ep = self.expert_parallel
         if ep is None:
             return self.local_experts(x, topk_ids, topk_weights, topk_ids.numel())
-        x_recv, ids_recv, weights_recv, pairs, routes = dispatch(x, topk_ids, topk_weights, self.num_experts, ep)
+        x_recv, ids_recv, weights_recv, pairs, routes = dispatch(x, topk_ids, topk_weights,
+                                                                 self.num_experts, ep)
         return combine(self.local_experts(x_recv, ids_recv, weights_recv, pairs), routes, ep)
 
     def local_experts(self, x, ids, weights, pairs):

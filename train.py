@@ -42,8 +42,8 @@ import loss
 import plan
 import runlog
 import vl
-from checkpoint import (copy_shard, export_hf, latest_checkpoint, load_checkpoint, load_hf_weights, local_tensor,
-                        save_checkpoint)
+from checkpoint import (copy_shard, export_hf, latest_checkpoint, load_checkpoint, load_hf_weights,
+                        local_tensor, save_checkpoint)
 from experts import EXPERT_PROJS, AdamW, CastForCompute
 from model import Transformer, init_parameters, is_stacked_experts, load_config
 from tiny import ensure_tiny_model, tiny_model_config
@@ -772,8 +772,8 @@ def print0(*args):
 
 
 # -----------------------------------------------------------------------------
-# parallelism: process group, device meshes, expert partition, fully_shard (expert-parallel dispatch and combine:
-# experts.py)
+# parallelism: process group, device meshes, expert partition, fully_shard (expert-parallel dispatch
+# and combine: experts.py)
 #
 # Ranks are laid out as rank = expert_fsdp_index * ep_size + ep_index, so an expert-parallel group is ep_size
 # consecutive ranks (one node's NVLink domain when ep_size <= GPUs per node). Dense weights (attention, norms,
@@ -814,7 +814,7 @@ def build_meshes(world, ep_size, device_type):
 def meta_sharded_model(mcfg, meshes, cfg, frozen=False):
     """The model on the meta device with this rank's experts only (E / ep_size of each layer), fully_shard applied
     (frozen: all of it frozen in param_dtype, lora.apply)."""
-    ep = meshes["ep"].get_group() if meshes["ep"].size() > 1 else None  # experts.dispatch and combine's
+    ep = meshes["ep"].get_group() if meshes["ep"].size() > 1 else None  # experts.dispatch's group
     with torch.device("meta"):
         model = lora.apply(Transformer(mcfg, expert_parallel=ep), cfg, frozen)
     return shard_model(model, meshes, cfg)
@@ -919,8 +919,8 @@ def dry_run_main(cfg):
         mcfg = check_config(cfg, world_size=plan.launched_world_size())
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg["train_world_size"])
         try:
-            shards = measure_shards(meta_sharded_model(mcfg, build_meshes(cfg["train_world_size"], cfg["ep_size"],
-                                                                          "cpu"), cfg), cfg)
+            meshes = build_meshes(cfg["train_world_size"], cfg["ep_size"], "cpu")
+            shards = plan.measure_shards(meta_sharded_model(mcfg, meshes, cfg))
         finally:
             dist.destroy_process_group()
         figures = plan.plan_run(cfg, mcfg, shards)
@@ -928,23 +928,6 @@ def dry_run_main(cfg):
         sys.exit(f"dry run: {e}")
     plan.print_plan(cfg, figures)
     return figures
-
-
-def measure_shards(model, cfg):
-    """Rank 0's parameter counts of a sharded (meta) model, for plan.plan_memory: its shards of the dense and the
-    expert weights, of what trains and of the vision tower; the unsharded sizes of the root fully_shard unit and of
-    the largest block (its sub-units, the experts, included): what an all-gather materializes."""
-    local = {n: local_tensor(p).numel() for n, p in model.named_parameters()}
-    units = {name: 0 for name, m in model.named_modules() if isinstance(m, FSDPModule)}
-    for n, p in model.named_parameters():  # the unit that gathers p: the innermost one holding it
-        units[max((u for u in units if u == "" or n.startswith(u + ".")), key=len)] += p.numel()
-    blocks = [f"model.layers.{i}" for i in range(len(model.model.layers))]
-    return dict(dense=sum(v for n, v in local.items() if not is_stacked_experts(n)),
-                expert=sum(v for n, v in local.items() if is_stacked_experts(n)),
-                trainable=sum(local[n] for n, p in model.named_parameters() if p.requires_grad),
-                vision=sum(v for n, v in local.items() if n.startswith("visual.")), root_numel=units[""],
-                block_numel=max(sum(v for u, v in units.items() if u == b or u.startswith(b + ".")) for b in blocks),
-                experts_skip_fsdp=experts_skip_fsdp(model.meshes, cfg))
 
 
 def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_std=0.02, frozen=False):

@@ -2,9 +2,10 @@
 
     .venv/bin/python -m pytest tests/test_dry_run.py -q        # CPU, about a minute
 
-Every shipped config is planned with the real sharding code (train.dry_run_main: build_meshes / meta_sharded_model /
-shard_model, measured by measure_shards) against a fake process group of its world size; the printed memory of qwen3_30b_a3b is checked
-against a hand computation from the config's numbers, and the activation estimate against what autograd saves.
+Every shipped config is planned with the real sharding code (train.dry_run_main: build_meshes /
+meta_sharded_model / shard_model, measured by plan.measure_shards) against a fake process group of
+its world size; the printed memory of qwen3_30b_a3b is checked against a hand computation from the
+config's numbers, and the activation estimate against what autograd saves.
 """
 import ast
 import asyncio

@@ -204,7 +204,7 @@ def run_steps(rank, world, cfg, weights, wins, out, first_step=0, steps=STEPS, c
     reference = train.build_reference(cfg, model, train.compute_device())  # kl_coef > 0
     reference_bytes = None if reference in (None, model) else (  # this rank's, and what the dry run plans for it
         sum(checkpoint.local_tensor(p).numel() * p.element_size() for p in reference.parameters()),
-        plan.plan_memory(cfg, model.config, train.measure_shards(model, cfg))["reference_bytes"])
+        plan.plan_memory(cfg, model.config, plan.measure_shards(model))["reference_bytes"])
     resumed = None
     if resume is not None:
         first_step, extra = checkpoint.load_checkpoint(resume, model, opt)
