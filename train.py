@@ -18,6 +18,7 @@ and weight loading. Sharded checkpoints and the HF export are checkpoint.py's.
 
 import ast
 import asyncio
+import dataclasses
 import datetime
 import inspect
 import json
@@ -232,15 +233,17 @@ def main(argv):
     # the rollout side, on rank 0: engines, router, capture server, pool
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engines' start-up and per-sync notes, unless asked
     ray = connect_ray(cfg, rank, world)
-    import rollout  # after connect_ray: the other ranks import ray only once its auth mode is set
-    gpus = rollout.trainer_gpus(ray, world)
+    from rollout import trainer_gpus  # after connect_ray: ranks import ray once its auth is set
+    gpus = trainer_gpus(ray, world)
     # a resumed run's pool continues the prompt stream after the prompts its earlier life drew
-    run = start_rollout(cfg, trainer_gpus=gpus, data_position=extra.get("data_position", 0)) if rank == 0 else None
+    start = extra.get("data_position", 0)
+    rollout = start_rollout(cfg, trainer_gpus=gpus, data_position=start) if rank == 0 else None
 
-    evals = train(cfg, model, optimizer, run, step, rank, world, extra.get("policy_version", step))
+    evals = train(cfg, model, optimizer, rollout, step, rank, world,
+                  extra.get("policy_version", step))
 
     if rank == 0:
-        stop_rollout(run)
+        stop_rollout(rollout)
         held_out = "".join(f"held-out eval/success {evals[v]['eval/success']:.3f} at policy version {v}; "
                            for v in sorted(evals)[:1] + sorted(evals)[1:][-1:])  # the first and the last
         print(f"done: {held_out}{cfg['out_dir']}/metrics.jsonl, {cfg['out_dir']}/curves.png, "
@@ -249,10 +252,11 @@ def main(argv):
     dist.destroy_process_group()
 
 
-def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
+def train(cfg, model, optimizer, rollout, step, rank, world, policy_version=None):
     """The loop, from `step` to max_steps: batch -> advantages -> each rank's refs -> train step -> weight sync ->
-    held-out evaluation (every eval_every steps) -> log -> checkpoint. Rank 0 drives (run: start_rollout's dict);
-    the others follow through collectives. Returns rank 0's evaluations, {policy_version: metrics}."""
+    held-out evaluation (every eval_every steps) -> log -> checkpoint. Rank 0 drives (rollout:
+    start_rollout's); the others follow through collectives. Returns rank 0's evaluations,
+    {policy_version: metrics}."""
     import weights_sync
     from tqdm import tqdm
     out_dir = cfg["out_dir"]
@@ -260,25 +264,27 @@ def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
     sender = weights_sync.WeightSender(adapter=lora.sync_config(cfg))  # LoRA: the adapters alone travel
     writer, evals = runlog.scalar_writer(cfg, rank), {}
     reference = build_reference(cfg, model, compute_device())  # kl_coef > 0: the initial weights
+    lcfg = loss_config(cfg)  # the loss's options, once for the run
     # one optimizer step that changes the weights = one policy version (a resumed run: the checkpoint's); the engines
     # start at version 0
     policy_version = step if policy_version is None else policy_version
     # the engines get the trainer's weights first: a resumed run's, or whatever they were started or left with
-    push_weights(run, loop, sender, model, policy_version, rank, world)
+    push_weights(rollout, loop, sender, model, policy_version, rank, world)
     if rank == 0:
-        run["pool"].start()  # after that sync, so that no attempt samples from the base weights
-        if policy_version == 0 and evaluate(run, cfg, 0, evals):
+        rollout.pool.start()  # after that sync, so that no attempt samples from the base weights
+        if policy_version == 0 and evaluate(rollout, cfg, 0, evals):
             runlog.log_step(out_dir, dict(step=0, policy_version=0, **evals[0]), writer)
-        run["router"].reset_idle_clock()
+        rollout.router.reset_idle_clock()
     bar = tqdm(total=cfg["max_steps"], initial=step, disable=rank != 0, dynamic_ncols=True)
     for step in range(step, cfg["max_steps"]):
         t0 = time.perf_counter()
-        records = run["pool"].next_batch() if rank == 0 else None
+        records = rollout.pool.next_batch() if rank == 0 else None
         t_batch = time.perf_counter()
-        m = rl_step(run, loop, sender, model, optimizer, records, cfg, policy_version, step, rank, world, reference)
+        m = rl_step(rollout, loop, sender, model, optimizer, records, cfg, lcfg, policy_version,
+                    step, rank, world, reference)
         trained, policy_version = policy_version, m["policy_version"]  # the version this step trained on, the new one
         if rank == 0:
-            pool = run["pool"].stats()
+            pool = rollout.pool.stats()
             rewards = {r["attempt_id"]: r["reward"] for r in records}  # an attempt counts once
             generated = [r for r in records if r["action_tokens"]]
             step_time = time.perf_counter() - t0
@@ -287,10 +293,12 @@ def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
                        mismatch_kl_current=m["mismatch_kl_current"],
                        stale_dropped=round(m["stale_frac"] * m["action_tokens"]),
                        failed_attempts=pool["failed_attempts"], timed_out_attempts=pool["timed_out_attempts"],
-                       dropped_groups=pool["dropped_groups"], engine_restarts=run["router"].restarts,
+                       dropped_groups=pool["dropped_groups"],
+                       engine_restarts=rollout.router.restarts,
                        tokens_per_s=sum(r["action_tokens"] for r in records) / step_time, step_time_s=step_time,
                        response_tokens=sum(r["action_tokens"] for r in records) / max(len(rewards), 1),
-                       batch_wait_s=t_batch - t0, sync_s=m["sync_s"], engine_idle=run["router"].idle_fraction(),
+                       batch_wait_s=t_batch - t0, sync_s=m["sync_s"],
+                       engine_idle=rollout.router.idle_fraction(),
                        # versions between the policy that sampled a segment's oldest token and the one training on it
                        staleness=sum(trained - r["min_version"] for r in generated) / max(len(generated), 1),
                        attempts=len(rewards), segments=len(records))
@@ -298,15 +306,16 @@ def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
             # fractions, advantage statistics, grad_norm, lr, skipped
             row.update({k: v for k, v in m.items() if k not in row and (v is None or isinstance(v, (int, float)))},
                        **runlog.info_means(records))
-            row.update(evaluate(run, cfg, policy_version, evals))  # after step_time: eval_s
+            row.update(evaluate(rollout, cfg, policy_version, evals))  # after step_time: eval_s
             runlog.log_step(out_dir, row, writer)
-            run["router"].reset_idle_clock()
+            rollout.router.reset_idle_clock()
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", step_s=f"{step_time:.1f}",
                             stale=f"{row['staleness']:.2f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
         bar.update(1)
         # the prompts drawn so far (rank 0 draws them): a resumed run's pool goes on from there
         checkpoint_if_due(cfg, model, optimizer, step, extra={
-            "policy_version": policy_version, "data_position": run["pool"].prompts_drawn if rank == 0 else 0})
+            "policy_version": policy_version,
+            "data_position": rollout.pool.prompts_drawn if rank == 0 else 0})
     bar.close()
     sender.close()
     loop.close()
@@ -316,32 +325,40 @@ def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
     return evals
 
 
-def rl_step(run, loop, sender, model, optimizer, records, cfg, policy_version, step, rank, world, reference=None):
+def rl_step(rollout, loop, sender, model, optimizer, records, cfg, lcfg, policy_version, step, rank,
+            world, reference=None):
     """One RL step of every rank on rank 0's batch `records`: advantages and this rank's segments (share_batch), the
     train step, the viewer's sample, and unless the step was skipped (non-finite gradients: no weight changed) a new
     policy version synced to the engines. Returns train_step's metrics with the new policy_version and sync_s
     (seconds; None: no sync)."""
     segments, advantages = share_batch(records, cfg, rank, world)
     m = train_step(model, optimizer, pack_microbatches(segments, advantages, cfg["microbatch_tokens"]), cfg,
-                   policy_version, step, reference=reference)
-    rank == 0 and run.get("recorder") and run["recorder"].add(step, records, segments, advantages, m["logprobs"])
+                   lcfg, policy_version, step, reference=reference)
+    if rank == 0 and rollout.recorder:
+        rollout.recorder.add(step, records, segments, advantages, m["logprobs"])
     m["policy_version"] = policy_version + (not m["skipped"])
-    m["sync_s"] = None if m["skipped"] else push_weights(run, loop, sender, model, m["policy_version"], rank, world)
-    if cfg["speculative_tokens"] and rank == 0 and run.get("drafts"):  # over the rollouts that fed this step
-        accepted, drafted = run.pop("drafts")
+    if not m["skipped"]:
+        m["sync_s"] = push_weights(rollout, loop, sender, model, m["policy_version"], rank, world)
+    else:
+        m["sync_s"] = None
+    if cfg["speculative_tokens"] and rank == 0 and rollout.drafts:  # the rollouts behind this step
+        (accepted, drafted), rollout.drafts = rollout.drafts, None
         m["draft_acceptance"] = accepted / max(drafted, 1)
     return m
 
 
-def evaluate(run, cfg, v, evals):
+def evaluate(rollout, cfg, v, evals):
     """Rank 0, when evaluation is due at policy version v (0, every eval_every, the last): the held-out prompts
     through the rollout pool at eval_temperature, on the weights the engines hold (the driver waits: no weight sync
     meanwhile). Results per prompt go to out_dir/eval_results.jsonl; the means to evals[v], and back ({}: not due)."""
-    if cfg["eval_every"] and run["eval_prompts"] and (v % cfg["eval_every"] == 0 or v == cfg["max_steps"]):
-        sampling, evals[v] = dict(run["pool"].sampling, temperature=cfg["eval_temperature"]), {}
-        # the held-out prompts; with images, the ablation too: each image blank (same size, same tokens), *_blank
-        for tail, prompts in (("", run["eval_prompts"]), ("_blank", run.get("blank_prompts"))):
-            means = prompts and run["pool"].evaluate(prompts, sampling, f"{cfg['out_dir']}/eval_results{tail}.jsonl", v)
+    due = cfg["eval_every"] and (v % cfg["eval_every"] == 0 or v == cfg["max_steps"])
+    if due and rollout.eval_prompts:
+        sampling, evals[v] = dict(rollout.pool.sampling, temperature=cfg["eval_temperature"]), {}
+        # the held-out prompts; with images, the ablation too: each image blank (same size, same
+        # tokens), *_blank
+        for tail, prompts in (("", rollout.eval_prompts), ("_blank", rollout.blank_prompts)):
+            path = f"{cfg['out_dir']}/eval_results{tail}.jsonl"
+            means = prompts and rollout.pool.evaluate(prompts, sampling, path, v)
             evals[v].update({k + tail: x for k, x in (means or {}).items()})
         return evals[v]
     return {}
@@ -367,7 +384,7 @@ def sft(cfg, model, optimizer, step, rank, world):
                                         token_versions=[0] * len(ids), routed_experts=None, images=images),
                                    cfg["model_path"]) for ids, mask, images in picks]
         m = train_step(model, optimizer, pack_microbatches(segments, [0.0] * len(segments), cfg["microbatch_tokens"]),
-                       cfg, step, step, sft=True)
+                       cfg, None, step, step, sft=True)
         if rank == 0:
             runlog.log_step(cfg["out_dir"], dict(step=step + 1, loss=m["loss"], grad_norm=m["grad_norm"], lr=m["lr"],
                                           kept_tokens=m["kept_tokens"], step_time_s=time.perf_counter() - t0), writer)
@@ -435,6 +452,22 @@ def connect_ray(cfg, rank, world):
     return ray
 
 
+@dataclasses.dataclass
+class Rollout:
+    """Rank 0's rollout side of a run (start_rollout starts it, stop_rollout stops it)."""
+    router: object  # rollout.Router: requests to the engines, their restarts, the weight group
+    engines: list = dataclasses.field(default_factory=list)  # the engine actors
+    server: object = None  # capture.CaptureServer, in a background thread
+    pool: object = None  # rollout.RolloutPool of agent attempts (train() starts it)
+    placement: list = dataclasses.field(default_factory=list)  # placement groups, kept for the run
+    eval_prompts: list = dataclasses.field(default_factory=list)  # held out ([]: no evaluation)
+    blank_prompts: list = dataclasses.field(default_factory=list)  # the same, images blank
+    recorder: object = None  # viewer.Recorder (None: view_groups_per_step 0)
+    view: object = None  # the live viewer page's server (None: view_port 0)
+    cleanup: object = None  # stops what the agent's setup started, and the viewer
+    drafts: tuple = None  # (accepted, drafted): the engines' MTP drafts since the last sync
+
+
 def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
     """Rank 0: the engines (unless given; placed away from the trainer's GPUs), the router, the capture server in a
     background thread, and the rollout pool for the agent module and its prompts (train() starts it)."""
@@ -480,18 +513,19 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
         first_prompt=data_position,
         sampling=dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_tokens=cfg["max_tokens"]))
     blank = [vl.blank_images(p) for p in held_out] if cfg["eval_every"] else []
-    # the viewer's sample ("recorder") and live page ("view"), as the view_* keys ask; "cleanup" stops them too
-    return dict(engines=engines, router=router, server=server, pool=pool, placement=placement,
-                eval_prompts=held_out if cfg["eval_every"] else [], blank_prompts=blank if blank != held_out else [],
-                **viewer.start(cfg, cleanup))
+    # the viewer's sample (recorder) and live page (view), as the view_* keys ask; its cleanup stops
+    # them too
+    return Rollout(router, engines=engines, server=server, pool=pool, placement=placement,
+                   eval_prompts=held_out if cfg["eval_every"] else [],
+                   blank_prompts=blank if blank != held_out else [], **viewer.start(cfg, cleanup))
 
 
-def stop_rollout(run):
-    """Stop the pool, the capture server and what the agent's setup started (the engines stay: Ray ends them with
-    the driver)."""
-    run["pool"].stop()
-    run["server"].stop_thread()
-    run["cleanup"]()
+def stop_rollout(rollout):
+    """Stop the pool, the capture server and what the agent's setup started (the engines stay: Ray
+    ends them with the driver)."""
+    rollout.pool.stop()
+    rollout.server.stop_thread()
+    rollout.cleanup()
 
 
 def share_batch(records, cfg, rank, world):
@@ -544,27 +578,28 @@ def pack_microbatches(segments, advantages, microbatch_tokens):
     return [dict(collate([segments[i] for i in g], [advantages[i] for i in g]), segment_rows=g) for g in groups]
 
 
-def push_weights(run, loop, sender, model, policy_version, rank, world):
+def push_weights(rollout, loop, sender, model, policy_version, rank, world):
     """Weight sync to the engines that are up; an engine restarted since the last sync first rejoins the weight
     group. Every rank takes part (rank 0 sends, the others join the gathers). Returns seconds, or None (skipped)."""
     import ray
     import weights_sync
     live = None
     if rank == 0:
-        live, changed = run["router"].live_engines()
+        live, changed = rollout.router.live_engines()
         if live and changed:
             host = "127.0.0.1" if len(ray.nodes()) == 1 else ray.util.get_node_ip_address()  # engines reach it
             loop.run_until_complete(weights_sync.connect_engines(live, sender, host=host, timeout_s=300))
-            run["router"].mark_connected(live)
+            rollout.router.mark_connected(live)
     if not from_rank0(bool(live), world):  # every engine is restarting: they get these weights at the next step's sync
         return None
     t0 = time.perf_counter()
     try:
         out = loop.run_until_complete(weights_sync.sync_weights(live, sender, model, policy_version))
-        run["drafts"] = out.get("drafts")  # the engines' draft tokens since the last sync (rank 0)
+        if rank == 0:
+            rollout.drafts = out.get("drafts")
     except ray.exceptions.RayActorError as e:  # an engine died during the sync: it rejoins after its restart
         print0(f"weight sync at version {policy_version} lost an engine ({type(e).__name__}); the run goes on")
-        run["router"].mark_connected([])
+        rollout.router.mark_connected([])
     return time.perf_counter() - t0
 
 
@@ -681,9 +716,12 @@ def clip_grad_norm(model, max_norm, device, optimizer):
     return norm
 
 
-def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, sft=False, reference=None):
+def train_step(model, optimizer, microbatches, cfg, lcfg, policy_version, step=None, sft=False,
+               reference=None):
     """One optimizer step over this rank's microbatches of the window. Returns metrics (floats, same on all ranks).
-    sft=True: the supervised objective (loss.sft_loss: the mean NLL of the action-mask tokens, at temperature 1).
+    lcfg: the loss's options (loss.LossConfig: plan.loss_config(cfg), resolved once per run).
+    sft=True: the supervised objective instead (loss.sft_loss: the mean NLL of the action-mask
+    tokens, at temperature 1), which reads no loss option (lcfg may be None).
 
     microbatches: dicts of right-padded tensors (B, T): input_ids, targets (input_ids shifted by one), action_mask,
     behavior_logprobs, token_versions, advantages (B,) or (B, T), and routed_experts (B, T, L_moe, K) or None (see
@@ -696,7 +734,6 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
     t0 = time.perf_counter()
     step = policy_version if step is None else step
     device = compute_device()
-    lcfg = loss_config(cfg)
     if not microbatches:
         raise ValueError("train_step needs at least one microbatch on every rank")
     # every rank runs the same number of forward/backward passes (FSDP and all-to-all are collectives)
@@ -707,7 +744,7 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
                     for mb in microbatches]
 
     model.train()
-    if lcfg.kl_coef and not sft and reference is not None:
+    if not sft and lcfg.kl_coef and reference is not None:
         with torch.no_grad(), lora.base_only(reference):
             for mb in microbatches:
                 mb["ref_logprobs"] = microbatch_logprobs(reference, dict(mb, routed_experts=None), cfg)[0]
@@ -715,18 +752,20 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
             for unit in (u for u in reference.modules() if isinstance(u, FSDPModule)):
                 unit.reshard()
     old_logprobs = [None] * len(microbatches)
-    if lcfg.is_mode == "mask" and lcfg.is_level != "none" and not sft:  # rejection needs the trainer's logprobs first
+    # rejection needs the trainer's logprobs first
+    if not sft and lcfg.is_mode == "mask" and lcfg.is_level != "none":
         with torch.no_grad():
             old_logprobs = [microbatch_logprobs(model, mb, cfg)[0] for mb in microbatches]
     kept = [mb["action_mask"].bool() if sft else loss.kept_token_mask(old, mb["behavior_logprobs"], mb["action_mask"],
             mb["token_versions"], policy_version, lcfg) for old, mb in zip(old_logprobs, microbatches)]
     window_tokens = loss.count_window_tokens(kept)  # one all-reduce, before the first backward
-    mtp = loss.count_window_tokens([mtp_mask(mb) for mb in microbatches]) if lcfg.mtp_loss_coef and not sft else None
+    with_mtp, entropy = not sft and lcfg.mtp_loss_coef, not sft and lcfg.entropy_coef > 0
+    mtp = loss.count_window_tokens([mtp_mask(mb) for mb in microbatches]) if with_mtp else None
 
     metrics, kept_logprobs = [], []
     for old, mb in zip(old_logprobs, microbatches):
         logprobs, entropy, *mtp_l = microbatch_logprobs(model, mb, dict(cfg, temperature=1.0) if sft else cfg,
-                                                        with_entropy=lcfg.entropy_coef > 0 and not sft, mtp_tokens=mtp)
+                                                        with_entropy=entropy, mtp_tokens=mtp)
         mb_loss, mb_metrics = loss.sft_loss(logprobs, mb["action_mask"], window_tokens) if sft else loss.policy_loss(
             logprobs, old, mb["behavior_logprobs"], mb["advantages"], mb["action_mask"], mb["token_versions"],
             policy_version, lcfg, window_tokens, dp_world_size=1,  # gradients are summed over ranks

@@ -209,10 +209,10 @@ def run_steps(rank, world, cfg, weights, wins, out, first_step=0, steps=STEPS, c
     if resume is not None:
         first_step, extra = checkpoint.load_checkpoint(resume, model, opt)
         resumed = dict(step=first_step, extra=extra, params={n: t for n, t in checkpoint.full_parameters(model)})
-    metrics, checkpointed = [], None
+    metrics, checkpointed, lcfg = [], None, train.loss_config(cfg)
     for step in range(first_step, steps):
-        metrics.append(train.train_step(model, opt, my_share(wins[step], rank, world), cfg, policy_version=step,
-                                        reference=reference))
+        metrics.append(train.train_step(model, opt, my_share(wins[step], rank, world), cfg, lcfg,
+                                        policy_version=step, reference=reference))
         if checkpoint_dir is not None and step + 1 == (checkpoint_at or steps):  # and the run goes on past it
             checkpoint.save_checkpoint(checkpoint_dir, model, opt, step + 1, cfg, extra={"note": "hello"})
             checkpointed = {n: t for n, t in checkpoint.full_parameters(model)}
@@ -344,9 +344,10 @@ def nonfinite(rank, world, cfg, weights, out):
     poisoned = [dict(mb) for mb in my_share(window, rank, world)]
     if rank == 1:  # one bad number on one rank poisons the whole step
         poisoned[0]["advantages"] = poisoned[0]["advantages"].clone().fill_(float("nan"))
-    bad = train.train_step(model, opt, poisoned, cfg, policy_version=0)
+    bad = train.train_step(model, opt, poisoned, cfg, train.loss_config(cfg), policy_version=0)
     after_bad = dict(checkpoint.full_parameters(model))
-    good = train.train_step(model, opt, my_share(window, rank, world), cfg, policy_version=0)
+    good = train.train_step(model, opt, my_share(window, rank, world), cfg, train.loss_config(cfg),
+                            policy_version=0)
     after_good = dict(checkpoint.full_parameters(model))
     if rank == 0:
         torch.save(dict(bad=bad, good=good, before=before, after_bad=after_bad, after_good=after_good,
