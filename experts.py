@@ -40,10 +40,9 @@ COMPILE_ON_CUDA = True  # fuse the elementwise chains below with torch.compile w
 def cuda_compiled(fn):
     """fn through torch.compile when its first argument is a CUDA tensor: a chain of elementwise ops becomes one
     kernel forward and one backward instead of one fp32 pass per op. Eager elsewhere (CPU runs need no compiler).
-    A new shape recompiles once with dynamic shapes, after which microbatch shapes do not recompile. Inductor tunes
-    each kernel's launch configuration as it compiles (max-autotune; no CUDA graphs): on an H200 at 8 x 4096 tokens
-    rms_norm's forward and backward took 0.37 ms instead of the default's 0.56, norm_rope's of q 0.94 instead of
-    1.07."""
+    A new shape recompiles once with dynamic shapes, after which microbatch shapes do not recompile.
+    Inductor tunes each kernel's launch configuration as it compiles (max-autotune; no CUDA graphs):
+    faster norms than the default configuration."""
     compiled = None
 
     @functools.wraps(fn)
@@ -222,7 +221,7 @@ class LoRAGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, rows, A, n, *weights_and_Bs):
-        (offs, tiles), Ws, Bs = rows, weights_and_Bs[:n], weights_and_Bs[n:]
+        (offs, _), Ws, Bs = rows, weights_and_Bs[:n], weights_and_Bs[n:]
         if any(W.requires_grad for W in Ws):
             raise ValueError("LoRAGroupedMM trains adapters on a frozen base: the expert weights must not need grad")
         z = torch._grouped_mm(x, A.transpose(-2, -1), offs=offs)  # (N, R)
@@ -254,8 +253,8 @@ def lowrank_add(y, z, M, rows):
     """y (N, O) plus each row's z (N, R) @ M[e] (M (E, R, O), any strides) for the expert e of the row (rows sorted
     by expert; rows: offs, the cumulative row counts, and lowrank_tiles, None off CUDA). On CUDA one Triton kernel
     adds in place, memory-bound (y read and written once), where a grouped GEMM of inner dimension R writes its
-    full-width output at a fraction of the bandwidth (on an H200 at Qwen3-30B-A3B's expert shape, as long as a base
-    GEMM) and an add then reads it again."""
+    full-width output at a fraction of the bandwidth (about as slow as a base GEMM at real expert
+    shapes) and an add then reads it again."""
     offs, tiles = rows
     if tiles is None:
         return y + torch._grouped_mm(z, M, offs=offs)  # the reference; the kernel matches it to bf16 rounding
@@ -307,8 +306,8 @@ if triton is not None:
 
 def topk_ids(probs, k):
     """The indices of each row's k largest values, largest first (N, k) int64, as torch.topk gives them (ties aside).
-    On CUDA one Triton kernel holds each row (the router's E probabilities) in registers and takes k maxima: at
-    32K tokens of 128 experts, torch.topk's radix select took 0.2 ms, this a small fraction of that."""
+    On CUDA one Triton kernel holds each row (the router's E probabilities) in registers and takes k
+    maxima, where torch.topk runs a radix select meant for long rows."""
     if not (probs.is_cuda and triton is not None):
         return torch.topk(probs, k, dim=-1).indices
     probs = probs.contiguous()
@@ -335,11 +334,11 @@ if triton is not None:
 
 
 class AdamW(torch.optim.AdamW):
-    """torch's fused AdamW, where each large CUDA tensor (at least 2^20 elements, contiguous: the stacked experts, the
-    embedding and head) steps in one Triton kernel: AdamW reads and writes 28 bytes a parameter, and on an H200 at
-    Qwen3-30B-A3B's experts torch's fused kernel took 6.1 ms a layer (2.9 TB/s), this one 4.2 (4.2 TB/s). The same
-    update, state (torch's own lazy init) and checkpoints; the fused step's grad_scale (train.clip_grad_norm's
-    clipping) holds for both."""
+    """torch's fused AdamW, where each large CUDA tensor (at least 2^20 elements, contiguous: the
+    stacked experts, the embedding and head) steps in one Triton kernel: AdamW reads and writes 28
+    bytes a parameter, and this kernel streams them closer to the memory bandwidth than torch's
+    fused one. The same update, state (torch's own lazy init) and checkpoints; the fused step's
+    grad_scale (train.clip_grad_norm's clipping) holds for both."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -415,9 +414,10 @@ def slot_positions(slots, n_slots):
 
 
 def sum_slots(y, position, K):
-    """y (S, D), one row per slot in use -> (N, D): each row's sum over its K slots, unused slots adding zero.
-    Deterministic (a fixed order, fp32 accumulation, no atomics). On CUDA one Triton kernel reads only the rows in
-    use (about 5x faster than the eager reference below, which a test compares it with)."""
+    """y (S, D), one row per slot in use -> (N, D): each row's sum over its K slots, unused slots
+    adding zero. Deterministic (a fixed order, fp32 accumulation, no atomics). On CUDA one Triton
+    kernel reads only the rows in use (the eager reference below, which a test compares it with,
+    gathers them all)."""
     if y.is_cuda and triton is not None:
         return sum_slots_triton(y, position, K)
     y = torch.cat([y, y.new_zeros(1, y.shape[1])])  # row S: the zero row of unused slots
@@ -447,12 +447,13 @@ if triton is not None:
 
 
 def grouped_grad(a, b, offs, grads):
-    """Each expert's weight gradient a_e^T b_e in fp32, for a (N, M) and b (N, K) with rows sorted by expert (offs:
-    cumulative row counts), into `grads`: one or two fp32 (E, M / n, K) tensors, the parts of M in order (gate's and
-    up's halves of the stacked 2H), each added into, or made where it is None. Returns them. On CUDA one Triton
-    kernel whose epilogue hands each output tile to TMA's reduce-add: the memory system adds it into the fp32
-    gradient, no bf16 gradient is written only to be read again and added (at Qwen3-30B-A3B's experts 6 GB of
-    traffic per layer and microbatch), and the SM waits on no load of the gradient."""
+    """Each expert's weight gradient a_e^T b_e in fp32, for a (N, M) and b (N, K) with rows sorted
+    by expert (offs: cumulative row counts), into `grads`: one or two fp32 (E, M / n, K) tensors,
+    the parts of M in order (gate's and up's halves of the stacked 2H), each added into, or made
+    where it is None. Returns them. On CUDA one Triton kernel whose epilogue hands each output tile
+    to TMA's reduce-add: the memory system adds it into the fp32 gradient, no bf16 gradient is
+    written only to be read again and added (the largest traffic of the experts' backward), and the
+    SM waits on no load of the gradient."""
     (E,), M, K, n = offs.shape, a.shape[1], b.shape[1], len(grads)
     kernel = a.is_cuda and triton is not None and torch.cuda.get_device_capability(a.device)[0] >= 9  # TMA: Hopper on
     if not (kernel and a.dtype == torch.bfloat16 and (M // n) % 16 == 0 and K % 16 == 0):
@@ -501,8 +502,8 @@ if triton is not None:
 
     @triton.jit
     def _put_tile(c, row, col, acc, ACCUMULATE: tl.constexpr):
-        # TMA's reduce-add (on an H200 at Qwen3-30B-A3B's gate/up shape 3.20 ms, where loading the gradient into the
-        # accumulator before the loop took 3.38 and a bf16 GEMM alone 2.68), or a plain store of the first gradient
+        # TMA's reduce-add (faster than loading the gradient into the accumulator before the
+        # loop), or a plain store of the first gradient
         if ACCUMULATE:
             c.atomic_add([row, col], acc)
         else:

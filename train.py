@@ -901,8 +901,8 @@ def shard_model(model, meshes, cfg):
 def experts_skip_fsdp(meshes, cfg):
     """True when the expert FSDP mesh has one rank (ep_size = world): FSDP would have nothing to gather or reduce
     there, yet it would still copy and cast every expert weight at each forward and backward and its gradient once
-    per microbatch (about a tenth of a 1-GPU step; README, Performance). Offloaded optimizer state keeps FSDP
-    (it moves the shards)."""
+    per microbatch (a sizable share of a 1-GPU step). Offloaded optimizer state keeps FSDP (it moves
+    the shards)."""
     return meshes["expert_fsdp"].size() == 1 and not cfg["cpu_offload_optimizer"]
 
 
