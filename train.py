@@ -12,8 +12,9 @@ checkpoint.py).
 Defaults are the globals below; `--config FILE` executes a file of plain assignments over them; `--key=value`
 overrides are type-checked against the default; then plan.check_config checks every key. A bad key, type or value
 stops the run before any work. Sections, in order: config; the loop (main, train); the driver's plumbing; the
-train step; parallelism (meshes, fully_shard, expert-parallel dispatch, the dry run's measurement); model build
-and weight loading. Sharded checkpoints and the HF export are checkpoint.py's.
+train step; parallelism (meshes, fully_shard, the dry run); model build. Expert-parallel dispatch and combine
+and the kernels are experts.py's; sharded checkpoints, the HF export and weight loading checkpoint.py's; the
+dry run's arithmetic plan.py's.
 """
 
 import ast
