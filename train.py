@@ -9,12 +9,12 @@ checkpoint.py).
     python train.py --config configs/moe_700b.py --dry_run=True    # plan memory and GPUs: CPU, seconds (plan.py)
     python train.py --export_hf_dir=out/tiny/hf                # out_dir's last checkpoint as HF safetensors
 
-Defaults are the globals below; `--config FILE` executes a file of plain assignments over them; `--key=value`
-overrides are type-checked against the default; then plan.check_config checks every key. A bad key, type or value
-stops the run before any work. Sections, in order: config; the loop (main, train); the driver's plumbing; the
-train step; parallelism (meshes, fully_shard, the dry run); model build. Expert-parallel dispatch and combine
-and the kernels are experts.py's; sharded checkpoints, the HF export and weight loading checkpoint.py's; the
-dry run's arithmetic plan.py's.
+Defaults are the globals below; `--config FILE` executes a file of plain assignments over them;
+`--key=value` overrides are type-checked against the default; then plan.check_config checks every
+key. A bad key, type or value stops the run before any work. Sections, in order: config; the loop
+(main, train); the driver's plumbing; the train step; parallelism (meshes, fully_shard, the dry
+run); model build. Expert-parallel dispatch and combine and the kernels are experts.py's; sharded
+checkpoints, the HF export and weight loading checkpoint.py's; the dry run's arithmetic plan.py's.
 """
 
 import ast
