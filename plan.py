@@ -4,11 +4,11 @@ Before any work: every config key checked, and the dry-run planner (per-GPU memo
     python train.py --config configs/moe_700b.py --dry_run=True    # plan any config on a CPU, in seconds
     .venv/bin/python -m pytest tests/test_config.py tests/test_dry_run.py -q
 
-`check_config` runs before Ray, the engines or the model start: a wrong value stops the run with one sentence naming
-the key and what it accepts. The dry run (train.dry_run_main) shards the model on the meta device with the trainer's own
-code against torch's fake process group and hands this file rank 0's shard sizes (train.measure_shards); the
-arithmetic here turns them into bytes per GPU, GPU counts and the weight-sync volume. This file never imports the
-trainer.
+`check_config` runs before Ray, the engines or the model start: a wrong value stops the run with one
+sentence naming the key and what it accepts. The dry run (train.dry_run_main) shards the model on
+the meta device with the trainer's own code against torch's fake process group and hands this file
+the sharded model, whose rank 0 shards measure_shards counts; the arithmetic here turns them into
+bytes per GPU, GPU counts and the weight-sync volume. This file never imports the trainer.
 """
 
 import dataclasses
@@ -18,10 +18,12 @@ import os
 import sys
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 import lora
 import loss
-from model import ModelConfig, load_config, num_params, write_json
+from experts import local as local_tensor
+from model import ModelConfig, is_stacked_experts, load_config, num_params, write_json
 from tiny import tiny_model_config
 
 
@@ -277,7 +279,7 @@ NCCL_GBPS = 370.0
 
 def ep_all_to_all(mcfg, tokens, ep, checkpointing):
     """What expert parallelism sends per rank, MoE layer and microbatch of `tokens` tokens: each token crosses once
-    to every other rank that holds one of its top-k experts (train.ExpertParallel.dispatch), as bf16 rows of the
+    to every other rank that holds one of its top-k experts (experts.dispatch), as bf16 rows of the
     model width with its routing weights and expert ids, and comes back the same way (its combine); backward sends
     the gradients back along both routes, and activation checkpointing runs the forward's two again. Uniform routing:
     a rank holds none of a token's k experts with probability C(E - E/ep, k) / C(E, k). Returns (remote rows per
@@ -290,9 +292,31 @@ def ep_all_to_all(mcfg, tokens, ep, checkpointing):
     return remote_rows, nbytes, nbytes / (NCCL_GBPS * 1e9)
 
 
+def measure_shards(model):
+    """Rank 0's parameter counts of a sharded (meta) model, for plan_memory: its shards of the dense
+    and the expert weights, of what trains and of the vision tower; the unsharded sizes of the root
+    fully_shard unit and of the largest block (its sub-units, the experts, included): what an
+    all-gather materializes; whether the experts are kept outside FSDP (train.keep_experts_local
+    gave them a cast)."""
+    local = {n: local_tensor(p).numel() for n, p in model.named_parameters()}
+    units = {name: 0 for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+    for n, p in model.named_parameters():  # the unit that gathers p: the innermost one holding it
+        units[max((u for u in units if u == "" or n.startswith(u + ".")), key=len)] += p.numel()
+    blocks = [f"model.layers.{i}" for i in range(len(model.model.layers))]
+    experts = sum(v for n, v in local.items() if is_stacked_experts(n))
+    return dict(dense=sum(local.values()) - experts, expert=experts,
+                trainable=sum(local[n] for n, p in model.named_parameters() if p.requires_grad),
+                vision=sum(v for n, v in local.items() if n.startswith("visual.")),
+                root_numel=units[""],
+                block_numel=max(sum(v for u, v in units.items() if u == b or u.startswith(b + "."))
+                                for b in blocks),
+                experts_skip_fsdp=any(getattr(m, "cast_weights", None) is not None
+                                      for m in model.modules()))
+
+
 def plan_memory(cfg, mcfg, shards):
-    """Per-GPU bytes of rank 0 from its measured shards (train.measure_shards: parameter counts of the sharded meta
-    model), and the rollout side from the config. Returns a dict of figures."""
+    """Per-GPU bytes of rank 0 from its measured shards (measure_shards: parameter counts of the
+    sharded meta model), and the rollout side from the config. Returns a dict of figures."""
     W, ep = cfg["train_world_size"], cfg["ep_size"]
     b = getattr(torch, cfg["param_dtype"]).itemsize  # compute dtype: what FSDP all-gathers and activations are in
     p_dense, p_expert, trainable = shards["dense"], shards["expert"], shards["trainable"]

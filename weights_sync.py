@@ -241,14 +241,15 @@ def gather(model, name, t, dtype=None, device=None):
     i holds the experts [i*E/ep, (i+1)*E/ep): Experts.first_expert)."""
     device = device if device is not None else (t.device_mesh.device_type if isinstance(t, DTensor) else t.device)
     experts = model.get_submodule(name.rsplit(".", 1)[0]) if is_stacked_experts(name) else None
-    if experts is None or experts.expert_parallel is None:
+    ep = experts.expert_parallel if experts is not None else None  # its process group, or None
+    if ep is None:
         return gather_to(t, 0, dtype, device)
-    block = gather_to(t, experts.expert_parallel.rank, dtype, device)  # (E/ep, ...) on its member of rank 0's group
+    block = gather_to(t, ep.rank(), dtype, device)  # (E/ep, ...) on its member of rank 0's group
     if block is None:
         return None
     full = block.new_empty(global_shape(model, name, t)) if rank() == 0 else None  # (E, ...)
-    dist.gather(block.contiguous(), list(full.chunk(experts.expert_parallel.size)) if full is not None else None,
-                dst=0, group=experts.expert_parallel.group)
+    blocks = list(full.chunk(ep.size())) if full is not None else None
+    dist.gather(block.contiguous(), blocks, dst=0, group=ep)
     return full
 
 # -----------------------------------------------------------------------------

@@ -2,9 +2,10 @@
 
     .venv/bin/python -m pytest tests/test_dry_run.py -q        # CPU, about a minute
 
-Every shipped config is planned with the real sharding code (train.dry_run_main: build_meshes / meta_sharded_model /
-shard_model, measured by measure_shards) against a fake process group of its world size; the printed memory of qwen3_30b_a3b is checked
-against a hand computation from the config's numbers, and the activation estimate against what autograd saves.
+Every shipped config is planned with the real sharding code (train.dry_run_main: build_meshes /
+meta_sharded_model / shard_model, measured by plan.measure_shards) against a fake process group of
+its world size; the printed memory of qwen3_30b_a3b is checked against a hand computation from the
+config's numbers, and the activation estimate against what autograd saves.
 """
 import ast
 import asyncio
@@ -249,7 +250,7 @@ def test_activation_estimate_matches_what_autograd_saves():
 
 def test_all_to_all_projection_counts_the_rows_ep_dispatch_sends():
     """The dry run's EP all-to-all volume: remote rows per token from C(E - E/ep, k) / C(E, k), against the rows
-    train.ExpertParallel.dispatch's rule sends (each token once to every other rank holding one of its top-k
+    experts.dispatch's rule sends (each token once to every other rank holding one of its top-k
     experts), counted on random top-k choices at Qwen3-30B-A3B's routing (128 experts, top-8) over 8 ranks."""
     from model import ModelConfig
     mcfg = ModelConfig(hidden_size=2048, num_experts=128, num_experts_per_tok=8)

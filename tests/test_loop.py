@@ -245,7 +245,7 @@ def test_failing_agent_hanging_tool_and_killed_engine_leave_the_run_going(tmp_pa
     assert sum(r["failed_attempts"] for r in rows) > sum(r["timed_out_attempts"] for r in rows) > 0
     assert sum(r["dropped_groups"] for r in rows) > 0
     # the router notices a dead engine by a request that failed on it, and starts it again
-    assert rows[-1]["engine_restarts"] == 1 and run["router"].failed_requests >= 1
+    assert rows[-1]["engine_restarts"] == 1 and run.router.failed_requests >= 1
     assert restarted
     assert version == 4  # the restarted engine rejoined the weight group and got step 4
 

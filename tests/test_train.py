@@ -212,17 +212,17 @@ def run_steps(rank, world, cfg, weights, wins, out, first_step=0, steps=STEPS, c
     reference = train.build_reference(cfg, model, train.compute_device())  # kl_coef > 0
     reference_bytes = None if reference in (None, model) else (  # this rank's, and what the dry run plans for it
         sum(checkpoint.local_tensor(p).numel() * p.element_size() for p in reference.parameters()),
-        plan.plan_memory(cfg, model.config, train.measure_shards(model, cfg))["reference_bytes"])
+        plan.plan_memory(cfg, model.config, plan.measure_shards(model))["reference_bytes"])
     resumed = None
     if resume is not None:
         first_step, extra = checkpoint.load_checkpoint(resume, model, opt)
         resumed = dict(step=first_step, extra=extra, params={n: t for n, t in checkpoint.full_parameters(model)})
-    metrics, checkpointed = [], None
+    metrics, checkpointed, lcfg = [], None, train.loss_config(cfg)
     params_at = {}  # the full parameters before each step (rank 0)
     for step in range(first_step, steps):
         params_at[step] = {n: t for n, t in checkpoint.full_parameters(model)}
-        metrics.append(train.train_step(model, opt, my_share(wins[step], rank, world), cfg, policy_version=step,
-                                        reference=reference))
+        metrics.append(train.train_step(model, opt, my_share(wins[step], rank, world), cfg, lcfg,
+                                        policy_version=step, reference=reference))
         if checkpoint_dir is not None and step + 1 == (checkpoint_at or steps):  # and the run goes on past it
             checkpoint.save_checkpoint(checkpoint_dir, model, opt, step + 1, cfg, extra={"note": "hello"})
             checkpointed = {n: t for n, t in checkpoint.full_parameters(model)}
@@ -368,9 +368,10 @@ def nonfinite(rank, world, cfg, weights, out):
     poisoned = [dict(mb) for mb in my_share(window, rank, world)]
     if rank == 1:  # one bad number on one rank poisons the whole step
         poisoned[0]["advantages"] = poisoned[0]["advantages"].clone().fill_(float("nan"))
-    bad = train.train_step(model, opt, poisoned, cfg, policy_version=0)
+    bad = train.train_step(model, opt, poisoned, cfg, train.loss_config(cfg), policy_version=0)
     after_bad = dict(checkpoint.full_parameters(model))
-    good = train.train_step(model, opt, my_share(window, rank, world), cfg, policy_version=0)
+    good = train.train_step(model, opt, my_share(window, rank, world), cfg, train.loss_config(cfg),
+                            policy_version=0)
     after_good = dict(checkpoint.full_parameters(model))
     if rank == 0:
         torch.save(dict(bad=bad, good=good, before=before, after_bad=after_bad, after_good=after_good,
@@ -391,17 +392,16 @@ def test_non_finite_gradient_skips_the_step(tmp_path, capfd):
 
 def replay(rank, world, cfg, weights, x, routes, out):
     model, _ = build(cfg, weights, world)
-    experts = model.model.layers[0].mlp.experts
-    seen, dispatch = [], experts.expert_parallel.dispatch
+    seen, dispatch = [], experts.dispatch
     def recording_dispatch(x, topk_ids, *args):
         seen.append(topk_ids.clone())  # the choices this rank dispatches
         return dispatch(x, topk_ids, *args)
-    experts.expert_parallel.dispatch = recording_dispatch
-    sent, a2a = [], train.all_to_all
+    experts.dispatch = recording_dispatch
+    sent, a2a = [], experts.all_to_all
     def recording_all_to_all(x, out_splits, in_splits, group):
         sent.append(list(in_splits))  # rows this rank sends to each rank
         return a2a(x, out_splits, in_splits, group)
-    train.all_to_all = recording_all_to_all
+    experts.all_to_all = recording_all_to_all
     mine, my_routes = x[rank::world], routes[rank::world]
     with torch.no_grad():
         hidden, used = model.hidden_states(mine, routed_experts=my_routes, return_routes=True)

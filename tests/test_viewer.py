@@ -367,7 +367,7 @@ def test_live_during_a_tiny_run_then_over_its_directory(tmp_path, tiny_model_pat
     model, optimizer, step, _ = train.build_trainer(cfg, 1, device)
     run = train.start_rollout(cfg, engines=[rollout_engine])
     url = f"http://127.0.0.1:{cfg['view_port']}"
-    add, add_s = run["recorder"].add, []  # what the sample costs the trainer's thread, per step (printed)
+    add, add_s = run.recorder.add, []  # what the sample costs the trainer's thread, per step
 
     live_checked = threading.Event()  # the trainer waits at step 2 until the page was checked live (a quiet
                                       # machine ran the 3 steps before Chromium had the page up)
@@ -378,7 +378,7 @@ def test_live_during_a_tiny_run_then_over_its_directory(tmp_path, tiny_model_pat
         add_s.append(time.perf_counter() - t0)
         if len(add_s) == 2:  # step 1 is complete (its metrics row and sample written)
             live_checked.wait(timeout=600)
-    run["recorder"].add = timed_add
+    run.recorder.add = timed_add
     done = threading.Event()
     failure = []
 
@@ -396,7 +396,7 @@ def test_live_during_a_tiny_run_then_over_its_directory(tmp_path, tiny_model_pat
     try:
         assert get(url + "/api/attempts", 401)  # up at once, and keyed
         if browser:
-            key = run["view"].config.app.state.key
+            key = run.view.config.app.state.key
             browser.open(f"{url}/?key={key}")
             # live: the first step's curve and sampled attempts appear while the run goes on
             browser.wait("document.querySelectorAll('#curves .panel').length && "
