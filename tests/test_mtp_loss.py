@@ -127,7 +127,7 @@ def test_mtp_loss_coef_through_the_train_step(tmp_path):
         model = train.build_model(cfg, train.build_meshes(1, 1, device.type), device,
                                   weights_path=str(tmp_path))
         metrics = train.train_step(model, train.build_optimizer(model, cfg), [dict(mb)], cfg,
-                                   policy_version=0)
+                                   train.loss_config(cfg), policy_version=0)
         logged[coef] = metrics.get("mtp_loss")
         after[coef] = dict(checkpoint.full_parameters(model))
     assert logged[0.0] is None and abs(logged[0.5] - by_hand.item()) < 1e-5, (logged, by_hand)
