@@ -36,7 +36,7 @@ class ConfigError(ValueError):
 RANGES = {
     (lambda v: v >= 1, ">= 1"): ("checkpoint_every", "num_engines", "tensor_parallel_size", "group_size",
                                  "groups_per_batch", "groups_in_flight", "max_tokens", "max_steps", "microbatch_tokens",
-                                 "logprob_chunk_size", "train_world_size", "ep_size", "gpus_per_node",
+                                 "logprob_chunk_size", "train_world_size", "ep_size", "cp_size", "gpus_per_node",
                                  "max_images_per_prompt"),
     (lambda v: v >= 0, ">= 0 (0: no drafting)"): ("speculative_tokens",),
     (lambda v: v >= 2, ">= 2"): ("engine_max_model_len",),
@@ -100,6 +100,7 @@ def check_config(cfg, mcfg=None, world_size=None):
     if W % ep:
         raise ConfigError(f"train_world_size ({W}) is not divisible by ep_size ({ep}): expert-parallel groups "
                           "need whole sets of ep_size ranks")
+    check_context_parallel(cfg, W)
     if ep > 1 and not mcfg.is_moe:
         raise ConfigError(f"ep_size={ep} needs a MoE model, but the model is dense (num_experts=0): use ep_size=1")
     if mcfg.is_moe and mcfg.num_experts % ep:
@@ -137,6 +138,19 @@ def check_config(cfg, mcfg=None, world_size=None):
         raise ConfigError(f"min_lr ({cfg['min_lr']}) is above {peak} ({cfg[peak]}): the schedule decays from {peak} "
                           "to min_lr")
     return mcfg
+
+
+def check_context_parallel(cfg, W):
+    """cp_size: whole groups of consecutive ranks, and the loss terms that read one sequence's tokens together (a
+    sequence-level importance weight, GSPO's ratio) kept off it: each rank sees only its pieces of a row."""
+    cp = cfg["cp_size"]
+    if W % cp:
+        raise ConfigError(f"train_world_size ({W}) is not divisible by cp_size ({cp}): context-parallel groups need "
+                          "whole sets of cp_size ranks")
+    if cp > 1 and (cfg["is_level"] in ("sequence", "geometric") or cfg["loss_type"] == "gspo"):
+        raise ConfigError(f"cp_size={cp} splits each sequence over ranks, and is_level={cfg['is_level']!r} / "
+                          f"loss_type={cfg['loss_type']!r} read a whole sequence's tokens at once: use is_level "
+                          "'token' or 'none' and loss_type 'ppo', or cp_size=1")
 
 
 def planned_model_config(cfg):
