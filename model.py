@@ -594,8 +594,11 @@ def embed_images(model, input_ids, x, pixel_values, image_grid_thw, segment_star
     """The text embeddings x (B, T, D) with the image tokens replaced by the tower's output; M-RoPE's cos and sin;
     the image tokens' (row, column) indices, and the deepstack features the first decoder layers add there.
     positions: context parallelism (hidden_states): x holds those tokens of the rows input_ids (B, T_row)."""
-    image_tokens, deepstack = model.visual(pixel_values, image_grid_thw,
-                                           checkpointing=model.activation_checkpointing and model.training)
+    if positions is None:
+        image_tokens, deepstack = model.visual(pixel_values, image_grid_thw,
+                                               checkpointing=model.activation_checkpointing and model.training)
+    else:
+        x, image_tokens, deepstack = context_vision(model, x, pixel_values, image_grid_thw)
     is_image = input_ids == model.config.vision.image_token_id
     where = is_image.nonzero(as_tuple=True)  # NOTE: a device-to-host sync
     if where[0].numel() != image_tokens.shape[0]:
@@ -611,6 +614,33 @@ def embed_images(model, input_ids, x, pixel_values, image_grid_thw, segment_star
     pos = pos if positions is None else pos[..., positions]
     cos, sin = mrope_cos_sin(pos, model.config, x.dtype)
     return x, cos, sin, where, [d.to(x.dtype) for d in deepstack]
+
+
+def context_vision(model, x, pixel_values, grid_thw):
+    """Under context parallelism, the tower on this rank's share of the images (consecutive ones, about 1 / cp of
+    the patches; a rank with none runs idle_vision), its outputs all-gathered (a collective; backward: each rank's
+    rows get their gradient): every rank gets every image token, no rank the activations of more than its share.
+    Returns (x, image tokens, deepstack features) in the images' order."""
+    cp, m2 = model.context_parallel, model.config.vision.spatial_merge_size ** 2
+    patches = [t * h * w for t, h, w in grid_thw.tolist()]  # NOTE: a device-to-host sync on the GPU
+    starts = [sum(patches[:i]) for i in range(len(patches))]
+    owner = [start * cp.size // sum(patches) for start in starts]
+    counts = [sum(n for n, o in zip(patches, owner) if o == r) // m2 for r in range(cp.size)]
+    mine = [i for i, o in enumerate(owner) if o == cp.rank]
+    if mine:
+        lo, hi = starts[mine[0]], starts[mine[-1]] + patches[mine[-1]]
+        outs = model.visual(pixel_values[lo:hi], grid_thw[mine[0]:mine[-1] + 1],
+                            checkpointing=model.activation_checkpointing and model.training)
+        outs = [outs[0], *outs[1]]
+    else:
+        x = idle_vision(model.visual, x)
+        # in autograd's graph as the other ranks' outputs are, so that backward's reduce-scatters match
+        trains = torch.is_grad_enabled() and any(p.requires_grad for p in model.visual.parameters())
+        none = x.new_zeros(0, x.shape[-1]).requires_grad_(trains)
+        outs = [none] * (1 + len(model.config.vision.deepstack_visual_indexes))
+    outs = [cp.gather(F.pad(t, (0, 0, 0, max(counts) - len(t)))) for t in outs]  # (cp, max count, D) each
+    outs = [torch.cat([t[r, :n] for r, n in enumerate(counts)]) for t in outs]
+    return x, outs[0], outs[1:]
 
 
 def idle_vision(visual, x):

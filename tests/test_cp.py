@@ -19,12 +19,14 @@ import loss
 import plan
 import train
 from model import Transformer
+from test_model_vl import GRIDS, MOE_VL, image_batch, random_model
 import test_train
 from test_train import (ADAM_EPS, CFG, HYBRID, check_matches_single_process, make_weights, record_grads_before_step,
                         reference_run, spawn, trainer_config, windows)
 
 DENSE = dataclasses.replace(CFG, num_experts=0)
-MODELS = dict(dense=DENSE, moe=CFG, hybrid=HYBRID)
+# the Qwen3-VL MoE with deepstack: 5 images of 4 to 280 patches in 2 rows; at CP 4 one rank holds none of them
+MODELS = dict(dense=DENSE, moe=CFG, hybrid=HYBRID, vl=MOE_VL)
 # fp32, the summation order alone differs (each rank's tokens summed, then the ranks'); measured on 2 cores: hidden
 # states 4.3e-6 at most, gradients 5.1e-6 of their tensor's largest element (A_log, hybrid, CP 4); the negative
 # controls are off by 0.36 to 4.6
@@ -33,23 +35,30 @@ GRAD_REL = 5e-5
 
 
 def model_batch(mcfg, seed=0, B=2, T=29):
-    """Rows of different real lengths (right padding), with routed experts for a MoE model."""
+    """Rows of different real lengths (right padding), with routed experts for a MoE model; a VLM's: images."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, mcfg.vocab_size, (B, T + 1), generator=g)
     real = (torch.arange(T)[None] < torch.tensor([T, T - 7])[:, None]).float()
+    images = {}
+    if mcfg.vision is not None:
+        ids, pixel_values, grid = image_batch(mcfg.vision, GRIDS)
+        ids, T = torch.cat([ids, ids[:, :1]], 1), ids.shape[1]
+        real = (ids[:, :-1] != 0).float()
+        images = dict(pixel_values=pixel_values, image_grid_thw=grid)
     routes = None
     if mcfg.is_moe:
         E, L = mcfg.num_experts, len(mcfg.moe_layers) + mcfg.mtp_num_hidden_layers
         routes = torch.rand(B, T, L, E, generator=g).argsort(-1)[..., :mcfg.num_experts_per_tok]
     return dict(input_ids=ids[:, :-1] * real.long(), targets=ids[:, 1:] * real.long(), real=real,
-                routed_experts=routes)
+                routed_experts=routes, **images)
 
 
 def model_loss(model, mb, weights):
     """A loss that reads every hidden state (and the MTP head's, at the shifted target): sum(h * w)."""
     routes = mb["routed_experts"]
     trunk = routes[:, :, :len(model.config.moe_layers)] if routes is not None else None
-    h = model.hidden_states(mb["input_ids"], routed_experts=trunk, positions=mb.get("positions"))
+    h = model.hidden_states(mb["input_ids"], routed_experts=trunk, positions=mb.get("positions"),
+                            pixel_values=mb.get("pixel_values"), image_grid_thw=mb.get("image_grid_thw"))
     out = (h * weights[0]).sum()
     if model.mtp is not None:
         out = out + (model.mtp_hidden(h, mb["targets"]) * weights[1]).sum()
@@ -99,20 +108,21 @@ def reference_forward_backward(weights, batch, Tp):
     B, T = batch["input_ids"].shape
     g = torch.Generator().manual_seed(1)
     w = torch.randn(2, B, T, model.config.hidden_size, generator=g)
-    padded = {k: torch.cat([v, v.new_zeros(B, Tp - T, *v.shape[2:])], 1) if v is not None else None
-              for k, v in batch.items()}
+    padded = {k: torch.cat([v, v.new_zeros(B, Tp - T, *v.shape[2:])], 1) if k not in context.IMAGES and
+              v is not None else v for k, v in batch.items()}
     h, total = model_loss(model, padded, torch.cat([w, w.new_zeros(2, B, Tp - T, w.shape[3])], 2))
     total.backward()
     return dict(hidden=h.detach()[:, :T], loss=total.detach(),
                 grads={n: p.grad for n, p in model.named_parameters() if p.grad is not None})
 
 
-@pytest.mark.parametrize("name,cp", [("dense", 2), ("moe", 2), ("hybrid", 2), ("dense", 4), ("moe", 4),
-                                     ("hybrid", 4)])
+@pytest.mark.parametrize("name,cp", [("dense", 2), ("moe", 2), ("hybrid", 2), ("vl", 2), ("dense", 4),
+                                     ("moe", 4), ("hybrid", 4), ("vl", 4)])
 @pytest.mark.stack
 def test_model_under_cp_matches_one_process(tmp_path, name, cp):
     mcfg = MODELS[name]
-    weights = make_weights(str(tmp_path / "weights"), mcfg)
+    weights = str(tmp_path / "weights")
+    random_model(mcfg).save_pretrained(weights) if mcfg.vision else make_weights(weights, mcfg)
     batch = model_batch(mcfg)
     spawn(cp, cp_forward_backward, mcfg, weights, batch, str(tmp_path / "out.pt"))
     got = torch.load(tmp_path / "out.pt", weights_only=False)
