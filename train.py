@@ -139,7 +139,8 @@ logprob_keep_logits = False  # keep the bf16 logits for backward (tokens * vocab
 # parallelism and precision
 train_world_size = 1       # trainer ranks; must equal torchrun's WORLD_SIZE (the dry run plans for it)
 ep_size = 1                # expert parallel degree; FSDP shards over the remaining ranks
-cp_size = 1                # context parallel degree: each sequence split over this many ranks (docs/context_parallel.md)
+cp_size = 1                # context parallel degree: each sequence split over this many ranks
+                           # (docs/context_parallel.md)
 param_dtype = "float32"    # compute dtype (bfloat16 on GPU); master weights and reductions stay fp32
 activation_checkpointing = False
 cpu_offload_optimizer = False
@@ -366,7 +367,8 @@ def sft(cfg, model, optimizer, step, rank, world):
     batch, writer = cfg["groups_per_batch"] * cfg["group_size"], runlog.scalar_writer(cfg, rank)
     for step in tqdm(range(step, cfg["max_steps"]), initial=step, total=cfg["max_steps"], disable=rank != 0):
         t0 = time.perf_counter()
-        # the cp_size ranks of a context-parallel group share their transcripts (train_step cuts each row)
+        # the cp_size ranks of a context-parallel group share their transcripts (train_step cuts
+        # each row)
         picks = [rows[order[(step * batch + i) % len(rows)]] for i in range(batch)][
             rank // cfg["cp_size"]::world // cfg["cp_size"]]
         segments = [vl.with_pixels(dict(token_ids=ids, action_mask=mask, behavior_logprobs=[0.0] * len(ids),
@@ -515,8 +517,10 @@ def share_batch(records, cfg, rank, world):
             cfg["advantage_estimator"])
         with_tokens = [dict(r, advantage=float(a)) for r, a in zip(records, advantages) if r["ref"] is not None]
         # ray's pickler, not plain pickle: an object ref must carry its owner to be fetched by another process
-        shards = ray.cloudpickle.dumps(rollout.balance_by_tokens(with_tokens, world // cfg["cp_size"]))
-    # the cp_size ranks of a context-parallel group share their segments (context.split_microbatch cuts them)
+        data_ranks = world // cfg["cp_size"]
+        shards = ray.cloudpickle.dumps(rollout.balance_by_tokens(with_tokens, data_ranks))
+    # the cp_size ranks of a context-parallel group share their segments (context.split_microbatch
+    # cuts them)
     mine = ray.cloudpickle.loads(from_rank0(shards, world))[rank // cfg["cp_size"]]
     segments = ray.get([r["ref"] for r in mine])  # the only copy of token data that reaches this rank
     # the object store hands out read-only views; torch wants arrays it may write (a copy of a few KB each)
@@ -644,7 +648,8 @@ def microbatch_logprobs(model, mb, cfg, with_entropy=False, mtp_tokens=None):
     """The trainer's logprob of each target (B, T), with routing replay when mb carries routed_experts (and entropy,
     or None); given mtp_tokens, also mtp_loss's share of this microbatch."""
     hidden = model.hidden_states(mb["input_ids"], routed_experts=mb.get("routed_experts"),  # (B, T, D)
-                                 pixel_values=mb.get("pixel_values"), image_grid_thw=mb.get("image_grid_thw"),
+                                 pixel_values=mb.get("pixel_values"),
+                                 image_grid_thw=mb.get("image_grid_thw"),
                                  positions=mb.get("positions"))
     lm_head = model.lm_head.weight  # unsharded: the root FSDP unit keeps its params gathered after forward
     keep = cfg["logprob_keep_logits"] and torch.is_grad_enabled()  # nothing to keep them for under no_grad
@@ -657,9 +662,13 @@ def mtp_loss(model, hidden, mb, mtp_tokens, chunk_size=1024):
     """MTP training (mtp_loss_coef): the MTP head's cross-entropy of token t + 2 from the trunk's hidden state at t
     and the embedding of token t + 1, summed where token t + 2 is in the row's segment (mtp_mask) and divided by
     mtp_tokens, that count over the window. The trunk, embeddings and lm_head are detached: only mtp.* learn."""
-    h = model.mtp_hidden(hidden, mb["targets"])  # position t predicts targets[t + 1], the token t + 2
-    # under context parallelism the split made that target before cutting the row (context.split_microbatch)
-    h, targets = (h, mb["mtp_targets"]) if "mtp_targets" in mb else (h[:, :-1], mb["targets"][:, 1:])
+    h = model.mtp_hidden(hidden, mb["targets"])  # t predicts targets[t + 1], the token t + 2
+    # under context parallelism the split made that target before cutting the row
+    # (context.split_microbatch)
+    if "mtp_targets" in mb:
+        targets = mb["mtp_targets"]
+    else:
+        h, targets = h[:, :-1], mb["targets"][:, 1:]
     logprobs = loss.token_logprobs(h, model.lm_head.weight.detach(), targets, 1.0, chunk_size)[0]
     return -(logprobs * mtp_mask(mb)).sum() / mtp_tokens.clamp(min=1)
 
@@ -718,8 +727,9 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
     microbatches = list(microbatches) + [empty_microbatch(microbatches[0])] * (int(n.item()) - len(microbatches))
     microbatches = [{k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in mb.items()}
                     for mb in microbatches]
-    if model.context_parallel is not None:  # this rank's pieces of every row: from here on every count and loss
-        microbatches = [split_microbatch(mb, model.context_parallel) for mb in microbatches]  # sums disjoint slices
+    # context parallelism: this rank's pieces of every row; counts and losses sum disjoint slices
+    if model.context_parallel is not None:
+        microbatches = [split_microbatch(mb, model.context_parallel) for mb in microbatches]
 
     model.train()
     if lcfg.kl_coef and not sft and reference is not None:
@@ -815,19 +825,21 @@ def init_distributed(timeout_s=600):
 
 def build_meshes(world, ep_size, device_type, cp_size=1):
     """All device meshes of the trainer: `fsdp` (all ranks, dense weights), `experts` (ep x expert_fsdp, 2-D),
-    and its two 1-D slices `ep` (dispatch/combine) and `expert_fsdp` (FSDP of the local experts); `cp` (None when
-    cp_size is 1): the cp_size consecutive ranks that split each sequence, rank = data_index * cp_size + cp_index.
-    ep_size and cp_size divide world (plan.check_config). CP needs nothing of FSDP or EP: its ranks hold the same
-    weights as any other and different tokens, which the window normalization and the MoE dispatch take as they
-    take tokens of different sequences."""
+    and its two 1-D slices `ep` (dispatch/combine) and `expert_fsdp` (FSDP of the local experts);
+    `cp` (None when cp_size is 1): the cp_size consecutive ranks that split each sequence,
+    rank = data_index * cp_size + cp_index. ep_size and cp_size divide world (plan.check_config).
+    CP needs nothing of FSDP or EP: its ranks hold the same weights as any other and different
+    tokens, which the window normalization and the MoE dispatch take as they take tokens of
+    different sequences."""
     fsdp = init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",))
     # mesh[ep_index, expert_fsdp_index] = expert_fsdp_index * ep_size + ep_index; the ep dimension comes first so
     # that a (Shard(0), FSDP's Shard) DTensor over it is the global expert tensor in expert order (checkpoints)
     layout = torch.arange(world).view(world // ep_size, ep_size).T
     experts = DeviceMesh(device_type, layout, mesh_dim_names=("ep", "expert_fsdp"))
-    cp = None if cp_size == 1 else DeviceMesh(device_type, torch.arange(world).view(world // cp_size, cp_size),
-                                              mesh_dim_names=("dp", "cp"))["cp"]
-    return {"fsdp": fsdp, "experts": experts, "ep": experts["ep"], "expert_fsdp": experts["expert_fsdp"], "cp": cp}
+    groups = torch.arange(world).view(world // cp_size, cp_size)  # a row: a context-parallel group
+    cp = DeviceMesh(device_type, groups, mesh_dim_names=("dp", "cp"))["cp"] if cp_size > 1 else None
+    return {"fsdp": fsdp, "experts": experts, "ep": experts["ep"],
+            "expert_fsdp": experts["expert_fsdp"], "cp": cp}
 
 
 def meta_sharded_model(mcfg, meshes, cfg, frozen=False):
