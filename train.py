@@ -44,8 +44,8 @@ import loss
 import plan
 import runlog
 import vl
-from context import ContextParallel, split_microbatch
 from checkpoint import export_hf, latest_checkpoint, load_checkpoint, local_tensor, save_checkpoint
+from context import ContextParallel, split_microbatch
 from experts import EXPERT_PROJS, AdamW, GatherRows, SumRows, count_ids, placed_like, slot_positions
 from model import (Transformer, checkpoint_reader, hf_name, init_parameters, is_stacked_experts, load_config,
                    read_experts)
