@@ -48,6 +48,7 @@ from checkpoint import (copy_shard, export_hf, latest_checkpoint, load_checkpoin
                         local_tensor, save_checkpoint)
 from experts import EXPERT_PROJS, AdamW, CastForCompute
 from model import Transformer, init_parameters, is_stacked_experts, load_config
+from context import ContextParallel, split_microbatch
 from tiny import ensure_tiny_model, tiny_model_config
 from plan import ConfigError, check_config, loss_config
 from weights_sync import free_port
@@ -138,6 +139,8 @@ logprob_keep_logits = False  # keep the bf16 logits for backward (tokens * vocab
 # parallelism and precision
 train_world_size = 1       # trainer ranks; must equal torchrun's WORLD_SIZE (the dry run plans for it)
 ep_size = 1                # expert parallel degree; FSDP shards over the remaining ranks
+cp_size = 1                # context parallel degree: each sequence split over this many ranks
+                           # (docs/context_parallel.md)
 param_dtype = "float32"    # compute dtype (bfloat16 on GPU); master weights and reductions stay fp32
 activation_checkpointing = False
 cpu_offload_optimizer = False
@@ -380,7 +383,10 @@ def sft(cfg, model, optimizer, step, rank, world):
     batch, writer = cfg["groups_per_batch"] * cfg["group_size"], runlog.scalar_writer(cfg, rank)
     for step in tqdm(range(step, cfg["max_steps"]), initial=step, total=cfg["max_steps"], disable=rank != 0):
         t0 = time.perf_counter()
-        picks = [rows[order[(step * batch + i) % len(rows)]] for i in range(batch)][rank::world]
+        # the cp_size ranks of a context-parallel group share their transcripts (train_step cuts
+        # each row)
+        picks = [rows[order[(step * batch + i) % len(rows)]] for i in range(batch)][
+            rank // cfg["cp_size"]::world // cfg["cp_size"]]
         segments = [vl.with_pixels(dict(token_ids=ids, action_mask=mask, behavior_logprobs=[0.0] * len(ids),
                                         token_versions=[0] * len(ids), routed_experts=None, images=images),
                                    cfg["model_path"]) for ids, mask, images in picks]
@@ -404,7 +410,8 @@ def checkpoint_if_due(cfg, model, optimizer, step, extra=None):
 def build_trainer(cfg, world, device):
     """The sharded model and its optimizer, from the last checkpoint in out_dir when cfg["resume"]. Returns
     (model, optimizer, step, extra): extra is what save_checkpoint recorded beside the step ({} for a fresh run)."""
-    model = build_model(cfg, build_meshes(world, cfg["ep_size"], device.type), device, weights_path=cfg["model_path"])
+    meshes = build_meshes(world, cfg["ep_size"], device.type, cfg["cp_size"])
+    model = build_model(cfg, meshes, device, weights_path=cfg["model_path"])
     optimizer = build_optimizer(model, cfg)
     if not cfg["resume"]:
         return model, optimizer, 0, {}
@@ -543,8 +550,11 @@ def share_batch(records, cfg, rank, world):
             cfg["advantage_estimator"])
         with_tokens = [dict(r, advantage=float(a)) for r, a in zip(records, advantages) if r["ref"] is not None]
         # ray's pickler, not plain pickle: an object ref must carry its owner to be fetched by another process
-        shards = ray.cloudpickle.dumps(rollout.balance_by_tokens(with_tokens, world))
-    mine = ray.cloudpickle.loads(from_rank0(shards, world))[rank]
+        data_ranks = world // cfg["cp_size"]
+        shards = ray.cloudpickle.dumps(rollout.balance_by_tokens(with_tokens, data_ranks))
+    # the cp_size ranks of a context-parallel group share their segments (context.split_microbatch
+    # cuts them)
+    mine = ray.cloudpickle.loads(from_rank0(shards, world))[rank // cfg["cp_size"]]
     segments = ray.get([r["ref"] for r in mine])  # the only copy of token data that reaches this rank
     # the object store hands out read-only views; torch wants arrays it may write (a copy of a few KB each)
     segments = [{k: v.copy() if hasattr(v, "copy") else v for k, v in s.items()} for s in segments]
@@ -672,7 +682,9 @@ def microbatch_logprobs(model, mb, cfg, with_entropy=False, mtp_tokens=None):
     """The trainer's logprob of each target (B, T), with routing replay when mb carries routed_experts (and entropy,
     or None); given mtp_tokens, also mtp_loss's share of this microbatch."""
     hidden = model.hidden_states(mb["input_ids"], routed_experts=mb.get("routed_experts"),  # (B, T, D)
-                                 pixel_values=mb.get("pixel_values"), image_grid_thw=mb.get("image_grid_thw"))
+                                 pixel_values=mb.get("pixel_values"),
+                                 image_grid_thw=mb.get("image_grid_thw"),
+                                 positions=mb.get("positions"))
     lm_head = model.lm_head.weight  # unsharded: the root FSDP unit keeps its params gathered after forward
     keep = cfg["logprob_keep_logits"] and torch.is_grad_enabled()  # nothing to keep them for under no_grad
     out = loss.token_logprobs(hidden, lm_head, mb["targets"], cfg["temperature"], cfg["logprob_chunk_size"],
@@ -684,12 +696,20 @@ def mtp_loss(model, hidden, mb, mtp_tokens, chunk_size=1024):
     """MTP training (mtp_loss_coef): the MTP head's cross-entropy of token t + 2 from the trunk's hidden state at t
     and the embedding of token t + 1, summed where token t + 2 is in the row's segment (mtp_mask) and divided by
     mtp_tokens, that count over the window. The trunk, embeddings and lm_head are detached: only mtp.* learn."""
-    h = model.mtp_hidden(hidden, mb["targets"])[:, :-1]  # position t predicts targets[t + 1], the token t + 2
-    logprobs = loss.token_logprobs(h, model.lm_head.weight.detach(), mb["targets"][:, 1:], 1.0, chunk_size)[0]
+    h = model.mtp_hidden(hidden, mb["targets"])  # t predicts targets[t + 1], the token t + 2
+    # under context parallelism the split made that target before cutting the row
+    # (context.split_microbatch)
+    if "mtp_targets" in mb:
+        targets = mb["mtp_targets"]
+    else:
+        h, targets = h[:, :-1], mb["targets"][:, 1:]
+    logprobs = loss.token_logprobs(h, model.lm_head.weight.detach(), targets, 1.0, chunk_size)[0]
     return -(logprobs * mtp_mask(mb)).sum() / mtp_tokens.clamp(min=1)
 
 
 def mtp_mask(mb):  # collate's real tokens; packed rows (segment_ids): never across a segment boundary
+    if "mtp_real" in mb:  # context parallelism: made before the row was cut
+        return mb["mtp_real"]
     seg = mb.get("segment_ids")
     return mb["real"][:, 1:] * (1 if seg is None else seg[:, 1:] == seg[:, :-1])
 
@@ -743,6 +763,9 @@ def train_step(model, optimizer, microbatches, cfg, lcfg, policy_version, step=N
     microbatches = list(microbatches) + [empty_microbatch(microbatches[0])] * (int(n.item()) - len(microbatches))
     microbatches = [{k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in mb.items()}
                     for mb in microbatches]
+    # context parallelism: this rank's pieces of every row; counts and losses sum disjoint slices
+    if model.context_parallel is not None:
+        microbatches = [split_microbatch(mb, model.context_parallel) for mb in microbatches]
 
     model.train()
     if not sft and lcfg.kl_coef and reference is not None:
@@ -787,7 +810,7 @@ def train_step(model, optimizer, microbatches, cfg, lcfg, policy_version, step=N
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     out = loss.reduce_metrics(metrics)
-    tokens = torch.tensor(sum(mb["input_ids"].numel() for mb in microbatches), device=device)
+    tokens = torch.tensor(sum(mb["targets"].numel() for mb in microbatches), device=device)
     dist.all_reduce(tokens)
     out.update(grad_norm=grad_norm, lr=lr, skipped=skipped, window_tokens=int(window_tokens.item()),
                tokens=int(tokens.item()), train_step_s=time.perf_counter() - t0, logprobs=kept_logprobs)
@@ -839,24 +862,32 @@ def init_distributed(timeout_s=600):
     return rank, world, device
 
 
-def build_meshes(world, ep_size, device_type):
+def build_meshes(world, ep_size, device_type, cp_size=1):
     """All device meshes of the trainer: `fsdp` (all ranks, dense weights), `experts` (ep x expert_fsdp, 2-D),
-    and its two 1-D slices `ep` (dispatch/combine) and `expert_fsdp` (FSDP of the local experts). ep_size divides
-    world (plan.check_config)."""
+    and its two 1-D slices `ep` (dispatch/combine) and `expert_fsdp` (FSDP of the local experts);
+    `cp` (None when cp_size is 1): the cp_size consecutive ranks that split each sequence,
+    rank = data_index * cp_size + cp_index. ep_size and cp_size divide world (plan.check_config).
+    CP needs nothing of FSDP or EP: its ranks hold the same weights as any other and different
+    tokens, which the window normalization and the MoE dispatch take as they take tokens of
+    different sequences."""
     fsdp = init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",))
     # mesh[ep_index, expert_fsdp_index] = expert_fsdp_index * ep_size + ep_index; the ep dimension comes first so
     # that a (Shard(0), FSDP's Shard) DTensor over it is the global expert tensor in expert order (checkpoints)
     layout = torch.arange(world).view(world // ep_size, ep_size).T
     experts = DeviceMesh(device_type, layout, mesh_dim_names=("ep", "expert_fsdp"))
-    return {"fsdp": fsdp, "experts": experts, "ep": experts["ep"], "expert_fsdp": experts["expert_fsdp"]}
+    groups = torch.arange(world).view(world // cp_size, cp_size)  # a row: a context-parallel group
+    cp = DeviceMesh(device_type, groups, mesh_dim_names=("dp", "cp"))["cp"] if cp_size > 1 else None
+    return {"fsdp": fsdp, "experts": experts, "ep": experts["ep"],
+            "expert_fsdp": experts["expert_fsdp"], "cp": cp}
 
 
 def meta_sharded_model(mcfg, meshes, cfg, frozen=False):
     """The model on the meta device with this rank's experts only (E / ep_size of each layer), fully_shard applied
     (frozen: all of it frozen in param_dtype, lora.apply)."""
     ep = meshes["ep"].get_group() if meshes["ep"].size() > 1 else None  # experts.dispatch's group
+    cp = ContextParallel(meshes["cp"]) if meshes.get("cp") is not None else None
     with torch.device("meta"):
-        model = lora.apply(Transformer(mcfg, expert_parallel=ep), cfg, frozen)
+        model = lora.apply(Transformer(mcfg, expert_parallel=ep, context_parallel=cp), cfg, frozen)
     return shard_model(model, meshes, cfg)
 
 
@@ -959,7 +990,7 @@ def dry_run_main(cfg):
         mcfg = check_config(cfg, world_size=plan.launched_world_size())
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg["train_world_size"])
         try:
-            meshes = build_meshes(cfg["train_world_size"], cfg["ep_size"], "cpu")
+            meshes = build_meshes(cfg["train_world_size"], cfg["ep_size"], "cpu", cfg["cp_size"])
             shards = plan.measure_shards(meta_sharded_model(mcfg, meshes, cfg))
         finally:
             dist.destroy_process_group()
