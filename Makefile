@@ -44,6 +44,9 @@ VIEW_PORT ?= 8600
 train: setup
 	$(PY) train.py --view_port=$(VIEW_PORT) $(ARGS)
 
+# the viewer's browser tests need Chromium (Debian: apt-get install chromium) and fail without it;
+# `make test NO_BROWSER=1` skips them on a machine that has none
+test: export NO_BROWSER ?=
 test: setup extras
 	$(PY) -m pytest tests -q $(ARGS)
 

@@ -216,7 +216,7 @@ def _sync_rank(rank, opt, results):
     def ours():
         if rank == 0:
             sender.send(model, layout)
-        else:  # one multi-tensor copy per bucket: ~170 tensors of 3 MB per 512 MB bucket cost ~1 ms of launches
+        else:  # one multi-tensor copy per bucket: a copy per tensor is launch-bound
             for tensors in BucketReceiver(group, buckets, device).iter_buckets():
                 torch._foreach_copy_([dest[name] for name, _ in tensors], [t for _, t in tensors])
 
@@ -357,7 +357,9 @@ def bench_async(steps=8, group_size=4, groups_per_batch=4, groups_in_flight=8, m
     router.mark_connected([])
     server = capture.CaptureServer(router, path, max_model_len=1024)
     server.start_in_thread()
-    run, loop, sender = dict(router=router), asyncio.new_event_loop(), weights_sync.WeightSender()
+    rollout_side = train.Rollout(router, server=server)
+    loop, sender = asyncio.new_event_loop(), weights_sync.WeightSender()
+    lcfg = train.loss_config(cfg)
     latency = {}
 
     async def agent(ctx):
@@ -388,7 +390,8 @@ def bench_async(steps=8, group_size=4, groups_per_batch=4, groups_in_flight=8, m
         t0, attempts, tokens, stale = time.perf_counter(), 0, 0, 0
         for step in range(steps):
             records = pool.next_batch(hold=hold)
-            m = train.rl_step(run, loop, sender, model, optimizer, records, cfg, version, version, 0, 1)
+            m = train.rl_step(rollout_side, loop, sender, model, optimizer, records, cfg, lcfg,
+                              version, version, 0, 1)
             version = m["policy_version"]
             if hold:
                 pool.resume()

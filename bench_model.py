@@ -62,9 +62,11 @@ def _ours_trainer(mcfg, cfg, world, ep, device, microbatch, accum, compile_modul
     if compile_modules:
         _compile_attention_and_norms(model)
     optimizer = train.build_optimizer(model, cfg)
+    lcfg = train.loss_config(cfg)
 
     def step(i):
-        metrics = train.train_step(model, optimizer, [microbatch] * accum, cfg, policy_version=0, step=i)
+        metrics = train.train_step(model, optimizer, [microbatch] * accum, cfg, lcfg,
+                                   policy_version=0, step=i)
         if last is not None:
             last.update(metrics)
     return step

@@ -18,19 +18,24 @@ From Python (the rollout side): `server = CaptureServer(backend, model_dir, max_
 `server.start_in_thread()` (or `await server.start()` in your loop); per attempt `session = server.new_session(
 attempt_id)` hands the agent `session.base_url` and `session.api_key`, and `server.finish_session(session.id, reward)`
 returns its segments (dicts: attempt_id, segment_index, token_ids, action_mask, behavior_logprobs, token_versions,
-routed_experts, reward, finished, images); `write_trajectories(path, segments, tokenizer)` appends them as JSONL.
+routed_experts, reward, finished, images, opened, parent, started);
+`write_trajectories(path, segments, tokenizer)` appends them as JSONL.
 
-The segment rule (the segmenter, `CaptureServer.segment_extension`). A session holds the conversation its open
-segment renders (our last reply included) and the
-segment's token ids. A request whose messages are that conversation followed by new messages generates on the
-exact recorded ids + the template's separator after our end-of-turn token + the tokens of every new message (all
-with action mask 0), so generated tokens are never re-tokenized. Any other request (compaction, an edited or
-dropped turn, changed tools, a template that rewrites earlier turns) seals the segment and opens a new one from a
-full render. Streaming requests get text and tool-call deltas as the engine samples them (with a backend that has
+The segment rule (the Segmenter class, no HTTP in it). A session may hold several open segments,
+one per conversation (a lead agent and its sub-agents): a request that extends an open segment's
+conversation generates on that segment's exact recorded ids + the template's separator after our
+end-of-turn token + the tokens of every new message (all with action mask 0), so generated tokens
+are never re-tokenized. Any other request (a new conversation, compaction, an edited or dropped
+turn, changed tools, a template that rewrites earlier turns) opens a new segment from a full
+render; each segment records the segment open when it began (`parent`) and when (`started`), so an
+attempt is a tree. Turns on different segments run at once, turns on one segment in order; at most
+max_open_segments stay open (the least recently extended closes first).
+
+Streaming requests get text and tool-call deltas as the engine samples them (with a backend that has
 `stream`; the calls read by vLLM's streaming parser). A turn that begins inside `<think>` (the generation prompt of
 a reasoning template opens it) is split at `</think>`: the reasoning goes to the client as its protocol expects and is
 recorded as the generated tokens it is; a template that drops earlier turns' reasoning at a new user query rewrites
-them, and the segment is sealed there (a tool loop keeps its reasoning shown: one segment).
+them, and a new segment opens there (a tool loop keeps its reasoning shown: one segment).
 
 Images (OpenAI image_url and Responses input_image data URIs, Anthropic base64 image blocks, in user messages and
 tool results) are part of their message: the same text with another image is a rewrite. Each image's placeholder is
@@ -41,11 +46,13 @@ Forced tool calls put the template's call opening in the context (mask 0), and t
 under the tool's JSON schema (protocols.call_grammar: a vLLM structural tag in the tool parser's own call format), as
 are calls to `strict` tools and structured output; tool_choice "none" bans the call opening. What is sampled under
 a mask has the masked distribution's behavior logprob (constrained_tokens: "train" records it as generated tokens,
-"mask" as context). A stop string ends the answer and the recorded tokens at one place.
+"mask" as context). A stop string ends the answer's text; the recorded turn keeps the tokens the
+engine sampled up to the one that completed it, so a policy learns to stop.
 """
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import gc
 import hashlib
 import itertools
@@ -62,7 +69,7 @@ import time
 import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial, wraps
+from functools import partial
 from http import HTTPStatus
 
 import uvicorn
@@ -74,21 +81,40 @@ from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from engine import OPTIONS, Engine
-from protocols import (ANSWERS, EVENTS, PARSERS, THINK_TAGS, XML_TOOL_PARSERS, ImageTokens, RequestError, argument_mapping,
-                       call_grammar, call_id, call_tags, error_body, error_response, field, json_or, parse_anthropic,
-                       read_calls, same_json, split_reasoning, stream_deltas, strict_json, tool_call, tool_parser_of)
+from protocols import (ANSWERS, EVENTS, PARSERS, THINK_TAGS, XML_TOOL_PARSERS, ImageTokens,
+                       RequestError, argument_mapping, call_grammar, call_id, call_tags, error_body,
+                       error_response, field, json_handler, parse_anthropic, read_calls, same_json,
+                       same_message, split_reasoning, stream_deltas, strict_json, tool_call,
+                       tool_parser_of)
 
 # -----------------------------------------------------------------------------
 # sessions and segments: the recorded trajectory
 
 
+@dataclasses.dataclass(eq=False)
 class Segment:
-    def __init__(self, attempt_id, index):
-        self.attempt_id, self.index = attempt_id, index
-        self.token_ids, self.action_mask, self.behavior_logprobs, self.token_versions = [], [], [], []
-        self.images, self.image_tokens = [], []  # the images in token_ids (ImageBytes) and how many tokens each takes
-        # opened: why the request that opened it did not extend the segment before (CaptureServer.opening)
-        self.routed_experts = self.opened = None
+    """One conversation's tokens (README, invariant 1) and what extending it needs: the conversation
+    it renders (our last reply included; None once closed) and its tools. `parent`: the index of the
+    segment that was open when this one began (a lead's segment waiting on a tool call, for a
+    sub-agent's); `started`: when (time.time())."""
+    attempt_id: str
+    index: int
+    parent: int | None = None
+    started: float = 0.0
+    opened: str | None = None  # why its first request extended no open segment (Segmenter.opening)
+    token_ids: list = dataclasses.field(default_factory=list)
+    action_mask: list = dataclasses.field(default_factory=list)
+    behavior_logprobs: list = dataclasses.field(default_factory=list)
+    token_versions: list = dataclasses.field(default_factory=list)
+    images: list = dataclasses.field(default_factory=list)  # the images in token_ids (ImageBytes)
+    image_tokens: list = dataclasses.field(default_factory=list)  # how many tokens each image takes
+    routed_experts: list | None = None
+    conversation: list | None = None
+    tools: list | None = None
+    last_generated: list = dataclasses.field(default_factory=list)
+    last_used: float = 0.0  # time.monotonic() of its last turn: the cap closes the least recent
+    closed: bool = False
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)  # one turn at a time
 
     def append(self, token_ids, generated=None):
         """Context tokens (mask 0), or, given the engine's output dict, generated tokens (mask 1)."""
@@ -99,17 +125,107 @@ class Segment:
         self.token_versions += generated["token_versions"] if generated else [-1] * n
 
     def to_dict(self, reward, finished):
-        routes = self.routed_experts
-        if routes is not None and len(routes) < len(self.token_ids):  # the last token was never run through the
-            routes = routes + [routes[-1]] * (len(self.token_ids) - len(routes))  # model; its route steers nothing
+        routes, n = self.routed_experts, len(self.token_ids)
+        if routes is not None and len(routes) < n:  # the last token never ran through the model:
+            routes = routes + [routes[-1]] * (n - len(routes))  # its route steers nothing
         return dict(attempt_id=self.attempt_id, segment_index=self.index, token_ids=list(self.token_ids),
                     action_mask=list(self.action_mask), behavior_logprobs=list(self.behavior_logprobs),
-                    token_versions=list(self.token_versions), routed_experts=routes, reward=reward, finished=finished,
-                    images=[bytes(b) for b in self.images], opened=self.opened)
+                    token_versions=list(self.token_versions), routed_experts=routes, reward=reward,
+                    finished=finished, images=[bytes(b) for b in self.images], opened=self.opened,
+                    parent=self.parent, started=self.started)
+
+
+class Segmenter:
+    """The segment rule, with no HTTP in it. A session holds several open segments (a lead agent's
+    conversation and its sub-agents'). A request extends the open segment whose conversation its
+    messages start with (the longest; same tools) when the template renders that conversation as
+    a prefix of the request's: it generates on the segment's exact ids + the template's separator
+    after our end-of-turn token + the tokens of every new message (all mask 0), so generated tokens
+    are never re-tokenized. Any other request (a new conversation, compaction, an edited or
+    dropped turn, changed tools, a template that rewrites earlier turns) opens a new segment from
+    a full render.
+    At most max_open_segments stay open: opening one more closes the least recently extended (one
+    with a turn in flight last); a closed segment keeps its tokens, drops its conversation, and is
+    never extended again (a request that would extend it opens a new segment)."""
+
+    def __init__(self, render_text, tokenize, end_texts, added_texts, max_open_segments=16):
+        self.render_text, self.tokenize = render_text, tokenize
+        self.max_open_segments = max_open_segments
+        self.end_texts, self.added_texts = end_texts, added_texts
+
+    @staticmethod
+    def common(segment, messages):
+        """How many leading messages of `messages` the segment's conversation has."""
+        pairs = zip(segment.conversation, messages)
+        return next((i for i, (a, b) in enumerate(pairs) if not same_message(a, b)),
+                    min(len(segment.conversation), len(messages)))
+
+    def candidate(self, segments, messages, tools):
+        """The open segment whose whole conversation `messages` start with (the longest), or
+        None."""
+        found = [s for s in segments if not s.closed and s.tools == tools
+                 and self.common(s, messages) == len(s.conversation)]
+        return max(found, key=lambda s: (len(s.conversation), s.last_used), default=None)
+
+    def extension(self, segment, messages, tools):
+        """(tokens to append, new conversation) if `messages` extend `segment` as the template
+        renders them, else None (it renders the earlier turns differently: a new segment)."""
+        conv = segment.conversation
+        # our own record of the prefix: the client's echo may differ in formatting only (JSON
+        # whitespace, tool-call ids)
+        conversation = conv + messages[len(conv):]
+        before = self.render_text(conv, tools, False)
+        after = self.render_text(conversation, tools, True)
+        new_text, end = after[len(before):], max(before.rfind(t) for t in self.end_texts)
+        # The template must render the old conversation as a prefix of the new one (else it rewrote
+        # an earlier turn), and the new text must start at an added token, which tokenizers split on
+        # before anything else: so its tokens alone are the full render's. Costs two renders but
+        # tokenizes only the new text.
+        if not after.startswith(before) or end < 0 or not new_text.startswith(self.added_texts):
+            return None
+        closing = self.tokenize(before[end:])  # after our reply: end-of-turn token, separator
+        if segment.last_generated[-1:] == closing[:1]:
+            closing = closing[1:]  # the engine stopped on that very token
+        return closing + self.tokenize(new_text), conversation
+
+    def parent(self, segments):
+        """The likely parent of a segment opening now: the open segment that last recorded a turn,
+        preferring one whose last turn called tools not yet answered (a lead waiting on its
+        sub-agents)."""
+        open_ = [s for s in segments if not s.closed and s.conversation]
+        waiting = lambda s: bool(s.conversation[-1].get("tool_calls"))  # noqa: E731
+        return max(open_, key=lambda s: (waiting(s), s.last_used), default=None)
+
+    def opening(self, segments, messages, tools):
+        """Why a request that extends no open segment opens a new one (the viewer shows it), told
+        against the open segment that shares the most leading messages with it."""
+        open_ = [s for s in segments if not s.closed]
+        near = max(open_, key=lambda s: (self.common(s, messages), s.last_used), default=None)
+        shared = self.common(near, messages) if near else 0
+        if not segments:
+            return "the attempt's first request"
+        if not shared:
+            return f"a new conversation (none of the {len(open_)} open segments begins with it)"
+        conv = near.conversation
+        return ("changed tools" if tools != near.tools else
+                f"compaction: {len(messages)} messages, the segment had {len(conv)}"
+                if len(messages) < len(conv) else
+                f"a rewrite of message {shared} ({conv[shared]['role']})" if shared < len(conv) else
+                "a chat template that renders the earlier turns differently")
+
+    def open(self, segments, attempt_id, parent, started, opened):
+        """Append a new segment to `segments`, closing the least recently extended open one when
+        max_open_segments are open (a segment with a turn in flight last)."""
+        open_ = [s for s in segments if not s.closed]
+        if len(open_) >= self.max_open_segments:
+            oldest = min(open_, key=lambda s: (s.lock.locked(), s.last_used))
+            oldest.closed, oldest.conversation = True, None
+        segments.append(Segment(attempt_id, len(segments), parent, started, opened))
+        return segments[-1]
 
 
 class Session:
-    """One agent attempt: its own base URL and key, its segments, and the conversation the open segment renders."""
+    """One agent attempt: its own base URL and key and its segments."""
 
     def __init__(self, url, attempt_id=None):
         self.id = uuid.uuid4().hex[:16]
@@ -117,28 +233,30 @@ class Session:
         self.base_url = f"{url}/s/{self.id}/v1"
         self.attempt_id = attempt_id or self.id
         self.segments, self.finished, self.reward = [], False, None
-        self.conversation, self.tools, self.last_generated = None, None, []  # what the open segment renders
         self.answers = OrderedDict()  # request key -> result, for client retries
+        self.pending = {}  # request key -> the task answering it (a retry meanwhile waits for it)
         self.responses = {}  # Responses API: response id -> the conversation it ended, for previous_response_id
-        self.turns = 0
+        self.turns = self.in_flight = 0
+        self.quiet = asyncio.Event()  # set while no request is in flight
+        self.quiet.set()
         self.last_used = time.monotonic()  # a session made over HTTP expires when idle
-        self.lock = asyncio.Lock()  # serialises this session's requests
         self.record_lock = threading.Lock()  # finish_session may run on another thread
 
     def segment_dicts(self):
         with self.record_lock:
             return [s.to_dict(self.reward, self.finished) for s in self.segments]
 
-
-def same_message(a, b):
-    """Equal as the model sees them: tool-call ids ignored, tool-call arguments compared as JSON; an echo `b` without
-    the reasoning of our own message `a` matches it (SDKs that drop reasoning from the messages they send back)."""
-    def canonical(m):
-        # arguments that are no JSON (or nest too deep to read) compared as text
-        calls = [(c["function"]["name"], json_or(c["function"]["arguments"], c["function"]["arguments"]))
-                 for c in m.get("tool_calls") or []]
-        return (m["role"], m.get("content") or "", calls, m.get("tool_call_id"), m.get("reasoning_content") or "")
-    return canonical(a) == canonical(dict(b, reasoning_content=b.get("reasoning_content") or a.get("reasoning_content")))
+    @contextlib.asynccontextmanager
+    async def request(self):
+        """A request in flight (finish waits for none; an idle session is not dropped under one)."""
+        self.in_flight += 1
+        self.quiet.clear()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if not self.in_flight:
+                self.quiet.set()
 
 
 def failure(e, session_id):
@@ -167,20 +285,6 @@ def end_token_ids(tokenizer):
 
 # -----------------------------------------------------------------------------
 # the server
-
-
-def json_handler(protocol):
-    """An HTTP handler returning JSON; a RequestError it raises is answered in `protocol`'s error format."""
-    def wrap(handler):
-        @wraps(handler)
-        async def handle(self, request):
-            try:
-                reply = await handler(self, request)
-            except RequestError as e:
-                return error_response(protocol, e.status, e.message, e.param)
-            return JSONResponse(reply)
-        return handle
-    return wrap
 
 
 def new_event_loop():
@@ -295,13 +399,15 @@ class CaptureServer:
     Limits (README, "The capture server's limits"): request bodies up to max_body_bytes, arriving within
     body_timeout_s; headers within header_timeout_s and under 64 KiB; at most max_connections connections (more get
     503); sessions made over HTTP expire after http_session_idle_s without a request, at most max_http_sessions
-    live at once (finished ones make room first, else POST /sessions gets 429)."""
+    live at once (finished ones make room first, else POST /sessions gets 429); a session keeps at
+    most max_open_segments segments open (Segmenter)."""
 
     def __init__(self, backend, tokenizer, *, max_model_len=OPTIONS["max_model_len"], importance_correction=False,
                  host="127.0.0.1", port=0, model_name=None, max_body_bytes=16 << 20, max_cached_answers=16,
                  header_timeout_s=10.0, body_timeout_s=60.0, max_connections=4096, http_session_idle_s=1800.0,
                  max_http_sessions=1024, constrained_tokens="train",
-                 max_images_per_prompt=OPTIONS["max_images_per_prompt"], tool_parser=None, **image_limits):
+                 max_images_per_prompt=OPTIONS["max_images_per_prompt"], tool_parser=None,
+                 max_open_segments=16, **image_limits):
         from transformers import AutoTokenizer
         from vllm.tool_parsers import ToolParserManager
         self.backend = backend
@@ -324,6 +430,8 @@ class CaptureServer:
         self.constrained_tokens = constrained_tokens  # "train" or "mask" (plan.check_config checks the run's)
         self.end_texts = [self.tokenizer.decode([i]) for i in self.end_ids]
         self.added_texts = tuple(self.tokenizer.get_added_vocab())
+        self.segmenter = Segmenter(self.render_text, self.tokenize, self.end_texts,
+                                   self.added_texts, max_open_segments)
         # Message text is tokenized as text: added-token strings in it (a web page holding "<|im_end|>") become
         # placeholders before rendering and tokenize() puts their plain tokens back, so only the template's own
         # markup becomes control tokens. Assistant text escapes only special tokens: <think> / <tool_call> there are
@@ -399,7 +507,7 @@ class CaptureServer:
             idle, full = now - s.last_used > self.http_session_idle_s, len(self.http_sessions) >= self.max_http_sessions
             if not (idle or full):
                 break
-            if (idle or s.finished) and not s.lock.locked():  # a request in flight keeps its session
+            if (idle or s.finished) and not s.in_flight:  # a request in flight keeps its session
                 self.drop_session(s.id, None if s.finished else self.expiry())
         return len(self.http_sessions) < self.max_http_sessions
 
@@ -447,44 +555,21 @@ class CaptureServer:
     def render(self, messages, tools, add_generation_prompt):
         return self.tokenize(self.render_text(messages, tools, add_generation_prompt))
 
-    def opening(self, session, messages, tools):
-        """Why a request that does not extend the open segment opens a new one (the trajectory viewer shows it)."""
-        conv = session.conversation
-        changed = next((i for i, (a, b) in enumerate(zip(conv or [], messages)) if not same_message(a, b)), None)
-        return ("the attempt's first request" if conv is None else "changed tools" if tools != session.tools else
-                f"compaction: {len(messages)} messages, the segment had {len(conv)}" if len(messages) < len(conv) else
-                f"a rewrite of message {changed} ({conv[changed]['role']})" if changed is not None else
-                "a chat template that renders the earlier turns differently")
-
-    def segment_extension(self, session, messages, tools):
-        """The segment rule (module docstring): if `messages` extend the open segment's conversation, (tokens to
-        append, new conversation); else None, and the request opens a new segment."""
-        conv = session.conversation
-        if conv is None or tools != session.tools or len(messages) < len(conv) or not all(
-                same_message(a, b) for a, b in zip(conv, messages)):
-            return None
-        conversation = conv + messages[len(conv):]  # our own record of the prefix: the client's echo may differ
-        before = self.render_text(conv, tools, False)  # in formatting only (JSON whitespace, tool-call ids)
-        after = self.render_text(conversation, tools, True)
-        new_text, end = after[len(before):], max(before.rfind(t) for t in self.end_texts)
-        # The template must render the old conversation as a prefix of the new one (else it rewrote an earlier
-        # turn), and the new text must start at an added token, which tokenizers split on before anything else: so
-        # its tokens alone are the full render's. Costs two renders but tokenizes only the new text.
-        if not after.startswith(before) or end < 0 or not new_text.startswith(self.added_texts):
-            return None
-        closing = self.tokenize(before[end:])  # after our reply: the end-of-turn token and the separator
-        if session.last_generated[-1:] == closing[:1]:
-            closing = closing[1:]  # the engine stopped on that very token
-        return closing + self.tokenize(new_text), conversation
-
     async def respond(self, session, request, on_tokens=None):
-        """Generate and record one turn (or, to a client's retry, return the answer already given). With on_tokens
-        and a backend that streams, on_tokens(the turn's token ids so far) is called as the engine samples."""
-        async with session.lock:
+        """Generate and record one turn (or, to a client's retry, return the answer already given).
+        With on_tokens and a backend that streams, on_tokens(the turn's token ids so far) is called
+        as the engine samples. Turns on different segments of a session run at once; turns on one
+        segment, one after another."""
+        async with session.request(), contextlib.AsyncExitStack() as hold:
             if session.finished:
                 raise RequestError(410, f"Session {session.id} has finished; its attempt is over.")
+            if request.retry and (first := session.pending.get(request.key)) is not None:
+                await asyncio.wait([first])  # the first try is still generating: its answer is ours
             if request.retry and request.key in session.answers:
                 return session.answers[request.key]
+            session.pending[request.key] = this = asyncio.current_task()
+            hold.callback(lambda: session.pending.get(request.key) is this
+                          and session.pending.pop(request.key))
             if request.previous_response_id is not None:  # Responses API: the stored conversation goes first
                 if request.previous_response_id not in session.responses:
                     raise RequestError(400, f"No stored response {request.previous_response_id!r} in this session "
@@ -492,14 +577,22 @@ class CaptureServer:
                 prior, had = session.responses[request.previous_response_id]  # its instructions are not carried over
                 k = request.instructions
                 request.messages = request.messages[:k] + prior[had:] + request.messages[k:]
-
+            started, segmenter, messages = time.time(), self.segmenter, request.messages
+            while (segment := segmenter.candidate(session.segments, messages, request.tools)) \
+                    is not None and segment.lock.locked():
+                async with segment.lock:  # a turn on it is in flight: choose again once it landed
+                    pass
+            parent = segmenter.parent(session.segments)  # should this request open a segment
+            if segment is not None:  # held until the turn is recorded
+                await hold.enter_async_context(segment.lock)
             images = self.vision.check(request.messages)  # the prompt's images, in order
 
             def prepare():  # images are decoded here: those of the new messages
-                if (ext := self.segment_extension(session, request.messages, request.tools)) is not None:
-                    old = session.segments[-1]
-                    appended, counts = self.vision.expand(ext[0], images[len(old.images):])
-                    return ext, appended, old.token_ids + appended, ext[1], old.image_tokens + counts
+                ext = segment and segmenter.extension(segment, request.messages, request.tools)
+                if ext:
+                    appended, counts = self.vision.expand(ext[0], images[len(segment.images):])
+                    return (ext, appended, segment.token_ids + appended, ext[1],
+                            segment.image_tokens + counts)
                 appended, counts = self.vision.expand(self.render(request.messages, request.tools, True), images)
                 return None, appended, appended, request.messages, counts
             # rendering and tokenizing cost ~1 us per character
@@ -516,7 +609,7 @@ class CaptureServer:
                 raise RequestError(400, f"The prompt is {len(prompt)} tokens; the model's context is "
                                         f"{self.max_model_len} tokens.", "messages")
             room = self.max_model_len - len(prompt)  # a longer max_tokens is cut to it (finish_reason "length")
-            routes = (session.segments[-1].routed_experts or []) if ext is not None else []
+            routes = (segment.routed_experts or []) if ext else []
             # forced and strict calls: their arguments sampled under the schema; the grammar also ends the turn after
             # the first call when calls are not parallel (a stop token would be one the grammar could not write)
             grammar, trigger = call_grammar(self.call_format, request) or (None, None)
@@ -556,10 +649,10 @@ class CaptureServer:
             with session.record_lock:  # recorded only now: a failed generation leaves the trajectory as it was
                 if session.finished:
                     raise RequestError(410, f"Session {session.id} finished while this request was generating.")
-                if ext is None:
-                    session.segments.append(Segment(session.attempt_id, len(session.segments)))
-                    session.segments[-1].opened = self.opening(session, request.messages, request.tools)
-                segment = session.segments[-1]
+                if not ext:
+                    opened = segmenter.opening(session.segments, request.messages, request.tools)
+                    segment = segmenter.open(session.segments, session.attempt_id,
+                                             parent and parent.index, started, opened)
                 segment.append(appended)
                 segment.images, segment.image_tokens = images, counts
                 free = self.free_tokens(out["token_ids"], trigger) if masked else len(out["token_ids"])
@@ -567,10 +660,12 @@ class CaptureServer:
                 segment.append(out["token_ids"][free:])
                 if out.get("routed_experts") is not None:  # routes of the tokens the engine computed this turn
                     segment.routed_experts = routes + out["routed_experts"]
-                session.conversation = conversation + [result["message"]]
-                session.tools, session.last_generated = request.tools, out["token_ids"]
+                conversation = conversation + [result["message"]]
+                segment.conversation = None if segment.closed else conversation
+                segment.tools, segment.last_generated = request.tools, out["token_ids"]
+                segment.last_used = time.monotonic()
                 if request.protocol == "responses" and request.store:
-                    session.responses["resp_" + result["id"]] = session.conversation, request.instructions
+                    session.responses["resp_" + result["id"]] = conversation, request.instructions
             if request.key is not None:
                 session.answers[request.key] = result
                 if len(session.answers) > self.max_cached_answers:
@@ -618,21 +713,26 @@ class CaptureServer:
 
     def answer(self, out, request, num_prompt_tokens):
         """The engine's tokens as an assistant message: decoded after the forced call opening, tool calls parsed. At a
-        stop string the text ends at the last token boundary before it and the tokens past that leave `out`: the
-        trajectory holds exactly what the agent was shown."""
+        stop string the text ends where the stop string begins; `out` keeps every token up to the
+        one that completed it (vLLM stops there): the trajectory holds what the policy sampled, the
+        stop string's tokens included, so a policy can learn to stop."""
         ids, parse = out["token_ids"], request.parse_tools and bool(request.tools)
         n = len(ids) - (bool(ids) and ids[-1] in self.end_ids)
         text = self.decode_turn(ids, n, request)
         hits = [(text.find(s), s) for s in request.sampling["stop"] if s in text]
         stop_sequence = min(hits)[1] if hits else None
         if hits:
-            # drop the token where the stop string starts, and later ones
-            while n and len(self.decode_turn(ids, n, request)) > min(hits)[0]:
-                n -= 1
-            text, dropped = self.decode_turn(ids, n, request), len(ids) - n
-            out.update({k: out[k][:n] for k in ("token_ids", "logprobs", "token_versions", "top_logprobs") if k in out})
-            if out.get("routed_experts") is not None:
-                out["routed_experts"] = out["routed_experts"][:len(out["routed_experts"]) - dropped]
+            text, last = text[:min(hits)[0]], n
+            stops = request.sampling["stop"]
+            while last and any(s in self.decode_turn(ids, last - 1, request) for s in stops):
+                last -= 1  # a backend that sampled past the stop string: not the policy's tokens
+            kept = ("token_ids", "logprobs", "token_versions", "top_logprobs")
+            routes = out.get("routed_experts")
+            out.update({k: out[k][:last] for k in kept if k in out})
+            if routes is not None:
+                out["routed_experts"] = routes[:len(routes) - (len(ids) - last)]
+            while n and len(self.decode_turn(ids, n, request)) > len(text):
+                n -= 1  # the tokens the text shows whole: the client's logprobs
         text, calls = request.opening + text, []
         reasoning, text = split_reasoning(text, self.call_tags[0]) if request.reasoning else ("", text)
         if parse:
@@ -745,7 +845,8 @@ class CaptureServer:
                                     f"{self.max_http_sessions} sessions made over HTTP and drops finished ones first "
                                     "(max_http_sessions): read a session's segments from its finish reply.")
         if session.id in self.http_sessions:
-            if time.monotonic() - session.last_used > self.http_session_idle_s and not session.lock.locked():
+            idle = time.monotonic() - session.last_used > self.http_session_idle_s
+            if idle and not session.in_flight:
                 self.drop_session(session.id, self.expiry())
                 raise RequestError(410, f"Session {session.id} is gone: {self.expiry()}.")
             self.http_sessions.move_to_end(session.id)
@@ -873,11 +974,12 @@ class CaptureServer:
         reward = field(body if isinstance(body, dict) else {}, "reward", (int, float))
         if reward is not None and not abs(reward) <= sys.float_info.max:  # NaN, infinities, ints beyond float
             raise RequestError(400, f"`reward` must be a finite number, got {reward}.", "reward")
-        async with session.lock:  # let an in-flight turn land first
-            if session.finished:
-                raise RequestError(409, f"Session {session.id} has already finished with reward {session.reward}; "
-                                        "the first finish stands.")
-            segments = self.finish_session(session.id, reward)
+        while session.in_flight:  # let the turns in flight land first
+            await session.quiet.wait()
+        if session.finished:
+            raise RequestError(409, f"Session {session.id} has already finished with reward "
+                                    f"{session.reward}; the first finish stands.")
+        segments = self.finish_session(session.id, reward)
         return [trajectory_record(s, self.tokenizer) for s in segments]
 
     async def http_error(self, request, exc):

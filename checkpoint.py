@@ -1,7 +1,9 @@
 """
-Checkpoints: sharded (torch.distributed.checkpoint: every rank writes its shards, and a run resumes on any number
-of ranks or any ep_size) and the consolidated HF export that vLLM and transformers load. train.py calls these at
-its checkpoint cadence and for --export_hf_dir; tests call them directly.
+Checkpoints: sharded (torch.distributed.checkpoint: every rank writes its shards, and a run resumes
+on any number of ranks or any ep_size), the consolidated HF export that vLLM and transformers load,
+and the HF weights a run starts from, each rank reading only its own shards (load_hf_weights).
+train.py calls these at its checkpoint cadence, for --export_hf_dir and when it builds the model;
+tests call them directly.
 """
 
 import json
@@ -15,7 +17,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 import lora
 from experts import local as local_tensor  # a DTensor's local shard, or the tensor itself (train.py imports it here)
-from model import copy_hf_extras, is_stacked_experts, ours_to_hf, save_hf_checkpoint
+from model import (checkpoint_reader, copy_hf_extras, hf_name, is_stacked_experts, ours_to_hf,
+                   read_experts, save_hf_checkpoint)
 from weights_sync import gather, global_shape
 
 
@@ -95,3 +98,37 @@ def export_hf(model, path, dtype=torch.bfloat16, source_dir=None):
             copy_hf_extras(source_dir, path)
     dist.barrier()
     return path
+
+
+@torch.no_grad()
+def load_hf_weights(model, path):
+    """Fill each rank's shards from an HF safetensors directory; files are memory-mapped and each
+    rank copies only its rows (for experts, only its own experts), so no rank ever holds the whole
+    model."""
+    read, cfg = checkpoint_reader(path), model.config
+    for name, p in model.named_parameters():
+        # adapters are not in the checkpoint (train.build_model initializes them); a tied lm_head is
+        # embed_tokens itself
+        if lora.is_adapter(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        if is_stacked_experts(name):
+            first = model.get_submodule(name.rsplit(".", 1)[0]).first_expert
+            mine = range(first, first + p.shape[0])  # p.shape[0]: this rank's experts
+            full = read_experts(read, name, mine, cfg)
+        else:
+            full = read(hf_name(name, cfg))
+        copy_shard(p, full)
+
+
+@torch.no_grad()
+def copy_shard(p, full):
+    """Copy this rank's FSDP shard of `full` into parameter p (chunks on its shard dim, as FSDP and
+    torch.chunk cut them)."""
+    if tuple(full.shape) != tuple(p.shape):
+        raise ValueError(f"checkpoint tensor of shape {tuple(full.shape)} does not fit parameter "
+                         f"of shape {tuple(p.shape)}")
+    if isinstance(p, DTensor):
+        mesh = p.device_mesh
+        chunks, r = full.chunk(mesh.size(), dim=p.placements[0].dim), mesh.get_local_rank()
+        full = chunks[r] if r < len(chunks) else full[:0]
+    local_tensor(p).copy_(full.to(p.dtype))

@@ -1,11 +1,13 @@
 """
-The MoE experts and their kernels: E stacked SwiGLU experts (`Experts`) computed with a plain loop over experts (the
-readable reference, used on CPU) or with grouped GEMM on CUDA (`GroupedSwiGLU` on `torch._grouped_mm`), LoRA adapters
-on them (`LoRAGroupedMM`), the router's top-k, the permutation of rows to and from expert order (`GatherRows`,
-`SumRows`), and the few Triton kernels on CUDA beside their eager references (`topk_ids`, `sum_slots`,
-`swiglu_backward`, `grouped_grad`, `lowrank_add`, and the AdamW step of large tensors, `AdamW`). `cuda_compiled` is
-the one torch.compile wrapper of the project (model.py and loss.py use it too). `python bench.py layer` measures
-them in the decoder layer on a GPU.
+The MoE experts and their kernels: E stacked SwiGLU experts (`Experts`) computed with a plain loop
+over experts (the readable reference, used on CPU) or with grouped GEMM on CUDA (`GroupedSwiGLU` on
+`torch._grouped_mm`), LoRA adapters on them (`LoRAGroupedMM`), the router's top-k, the permutation
+of rows to and from expert order (`GatherRows`, `SumRows`), expert parallelism's `dispatch` and
+`combine` around `all_to_all`, the cast of experts kept outside FSDP (`CastForCompute`), and the few
+Triton kernels on CUDA beside their eager references (`topk_ids`, `sum_slots`, `swiglu_backward`,
+`grouped_grad`, `lowrank_add`, and the AdamW step of large tensors, `AdamW`). `cuda_compiled` is the
+one torch.compile wrapper of the project (model.py and loss.py use it too). `python bench.py layer`
+measures them in the decoder layer on a GPU.
 
 This file imports nothing of ours; model.py builds its MoE layers from `Experts`.
 
@@ -15,8 +17,11 @@ This file imports nothing of ours; model.py builds its MoE layers from `Experts`
 import functools
 import math
 import os
+import warnings
 
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
@@ -35,10 +40,9 @@ COMPILE_ON_CUDA = True  # fuse the elementwise chains below with torch.compile w
 def cuda_compiled(fn):
     """fn through torch.compile when its first argument is a CUDA tensor: a chain of elementwise ops becomes one
     kernel forward and one backward instead of one fp32 pass per op. Eager elsewhere (CPU runs need no compiler).
-    A new shape recompiles once with dynamic shapes, after which microbatch shapes do not recompile. Inductor tunes
-    each kernel's launch configuration as it compiles (max-autotune; no CUDA graphs): on an H200 at 8 x 4096 tokens
-    rms_norm's forward and backward took 0.37 ms instead of the default's 0.56, norm_rope's of q 0.94 instead of
-    1.07."""
+    A new shape recompiles once with dynamic shapes, after which microbatch shapes do not recompile.
+    Inductor tunes each kernel's launch configuration as it compiles (max-autotune; no CUDA graphs):
+    faster norms than the default configuration."""
     compiled = None
 
     @functools.wraps(fn)
@@ -172,6 +176,41 @@ class GroupedSwiGLU(torch.autograd.Function):
         return dx, None, dscale, None, None, None
 
 
+class CastForCompute(torch.autograd.Function):
+    """Local expert weights (fp32 DTensors on a one-rank mesh, stacked on dim 1 when several) -> one
+    local tensor in the compute dtype (train.keep_experts_local's cast of experts kept outside
+    FSDP). Where the grouped GEMM experts compute with the cast (CUDA), they add the weights'
+    gradients into .grad themselves, in fp32 (GroupedSwiGLU's `into`), and send this backward none.
+    Otherwise its backward returns each weight's gradient in fp32 (autograd takes it as .grad), or
+    from a window's second microbatch on adds it into .grad in place and returns None.
+    torch.autograd.grad on these weights would not see gradients added into .grad: the trainer
+    accumulates into .grad."""
+
+    @staticmethod
+    def forward(ctx, dtype, *params):
+        ctx.params = params
+        ctx.set_materialize_grads(False)  # None when GroupedSwiGLU took the gradients
+        first = local(params[0])
+        width = sum(p.shape[1] for p in params)
+        out = first.new_empty(first.shape[0], width, *first.shape[2:], dtype=dtype)
+        for part, p in zip(out.split([p.shape[1] for p in params], 1), params):
+            part.copy_(local(p))  # cast and stack in one pass
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:  # GroupedSwiGLU added the gradients into .grad itself
+            return (None,) * (len(ctx.params) + 1)
+        out = [None]
+        for p, g in zip(ctx.params, grad.split([p.shape[1] for p in ctx.params], 1)):
+            if p.grad is not None:
+                local(p.grad).add_(g)
+                out.append(None)
+            else:
+                out.append(placed_like(p, g.to(p.dtype, memory_format=torch.contiguous_format)))
+        return tuple(out)
+
+
 class LoRAGroupedMM(torch.autograd.Function):
     """Grouped GEMMs of x (N, in), rows sorted by expert (rows: offs, the cumulative row counts, and lowrank_tiles or
     None), with n frozen expert weights W_i (E, out_i, in), each plus a LoRA update: y_i = x W_i^T + (x A_i^T) B_i^T.
@@ -182,7 +221,7 @@ class LoRAGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, rows, A, n, *weights_and_Bs):
-        (offs, tiles), Ws, Bs = rows, weights_and_Bs[:n], weights_and_Bs[n:]
+        (offs, _), Ws, Bs = rows, weights_and_Bs[:n], weights_and_Bs[n:]
         if any(W.requires_grad for W in Ws):
             raise ValueError("LoRAGroupedMM trains adapters on a frozen base: the expert weights must not need grad")
         z = torch._grouped_mm(x, A.transpose(-2, -1), offs=offs)  # (N, R)
@@ -214,8 +253,8 @@ def lowrank_add(y, z, M, rows):
     """y (N, O) plus each row's z (N, R) @ M[e] (M (E, R, O), any strides) for the expert e of the row (rows sorted
     by expert; rows: offs, the cumulative row counts, and lowrank_tiles, None off CUDA). On CUDA one Triton kernel
     adds in place, memory-bound (y read and written once), where a grouped GEMM of inner dimension R writes its
-    full-width output at a fraction of the bandwidth (on an H200 at Qwen3-30B-A3B's expert shape, as long as a base
-    GEMM) and an add then reads it again."""
+    full-width output at a fraction of the bandwidth (about as slow as a base GEMM at real expert
+    shapes) and an add then reads it again."""
     offs, tiles = rows
     if tiles is None:
         return y + torch._grouped_mm(z, M, offs=offs)  # the reference; the kernel matches it to bf16 rounding
@@ -267,8 +306,8 @@ if triton is not None:
 
 def topk_ids(probs, k):
     """The indices of each row's k largest values, largest first (N, k) int64, as torch.topk gives them (ties aside).
-    On CUDA one Triton kernel holds each row (the router's E probabilities) in registers and takes k maxima: at
-    32K tokens of 128 experts, torch.topk's radix select took 0.2 ms, this a small fraction of that."""
+    On CUDA one Triton kernel holds each row (the router's E probabilities) in registers and takes k
+    maxima, where torch.topk runs a radix select meant for long rows."""
     if not (probs.is_cuda and triton is not None):
         return torch.topk(probs, k, dim=-1).indices
     probs = probs.contiguous()
@@ -295,11 +334,11 @@ if triton is not None:
 
 
 class AdamW(torch.optim.AdamW):
-    """torch's fused AdamW, where each large CUDA tensor (at least 2^20 elements, contiguous: the stacked experts, the
-    embedding and head) steps in one Triton kernel: AdamW reads and writes 28 bytes a parameter, and on an H200 at
-    Qwen3-30B-A3B's experts torch's fused kernel took 6.1 ms a layer (2.9 TB/s), this one 4.2 (4.2 TB/s). The same
-    update, state (torch's own lazy init) and checkpoints; the fused step's grad_scale (train.clip_grad_norm's
-    clipping) holds for both."""
+    """torch's fused AdamW, where each large CUDA tensor (at least 2^20 elements, contiguous: the
+    stacked experts, the embedding and head) steps in one Triton kernel: AdamW reads and writes 28
+    bytes a parameter, and this kernel streams them closer to the memory bandwidth than torch's
+    fused one. The same update, state (torch's own lazy init) and checkpoints; the fused step's
+    grad_scale (train.clip_grad_norm's clipping) holds for both."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -375,9 +414,10 @@ def slot_positions(slots, n_slots):
 
 
 def sum_slots(y, position, K):
-    """y (S, D), one row per slot in use -> (N, D): each row's sum over its K slots, unused slots adding zero.
-    Deterministic (a fixed order, fp32 accumulation, no atomics). On CUDA one Triton kernel reads only the rows in
-    use (about 5x faster than the eager reference below, which a test compares it with)."""
+    """y (S, D), one row per slot in use -> (N, D): each row's sum over its K slots, unused slots
+    adding zero. Deterministic (a fixed order, fp32 accumulation, no atomics). On CUDA one Triton
+    kernel reads only the rows in use (the eager reference below, which a test compares it with,
+    gathers them all)."""
     if y.is_cuda and triton is not None:
         return sum_slots_triton(y, position, K)
     y = torch.cat([y, y.new_zeros(1, y.shape[1])])  # row S: the zero row of unused slots
@@ -407,12 +447,13 @@ if triton is not None:
 
 
 def grouped_grad(a, b, offs, grads):
-    """Each expert's weight gradient a_e^T b_e in fp32, for a (N, M) and b (N, K) with rows sorted by expert (offs:
-    cumulative row counts), into `grads`: one or two fp32 (E, M / n, K) tensors, the parts of M in order (gate's and
-    up's halves of the stacked 2H), each added into, or made where it is None. Returns them. On CUDA one Triton
-    kernel whose epilogue hands each output tile to TMA's reduce-add: the memory system adds it into the fp32
-    gradient, no bf16 gradient is written only to be read again and added (at Qwen3-30B-A3B's experts 6 GB of
-    traffic per layer and microbatch), and the SM waits on no load of the gradient."""
+    """Each expert's weight gradient a_e^T b_e in fp32, for a (N, M) and b (N, K) with rows sorted
+    by expert (offs: cumulative row counts), into `grads`: one or two fp32 (E, M / n, K) tensors,
+    the parts of M in order (gate's and up's halves of the stacked 2H), each added into, or made
+    where it is None. Returns them. On CUDA one Triton kernel whose epilogue hands each output tile
+    to TMA's reduce-add: the memory system adds it into the fp32 gradient, no bf16 gradient is
+    written only to be read again and added (the largest traffic of the experts' backward), and the
+    SM waits on no load of the gradient."""
     (E,), M, K, n = offs.shape, a.shape[1], b.shape[1], len(grads)
     kernel = a.is_cuda and triton is not None and torch.cuda.get_device_capability(a.device)[0] >= 9  # TMA: Hopper on
     if not (kernel and a.dtype == torch.bfloat16 and (M // n) % 16 == 0 and K % 16 == 0):
@@ -461,8 +502,8 @@ if triton is not None:
 
     @triton.jit
     def _put_tile(c, row, col, acc, ACCUMULATE: tl.constexpr):
-        # TMA's reduce-add (on an H200 at Qwen3-30B-A3B's gate/up shape 3.20 ms, where loading the gradient into the
-        # accumulator before the loop took 3.38 and a bf16 GEMM alone 2.68), or a plain store of the first gradient
+        # TMA's reduce-add (faster than loading the gradient into the accumulator before the
+        # loop), or a plain store of the first gradient
         if ACCUMULATE:
             c.atomic_add([row, col], acc)
         else:
@@ -500,22 +541,90 @@ class SumRows(torch.autograd.Function):
         return grad.index_select(0, slots // ctx.K), None, None, None
 
 
+# -----------------------------------------------------------------------------
+# expert parallelism: the experts of each MoE layer split over the ranks of the `ep` process group
+# (train.py's `ep` mesh), and the two all-to-alls that Experts.forward calls around its local
+# experts: `dispatch` sends each token to the ranks holding its experts, `combine` brings the
+# weighted sums back
+
+# the autograd all-to-all; torch 2.13 suggests the traced functional collectives instead, but this
+# one is the same eager call on torch 2.11 and 2.13
+warnings.filterwarnings("ignore",
+                        message="torch.distributed.nn.functional.all_to_all_single is deprecated")
+
+
+def all_to_all(x, out_splits, in_splits, group):
+    """Autograd all-to-all of rows: backward sends the gradients back along the same routes."""
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    return dist_nn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+
+
+def dispatch(x, topk_ids, topk_weights, num_experts, group):
+    """Send each token once to every rank of `group` holding one of its chosen experts, with its
+    choices there.
+
+    x (N, D), topk_ids (N, K) global expert ids, topk_weights (N, K). A token with several experts
+    on one rank crosses once, not once per expert (with top-8 of 128 experts on 2 ranks: 2 rows per
+    token instead of 8). Returns what arrived, x_recv (R, D) with ids_recv (R, K) local expert ids
+    (E_local for choices held elsewhere) and weights_recv (R, K), the number of local choices among
+    them (a host int), and the routes `combine` needs.
+    """
+    N, K = topk_ids.shape
+    ep, device = group.size(), x.device
+    E_local = num_experts // ep
+    rank_of = topk_ids // E_local  # (N, K) the rank holding each choice
+    on_rank = torch.zeros(N, ep, dtype=torch.bool, device=device)
+    on_rank.scatter_(1, rank_of, True)  # (N, ep)
+    # 1. counts first. For each destination rank: rows, then choices per local expert
+    choices = count_ids(topk_ids.flatten(), num_experts).view(ep, E_local)
+    send_counts = torch.cat([on_rank.sum(0).view(ep, 1), choices], dim=1)  # (ep, 1 + E_local)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    # NOTE: device-to-host sync (one per MoE layer): all_to_all_single takes its split sizes as
+    # Python ints
+    pairs_in = recv_counts[:, 1:].sum().view(1)
+    splits = torch.cat([send_counts[:, 0], recv_counts[:, 0], pairs_in]).tolist()
+    send_rows, recv_rows, pairs = splits[:ep], splits[ep:2 * ep], splits[-1]
+    # 2. the rows, in (destination rank, token) order: slot n * ep + r is token n's copy for rank r
+    slot_rank = torch.where(on_rank, torch.arange(ep, device=device), ep)  # (N, ep), ep: unsent
+    slots = slot_rank.flatten().argsort(stable=True)[:sum(send_rows)]
+    position = slot_positions(slots, N * ep)
+    token, dest = slots // ep, slots % ep
+    held = rank_of.index_select(0, token) == dest.unsqueeze(1)  # (S, K) what the destination holds
+    ids_send = torch.where(held, topk_ids.index_select(0, token) % E_local, E_local)  # ids there
+    x_recv = all_to_all(GatherRows.apply(x, slots, position, ep), recv_rows, send_rows,
+                        group)  # (R, D)
+    weights_recv = all_to_all(GatherRows.apply(topk_weights, slots, position, ep), recv_rows,
+                              send_rows, group)  # (R, K)
+    ids_recv = ids_send.new_empty((sum(recv_rows), K))
+    dist.all_to_all_single(ids_recv, ids_send, recv_rows, send_rows, group=group)
+    return x_recv, ids_recv, weights_recv, pairs, (slots, position, send_rows, recv_rows)
+
+
+def combine(y_recv, routes, group):
+    """Send each rank's weighted sums back to the tokens' ranks and add up each token's copies."""
+    slots, position, send_rows, recv_rows = routes
+    y_back = all_to_all(y_recv, send_rows, recv_rows, group)  # (S, D) in dispatch's send order
+    return SumRows.apply(y_back, slots, position, group.size())  # (N, D)
+
+
 class Experts(nn.Module):
     """E stacked SwiGLU experts. HF checkpoints name them `experts.{e}.gate_proj.weight` etc.; we stack them.
 
-    `expert_parallel` (train.ExpertParallel, or None): its `size` ranks split the experts, and this one holds
-    [first_expert, first_expert + E / size); `forward` sends each token to every rank that holds one of its chosen
-    experts, once, and takes back one weighted sum per rank (its `dispatch` and `combine`: two all-to-alls of rows).
+    `expert_parallel` (a process group, train.py's `ep` mesh's, or None): its ranks split the
+    experts, and this one holds [first_expert, first_expert + E / size); `forward` sends each token
+    to every rank that holds one of its chosen experts, once, and takes back one weighted sum per
+    rank (`dispatch` and `combine`: two all-to-alls of rows).
     """
 
     def __init__(self, E, D, H, expert_parallel=None):
         super().__init__()
         ep = expert_parallel
-        if ep is not None and E % ep.size:
-            raise ValueError(f"{ep.size} expert-parallel ranks cannot split {E} experts evenly")
-        E_local = E if ep is None else E // ep.size
+        if ep is not None and E % ep.size():
+            raise ValueError(f"{ep.size()} expert-parallel ranks cannot split {E} experts evenly")
+        E_local = E if ep is None else E // ep.size()
         self.num_experts = E  # global count; the parameters hold E_local of them
-        self.first_expert = 0 if ep is None else ep.rank * E_local  # global index of local expert 0
+        self.first_expert = 0 if ep is None else ep.rank() * E_local  # global index of local 0
         self.expert_parallel = ep
         self.gate_proj = nn.Parameter(torch.empty(E_local, H, D))  # (E_local, H, D)
         self.up_proj = nn.Parameter(torch.empty(E_local, H, D))    # (E_local, H, D)
@@ -565,8 +674,9 @@ class Experts(nn.Module):
         ep = self.expert_parallel
         if ep is None:
             return self.local_experts(x, topk_ids, topk_weights, topk_ids.numel())
-        x_recv, ids_recv, weights_recv, pairs, plan = ep.dispatch(x, topk_ids, topk_weights, self.num_experts)
-        return ep.combine(self.local_experts(x_recv, ids_recv, weights_recv, pairs), plan)
+        x_recv, ids_recv, weights_recv, pairs, routes = dispatch(x, topk_ids, topk_weights,
+                                                                 self.num_experts, ep)
+        return combine(self.local_experts(x_recv, ids_recv, weights_recv, pairs), routes, ep)
 
     def local_experts(self, x, ids, weights, pairs):
         """Each row's weighted sum over its chosen experts among this rank's.

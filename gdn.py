@@ -7,7 +7,7 @@ The recurrence is the chunked gated delta rule. `chunk_gated_delta_rule_torch` i
 the CPU path; on CUDA the same call goes, for 16-bit inputs, to fla's Triton kernel (`fla-core`, installed with the GPU requirements
 only: it cannot compute on a CPU, so it is imported only when a CUDA tensor arrives), and the layer takes fla's fused
 causal conv (varlen) and gated RMSNorm too, with `causal_conv` and `GatedRMSNorm` below as their reference. Tests
-compare the two paths forward and backward on the H200 (`FLA_ON_CUDA = False` runs the reference there).
+compare the two paths forward and backward on a GPU (`FLA_ON_CUDA = False` runs the reference).
 
 This file imports nothing of ours.
 
@@ -32,7 +32,7 @@ def segment_positions(cu_seqlens, N):
     return torch.arange(N, device=cu_seqlens.device) - cu_seqlens[segment], segment
 
 
-def chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, chunk=64):
+def chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, chunk=64, incoming=None):
     """The gated delta rule over packed segments, in fp32 (fp64 for fp64 inputs), as transformers' and fla's chunked form computes it:
     per segment S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T, o_t = S_t^T q_t, with q, k
     L2-normalized and q scaled by dk^-0.5, the state zero at each segment's start.
@@ -41,6 +41,14 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, chunk=64):
     layout), each key head shared by H / Hk consecutive value heads; cu_seqlens (S+1,) the segments' offsets. Returns
     (1, N, H, dv) in v's dtype. The segments are padded to one length (padding at the end of a segment cannot reach
     its tokens: the recurrence is causal) and run as a batch.
+
+    incoming: context parallelism (GatedDeltaNet under a context.ContextParallel), where each
+    segment is a piece of a longer sequence whose state arrives from pieces on other ranks. The
+    state is affine in the state a segment starts from: state_end = transition @ state_start +
+    final, each chunk's step being one such map (the WY form below), and each output adds reads @
+    state_start. `incoming(final, transition)` gets (S, H, dk, dv) and (S, H, dk, dk), the segments'
+    maps from a zero start, and returns each one's start state (S, H, dk, dv) (incoming_states):
+    exact, the same arithmetic as one long scan in another order.
     """
     q, k = (t.repeat_interleave(v.shape[2] // q.shape[2], dim=2) for t in (q, k))
     N, H, dk, dv, dtype = q.shape[1], q.shape[2], q.shape[3], v.shape[3], v.dtype
@@ -66,11 +74,20 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, chunk=64):
     q_decayed = q * decay.exp()[..., None]
     k_decayed = k * (decay[..., -1:] - decay).exp()[..., None]
     state, out = q.new_zeros(S, H, dk, dv), []  # the state in fp32 (acc)
+    transition, reads = torch.eye(dk, dtype=acc, device=q.device).expand(S, H, dk, dk), []
     for i in range(n):  # the scan over chunks: the state carries what earlier chunks wrote
         new = values[:, :, i] - keys_read[:, :, i] @ state
         out.append(q_decayed[:, :, i] @ state + within[:, :, i] @ new)
+        if incoming is not None:  # how chunk i's outputs and the next state read the start state
+            read = q_decayed[:, :, i] - within[:, :, i] @ keys_read[:, :, i]
+            reads.append(read @ transition)  # (S, H, C, dk)
+            transition = transition * decay[:, :, i, -1, None, None].exp() - \
+                k_decayed[:, :, i].transpose(-1, -2) @ (keys_read[:, :, i] @ transition)
         state = state * decay[:, :, i, -1, None, None].exp() + k_decayed[:, :, i].transpose(-1, -2) @ new
-    out = torch.stack(out, 2).reshape(S, H, L, dv).transpose(1, 2)  # (S, L, H, dv)
+    out = torch.stack(out, 2)  # (S, H, n, C, dv)
+    if incoming is not None:  # what each output reads of the segment's start state (a collective)
+        out = out + torch.stack(reads, 2) @ incoming(state, transition)[:, :, None]
+    out = out.reshape(S, H, L, dv).transpose(1, 2)  # (S, L, H, dv)
     return out[seg, pos][None].to(dtype)
 
 
@@ -83,11 +100,40 @@ def fla_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens):
 
 def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens):
     """fla's kernel for 16-bit CUDA tensors, the torch reference for the rest: in fp32, fla-core 0.6.0's backward
-    gets the log decay's gradient wrong (its per-token error grows with the decay's strength while its bf16 path
-    stays within 1e-2; tests/test_hybrid.py measures both), so fp32 inputs stay on the reference."""
+    gets the log decay's gradient wrong (its per-token error grows with the decay's strength, its
+    bf16 path's does not; tests/test_hybrid.py measures both), so fp32 inputs stay on the
+    reference."""
     if q.is_cuda and FLA_ON_CUDA and q.dtype in (torch.bfloat16, torch.float16):
         return fla_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens)
     return chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens)
+
+
+def incoming_states(final, transition, cp, B):
+    """Under context parallelism, each of this rank's pieces' start state: every rank's per-piece
+    maps (final (2B, H, dk, dv), transition (2B, H, dk, dk): chunk_gated_delta_rule_torch's
+    `incoming`) all-gathered and composed in the row's order, state_p+1 = transition_p @ state_p +
+    final_p from zero. Sends (H, dk, dk + dv) fp32 a piece, whatever its length; 2 * cp small
+    matmuls, the same on every rank. -> (2B, H, dk, dv)."""
+    final, transition = (cp.in_sequence(cp.gather(t.unflatten(0, (B, 2))), 1)
+                         for t in (final, transition))
+    state, start = torch.zeros_like(final[:, 0]), []  # (B, H, dk, dv)
+    for p in range(2 * cp.size):
+        start.append(state)
+        state = transition[:, p] @ state + final[:, p]
+    return torch.stack(start, 1)[:, list(cp.pieces)].flatten(0, 1)
+
+
+def left_context(x, K, cp, B):
+    """Under context parallelism, this rank's pieces (2B, C, conv_dim) each preceded by the K - 1
+    inputs before it, the previous piece's last ones (another rank's; zeros before the first piece):
+    (2B, C + K - 1, conv_dim). A collective of (K - 1) rows a piece."""
+    if x.shape[1] < K - 1:
+        raise ValueError(f"a context-parallel piece of {x.shape[1]} tokens is shorter than the "
+                         f"conv's context {K - 1}")
+    tails = x[:, x.shape[1] - K + 1:].unflatten(0, (B, 2))
+    tails = cp.in_sequence(cp.gather(tails), 1)  # (B, 2cp, K-1, conv)
+    before = F.pad(tails, (0, 0, 0, 0, 1, 0))[:, list(cp.pieces)]  # piece p's: piece p - 1's tail
+    return torch.cat([before.flatten(0, 1), x], 1)
 
 
 def causal_conv(x, weight, pos):
@@ -130,23 +176,41 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.n_v))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, D, bias=False)
+        self.context_parallel = None  # a context.ContextParallel: this rank's pieces of each row
 
     def forward(self, x, cu_seqlens):
-        """x (B, T, D); cu_seqlens (S+1,) the segments' offsets in the B*T tokens taken row after row (a row's
-        padding may be a segment of its own: nothing after it reads it)."""
+        """x (B, T, D); cu_seqlens (S+1,) the segments' offsets in the B*T tokens taken row after
+        row (a row's padding may be a segment of its own: nothing after it reads it). Under context
+        parallelism x holds this rank's two pieces of each row (context.py) and cu_seqlens is not
+        read: each piece is a segment whose conv context and recurrent state come from the pieces
+        before it."""
         B, T, D = x.shape
         x, N, fla = x.reshape(1, B * T, D), B * T, x.is_cuda and FLA_ON_CUDA
+        cp = self.context_parallel
+        mixed, K = self.in_proj_qkv(x)[0], self.conv1d.weight.shape[-1]  # (N, conv_dim)
+        if cp is not None:  # each piece a segment, led by its left context
+            cu_seqlens = torch.arange(2 * B + 1, device=x.device) * (T // 2)
+            mixed = left_context(mixed.view(2 * B, T // 2, -1), K, cp, B).flatten(0, 1)
+        conv_seqlens = cu_seqlens if cp is None else \
+            torch.arange(2 * B + 1, device=x.device) * (T // 2 + K - 1)
         if fla:  # the GPU install's fla-core: conv and SiLU in one kernel, restarted at each segment
             import fla.modules.causal_conv1d as fla_conv, fla.modules.norm.fused_norm_gate as fla_norm
-            qkv = fla_conv.causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight[:, 0], activation="silu",
-                                         cu_seqlens=cu_seqlens.long())[0][0]
+            qkv = fla_conv.causal_conv1d(mixed[None], self.conv1d.weight[:, 0], activation="silu",
+                                         cu_seqlens=conv_seqlens.long())[0][0]
         else:
-            qkv = F.silu(causal_conv(self.in_proj_qkv(x)[0], self.conv1d.weight, segment_positions(cu_seqlens, N)[0]))
+            pos = segment_positions(conv_seqlens, len(mixed))[0]
+            qkv = F.silu(causal_conv(mixed, self.conv1d.weight, pos))
+        if cp is not None:  # the context's outputs are the previous piece's, computed there
+            qkv = qkv.view(2 * B, T // 2 + K - 1, -1)[:, K - 1:].flatten(0, 1)
         q, k, v = qkv.split([self.n_k * self.dk, self.n_k * self.dk, self.n_v * self.dv], dim=-1)  # (N, ...)
         q, k, v = q.view(1, N, self.n_k, self.dk), k.view(1, N, self.n_k, self.dk), v.view(1, N, self.n_v, self.dv)
         beta = self.in_proj_b(x).sigmoid()  # (1, N, Hv)
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # log decay, fp32
-        y = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens)  # (1, N, Hv, dv)
+        if cp is None:
+            y = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens)  # (1, N, Hv, dv)
+        else:  # the torch chunked form on every device: fla's kernel makes no state transition
+            y = chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens,
+                                             incoming=lambda u, m: incoming_states(u, m, cp, B))
         z = self.in_proj_z(x).view(1, N, self.n_v, self.dv)
         y = fla_norm.rms_norm_gated(y, z, self.norm.weight, None, eps=self.norm.eps) if fla else self.norm(y, z)
         return self.out_proj(y.reshape(B, T, -1))

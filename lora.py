@@ -120,9 +120,10 @@ def base_only(model):
 
 
 def initial_adapters(model, seed):
-    """(adapter parameter, its initial value) for every adapter: the full value of the parameter as it stands on this
-    rank before FSDP cuts it, so that a sharded trainer copies its shard (train.copy_shard) and an unsharded model
-    the whole. Expert adapters: this rank's experts of the global (E, ...) value."""
+    """(adapter parameter, its initial value) for every adapter: the full value of the parameter as
+    it stands on this rank before FSDP cuts it, so that a sharded trainer copies its shard
+    (checkpoint.copy_shard) and an unsharded model the whole. Expert adapters: this rank's experts
+    of the global (E, ...) value."""
     for name, p in model.named_parameters():
         if is_adapter(name):
             experts = model.get_submodule(name.rsplit(".", 1)[0]) if ".mlp.experts." in name else None

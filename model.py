@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch.nn.attention.bias import causal_lower_right
 
 from experts import EXPERT_PROJS, Experts, cuda_compiled, topk_ids as experts_topk_ids
 from gdn import GatedDeltaNet
@@ -281,6 +282,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_head * self.hd, D, bias=b)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, self.gated)  # per-head norm of q and k before RoPE
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, self.gated)
+        self.context_parallel = None  # a context.ContextParallel: this rank's pieces of each row
 
     def forward(self, x, cos, sin, mask=None):
         """mask (B, 1, T, T) bool, True where a query may attend (packed rows); None: causal within each row."""
@@ -297,13 +299,35 @@ class Attention(nn.Module):
         q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, self.gated, cos, sin).transpose(1, 2)  # (B, nh, T, hd)
         k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, self.gated, cos, sin).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
-        # right-padded batches need no mask beyond causal: padding only follows real tokens
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=self.n_kv != self.n_head)
+        if self.context_parallel is not None:
+            y = context_attention(q, k, v, self.context_parallel, self.n_kv != self.n_head)
+        else:  # right-padded batches need no mask beyond causal: padding only follows real tokens
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                               enable_gqa=self.n_kv != self.n_head)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.hd)
         if self.gated:
             y = y * torch.sigmoid(gate.reshape(B, T, -1))
         return self.o_proj(y)
+
+
+def context_attention(q, k, v, cp, enable_gqa):
+    """Causal attention of this rank's two pieces of each row (context.py's layout) over the row's
+    keys before them. q (B, nh, 2C, hd), k and v (B, nkv, 2C, hd) -> (B, nh, 2C, hd).
+
+    K and V are all-gathered, not passed around a ring: with grouped-query heads they are a small
+    part of the activations (Qwen3.6: 2 KV heads of 16, 1/8 of q's size), so one all-gather per
+    layer moves what a ring moves over cp - 1 steps, the fused kernel runs unchanged (a lower-right
+    causal mask: piece p's C queries against the (p + 1) C keys up to its end) where a ring needs a
+    kernel call per step and a log-sum-exp merge of partial results in forward and backward, and the
+    gather of the next layer can overlap this one's compute. Its backward is a reduce-scatter of dK
+    and dV. The cost is the gathered K and V of one layer, T * nkv * hd * 2 elements."""
+    C = q.shape[2] // 2
+    kv = cp.gather(torch.stack([k, v]).unflatten(3, (2, C)))  # (cp, 2, B, nkv, 2, C, hd)
+    k, v = cp.in_sequence(kv, 3).flatten(3, 4)  # (B, nkv, T, hd) each, the row's order
+    return torch.cat([F.scaled_dot_product_attention(
+        qp, k[:, :, :(p + 1) * C], v[:, :, :(p + 1) * C],
+        attn_mask=causal_lower_right(C, (p + 1) * C),
+        enable_gqa=enable_gqa) for qp, p in zip(q.split(C, 2), cp.pieces)], 2)
 
 
 class ProjectQKV(torch.autograd.Function):
@@ -461,7 +485,7 @@ class VisionAttention(nn.Module):
         q, k, v = self.qkv(x).view(N, 3, self.n_head, -1).permute(1, 2, 0, 3).unbind(0)  # each (nh, N, hd)
         q, k = (apply_rope(t.float(), cos, sin).to(v.dtype) for t in (q, k))  # 2-D RoPE in fp32, as HF does
         # full (not causal) attention within each image: one call per image keeps memory at one image's scores;
-        # 4-D inputs, since on CUDA 3-D ones fall back to the unfused math kernel (in fp32: 3x slower here)
+        # 4-D inputs, since on CUDA 3-D ones fall back to the unfused math kernel
         y = torch.cat([F.scaled_dot_product_attention(*(t[None] for t in qkv))[0] for qkv in
                        zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1))], dim=1)  # (nh, N, hd)
         return self.proj(y.transpose(0, 1).reshape(N, D))
@@ -518,7 +542,7 @@ class VisionModel(nn.Module):
         grids = grid_thw.tolist()  # NOTE: a device-to-host sync when grid_thw is on the GPU
         pos, rows_cols, per_size = [], [], {}
         for t, h, w in grids:
-            if (h, w) not in per_size:  # once per image size: the interpolation's backward costs ~2 ms an image
+            if (h, w) not in per_size:  # once per image size: the interpolation's backward costs
                 pe = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0].permute(1, 2, 0)
                 rc = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1).to(dev)
                 per_size[h, w] = merge_order(pe, m), merge_order(rc, m)
@@ -568,20 +592,64 @@ def mrope_cos_sin(pos, cfg, dtype):
     return rope_cos_sin(freqs[:, None], dtype)
 
 
-def embed_images(model, input_ids, x, pixel_values, image_grid_thw, segment_start=None):
+def embed_images(model, input_ids, x, pixel_values, image_grid_thw, segment_start=None,
+                 positions=None):
     """The text embeddings x (B, T, D) with the image tokens replaced by the tower's output; M-RoPE's cos and sin;
-    the image tokens' (row, column) indices, and the deepstack features the first decoder layers add there."""
-    image_tokens, deepstack = model.visual(pixel_values, image_grid_thw,
-                                           checkpointing=model.activation_checkpointing and model.training)
-    where = (input_ids == model.config.vision.image_token_id).nonzero(as_tuple=True)  # NOTE: a device-to-host sync
+    the image tokens' (row, column) indices, and the deepstack features the first decoder layers add
+    there. positions: context parallelism (hidden_states): x holds those tokens of the rows
+    input_ids (B, T_row)."""
+    if positions is None:
+        checkpointing = model.activation_checkpointing and model.training
+        image_tokens, deepstack = model.visual(pixel_values, image_grid_thw,
+                                               checkpointing=checkpointing)
+    else:
+        x, image_tokens, deepstack = context_vision(model, x, pixel_values, image_grid_thw)
+    is_image = input_ids == model.config.vision.image_token_id
+    where = is_image.nonzero(as_tuple=True)  # NOTE: a device-to-host sync
     if where[0].numel() != image_tokens.shape[0]:
         raise ValueError(f"input_ids hold {where[0].numel()} image tokens but the images (image_grid_thw "
                          f"{image_grid_thw.tolist()}) make {image_tokens.shape[0]}: expand each image to its "
                          "t*h*w/merge_size^2 tokens, as this model's processor does")
+    if positions is not None:  # this rank's image tokens, and which of the tower's outputs they are
+        # (B, T) each token's index among the image tokens
+        mine = is_image.flatten().cumsum(0).view(is_image.shape)[:, positions] - 1
+        where = is_image[:, positions].nonzero(as_tuple=True)
+        image_tokens, deepstack = image_tokens[mine[where]], [d[mine[where]] for d in deepstack]
     x = x.index_put(where, image_tokens.to(x.dtype))
     pos = mrope_positions(input_ids, image_grid_thw, model.config.vision, segment_start)
+    pos = pos if positions is None else pos[..., positions]
     cos, sin = mrope_cos_sin(pos, model.config, x.dtype)
     return x, cos, sin, where, [d.to(x.dtype) for d in deepstack]
+
+
+def context_vision(model, x, pixel_values, grid_thw):
+    """Under context parallelism, the tower on this rank's share of the images (consecutive ones,
+    about 1 / cp of the patches; a rank with none runs idle_vision), its outputs all-gathered (a
+    collective; backward: each rank's rows get their gradient): every rank gets every image token,
+    no rank the activations of more than its share. Returns (x, image tokens, deepstack features) in
+    the images' order."""
+    cp, m2 = model.context_parallel, model.config.vision.spatial_merge_size ** 2
+    patches = [t * h * w for t, h, w in grid_thw.tolist()]  # NOTE: a device-to-host sync on the GPU
+    starts = [sum(patches[:i]) for i in range(len(patches))]
+    owner = [start * cp.size // sum(patches) for start in starts]
+    counts = [sum(n for n, o in zip(patches, owner) if o == r) // m2 for r in range(cp.size)]
+    mine = [i for i, o in enumerate(owner) if o == cp.rank]
+    if mine:
+        lo, hi = starts[mine[0]], starts[mine[-1]] + patches[mine[-1]]
+        outs = model.visual(pixel_values[lo:hi], grid_thw[mine[0]:mine[-1] + 1],
+                            checkpointing=model.activation_checkpointing and model.training)
+        outs = [outs[0], *outs[1]]
+    else:
+        x = idle_vision(model.visual, x)
+        # in autograd's graph as the other ranks' outputs are, so that backward's reduce-scatters
+        # match
+        trains = torch.is_grad_enabled() and any(p.requires_grad for p in model.visual.parameters())
+        none = x.new_zeros(0, x.shape[-1]).requires_grad_(trains)
+        outs = [none] * (1 + len(model.config.vision.deepstack_visual_indexes))
+    # (cp, max count, D) each
+    outs = [cp.gather(F.pad(t, (0, 0, 0, max(counts) - len(t)))) for t in outs]
+    outs = [torch.cat([t[r, :n] for r, n in enumerate(counts)]) for t in outs]
+    return x, outs[0], outs[1:]
 
 
 def idle_vision(visual, x):
@@ -617,9 +685,11 @@ def packing(segment_ids, B, T, device):
 
 
 class Transformer(nn.Module):
-    """expert_parallel: how the MoE layers' experts are split over ranks (see Experts); None holds them all."""
+    """expert_parallel: how the MoE layers' experts are split over ranks (see Experts); None holds
+    them all. context_parallel: a context.ContextParallel when each row is split over ranks
+    (hidden_states' positions)."""
 
-    def __init__(self, cfg: ModelConfig, expert_parallel=None):
+    def __init__(self, cfg: ModelConfig, expert_parallel=None, context_parallel=None):
         super().__init__()
         self.config = cfg
         self.model = Decoder(cfg, expert_parallel)  # attribute names follow HF: model.layers.0.self_attn.q_proj.weight, ...
@@ -630,9 +700,13 @@ class Transformer(nn.Module):
         self.mtp = MTP(cfg, expert_parallel) if cfg.mtp_num_hidden_layers else None  # Qwen3.5's mtp.*
         self.vision_in_every_forward = False  # True under FSDP over several ranks: see idle_vision
         self.activation_checkpointing = False
+        self.context_parallel = context_parallel
+        for m in self.modules():  # the token mixers that read across the split
+            if isinstance(m, (Attention, GatedDeltaNet)):
+                m.context_parallel = context_parallel
 
     def hidden_states(self, input_ids, routed_experts=None, return_routes=False, pixel_values=None,
-                      image_grid_thw=None, segment_ids=None):
+                      image_grid_thw=None, segment_ids=None, positions=None):
         """input_ids (B, T) -> final-normed hidden states (B, T, D).
 
         routed_experts (B, T, L_moe, K): expert ids per token and MoE layer (routing replay), or None.
@@ -642,20 +716,29 @@ class Transformer(nn.Module):
         segment_ids (B, T): packed rows, each token's segment number within its row (non-decreasing along it):
         positions restart, attention stays within a segment, Gated DeltaNet restarts its state. None: a row is one
         segment (right padding needs no segment of its own: nothing real follows it).
+        positions (T,): context parallelism (context.split_microbatch): this rank's tokens of each
+        row of input_ids (B, T_row), in the order every per-token input and output takes
+        (routed_experts and the result: (B, T, ...)).
         """
-        B, T = input_ids.shape
-        x = self.model.embed_tokens(input_ids)  # (B, T, D)
+        if positions is not None and segment_ids is not None:
+            raise ValueError("packed rows (segment_ids) are not supported under context "
+                             "parallelism: one row a sequence (train.pack_microbatches' rows are)")
+        ids = input_ids if positions is None else input_ids[:, positions]
+        B, T = ids.shape
+        x = self.model.embed_tokens(ids)  # (B, T, D)
         mask, cu_seqlens, start = packing(segment_ids, B, T, x.device)
         deepstack = []
         if pixel_values is None:  # text: M-RoPE with t = h = w is plain RoPE
             inv_freq = rope_inv_freq(self.config.rotary_dim, self.config.rope_theta, x.device)
-            t = torch.arange(T, device=x.device) - (0 if start is None else start)  # (T,) or (B, T)
+            t = torch.arange(T, device=x.device) if positions is None else positions
+            t = t - (0 if start is None else start)  # (T,) or (B, T)
             cos, sin = rope_cos_sin(t[..., None].float() * inv_freq, x.dtype)  # (T, rd) or (B, T, rd)
             cos, sin = (cos, sin) if start is None else (cos[:, None], sin[:, None])  # (B, 1, T, rd)
             if self.visual is not None and self.vision_in_every_forward:
                 x = idle_vision(self.visual, x)
         else:
-            x, cos, sin, image_tokens, deepstack = embed_images(self, input_ids, x, pixel_values, image_grid_thw, start)
+            x, cos, sin, image_tokens, deepstack = embed_images(
+                self, input_ids, x, pixel_values, image_grid_thw, start, positions)
         routes, m, self.positions = [], 0, (cos, sin, mask)  # mtp_hidden runs the MTP layers at these positions
         for i, block in enumerate(self.model.layers):
             replay = routed_experts[:, :, m] if block.is_moe and routed_experts is not None else None

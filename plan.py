@@ -4,11 +4,11 @@ Before any work: every config key checked, and the dry-run planner (per-GPU memo
     python train.py --config configs/moe_700b.py --dry_run=True    # plan any config on a CPU, in seconds
     .venv/bin/python -m pytest tests/test_config.py tests/test_dry_run.py -q
 
-`check_config` runs before Ray, the engines or the model start: a wrong value stops the run with one sentence naming
-the key and what it accepts. The dry run (train.dry_run_main) shards the model on the meta device with the trainer's own
-code against torch's fake process group and hands this file rank 0's shard sizes (train.measure_shards); the
-arithmetic here turns them into bytes per GPU, GPU counts and the weight-sync volume. This file never imports the
-trainer.
+`check_config` runs before Ray, the engines or the model start: a wrong value stops the run with one
+sentence naming the key and what it accepts. The dry run (train.dry_run_main) shards the model on
+the meta device with the trainer's own code against torch's fake process group and hands this file
+the sharded model, whose rank 0 shards measure_shards counts; the arithmetic here turns them into
+bytes per GPU, GPU counts and the weight-sync volume. This file never imports the trainer.
 """
 
 import dataclasses
@@ -18,10 +18,12 @@ import os
 import sys
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 import lora
 import loss
-from model import ModelConfig, load_config, num_params, write_json
+from experts import local as local_tensor
+from model import ModelConfig, is_stacked_experts, load_config, num_params, write_json
 from tiny import tiny_model_config
 
 
@@ -36,7 +38,8 @@ class ConfigError(ValueError):
 RANGES = {
     (lambda v: v >= 1, ">= 1"): ("checkpoint_every", "num_engines", "tensor_parallel_size", "group_size",
                                  "groups_per_batch", "groups_in_flight", "max_tokens", "max_steps", "microbatch_tokens",
-                                 "logprob_chunk_size", "train_world_size", "ep_size", "gpus_per_node",
+                                 "logprob_chunk_size", "train_world_size", "ep_size", "cp_size",
+                                 "gpus_per_node",
                                  "max_images_per_prompt"),
     (lambda v: v >= 0, ">= 0 (0: no drafting)"): ("speculative_tokens",),
     (lambda v: v >= 2, ">= 2"): ("engine_max_model_len",),
@@ -100,6 +103,7 @@ def check_config(cfg, mcfg=None, world_size=None):
     if W % ep:
         raise ConfigError(f"train_world_size ({W}) is not divisible by ep_size ({ep}): expert-parallel groups "
                           "need whole sets of ep_size ranks")
+    check_context_parallel(cfg, W)
     if ep > 1 and not mcfg.is_moe:
         raise ConfigError(f"ep_size={ep} needs a MoE model, but the model is dense (num_experts=0): use ep_size=1")
     if mcfg.is_moe and mcfg.num_experts % ep:
@@ -137,6 +141,21 @@ def check_config(cfg, mcfg=None, world_size=None):
         raise ConfigError(f"min_lr ({cfg['min_lr']}) is above {peak} ({cfg[peak]}): the schedule decays from {peak} "
                           "to min_lr")
     return mcfg
+
+
+def check_context_parallel(cfg, W):
+    """cp_size: whole groups of consecutive ranks, and the loss terms that read one sequence's
+    tokens together (a sequence-level importance weight, GSPO's ratio) kept off it: each rank sees
+    only its pieces of a row."""
+    cp = cfg["cp_size"]
+    if W % cp:
+        raise ConfigError(f"train_world_size ({W}) is not divisible by cp_size ({cp}): "
+                          "context-parallel groups need whole sets of cp_size ranks")
+    if cp > 1 and (cfg["is_level"] in ("sequence", "geometric") or cfg["loss_type"] == "gspo"):
+        raise ConfigError(f"cp_size={cp} splits each sequence over ranks, and "
+                          f"is_level={cfg['is_level']!r} / loss_type={cfg['loss_type']!r} read a "
+                          "whole sequence's tokens at once: use is_level 'token' or 'none' and "
+                          "loss_type 'ppo', or cp_size=1")
 
 
 def planned_model_config(cfg):
@@ -270,14 +289,14 @@ def vision_activation_bytes(vc, checkpointing, dtype_bytes=2, patches=784):
     return patches * (once + blocks + mergers)
 
 
-# NCCL bandwidth the all-to-all projection uses: a broadcast between 2 H200s over NVLink measured 370 GB/s
-# (README, `torchrun --nproc_per_node=2 bench.py sync`); an 8-GPU all-to-all was not measured
+# NCCL bandwidth the all-to-all projection uses: a broadcast between 2 H200s over NVLink, as
+# `torchrun --nproc_per_node=2 bench.py sync` measures it (README); no 8-GPU all-to-all is measured
 NCCL_GBPS = 370.0
 
 
 def ep_all_to_all(mcfg, tokens, ep, checkpointing):
     """What expert parallelism sends per rank, MoE layer and microbatch of `tokens` tokens: each token crosses once
-    to every other rank that holds one of its top-k experts (train.ExpertParallel.dispatch), as bf16 rows of the
+    to every other rank that holds one of its top-k experts (experts.dispatch), as bf16 rows of the
     model width with its routing weights and expert ids, and comes back the same way (its combine); backward sends
     the gradients back along both routes, and activation checkpointing runs the forward's two again. Uniform routing:
     a rank holds none of a token's k experts with probability C(E - E/ep, k) / C(E, k). Returns (remote rows per
@@ -290,9 +309,74 @@ def ep_all_to_all(mcfg, tokens, ep, checkpointing):
     return remote_rows, nbytes, nbytes / (NCCL_GBPS * 1e9)
 
 
+def measure_shards(model):
+    """Rank 0's parameter counts of a sharded (meta) model, for plan_memory: its shards of the dense
+    and the expert weights, of what trains and of the vision tower; the unsharded sizes of the root
+    fully_shard unit and of the largest block (its sub-units, the experts, included): what an
+    all-gather materializes; whether the experts are kept outside FSDP (train.keep_experts_local
+    gave them a cast)."""
+    local = {n: local_tensor(p).numel() for n, p in model.named_parameters()}
+    units = {name: 0 for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+    for n, p in model.named_parameters():  # the unit that gathers p: the innermost one holding it
+        units[max((u for u in units if u == "" or n.startswith(u + ".")), key=len)] += p.numel()
+    blocks = [f"model.layers.{i}" for i in range(len(model.model.layers))]
+    experts = sum(v for n, v in local.items() if is_stacked_experts(n))
+    return dict(dense=sum(local.values()) - experts, expert=experts,
+                trainable=sum(local[n] for n, p in model.named_parameters() if p.requires_grad),
+                vision=sum(v for n, v in local.items() if n.startswith("visual.")),
+                root_numel=units[""],
+                block_numel=max(sum(v for u, v in units.items() if u == b or u.startswith(b + "."))
+                                for b in blocks),
+                experts_skip_fsdp=any(getattr(m, "cast_weights", None) is not None
+                                      for m in model.modules()))
+
+
+# what the torch chunked delta rule (gdn.chunk_gated_delta_rule_torch, with `incoming`: the path
+# under context parallelism) saves for backward, per token and value head: 84 dk + 20 dv bytes (fp32
+# pieces of width dk and dv, and of the chunk's 64), measured with
+# torch.autograd.graph.saved_tensors_hooks at dk, dv in {64, 128} (Qwen3.6's 128, 128: 13,085 bytes)
+GDN_TORCH_BYTES = (84, 20)
+
+
+def context_parallel_bytes(mcfg, tokens, local, cp, checkpointing, b):
+    """What context parallelism adds to a rank's memory, (saved for backward without activation
+    checkpointing, transient): each attention layer's all-gathered K and V of the whole row of
+    `tokens` (kept for backward; their gradient before the reduce-scatter as large), and the Gated
+    DeltaNet layers' torch path over the rank's `local` tokens (GDN_TORCH_BYTES) instead of fla's.
+    With checkpointing one layer of each kind at a time."""
+    if cp == 1:
+        return 0, 0
+    lin = sum(mcfg.layer_type(i) == "linear_attention" for i in range(mcfg.num_hidden_layers))
+    attn = mcfg.num_hidden_layers - lin + mcfg.mtp_num_hidden_layers
+    kv = 2 * b * tokens * mcfg.num_key_value_heads * mcfg.head_dim  # one layer's gathered K and V
+    dk, dv = mcfg.linear_key_head_dim, mcfg.linear_value_head_dim
+    per_head = GDN_TORCH_BYTES[0] * dk + GDN_TORCH_BYTES[1] * dv
+    delta = local * mcfg.linear_num_value_heads * per_head * (lin > 0)
+    if checkpointing:
+        return 0, 2 * kv + 2 * delta
+    return attn * kv + lin * delta, kv + delta
+
+
+def context_parallel_volume(mcfg, tokens, cp, checkpointing, b):
+    """What a rank receives per microbatch under context parallelism: per attention layer the
+    all-gather of the other ranks' K and V ((cp - 1) / cp of the row's) and in backward the
+    reduce-scatter of their gradients; per Gated DeltaNet layer the other pieces' conv context
+    (kernel - 1 rows) and state maps ((H, dk, dk + dv) fp32 a piece, whatever its length) both ways;
+    activation checkpointing's recompute gathers again. Returns (bytes, bytes of the attention
+    layers, seconds at NCCL_GBPS, unoverlapped)."""
+    lin = sum(mcfg.layer_type(i) == "linear_attention" for i in range(mcfg.num_hidden_layers))
+    attn = mcfg.num_hidden_layers - lin + mcfg.mtp_num_hidden_layers
+    passes = 3 if checkpointing else 2
+    kv = attn * (cp - 1) / cp * 2 * b * tokens * mcfg.num_key_value_heads * mcfg.head_dim
+    nv, dk, dv = mcfg.linear_num_value_heads, mcfg.linear_key_head_dim, mcfg.linear_value_head_dim
+    conv = (mcfg.linear_conv_kernel_dim - 1) * (2 * mcfg.linear_num_key_heads * dk + nv * dv) * b
+    gdn = lin * (cp - 1) * 2 * (4 * nv * dk * (dk + dv) + conv)
+    return passes * (kv + gdn), passes * kv, passes * (kv + gdn) / (NCCL_GBPS * 1e9)
+
+
 def plan_memory(cfg, mcfg, shards):
-    """Per-GPU bytes of rank 0 from its measured shards (train.measure_shards: parameter counts of the sharded meta
-    model), and the rollout side from the config. Returns a dict of figures."""
+    """Per-GPU bytes of rank 0 from its measured shards (measure_shards: parameter counts of the
+    sharded meta model), and the rollout side from the config. Returns a dict of figures."""
     W, ep = cfg["train_world_size"], cfg["ep_size"]
     b = getattr(torch, cfg["param_dtype"]).itemsize  # compute dtype: what FSDP all-gathers and activations are in
     p_dense, p_expert, trainable = shards["dense"], shards["expert"], shards["trainable"]
@@ -300,10 +384,16 @@ def plan_memory(cfg, mcfg, shards):
     # LoRA: the adapters train (fp32 master, gradient, AdamW m and v); the frozen base (LoRA's; with train_vision
     # False, the tower) is stored in param_dtype under LoRA, else in fp32
     tokens = max(cfg["microbatch_tokens"], cfg["engine_max_model_len"])
+    # context parallelism: this rank's two pieces of every row (context.py); the whole row's K and V
+    # and the Gated DeltaNet's torch path are the extra (context_parallel_bytes)
+    cp, ckpt = cfg["cp_size"], cfg["activation_checkpointing"]
+    local = tokens if cp == 1 else max(-(-tokens // (2 * cp)), 4) * 2
+    cp_saved, cp_transient = context_parallel_bytes(mcfg, tokens, local, cp, ckpt, b)
     root_numel, block_numel = shards["root_numel"], shards["block_numel"]
     # a trained tower's activations, at most one 448x448 image (784 patches, 196 tokens) per 196 tokens of the
     # microbatch: the bound where every token is an image token (a frozen tower keeps none); they join the text's
     images = tokens // (784 // mcfg.vision.spatial_merge_size ** 2) if mcfg.vision else 0
+    images = -(-images // cp)  # under CP a rank runs the tower on its share (model.context_vision)
     per_image = {c: vision_activation_bytes(mcfg.vision, c, b) if mcfg.vision and cfg["train_vision"] else 0
                  for c in (True, False)}
     figures = dict(
@@ -323,22 +413,26 @@ def plan_memory(cfg, mcfg, shards):
         gather_bytes=2 * b * root_numel + (mcfg.num_hidden_layers if W == 1 else 2) * b * block_numel +
         (b + 4) * block_numel,
         root_numel=root_numel, block_numel=block_numel, tokens=tokens,
-        act_bytes_ckpt=activation_bytes(mcfg, tokens, True, b, ep > 1) + images * per_image[True],
+        act_bytes_ckpt=activation_bytes(mcfg, local, True, b, ep > 1) + images * per_image[True],
         # + experts kept outside FSDP (train.experts_skip_fsdp): autograd keeps each layer's cast of them to the
         # compute dtype (none when that is fp32 itself)
-        act_bytes_full=activation_bytes(mcfg, tokens, False, b, ep > 1) +
+        act_bytes_full=activation_bytes(mcfg, local, False, b, ep > 1) + cp_saved +
         (b * p_expert if shards["experts_skip_fsdp"] and b < 4 else 0) + images * per_image[False],
         # chunked logprobs: fp32 logits of one chunk, their softmax and its gradient (loss.token_logprobs)
-        logits_bytes=3 * 4 * min(cfg["logprob_chunk_size"], tokens) * mcfg.vocab_size,
+        logits_bytes=3 * 4 * min(cfg["logprob_chunk_size"], local) * mcfg.vocab_size,
         # Gated DeltaNet under fla: one layer's backward recomputes its chunk states (a (dk, dv) state per value head
         # and 64 tokens) and makes their gradient, in the compute dtype
         linear_layers=[i for i in range(mcfg.num_hidden_layers) if mcfg.layer_type(i) == "linear_attention"],
-        gdn_state_bytes=2 * b * -(-tokens // 64) * mcfg.linear_num_value_heads * mcfg.linear_key_head_dim *
+        gdn_state_bytes=(cp == 1) * 2 * b * -(-tokens // 64) * mcfg.linear_num_value_heads *
+        mcfg.linear_key_head_dim *
         mcfg.linear_value_head_dim * ("linear_attention" in (mcfg.layer_types or [])),
-        gpu_bytes=cfg["gpu_memory_gib"] * GiB)
+        gpu_bytes=cfg["gpu_memory_gib"] * GiB, cp=cp, local_tokens=local,
+        cp_transient_bytes=cp_transient,
+        cp_comm=context_parallel_volume(mcfg, tokens, cp, ckpt, b) if cp > 1 else None)
     on_gpu_state = 0 if cfg["cpu_offload_optimizer"] else (figures["params_bytes"] + figures["grads_bytes"] +
                                                           figures["optimizer_bytes"] + figures["reference_bytes"])
-    transient = figures["gather_bytes"] + figures["logits_bytes"] + figures["gdn_state_bytes"]
+    transient = (figures["gather_bytes"] + figures["logits_bytes"] + figures["gdn_state_bytes"] +
+                 cp_transient)
     ckpt, full = figures["act_bytes_ckpt"], figures["act_bytes_full"]
     act, other = (ckpt, full) if cfg["activation_checkpointing"] else (full, ckpt)  # as configured, and the other
     figures["total_bytes"], figures["total_bytes_other_ckpt"] = (on_gpu_state + transient + a for a in (act, other))
@@ -367,7 +461,7 @@ def plan_memory(cfg, mcfg, shards):
     figures["rollout_gpus"] = cfg["num_engines"] * tp
     figures["moe_layers"] = len(mcfg.moe_layers)
     if mcfg.is_moe:
-        figures["all_to_all"] = ep_all_to_all(mcfg, tokens, ep, cfg["activation_checkpointing"])
+        figures["all_to_all"] = ep_all_to_all(mcfg, local, ep, cfg["activation_checkpointing"])
     return figures
 
 
@@ -423,7 +517,8 @@ def print_plan(cfg, p):
         f"  optimizer         {gib(p['optimizer_bytes'])}  AdamW m and v, fp32  [{where}]",
     ] + ([f"  reference         {gib(p['reference_bytes'])}  kl_coef > 0: frozen copy of the initial weights, "
           f"{cfg['param_dtype']}, sharded like them  [{where}]"] if p["reference_bytes"] else []) + ([f"  vision tower      {M(p['params_vision_local'])} of the dense parameters on this rank, " + (
-        f"trained: activations below include {p['images']} 448x448 images per microbatch (every token an image "
+        f"trained: activations below include {p['images']} 448x448 images per microbatch and rank "
+        "(every token an image "
         f"token) at {gib(p['vision_act_bytes_per_image'][ckpt]).strip()} each" if cfg["train_vision"] else
         "frozen (train_vision=False): no gradients, no AdamW state, no activations kept")]
         if p["params_vision_local"] else []) + [
@@ -431,11 +526,20 @@ def print_plan(cfg, p):
         f"forward to end of backward, with its gradient) + 2 x largest block ({M(p['block_numel'])} incl. "
         "its experts) + that block's gradient for the reduce-scatter",
         f"  activations       {gib(p['act_bytes_ckpt'])}  with activation checkpointing, "
-        f"{p['tokens']:,} tokens per microbatch (max of microbatch_tokens, engine_max_model_len)",
+        f"{p['tokens']:,} tokens per microbatch (max of microbatch_tokens, engine_max_model_len)" +
+        (f", {p['local_tokens']:,} of each row on this rank (cp_size {p['cp']})"
+         if p["cp"] > 1 else ""),
         f"  activations       {gib(p['act_bytes_full'])}  without activation checkpointing",
-    ] + ([f"  GDN states        {gib(p['gdn_state_bytes'])}  one Gated DeltaNet layer's chunk states and their "
-          f"gradient in its backward (fla); linear-attention layers {', '.join(map(str, p['linear_layers']))}"]
-         if p["linear_layers"] else []) + [
+    ] + ([f"  context parallel  {gib(p['cp_transient_bytes'])}  one layer's all-gathered K and "
+          "V of the whole row and their gradient" +
+          (", one Gated DeltaNet layer's torch path (saved tensors and gradients)"
+           if p["linear_layers"] else "") +
+          (" (kept per layer: in the activations without checkpointing)" if not ckpt else "")]
+         if p["cp"] > 1 else []) + (
+        [f"  GDN states        {gib(p['gdn_state_bytes'])}  one Gated DeltaNet layer's chunk "
+          f"states and their gradient in its backward (fla); linear-attention layers "
+          f"{', '.join(map(str, p['linear_layers']))}"]
+         if p["linear_layers"] and p["cp"] == 1 else []) + [
         f"  logprob chunk     {gib(p['logits_bytes'])}  fp32 logits, softmax, gradient of one "
         f"{cfg['logprob_chunk_size']}-token chunk",
         f"  total             {gib(p['total_bytes'])}  of {cfg['gpu_memory_gib']:g} GiB "
@@ -454,6 +558,13 @@ def print_plan(cfg, p):
         f"{' and the extra GDN states' if p['linear_layers'] else ''})" if p["drafter_weight_bytes"] else ""),
         f"engine options: {p['engine_check']}",
     ]
+    if p["cp"] > 1:
+        nbytes, kv, seconds = p["cp_comm"]
+        rest = ", the rest Gated DeltaNet state maps and conv context" if p["linear_layers"] else ""
+        lines.append(f"context-parallel traffic per rank and microbatch: {nbytes / 1e9:.2f} GB "
+                     f"received ({kv / 1e9:.2f} GB all-gathered K/V and their gradients' "
+                     f"reduce-scatter{rest}), about {seconds * 1e3:.1f} ms at {NCCL_GBPS:g} GB/s "
+                     "unoverlapped (docs/context_parallel.md)")
     if ep > 1 and p["moe_layers"]:
         rows, nbytes, seconds = p["all_to_all"]
         lines.append(f"expert-parallel all-to-all per rank, MoE layer and microbatch: {nbytes / 1e9:.2f} GB "

@@ -17,6 +17,7 @@ import re
 import os
 import time
 import uuid
+from functools import wraps
 
 from starlette.responses import JSONResponse
 
@@ -665,6 +666,21 @@ def error_response(protocol, status, message, param=None):
     return JSONResponse(error_body(protocol, status, message, param), status_code=status, headers=headers)
 
 
+def json_handler(protocol):
+    """An HTTP handler returning JSON; a RequestError it raises is answered in `protocol`'s error
+    format."""
+    def wrap(handler):
+        @wraps(handler)
+        async def handle(self, request):
+            try:
+                reply = await handler(self, request)
+            except RequestError as e:
+                return error_response(protocol, e.status, e.message, e.param)
+            return JSONResponse(reply)
+        return handle
+    return wrap
+
+
 def openai_completion(result):
     m = result["message"]
     # reasoning_content as vLLM's reasoning parsers and DeepSeek's API give it
@@ -746,6 +762,20 @@ def json_or(text, default):
 def same_json(a, b):
     """Whether both are JSON, of the same value."""
     return json_or(a, object()) == json_or(b, object())  # two texts that are no JSON: two objects, never equal
+
+
+def same_message(a, b):
+    """Equal as the model sees them: tool-call ids ignored, tool-call arguments compared as JSON;
+    an echo `b` without the reasoning of our own message `a` matches it (SDKs that drop reasoning
+    from the messages they send back)."""
+    def canonical(m):
+        # arguments that are no JSON (or nest too deep to read) compared as text
+        calls = [(c["function"]["name"], json_or(args := c["function"]["arguments"], args))
+                 for c in m.get("tool_calls") or []]
+        return (m["role"], m.get("content") or "", calls, m.get("tool_call_id"),
+                m.get("reasoning_content") or "")
+    reasoning = b.get("reasoning_content") or a.get("reasoning_content")
+    return canonical(a) == canonical(dict(b, reasoning_content=reasoning))
 
 
 def stream_deltas(sent, content, calls, reasoning=""):
@@ -948,3 +978,4 @@ async def responses_events(items, request=None):
 PARSERS = {"openai": parse_openai, "anthropic": parse_anthropic, "responses": parse_responses}
 ANSWERS = {"openai": openai_completion, "anthropic": anthropic_message, "responses": responses_object}
 EVENTS = {"openai": openai_events, "anthropic": anthropic_events, "responses": responses_events}
+

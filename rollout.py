@@ -289,7 +289,8 @@ def put_experience(segment, reward, group_id, failed=False, error=None):
     # the encoded image files and their grids stay with the tokens: only the trainer rank that gets this segment
     # fetches and patches them (vl.with_pixels); `opened`: why this segment began (capture.CaptureServer.opening)
     arrays.update(attempt_id=segment["attempt_id"], segment_index=segment["segment_index"],
-                  opened=segment.get("opened"), images=list(segment.get("images") or []))
+                  opened=segment.get("opened"), images=list(segment.get("images") or []),
+                  parent=segment.get("parent"), started=segment.get("started"))  # its tree
     mask, versions = arrays["action_mask"], arrays["token_versions"]
     generated = versions[mask == 1]
     return dict(ref=ray.put(arrays), attempt_id=segment["attempt_id"], segment_index=segment["segment_index"],

@@ -9,15 +9,17 @@ checkpoint.py).
     python train.py --config configs/moe_700b.py --dry_run=True    # plan memory and GPUs: CPU, seconds (plan.py)
     python train.py --export_hf_dir=out/tiny/hf                # out_dir's last checkpoint as HF safetensors
 
-Defaults are the globals below; `--config FILE` executes a file of plain assignments over them; `--key=value`
-overrides are type-checked against the default; then plan.check_config checks every key. A bad key, type or value
-stops the run before any work. Sections, in order: config; the loop (main, train); the driver's plumbing; the
-train step; parallelism (meshes, fully_shard, expert-parallel dispatch, the dry run's measurement); model build
-and weight loading. Sharded checkpoints and the HF export are checkpoint.py's.
+Defaults are the globals below; `--config FILE` executes a file of plain assignments over them;
+`--key=value` overrides are type-checked against the default; then plan.check_config checks every
+key. A bad key, type or value stops the run before any work. Sections, in order: config; the loop
+(main, train); the driver's plumbing; the train step; parallelism (meshes, fully_shard, the dry
+run); model build. Expert-parallel dispatch and combine and the kernels are experts.py's; sharded
+checkpoints, the HF export and weight loading checkpoint.py's; the dry run's arithmetic plan.py's.
 """
 
 import ast
 import asyncio
+import dataclasses
 import datetime
 import inspect
 import json
@@ -27,11 +29,9 @@ import signal
 import sys
 import threading
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
@@ -44,10 +44,11 @@ import loss
 import plan
 import runlog
 import vl
-from checkpoint import export_hf, latest_checkpoint, load_checkpoint, local_tensor, save_checkpoint
-from experts import EXPERT_PROJS, AdamW, GatherRows, SumRows, count_ids, placed_like, slot_positions
-from model import (Transformer, checkpoint_reader, hf_name, init_parameters, is_stacked_experts, load_config,
-                   read_experts)
+from checkpoint import (copy_shard, export_hf, latest_checkpoint, load_checkpoint, load_hf_weights,
+                        local_tensor, save_checkpoint)
+from experts import EXPERT_PROJS, AdamW, CastForCompute
+from model import Transformer, init_parameters, is_stacked_experts, load_config
+from context import ContextParallel, split_microbatch
 from tiny import ensure_tiny_model, tiny_model_config
 from plan import ConfigError, check_config, loss_config
 from weights_sync import free_port
@@ -138,6 +139,8 @@ logprob_keep_logits = False  # keep the bf16 logits for backward (tokens * vocab
 # parallelism and precision
 train_world_size = 1       # trainer ranks; must equal torchrun's WORLD_SIZE (the dry run plans for it)
 ep_size = 1                # expert parallel degree; FSDP shards over the remaining ranks
+cp_size = 1                # context parallel degree: each sequence split over this many ranks
+                           # (docs/context_parallel.md)
 param_dtype = "float32"    # compute dtype (bfloat16 on GPU); master weights and reductions stay fp32
 activation_checkpointing = False
 cpu_offload_optimizer = False
@@ -234,15 +237,17 @@ def main(argv):
     # the rollout side, on rank 0: engines, router, capture server, pool
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engines' start-up and per-sync notes, unless asked
     ray = connect_ray(cfg, rank, world)
-    import rollout  # after connect_ray: the other ranks import ray only once its auth mode is set
-    gpus = rollout.trainer_gpus(ray, world)
+    from rollout import trainer_gpus  # after connect_ray: ranks import ray once its auth is set
+    gpus = trainer_gpus(ray, world)
     # a resumed run's pool continues the prompt stream after the prompts its earlier life drew
-    run = start_rollout(cfg, trainer_gpus=gpus, data_position=extra.get("data_position", 0)) if rank == 0 else None
+    start = extra.get("data_position", 0)
+    rollout = start_rollout(cfg, trainer_gpus=gpus, data_position=start) if rank == 0 else None
 
-    evals = train(cfg, model, optimizer, run, step, rank, world, extra.get("policy_version", step))
+    evals = train(cfg, model, optimizer, rollout, step, rank, world,
+                  extra.get("policy_version", step))
 
     if rank == 0:
-        stop_rollout(run)
+        stop_rollout(rollout)
         held_out = "".join(f"held-out eval/success {evals[v]['eval/success']:.3f} at policy version {v}; "
                            for v in sorted(evals)[:1] + sorted(evals)[1:][-1:])  # the first and the last
         print(f"done: {held_out}{cfg['out_dir']}/metrics.jsonl, {cfg['out_dir']}/curves.png, "
@@ -251,10 +256,11 @@ def main(argv):
     dist.destroy_process_group()
 
 
-def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
+def train(cfg, model, optimizer, rollout, step, rank, world, policy_version=None):
     """The loop, from `step` to max_steps: batch -> advantages -> each rank's refs -> train step -> weight sync ->
-    held-out evaluation (every eval_every steps) -> log -> checkpoint. Rank 0 drives (run: start_rollout's dict);
-    the others follow through collectives. Returns rank 0's evaluations, {policy_version: metrics}."""
+    held-out evaluation (every eval_every steps) -> log -> checkpoint. Rank 0 drives (rollout:
+    start_rollout's); the others follow through collectives. Returns rank 0's evaluations,
+    {policy_version: metrics}."""
     import weights_sync
     from tqdm import tqdm
     out_dir = cfg["out_dir"]
@@ -262,25 +268,27 @@ def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
     sender = weights_sync.WeightSender(adapter=lora.sync_config(cfg))  # LoRA: the adapters alone travel
     writer, evals = runlog.scalar_writer(cfg, rank), {}
     reference = build_reference(cfg, model, compute_device())  # kl_coef > 0: the initial weights
+    lcfg = loss_config(cfg)  # the loss's options, once for the run
     # one optimizer step that changes the weights = one policy version (a resumed run: the checkpoint's); the engines
     # start at version 0
     policy_version = step if policy_version is None else policy_version
     # the engines get the trainer's weights first: a resumed run's, or whatever they were started or left with
-    push_weights(run, loop, sender, model, policy_version, rank, world)
+    push_weights(rollout, loop, sender, model, policy_version, rank, world)
     if rank == 0:
-        run["pool"].start()  # after that sync, so that no attempt samples from the base weights
-        if policy_version == 0 and evaluate(run, cfg, 0, evals):
+        rollout.pool.start()  # after that sync, so that no attempt samples from the base weights
+        if policy_version == 0 and evaluate(rollout, cfg, 0, evals):
             runlog.log_step(out_dir, dict(step=0, policy_version=0, **evals[0]), writer)
-        run["router"].reset_idle_clock()
+        rollout.router.reset_idle_clock()
     bar = tqdm(total=cfg["max_steps"], initial=step, disable=rank != 0, dynamic_ncols=True)
     for step in range(step, cfg["max_steps"]):
         t0 = time.perf_counter()
-        records = run["pool"].next_batch() if rank == 0 else None
+        records = rollout.pool.next_batch() if rank == 0 else None
         t_batch = time.perf_counter()
-        m = rl_step(run, loop, sender, model, optimizer, records, cfg, policy_version, step, rank, world, reference)
+        m = rl_step(rollout, loop, sender, model, optimizer, records, cfg, lcfg, policy_version,
+                    step, rank, world, reference)
         trained, policy_version = policy_version, m["policy_version"]  # the version this step trained on, the new one
         if rank == 0:
-            pool = run["pool"].stats()
+            pool = rollout.pool.stats()
             rewards = {r["attempt_id"]: r["reward"] for r in records}  # an attempt counts once
             generated = [r for r in records if r["action_tokens"]]
             step_time = time.perf_counter() - t0
@@ -289,10 +297,12 @@ def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
                        mismatch_kl_current=m["mismatch_kl_current"],
                        stale_dropped=round(m["stale_frac"] * m["action_tokens"]),
                        failed_attempts=pool["failed_attempts"], timed_out_attempts=pool["timed_out_attempts"],
-                       dropped_groups=pool["dropped_groups"], engine_restarts=run["router"].restarts,
+                       dropped_groups=pool["dropped_groups"],
+                       engine_restarts=rollout.router.restarts,
                        tokens_per_s=sum(r["action_tokens"] for r in records) / step_time, step_time_s=step_time,
                        response_tokens=sum(r["action_tokens"] for r in records) / max(len(rewards), 1),
-                       batch_wait_s=t_batch - t0, sync_s=m["sync_s"], engine_idle=run["router"].idle_fraction(),
+                       batch_wait_s=t_batch - t0, sync_s=m["sync_s"],
+                       engine_idle=rollout.router.idle_fraction(),
                        # versions between the policy that sampled a segment's oldest token and the one training on it
                        staleness=sum(trained - r["min_version"] for r in generated) / max(len(generated), 1),
                        attempts=len(rewards), segments=len(records))
@@ -300,15 +310,16 @@ def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
             # fractions, advantage statistics, grad_norm, lr, skipped
             row.update({k: v for k, v in m.items() if k not in row and (v is None or isinstance(v, (int, float)))},
                        **runlog.info_means(records))
-            row.update(evaluate(run, cfg, policy_version, evals))  # after step_time: eval_s
+            row.update(evaluate(rollout, cfg, policy_version, evals))  # after step_time: eval_s
             runlog.log_step(out_dir, row, writer)
-            run["router"].reset_idle_clock()
+            rollout.router.reset_idle_clock()
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", step_s=f"{step_time:.1f}",
                             stale=f"{row['staleness']:.2f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
         bar.update(1)
         # the prompts drawn so far (rank 0 draws them): a resumed run's pool goes on from there
         checkpoint_if_due(cfg, model, optimizer, step, extra={
-            "policy_version": policy_version, "data_position": run["pool"].prompts_drawn if rank == 0 else 0})
+            "policy_version": policy_version,
+            "data_position": rollout.pool.prompts_drawn if rank == 0 else 0})
     bar.close()
     sender.close()
     loop.close()
@@ -318,32 +329,40 @@ def train(cfg, model, optimizer, run, step, rank, world, policy_version=None):
     return evals
 
 
-def rl_step(run, loop, sender, model, optimizer, records, cfg, policy_version, step, rank, world, reference=None):
+def rl_step(rollout, loop, sender, model, optimizer, records, cfg, lcfg, policy_version, step, rank,
+            world, reference=None):
     """One RL step of every rank on rank 0's batch `records`: advantages and this rank's segments (share_batch), the
     train step, the viewer's sample, and unless the step was skipped (non-finite gradients: no weight changed) a new
     policy version synced to the engines. Returns train_step's metrics with the new policy_version and sync_s
     (seconds; None: no sync)."""
     segments, advantages = share_batch(records, cfg, rank, world)
     m = train_step(model, optimizer, pack_microbatches(segments, advantages, cfg["microbatch_tokens"]), cfg,
-                   policy_version, step, reference=reference)
-    rank == 0 and run.get("recorder") and run["recorder"].add(step, records, segments, advantages, m["logprobs"])
+                   lcfg, policy_version, step, reference=reference)
+    if rank == 0 and rollout.recorder:
+        rollout.recorder.add(step, records, segments, advantages, m["logprobs"])
     m["policy_version"] = policy_version + (not m["skipped"])
-    m["sync_s"] = None if m["skipped"] else push_weights(run, loop, sender, model, m["policy_version"], rank, world)
-    if cfg["speculative_tokens"] and rank == 0 and run.get("drafts"):  # over the rollouts that fed this step
-        accepted, drafted = run.pop("drafts")
+    if not m["skipped"]:
+        m["sync_s"] = push_weights(rollout, loop, sender, model, m["policy_version"], rank, world)
+    else:
+        m["sync_s"] = None
+    if cfg["speculative_tokens"] and rank == 0 and rollout.drafts:  # the rollouts behind this step
+        (accepted, drafted), rollout.drafts = rollout.drafts, None
         m["draft_acceptance"] = accepted / max(drafted, 1)
     return m
 
 
-def evaluate(run, cfg, v, evals):
+def evaluate(rollout, cfg, v, evals):
     """Rank 0, when evaluation is due at policy version v (0, every eval_every, the last): the held-out prompts
     through the rollout pool at eval_temperature, on the weights the engines hold (the driver waits: no weight sync
     meanwhile). Results per prompt go to out_dir/eval_results.jsonl; the means to evals[v], and back ({}: not due)."""
-    if cfg["eval_every"] and run["eval_prompts"] and (v % cfg["eval_every"] == 0 or v == cfg["max_steps"]):
-        sampling, evals[v] = dict(run["pool"].sampling, temperature=cfg["eval_temperature"]), {}
-        # the held-out prompts; with images, the ablation too: each image blank (same size, same tokens), *_blank
-        for tail, prompts in (("", run["eval_prompts"]), ("_blank", run.get("blank_prompts"))):
-            means = prompts and run["pool"].evaluate(prompts, sampling, f"{cfg['out_dir']}/eval_results{tail}.jsonl", v)
+    due = cfg["eval_every"] and (v % cfg["eval_every"] == 0 or v == cfg["max_steps"])
+    if due and rollout.eval_prompts:
+        sampling, evals[v] = dict(rollout.pool.sampling, temperature=cfg["eval_temperature"]), {}
+        # the held-out prompts; with images, the ablation too: each image blank (same size, same
+        # tokens), *_blank
+        for tail, prompts in (("", rollout.eval_prompts), ("_blank", rollout.blank_prompts)):
+            path = f"{cfg['out_dir']}/eval_results{tail}.jsonl"
+            means = prompts and rollout.pool.evaluate(prompts, sampling, path, v)
             evals[v].update({k + tail: x for k, x in (means or {}).items()})
         return evals[v]
     return {}
@@ -364,12 +383,15 @@ def sft(cfg, model, optimizer, step, rank, world):
     batch, writer = cfg["groups_per_batch"] * cfg["group_size"], runlog.scalar_writer(cfg, rank)
     for step in tqdm(range(step, cfg["max_steps"]), initial=step, total=cfg["max_steps"], disable=rank != 0):
         t0 = time.perf_counter()
-        picks = [rows[order[(step * batch + i) % len(rows)]] for i in range(batch)][rank::world]
+        # the cp_size ranks of a context-parallel group share their transcripts (train_step cuts
+        # each row)
+        picks = [rows[order[(step * batch + i) % len(rows)]] for i in range(batch)][
+            rank // cfg["cp_size"]::world // cfg["cp_size"]]
         segments = [vl.with_pixels(dict(token_ids=ids, action_mask=mask, behavior_logprobs=[0.0] * len(ids),
                                         token_versions=[0] * len(ids), routed_experts=None, images=images),
                                    cfg["model_path"]) for ids, mask, images in picks]
         m = train_step(model, optimizer, pack_microbatches(segments, [0.0] * len(segments), cfg["microbatch_tokens"]),
-                       cfg, step, step, sft=True)
+                       cfg, None, step, step, sft=True)
         if rank == 0:
             runlog.log_step(cfg["out_dir"], dict(step=step + 1, loss=m["loss"], grad_norm=m["grad_norm"], lr=m["lr"],
                                           kept_tokens=m["kept_tokens"], step_time_s=time.perf_counter() - t0), writer)
@@ -388,7 +410,8 @@ def checkpoint_if_due(cfg, model, optimizer, step, extra=None):
 def build_trainer(cfg, world, device):
     """The sharded model and its optimizer, from the last checkpoint in out_dir when cfg["resume"]. Returns
     (model, optimizer, step, extra): extra is what save_checkpoint recorded beside the step ({} for a fresh run)."""
-    model = build_model(cfg, build_meshes(world, cfg["ep_size"], device.type), device, weights_path=cfg["model_path"])
+    meshes = build_meshes(world, cfg["ep_size"], device.type, cfg["cp_size"])
+    model = build_model(cfg, meshes, device, weights_path=cfg["model_path"])
     optimizer = build_optimizer(model, cfg)
     if not cfg["resume"]:
         return model, optimizer, 0, {}
@@ -437,6 +460,22 @@ def connect_ray(cfg, rank, world):
     return ray
 
 
+@dataclasses.dataclass
+class Rollout:
+    """Rank 0's rollout side of a run (start_rollout starts it, stop_rollout stops it)."""
+    router: object  # rollout.Router: requests to the engines, their restarts, the weight group
+    engines: list = dataclasses.field(default_factory=list)  # the engine actors
+    server: object = None  # capture.CaptureServer, in a background thread
+    pool: object = None  # rollout.RolloutPool of agent attempts (train() starts it)
+    placement: list = dataclasses.field(default_factory=list)  # placement groups, kept for the run
+    eval_prompts: list = dataclasses.field(default_factory=list)  # held out ([]: no evaluation)
+    blank_prompts: list = dataclasses.field(default_factory=list)  # the same, images blank
+    recorder: object = None  # viewer.Recorder (None: view_groups_per_step 0)
+    view: object = None  # the live viewer page's server (None: view_port 0)
+    cleanup: object = None  # stops what the agent's setup started, and the viewer
+    drafts: tuple = None  # (accepted, drafted): the engines' MTP drafts since the last sync
+
+
 def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
     """Rank 0: the engines (unless given; placed away from the trainer's GPUs), the router, the capture server in a
     background thread, and the rollout pool for the agent module and its prompts (train() starts it)."""
@@ -482,18 +521,19 @@ def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
         first_prompt=data_position,
         sampling=dict(temperature=cfg["temperature"], top_p=cfg["top_p"], max_tokens=cfg["max_tokens"]))
     blank = [vl.blank_images(p) for p in held_out] if cfg["eval_every"] else []
-    # the viewer's sample ("recorder") and live page ("view"), as the view_* keys ask; "cleanup" stops them too
-    return dict(engines=engines, router=router, server=server, pool=pool, placement=placement,
-                eval_prompts=held_out if cfg["eval_every"] else [], blank_prompts=blank if blank != held_out else [],
-                **viewer.start(cfg, cleanup))
+    # the viewer's sample (recorder) and live page (view), as the view_* keys ask; its cleanup stops
+    # them too
+    return Rollout(router, engines=engines, server=server, pool=pool, placement=placement,
+                   eval_prompts=held_out if cfg["eval_every"] else [],
+                   blank_prompts=blank if blank != held_out else [], **viewer.start(cfg, cleanup))
 
 
-def stop_rollout(run):
-    """Stop the pool, the capture server and what the agent's setup started (the engines stay: Ray ends them with
-    the driver)."""
-    run["pool"].stop()
-    run["server"].stop_thread()
-    run["cleanup"]()
+def stop_rollout(rollout):
+    """Stop the pool, the capture server and what the agent's setup started (the engines stay: Ray
+    ends them with the driver)."""
+    rollout.pool.stop()
+    rollout.server.stop_thread()
+    rollout.cleanup()
 
 
 def share_batch(records, cfg, rank, world):
@@ -510,8 +550,11 @@ def share_batch(records, cfg, rank, world):
             cfg["advantage_estimator"])
         with_tokens = [dict(r, advantage=float(a)) for r, a in zip(records, advantages) if r["ref"] is not None]
         # ray's pickler, not plain pickle: an object ref must carry its owner to be fetched by another process
-        shards = ray.cloudpickle.dumps(rollout.balance_by_tokens(with_tokens, world))
-    mine = ray.cloudpickle.loads(from_rank0(shards, world))[rank]
+        data_ranks = world // cfg["cp_size"]
+        shards = ray.cloudpickle.dumps(rollout.balance_by_tokens(with_tokens, data_ranks))
+    # the cp_size ranks of a context-parallel group share their segments (context.split_microbatch
+    # cuts them)
+    mine = ray.cloudpickle.loads(from_rank0(shards, world))[rank // cfg["cp_size"]]
     segments = ray.get([r["ref"] for r in mine])  # the only copy of token data that reaches this rank
     # the object store hands out read-only views; torch wants arrays it may write (a copy of a few KB each)
     segments = [{k: v.copy() if hasattr(v, "copy") else v for k, v in s.items()} for s in segments]
@@ -546,27 +589,28 @@ def pack_microbatches(segments, advantages, microbatch_tokens):
     return [dict(collate([segments[i] for i in g], [advantages[i] for i in g]), segment_rows=g) for g in groups]
 
 
-def push_weights(run, loop, sender, model, policy_version, rank, world):
+def push_weights(rollout, loop, sender, model, policy_version, rank, world):
     """Weight sync to the engines that are up; an engine restarted since the last sync first rejoins the weight
     group. Every rank takes part (rank 0 sends, the others join the gathers). Returns seconds, or None (skipped)."""
     import ray
     import weights_sync
     live = None
     if rank == 0:
-        live, changed = run["router"].live_engines()
+        live, changed = rollout.router.live_engines()
         if live and changed:
             host = "127.0.0.1" if len(ray.nodes()) == 1 else ray.util.get_node_ip_address()  # engines reach it
             loop.run_until_complete(weights_sync.connect_engines(live, sender, host=host, timeout_s=300))
-            run["router"].mark_connected(live)
+            rollout.router.mark_connected(live)
     if not from_rank0(bool(live), world):  # every engine is restarting: they get these weights at the next step's sync
         return None
     t0 = time.perf_counter()
     try:
         out = loop.run_until_complete(weights_sync.sync_weights(live, sender, model, policy_version))
-        run["drafts"] = out.get("drafts")  # the engines' draft tokens since the last sync (rank 0)
+        if rank == 0:
+            rollout.drafts = out.get("drafts")
     except ray.exceptions.RayActorError as e:  # an engine died during the sync: it rejoins after its restart
         print0(f"weight sync at version {policy_version} lost an engine ({type(e).__name__}); the run goes on")
-        run["router"].mark_connected([])
+        rollout.router.mark_connected([])
     return time.perf_counter() - t0
 
 
@@ -638,7 +682,9 @@ def microbatch_logprobs(model, mb, cfg, with_entropy=False, mtp_tokens=None):
     """The trainer's logprob of each target (B, T), with routing replay when mb carries routed_experts (and entropy,
     or None); given mtp_tokens, also mtp_loss's share of this microbatch."""
     hidden = model.hidden_states(mb["input_ids"], routed_experts=mb.get("routed_experts"),  # (B, T, D)
-                                 pixel_values=mb.get("pixel_values"), image_grid_thw=mb.get("image_grid_thw"))
+                                 pixel_values=mb.get("pixel_values"),
+                                 image_grid_thw=mb.get("image_grid_thw"),
+                                 positions=mb.get("positions"))
     lm_head = model.lm_head.weight  # unsharded: the root FSDP unit keeps its params gathered after forward
     keep = cfg["logprob_keep_logits"] and torch.is_grad_enabled()  # nothing to keep them for under no_grad
     out = loss.token_logprobs(hidden, lm_head, mb["targets"], cfg["temperature"], cfg["logprob_chunk_size"],
@@ -650,12 +696,20 @@ def mtp_loss(model, hidden, mb, mtp_tokens, chunk_size=1024):
     """MTP training (mtp_loss_coef): the MTP head's cross-entropy of token t + 2 from the trunk's hidden state at t
     and the embedding of token t + 1, summed where token t + 2 is in the row's segment (mtp_mask) and divided by
     mtp_tokens, that count over the window. The trunk, embeddings and lm_head are detached: only mtp.* learn."""
-    h = model.mtp_hidden(hidden, mb["targets"])[:, :-1]  # position t predicts targets[t + 1], the token t + 2
-    logprobs = loss.token_logprobs(h, model.lm_head.weight.detach(), mb["targets"][:, 1:], 1.0, chunk_size)[0]
+    h = model.mtp_hidden(hidden, mb["targets"])  # t predicts targets[t + 1], the token t + 2
+    # under context parallelism the split made that target before cutting the row
+    # (context.split_microbatch)
+    if "mtp_targets" in mb:
+        targets = mb["mtp_targets"]
+    else:
+        h, targets = h[:, :-1], mb["targets"][:, 1:]
+    logprobs = loss.token_logprobs(h, model.lm_head.weight.detach(), targets, 1.0, chunk_size)[0]
     return -(logprobs * mtp_mask(mb)).sum() / mtp_tokens.clamp(min=1)
 
 
 def mtp_mask(mb):  # collate's real tokens; packed rows (segment_ids): never across a segment boundary
+    if "mtp_real" in mb:  # context parallelism: made before the row was cut
+        return mb["mtp_real"]
     seg = mb.get("segment_ids")
     return mb["real"][:, 1:] * (1 if seg is None else seg[:, 1:] == seg[:, :-1])
 
@@ -683,9 +737,12 @@ def clip_grad_norm(model, max_norm, device, optimizer):
     return norm
 
 
-def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, sft=False, reference=None):
+def train_step(model, optimizer, microbatches, cfg, lcfg, policy_version, step=None, sft=False,
+               reference=None):
     """One optimizer step over this rank's microbatches of the window. Returns metrics (floats, same on all ranks).
-    sft=True: the supervised objective (loss.sft_loss: the mean NLL of the action-mask tokens, at temperature 1).
+    lcfg: the loss's options (loss.LossConfig: plan.loss_config(cfg), resolved once per run).
+    sft=True: the supervised objective instead (loss.sft_loss: the mean NLL of the action-mask
+    tokens, at temperature 1), which reads no loss option (lcfg may be None).
 
     microbatches: dicts of right-padded tensors (B, T): input_ids, targets (input_ids shifted by one), action_mask,
     behavior_logprobs, token_versions, advantages (B,) or (B, T), and routed_experts (B, T, L_moe, K) or None (see
@@ -698,7 +755,6 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
     t0 = time.perf_counter()
     step = policy_version if step is None else step
     device = compute_device()
-    lcfg = loss_config(cfg)
     if not microbatches:
         raise ValueError("train_step needs at least one microbatch on every rank")
     # every rank runs the same number of forward/backward passes (FSDP and all-to-all are collectives)
@@ -707,9 +763,12 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
     microbatches = list(microbatches) + [empty_microbatch(microbatches[0])] * (int(n.item()) - len(microbatches))
     microbatches = [{k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in mb.items()}
                     for mb in microbatches]
+    # context parallelism: this rank's pieces of every row; counts and losses sum disjoint slices
+    if model.context_parallel is not None:
+        microbatches = [split_microbatch(mb, model.context_parallel) for mb in microbatches]
 
     model.train()
-    if lcfg.kl_coef and not sft and reference is not None:
+    if not sft and lcfg.kl_coef and reference is not None:
         with torch.no_grad(), lora.base_only(reference):
             for mb in microbatches:
                 mb["ref_logprobs"] = microbatch_logprobs(reference, dict(mb, routed_experts=None), cfg)[0]
@@ -717,18 +776,20 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
             for unit in (u for u in reference.modules() if isinstance(u, FSDPModule)):
                 unit.reshard()
     old_logprobs = [None] * len(microbatches)
-    if lcfg.is_mode == "mask" and lcfg.is_level != "none" and not sft:  # rejection needs the trainer's logprobs first
+    # rejection needs the trainer's logprobs first
+    if not sft and lcfg.is_mode == "mask" and lcfg.is_level != "none":
         with torch.no_grad():
             old_logprobs = [microbatch_logprobs(model, mb, cfg)[0] for mb in microbatches]
     kept = [mb["action_mask"].bool() if sft else loss.kept_token_mask(old, mb["behavior_logprobs"], mb["action_mask"],
             mb["token_versions"], policy_version, lcfg) for old, mb in zip(old_logprobs, microbatches)]
     window_tokens = loss.count_window_tokens(kept)  # one all-reduce, before the first backward
-    mtp = loss.count_window_tokens([mtp_mask(mb) for mb in microbatches]) if lcfg.mtp_loss_coef and not sft else None
+    with_mtp, entropy = not sft and lcfg.mtp_loss_coef, not sft and lcfg.entropy_coef > 0
+    mtp = loss.count_window_tokens([mtp_mask(mb) for mb in microbatches]) if with_mtp else None
 
     metrics, kept_logprobs = [], []
     for old, mb in zip(old_logprobs, microbatches):
         logprobs, entropy, *mtp_l = microbatch_logprobs(model, mb, dict(cfg, temperature=1.0) if sft else cfg,
-                                                        with_entropy=lcfg.entropy_coef > 0 and not sft, mtp_tokens=mtp)
+                                                        with_entropy=entropy, mtp_tokens=mtp)
         mb_loss, mb_metrics = loss.sft_loss(logprobs, mb["action_mask"], window_tokens) if sft else loss.policy_loss(
             logprobs, old, mb["behavior_logprobs"], mb["advantages"], mb["action_mask"], mb["token_versions"],
             policy_version, lcfg, window_tokens, dp_world_size=1,  # gradients are summed over ranks
@@ -749,7 +810,7 @@ def train_step(model, optimizer, microbatches, cfg, policy_version, step=None, s
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     out = loss.reduce_metrics(metrics)
-    tokens = torch.tensor(sum(mb["input_ids"].numel() for mb in microbatches), device=device)
+    tokens = torch.tensor(sum(mb["targets"].numel() for mb in microbatches), device=device)
     dist.all_reduce(tokens)
     out.update(grad_norm=grad_norm, lr=lr, skipped=skipped, window_tokens=int(window_tokens.item()),
                tokens=int(tokens.item()), train_step_s=time.perf_counter() - t0, logprobs=kept_logprobs)
@@ -774,7 +835,8 @@ def print0(*args):
 
 
 # -----------------------------------------------------------------------------
-# parallelism: process group, device meshes, expert partition, fully_shard, expert-parallel dispatch/combine
+# parallelism: process group, device meshes, expert partition, fully_shard (expert-parallel dispatch
+# and combine: experts.py)
 #
 # Ranks are laid out as rank = expert_fsdp_index * ep_size + ep_index, so an expert-parallel group is ep_size
 # consecutive ranks (one node's NVLink domain when ep_size <= GPUs per node). Dense weights (attention, norms,
@@ -800,24 +862,32 @@ def init_distributed(timeout_s=600):
     return rank, world, device
 
 
-def build_meshes(world, ep_size, device_type):
+def build_meshes(world, ep_size, device_type, cp_size=1):
     """All device meshes of the trainer: `fsdp` (all ranks, dense weights), `experts` (ep x expert_fsdp, 2-D),
-    and its two 1-D slices `ep` (dispatch/combine) and `expert_fsdp` (FSDP of the local experts). ep_size divides
-    world (plan.check_config)."""
+    and its two 1-D slices `ep` (dispatch/combine) and `expert_fsdp` (FSDP of the local experts);
+    `cp` (None when cp_size is 1): the cp_size consecutive ranks that split each sequence,
+    rank = data_index * cp_size + cp_index. ep_size and cp_size divide world (plan.check_config).
+    CP needs nothing of FSDP or EP: its ranks hold the same weights as any other and different
+    tokens, which the window normalization and the MoE dispatch take as they take tokens of
+    different sequences."""
     fsdp = init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",))
     # mesh[ep_index, expert_fsdp_index] = expert_fsdp_index * ep_size + ep_index; the ep dimension comes first so
     # that a (Shard(0), FSDP's Shard) DTensor over it is the global expert tensor in expert order (checkpoints)
     layout = torch.arange(world).view(world // ep_size, ep_size).T
     experts = DeviceMesh(device_type, layout, mesh_dim_names=("ep", "expert_fsdp"))
-    return {"fsdp": fsdp, "experts": experts, "ep": experts["ep"], "expert_fsdp": experts["expert_fsdp"]}
+    groups = torch.arange(world).view(world // cp_size, cp_size)  # a row: a context-parallel group
+    cp = DeviceMesh(device_type, groups, mesh_dim_names=("dp", "cp"))["cp"] if cp_size > 1 else None
+    return {"fsdp": fsdp, "experts": experts, "ep": experts["ep"],
+            "expert_fsdp": experts["expert_fsdp"], "cp": cp}
 
 
 def meta_sharded_model(mcfg, meshes, cfg, frozen=False):
     """The model on the meta device with this rank's experts only (E / ep_size of each layer), fully_shard applied
     (frozen: all of it frozen in param_dtype, lora.apply)."""
-    ep = ExpertParallel(meshes["ep"]) if meshes["ep"].size() > 1 else None
+    ep = meshes["ep"].get_group() if meshes["ep"].size() > 1 else None  # experts.dispatch's group
+    cp = ContextParallel(meshes["cp"]) if meshes.get("cp") is not None else None
     with torch.device("meta"):
-        model = lora.apply(Transformer(mcfg, expert_parallel=ep), cfg, frozen)
+        model = lora.apply(Transformer(mcfg, expert_parallel=ep, context_parallel=cp), cfg, frozen)
     return shard_model(model, meshes, cfg)
 
 
@@ -863,8 +933,8 @@ def shard_model(model, meshes, cfg):
 def experts_skip_fsdp(meshes, cfg):
     """True when the expert FSDP mesh has one rank (ep_size = world): FSDP would have nothing to gather or reduce
     there, yet it would still copy and cast every expert weight at each forward and backward and its gradient once
-    per microbatch (about a tenth of a 1-GPU step; README, Performance). Offloaded optimizer state keeps FSDP
-    (it moves the shards)."""
+    per microbatch (a sizable share of a 1-GPU step). Offloaded optimizer state keeps FSDP (it moves
+    the shards)."""
     return meshes["expert_fsdp"].size() == 1 and not cfg["cpu_offload_optimizer"]
 
 
@@ -899,38 +969,6 @@ def keep_experts_local(experts, mesh, dtype, reuse_casts=False):
         lambda module, args: tuple(a.to(dtype) if torch.is_floating_point(a) else a for a in args))
 
 
-class CastForCompute(torch.autograd.Function):
-    """Local expert weights (fp32 DTensors on a one-rank mesh, stacked on dim 1 when several) -> one local tensor in
-    the compute dtype. Where the grouped GEMM experts compute with the cast (CUDA), they add the weights' gradients
-    into .grad themselves, in fp32 (experts.GroupedSwiGLU's `into`), and send this backward none. Otherwise its
-    backward returns each weight's gradient in fp32 (autograd takes it as .grad), or from a window's second
-    microbatch on adds it into .grad in place and returns None. torch.autograd.grad on these weights would not see
-    gradients added into .grad: the trainer accumulates into .grad."""
-
-    @staticmethod
-    def forward(ctx, dtype, *params):
-        ctx.params = params
-        ctx.set_materialize_grads(False)  # None when GroupedSwiGLU took the gradients
-        first = local_tensor(params[0])
-        out = first.new_empty(first.shape[0], sum(p.shape[1] for p in params), *first.shape[2:], dtype=dtype)
-        for part, p in zip(out.split([p.shape[1] for p in params], 1), params):
-            part.copy_(local_tensor(p))  # cast and stack in one pass
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        if grad is None:  # GroupedSwiGLU added the gradients into .grad itself
-            return (None,) * (len(ctx.params) + 1)
-        out = [None]
-        for p, g in zip(ctx.params, grad.split([p.shape[1] for p in ctx.params], 1)):
-            if p.grad is not None:
-                local_tensor(p.grad).add_(g)
-                out.append(None)
-            else:
-                out.append(placed_like(p, g.to(p.dtype, memory_format=torch.contiguous_format)))
-        return tuple(out)
-
-
 def expert_placement(experts, meshes):
     """FSDP cuts this rank's (E / ep, ...) expert tensors on dim 0 when the expert FSDP ranks divide E / ep, else on
     dim 1 where they divide it (FSDP2 cuts other dims evenly only). E.g. 1 expert per EP rank and 2 FSDP ranks: on
@@ -939,67 +977,6 @@ def expert_placement(experts, meshes):
     shapes = [getattr(experts, name).shape for name in EXPERT_PROJS]
     dim = 1 if shapes[0][0] % n and all(shape[1] % n == 0 for shape in shapes) else 0
     return lambda param: Shard(dim if param.shape[1] % n == 0 else 0)  # an adapter's rank may not divide
-
-
-# the autograd all-to-all; torch 2.13 suggests the traced functional collectives instead, but this one is the
-# same eager call on torch 2.11 and 2.13
-warnings.filterwarnings("ignore", message="torch.distributed.nn.functional.all_to_all_single is deprecated")
-
-
-def all_to_all(x, out_splits, in_splits, group):
-    """Autograd all-to-all of rows: backward sends the gradients back along the same routes."""
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    return dist_nn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-
-
-class ExpertParallel:
-    """The experts of each MoE layer split over the `ep` mesh's ranks, and the two all-to-alls experts.Experts calls
-    around its local experts: `dispatch` sends each token to the ranks holding its experts, `combine` brings the
-    weighted sums back."""
-
-    def __init__(self, ep_mesh):
-        self.group, self.size, self.rank = ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank()
-
-    def dispatch(self, x, topk_ids, topk_weights, num_experts):
-        """Send each token once to every rank holding one of its chosen experts, with its choices there.
-
-        x (N, D), topk_ids (N, K) global expert ids, topk_weights (N, K). A token with several experts on one rank
-        crosses once, not once per expert (with top-8 of 128 experts on 2 ranks: 2 rows per token instead of 8).
-        Returns what arrived, x_recv (R, D) with ids_recv (R, K) local expert ids (E_local for choices held
-        elsewhere) and weights_recv (R, K), the number of local choices among them (a host int), and the routes
-        `combine` needs.
-        """
-        N, K = topk_ids.shape
-        ep, device, group = self.size, x.device, self.group
-        E_local = num_experts // ep
-        rank_of = topk_ids // E_local  # (N, K) the rank holding each choice
-        on_rank = torch.zeros(N, ep, dtype=torch.bool, device=device).scatter_(1, rank_of, True)  # (N, ep)
-        # 1. counts first. For each destination rank: rows, then choices per local expert
-        choices = count_ids(topk_ids.flatten(), num_experts)
-        send_counts = torch.cat([on_rank.sum(0).view(ep, 1), choices.view(ep, E_local)], dim=1)  # (ep, 1 + E_local)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=group)
-        # NOTE: device-to-host sync (one per MoE layer): all_to_all_single takes its split sizes as Python ints
-        splits = torch.cat([send_counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum().view(1)]).tolist()
-        send_rows, recv_rows, pairs = splits[:ep], splits[ep:2 * ep], splits[-1]
-        # 2. the rows, in (destination rank, token) order: slot n * ep + r is token n's copy for rank r
-        slot_rank = torch.where(on_rank, torch.arange(ep, device=device), ep).flatten()  # (N*ep,), ep: not sent
-        slots = slot_rank.argsort(stable=True)[:sum(send_rows)]
-        position = slot_positions(slots, N * ep)
-        token, dest = slots // ep, slots % ep
-        held = rank_of.index_select(0, token) == dest.unsqueeze(1)  # (S, K) the choices the destination holds
-        ids_send = torch.where(held, topk_ids.index_select(0, token) % E_local, E_local)  # their ids there
-        x_recv = all_to_all(GatherRows.apply(x, slots, position, ep), recv_rows, send_rows, group)  # (R, D)
-        weights_recv = all_to_all(GatherRows.apply(topk_weights, slots, position, ep), recv_rows, send_rows, group)
-        ids_recv = ids_send.new_empty((sum(recv_rows), K))
-        dist.all_to_all_single(ids_recv, ids_send, recv_rows, send_rows, group=group)
-        return x_recv, ids_recv, weights_recv, pairs, (slots, position, send_rows, recv_rows)
-
-    def combine(self, y_recv, routes):
-        """Send each rank's weighted sums back to the tokens' ranks and add up each token's copies."""
-        slots, position, send_rows, recv_rows = routes
-        y_back = all_to_all(y_recv, send_rows, recv_rows, self.group)  # (S, D) in dispatch's send order
-        return SumRows.apply(y_back, slots, position, self.size)  # (N, D)
 
 
 def dry_run_main(cfg):
@@ -1013,8 +990,8 @@ def dry_run_main(cfg):
         mcfg = check_config(cfg, world_size=plan.launched_world_size())
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg["train_world_size"])
         try:
-            shards = measure_shards(meta_sharded_model(mcfg, build_meshes(cfg["train_world_size"], cfg["ep_size"],
-                                                                          "cpu"), cfg), cfg)
+            meshes = build_meshes(cfg["train_world_size"], cfg["ep_size"], "cpu", cfg["cp_size"])
+            shards = plan.measure_shards(meta_sharded_model(mcfg, meshes, cfg))
         finally:
             dist.destroy_process_group()
         figures = plan.plan_run(cfg, mcfg, shards)
@@ -1022,23 +999,6 @@ def dry_run_main(cfg):
         sys.exit(f"dry run: {e}")
     plan.print_plan(cfg, figures)
     return figures
-
-
-def measure_shards(model, cfg):
-    """Rank 0's parameter counts of a sharded (meta) model, for plan.plan_memory: its shards of the dense and the
-    expert weights, of what trains and of the vision tower; the unsharded sizes of the root fully_shard unit and of
-    the largest block (its sub-units, the experts, included): what an all-gather materializes."""
-    local = {n: local_tensor(p).numel() for n, p in model.named_parameters()}
-    units = {name: 0 for name, m in model.named_modules() if isinstance(m, FSDPModule)}
-    for n, p in model.named_parameters():  # the unit that gathers p: the innermost one holding it
-        units[max((u for u in units if u == "" or n.startswith(u + ".")), key=len)] += p.numel()
-    blocks = [f"model.layers.{i}" for i in range(len(model.model.layers))]
-    return dict(dense=sum(v for n, v in local.items() if not is_stacked_experts(n)),
-                expert=sum(v for n, v in local.items() if is_stacked_experts(n)),
-                trainable=sum(local[n] for n, p in model.named_parameters() if p.requires_grad),
-                vision=sum(v for n, v in local.items() if n.startswith("visual.")), root_numel=units[""],
-                block_numel=max(sum(v for u, v in units.items() if u == b or u.startswith(b + ".")) for b in blocks),
-                experts_skip_fsdp=experts_skip_fsdp(model.meshes, cfg))
 
 
 def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_std=0.02, frozen=False):
@@ -1060,35 +1020,6 @@ def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_
     for p, full in lora.initial_adapters(model, cfg["seed"]):
         copy_shard(p, full)
     return model
-
-
-@torch.no_grad()
-def load_hf_weights(model, path):
-    """Fill each rank's shards from an HF safetensors directory; files are memory-mapped and each rank copies
-    only its rows (for experts, only its own experts), so no rank ever holds the whole model."""
-    read, cfg = checkpoint_reader(path), model.config
-    for name, p in model.named_parameters():
-        # adapters are not in the checkpoint (build_model initializes them); a tied lm_head is embed_tokens itself
-        if lora.is_adapter(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
-            continue
-        if is_stacked_experts(name):
-            first = model.get_submodule(name.rsplit(".", 1)[0]).first_expert
-            full = read_experts(read, name, range(first, first + p.shape[0]), cfg)  # p.shape[0]: this rank's experts
-        else:
-            full = read(hf_name(name, cfg))
-        copy_shard(p, full)
-
-
-@torch.no_grad()
-def copy_shard(p, full):
-    """Copy this rank's FSDP shard of `full` into parameter p (chunks on its shard dim, as FSDP and torch.chunk cut
-    them)."""
-    if tuple(full.shape) != tuple(p.shape):
-        raise ValueError(f"checkpoint tensor of shape {tuple(full.shape)} does not fit parameter of shape {tuple(p.shape)}")
-    if isinstance(p, DTensor):
-        chunks, r = full.chunk(p.device_mesh.size(), dim=p.placements[0].dim), p.device_mesh.get_local_rank()
-        full = chunks[r] if r < len(chunks) else full[:0]
-    local_tensor(p).copy_(full.to(p.dtype))
 
 
 def deliver_lost_interrupts(unraisable, report=sys.unraisablehook):

@@ -242,7 +242,9 @@ def segment_record(arrays, tokenizer, trainer_logprobs=None):
     ids = [int(t) for t in arrays["token_ids"]]
     routes = arrays.get("routed_experts")  # left out when too many
     return dict(attempt_id=arrays["attempt_id"], segment_index=int(arrays["segment_index"]),
-                opened=arrays.get("opened"), token_ids=ids, tokens=tokenizer.batch_decode([[t] for t in ids]),
+                opened=arrays.get("opened"), parent=arrays.get("parent"),
+                started=arrays.get("started"),
+                token_ids=ids, tokens=tokenizer.batch_decode([[t] for t in ids]),
                 action_mask=[int(m) for m in arrays["action_mask"]],
                 behavior_logprobs=[round(float(x), 5) for x in arrays["behavior_logprobs"]],
                 token_versions=[int(v) for v in arrays["token_versions"]], trainer_logprobs=trainer_logprobs,

@@ -44,6 +44,7 @@ same call the factory's `finish_weight_update(weight_version=...)` makes (`updat
 import asyncio
 import contextlib
 import math
+import random
 import socket
 import time
 from datetime import timedelta
@@ -95,10 +96,30 @@ def stateless_process_group(host, port, rank, world_size, backend, timeout_s=600
     return pg
 
 
+HANDED_OUT = set()  # the ports free_port gave this process
+
+
 def free_port(host="127.0.0.1"):
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nothing is bound to now, for a server the caller starts. Picked at random below the
+    kernel's ephemeral range, from which the kernel takes the local ports of outgoing connections (a
+    port it gave for binding could be taken so before the server binds it); never twice in one
+    process."""
+    try:  # Linux; elsewhere the range starts at 32768 or above
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except OSError:
+        ephemeral = 32768
+    rng = random.Random()  # its own seed: tests seed the global generator alike in every process
+    while True:
+        port = rng.randrange(10000, ephemeral)
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        if port not in HANDED_OUT:
+            HANDED_OUT.add(port)
+            return port
 
 # -----------------------------------------------------------------------------
 # the bucket layout: which tensor goes where, computed from global shapes alone (no communication)
@@ -220,14 +241,15 @@ def gather(model, name, t, dtype=None, device=None):
     i holds the experts [i*E/ep, (i+1)*E/ep): Experts.first_expert)."""
     device = device if device is not None else (t.device_mesh.device_type if isinstance(t, DTensor) else t.device)
     experts = model.get_submodule(name.rsplit(".", 1)[0]) if is_stacked_experts(name) else None
-    if experts is None or experts.expert_parallel is None:
+    ep = experts.expert_parallel if experts is not None else None  # its process group, or None
+    if ep is None:
         return gather_to(t, 0, dtype, device)
-    block = gather_to(t, experts.expert_parallel.rank, dtype, device)  # (E/ep, ...) on its member of rank 0's group
+    block = gather_to(t, ep.rank(), dtype, device)  # (E/ep, ...) on its member of rank 0's group
     if block is None:
         return None
     full = block.new_empty(global_shape(model, name, t)) if rank() == 0 else None  # (E, ...)
-    dist.gather(block.contiguous(), list(full.chunk(experts.expert_parallel.size)) if full is not None else None,
-                dst=0, group=experts.expert_parallel.group)
+    blocks = list(full.chunk(ep.size())) if full is not None else None
+    dist.gather(block.contiguous(), blocks, dst=0, group=ep)
     return full
 
 # -----------------------------------------------------------------------------

@@ -16,7 +16,8 @@ A random-init model never gets an answer right by sampling. The tiny model's war
 `transcripts`: worked examples of a teacher who answers most questions from memory and takes the calculator for the
 rest. The warm-started model prefers answering from memory, which on questions it has not seen is almost always
 wrong; it can use the calculator (copy the numbers and the operation into the call, the result into the answer),
-but greedily it does not. RL has to find that the calculator pays; held-out success shows whether it did (README).
+but greedily it does not. RL has to find that the calculator pays; held-out success shows whether it
+did (docs/learning.md).
 
 Prompts come in two splits that never share an expression: `prompts()` (training, endless) and `eval_prompts()`
 (held out, fixed): an expression is held out when its CRC-32 is divisible by 8.
@@ -41,7 +42,7 @@ TOOLS = [{"type": "function", "function": {
     "name": "calculator",
     "description": "Evaluate an arithmetic expression with + - * and parentheses.",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
-MAX_OPERAND = 9  # single digits: the tiny model learns to copy them within its warm start (two digits take ~3x longer)
+MAX_OPERAND = 9  # single digits: the tiny model learns to copy them within its warm start
 WORDS = {"plus": "+", "minus": "-", "times": "*"}  # the question names its operation in words
 
 

@@ -20,8 +20,7 @@ from openai import AsyncOpenAI
 
 from agentrl import ChatAgent, Result
 
-SIZE = 128  # pixels a side: 8 x 8 patches of 16, 16 image tokens after Qwen3-VL's 2 x 2 merge (at 64, 4 tokens, the
-# tiny VLM did not learn the colours even with the right answers as SFT targets: 0.25 after 40 steps at lr 3e-3)
+SIZE = 128  # pixels a side: 16 image tokens after Qwen3-VL's 2 x 2 merge (4 at 64: too few)
 COLOURS = {"red": (210, 40, 40), "green": (40, 160, 50), "blue": (40, 70, 210), "yellow": (225, 200, 30)}
 SHAPES = ("circle", "square", "triangle")
 QUESTION = "What colour is the shape? Answer red, green, blue or yellow."

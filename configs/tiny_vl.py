@@ -1,4 +1,4 @@
-# python train.py --config configs/tiny_vl.py   (CPU; README: "Learning from pixels")
+# python train.py --config configs/tiny_vl.py   (CPU; docs/learning.md: "Learning from pixels")
 # The tiny Qwen3-VL-MoE (the tiny text MoE with M-RoPE, a 3-layer vision tower with deepstack into both layers) on
 # agents/colours.py: which colour is the shape in a 128x128 picture. It starts from a warm start built once and cached
 # (.cache/tiny-qwen3-vl-moe-sft, tiny.py: VL_WARM_START) that answers with a colour word at random; RL with the

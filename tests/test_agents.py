@@ -455,7 +455,8 @@ def train_one_step(out_dir, model_path, engine, device, name, **overrides):
 def test_recipe_trains_one_step(tmp_path, tiny_model_path, rollout_engine, device, name):
     row, attempts = train_one_step(tmp_path, tiny_model_path, rollout_engine, device, name)
     for segments in attempts.values():
-        assert len({s["reward"] for s in segments}) == 1 and len({s["attempt_id"] for s in segments}) == 1
+        assert len({s["reward"] for s in segments}) == 1
+        assert len({s["attempt_id"] for s in segments}) == 1
     if name == "compaction":  # several segments per attempt, each attempt once in the group's statistics
         assert all(len(segments) >= 2 for segments in attempts.values())
         assert row["segments"] >= 4 and row["attempts"] == 2
@@ -481,6 +482,34 @@ def test_agents_sdk_recipe_trains_one_step(tmp_path, tiny_model_path, rollout_en
     row, attempts = train_one_step(tmp_path, tiny_model_path, engine, device, "agents_sdk")
     for (segment,) in attempts.values():  # the tool ran on the model's call; its result is context of the next turn
         assert "<tool_response>\n5\n</tool_response>" in segment["text"] and len(segment["generated"]) == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("agents") is None,
+                    reason="openai-agents is an optional extra")
+def test_subagents_recipe_trains_one_step_on_a_tree(tmp_path, tiny_model_path, rollout_engine,
+                                                    device):
+    """A lead agent with two Agents SDK sub-agents as tools, trained by train.py unchanged: the
+    lead's first turn calls both; each attempt is a tree of three conversations, one segment each,
+    one reward."""
+    tokenizer = capture.CaptureServer(None, tiny_model_path).tokenizer
+    asks = tool_turn(("solver", {"input": "2 + 3"}), ("checker", {"input": "2 + 3"}))
+    engine = ForcedFirstTurn(rollout_engine, asks, tokenizer)
+    row, attempts = train_one_step(tmp_path, tiny_model_path, engine, device, "subagents")
+    for segments in attempts.values():
+        lead = [s for s in segments if '"name": "solver"' in s["text"]]
+        subs = [s for s in segments if s["parent"] is not None]
+        assert len(segments) == 3 and len(lead) == 1 and lead[0]["parent"] is None
+        # each sub-agent's instructions open its segment (the solver's tools follow them)
+        opening = sorted(s["text"].removeprefix("<|im_start|>system\n")[:24] for s in subs)
+        assert opening == ["Compute the expression w", "Work the expression out "]
+        # each sub-agent's segment under the lead's, begun after it; the lead's holds both answers
+        assert all(s["parent"] == lead[0]["segment_index"] and s["started"] > lead[0]["started"]
+                   for s in subs)
+        assert len(lead[0]["generated"]) == 2 and lead[0]["text"].count("<tool_response>") == 2
+        assert all(s["generated"] for s in subs)
+        assert len({s["reward"] for s in segments}) == 1
+        assert len({s["attempt_id"] for s in segments}) == 1
+    assert row["segments"] == 6 and row["attempts"] == 2
 
 
 def test_code_exec_trains_one_step_through_runaway_programs(tmp_path, tiny_model_path, rollout_engine, device):

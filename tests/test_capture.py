@@ -200,7 +200,7 @@ def test_sdk_multi_turn_tool_use_token_identity_across_compaction(stack, protoco
     assert all(v == 0 for s in segments for v, m in zip(s["token_versions"], s["action_mask"]) if m)
 
 
-def test_concurrent_sessions_and_serialised_requests(stack):
+def test_concurrent_sessions_and_conversations(stack):
     server, recorder, _ = stack
 
     async def agent(i):
@@ -212,7 +212,7 @@ def test_concurrent_sessions_and_serialised_requests(stack):
             messages += [r.choices[0].message, {"role": "user", "content": f"next {turn}"}]
         return session
 
-    async def burst(session):  # three different requests at once on one session: each a rewrite of the others
+    async def burst(session):  # three new conversations at once on one session (three sub-agents)
         client = openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
         await asyncio.gather(*[client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": f"question {k}"}], max_tokens=8) for k in range(3)])
@@ -227,7 +227,8 @@ def test_concurrent_sessions_and_serialised_requests(stack):
         assert len(segments) == 1 and len(recorder.of(session.id)) == 3
         check_token_identity(segments, recorder.of(session.id))
     calls = sorted(recorder.of(shared.id), key=lambda c: c["start"])
-    assert len(calls) == 3 and all(a["end"] <= b["start"] for a, b in zip(calls, calls[1:]))  # one at a time
+    # served at once
+    assert len(calls) == 3 and max(c["start"] for c in calls) < min(c["end"] for c in calls)
     segments = server.finish_session(shared.id, 0.0)
     assert len(segments) == 3
     check_token_identity(segments, calls)

@@ -700,6 +700,34 @@ def test_connection_cap(real):
     assert httpx.post(real.url + "/sessions", timeout=30).status_code == 200
 
 
+def test_an_idle_keep_alive_connection_is_closed(served):
+    """A client that keeps its connection after a reply and goes quiet has it closed by the server
+    after the keep-alive time (20 s, longer than clients keep theirs), so idle connections cannot
+    fill the connection cap; a connection used again within it stays open (the control)."""
+    host, port = served.url.removeprefix("http://").split(":")
+    request = b"POST /sessions HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        def reply():
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += sock.recv(65536)
+            head, _, body = head.partition(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:")))
+            while len(body) < length:
+                body += sock.recv(65536)
+            return head
+        sock.sendall(request)
+        assert reply().startswith(b"HTTP/1.1 200")
+        time.sleep(10)
+        sock.sendall(request)  # within the keep-alive time: the same connection serves it
+        assert reply().startswith(b"HTTP/1.1 200")
+        t0 = time.monotonic()
+        assert sock.recv(1) == b""  # closed by the server
+        idle = time.monotonic() - t0
+    assert 19 < idle < 30, idle
+
+
 def test_sessions_made_over_http_have_a_lifetime(tiny_model_path, monkeypatch):
     monkeypatch.setattr(capture, "DROPPED_RECORDS", 2)  # the last 2 dropped remembered: older ones get 404
     server = capture.CaptureServer(None, tiny_model_path, http_session_idle_s=3.0, max_http_sessions=4)

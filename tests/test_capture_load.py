@@ -2,11 +2,12 @@
 
     .venv/bin/python -m pytest tests/test_capture_load.py -q -s  # ~1.5 minutes on 2 cores (one engine start)
 
-While attackers send 15 MiB single-word requests (three at once), 150k-message requests, 16 MiB headers, slow
-headers and stalled bodies, a well-behaved session keeps taking turns: its p99 latency stays within a stated bound
-of its idle p99 (the measured figures are in the README), every attack reply is a 4xx in the protocol's format, and
-a bystander's trajectory does not change. Then 5,000 sessions are created and finished over HTTP and the server's
-RSS stays bounded. The server keeps serving after all of it, and SIGTERM stops it with its engine process.
+While attackers send 15 MiB single-word requests (three at once), 150k-message requests, 16 MiB
+headers, slow headers and stalled bodies, a well-behaved session keeps taking turns: its p99 latency
+stays within a stated bound of its idle p99 (the measured figures are in docs/capture.md), every
+attack reply is a 4xx in the protocol's format, and a bystander's trajectory does not change. Then
+5,000 sessions are created and finished over HTTP and the server's RSS stays bounded. The server
+keeps serving after all of it, and SIGTERM stops it with its engine process.
 """
 import json
 import os
@@ -26,9 +27,10 @@ from conftest import child_env
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.stack  # engines, in processes of their own
 HEADER_TIMEOUT_S = 10.0  # capture.py's defaults
-# The bound: a well-behaved session's p99 under attack <= SLOWDOWN x its idle p99 + SLACK_S. On 2 cores shared with
-# other jobs (README) idle p99 was 0.06-0.13 s and under attack 0.33-1.5 s: the attack's own CPU competes with the
-# engine there; before the limits one 15 MiB request stalled every session for up to 16 s (three: 53 s).
+# The bound: a well-behaved session's p99 under attack <= SLOWDOWN x its idle p99 + SLACK_S. On 2
+# cores shared with other jobs (docs/capture.md) idle p99 was 0.06-0.13 s and under attack
+# 0.33-1.5 s: the attack's own CPU competes with the engine there; before the limits one 15 MiB
+# request stalled every session for up to 16 s (three: 53 s).
 SLOWDOWN, SLACK_S = 10.0, 2.0
 RSS_GROWTH_MIB = 16  # over 5,000 created-and-finished sessions (measured +0-1 MiB; unbounded it was +4.2 KiB each)
 

@@ -219,7 +219,7 @@ async def run_sequence(server, seed):
     tools = rng.choice(TOOLSETS)
     messages = [{"role": "system", "content": sentence(rng)}] * (rng.random() < 0.7) + [
         {"role": "user", "content": sentence(rng)}]
-    reference, open_segment, answers, last_body, resend = [], None, {}, None, None
+    reference, answers, last_body, resend = [], {}, None, None
     for step in range(rng.randint(2, 12)):
         if step:
             messages, tools, resend = next_request(rng, messages, reply, tools, last_body, protocol)
@@ -249,10 +249,16 @@ async def run_sequence(server, seed):
         assert len(backend.calls) == n_calls + 1
         call = backend.calls[-1]
         prompt, out = call["prompt"], call["out"]
-        seg = open_segment
-        extends = (seg is not None and tools == seg.tools and len(messages) >= len(seg.conversation)
-                   and all(same(a, b) for a, b in zip(seg.conversation, messages))
-                   and render_text(messages, tools, True).startswith(render_text(seg.conversation, tools, False)))
+        def common(r):  # leading messages the request shares with a segment's conversation
+            pairs = enumerate(zip(r.conversation, messages))
+            return next((i for i, (a, b) in pairs if not same(a, b)),
+                        min(len(r.conversation), len(messages)))
+        # the open segment (every one: fewer than 16 per sequence) that the request's messages start
+        # with, the longest; it extends it if the template renders it as a prefix
+        seg = max([r for r in reference if tools == r.tools and common(r) == len(r.conversation)],
+                  key=lambda r: (len(r.conversation), r.step), default=None)
+        extends = seg is not None and render_text(messages, tools, True).startswith(
+            render_text(seg.conversation, tools, False))
         if extends:
             assert prompt[:len(seg.token_ids)] == seg.token_ids
             # as text: the full render, with each of our replies exactly as generated
@@ -265,14 +271,19 @@ async def run_sequence(server, seed):
                 len(messages) - len(seg.conversation))
         else:
             assert prompt == tokens(render_text(messages, tools, True))  # a new segment: a full render
-            why = ("the attempt's first request" if seg is None else "changed tools" if tools != seg.tools else
-                   "compaction" if len(messages) < len(seg.conversation) else "a rewrite of message" if not all(
-                       same(a, b) for a, b in zip(seg.conversation, messages)) else "a chat template")  # the viewer's
-            seg = open_segment = ReferenceSegment(prompt)
+            near = max(reference, key=lambda r: (common(r), r.step), default=None)  # told against
+            why = ("the attempt's first request" if near is None else
+                   "a new conversation" if not common(near) else
+                   "changed tools" if tools != near.tools else
+                   "compaction" if len(messages) < len(near.conversation) else
+                   "a rewrite of message" if common(near) < len(near.conversation) else
+                   "a chat template")
+            seg = ReferenceSegment(prompt)
             seg.tools = tools
             reference.append(seg)
             conversation, raw_replies = list(messages), [None] * len(messages)
         seg.extend(prompt, out)
+        seg.step = step
         reply = client_reply(result, protocol)
         generated = out["token_ids"]
         seg.raw = raw_replies + [tok.decode(generated[:-1] if generated[-1:] == [backend.im_end] else generated,
@@ -351,25 +362,45 @@ def test_tool_calls_are_parsed_by_vllms_hermes_parser(server):
     assert result["message"]["content"] == text and "tool_calls" not in result["message"]
 
 
-def test_stop_string_ends_the_recorded_tokens_where_the_text_ends(server):
+def test_stop_string_cuts_the_text_and_records_every_sampled_token(server):
     tok = server.tokenizer
     body = {"messages": [{"role": "user", "content": "go"}], "stop": ["STOP"]}
     result, session = asyncio.run(answer(server, body, forced=("one two STOP", [], "stop")))
     assert result["message"]["content"] == "one two " and result["finish_reason"] == "stop"
     assert protocols.anthropic_message(result)["stop_reason"] == "stop_sequence"
-    # the client sees the text before the stop string and the trajectory holds exactly those tokens; the next turn
-    # closes our turn with the template's end-of-turn token and separator (context, mask 0)
+    # the client sees the text before the stop string; the trajectory holds every token the
+    # engine sampled, the stop string's included (mask 1), and the next turn closes ours with the
+    # template's end-of-turn token and separator (context, mask 0)
     segment = session.segments[0]
-    assert tok.decode(segment.token_ids).endswith("<|im_start|>assistant\none two ") and segment.action_mask[-1] == 1
+    generated = [t for t, m in zip(segment.token_ids, segment.action_mask) if m]
+    assert generated == tok("one two STOP")["input_ids"]
     follow = {"messages": body["messages"] + [{"role": "assistant", "content": "one two "},
                                               {"role": "user", "content": "more"}]}
     asyncio.run(server.respond(session, protocols.parse_openai(follow, server)))
     text = tok.decode(session.segments[0].token_ids)
-    assert len(session.segments) == 1 and "one two <|im_end|>\n<|im_start|>user\nmore<|im_end|>" in text
-    # a token that holds text before the stop string and the stop string's start goes too: the text ends where the
-    # last kept token ends, a little before the stop string
-    result, session = asyncio.run(answer(server, dict(body, stop=["wo"]), forced=("one two", [], "stop")))  # " two"
-    assert result["message"]["content"] == "one" and session.segments[0].token_ids[-2:] == tok("one")["input_ids"]
+    assert len(session.segments) == 1
+    assert "one two STOP<|im_end|>\n<|im_start|>user\nmore<|im_end|>" in text
+    # a stop string inside a token: the text ends where the stop string begins, the token recorded
+    forced = ("one two", [], "stop")
+    result, session = asyncio.run(answer(server, dict(body, stop=["wo"]), forced=forced))
+    ids = tok("one two")["input_ids"]
+    assert result["message"]["content"] == "one t"
+    assert session.segments[0].token_ids[-len(ids):] == ids
+    assert session.segments[0].action_mask[-len(ids):] == [1] * len(ids)
+    # a turn whose first token holds the stop string: that token is recorded, the text is empty
+    forced = (" hello", [], "stop")
+    result, session = asyncio.run(answer(server, dict(body, stop=[" "]), forced=forced))
+    assert result["message"]["content"] == "" and result["stop_sequence"] == " "
+    first = tok(" hello")["input_ids"][:1]
+    assert " " in tok.decode(first)  # vLLM stops on it
+    segment = session.segments[0]
+    assert [t for t, m in zip(segment.token_ids, segment.action_mask) if m] == first
+    # tokens a backend sampled past the token that completed the stop string are not recorded
+    result, session = asyncio.run(answer(server, body, forced=("one STOP two three", [], "stop")))
+    assert result["message"]["content"] == "one "
+    segment = session.segments[0]
+    generated = [t for t, m in zip(segment.token_ids, segment.action_mask) if m]
+    assert tok.decode(generated) == "one STOP"
     result, _ = asyncio.run(answer(server, {"messages": body["messages"]}, forced=("cut short", [], "length")))
     assert result["finish_reason"] == "length"
     assert protocols.anthropic_message(result)["stop_reason"] == "max_tokens"

@@ -130,7 +130,8 @@ def test_streamed_tool_calls_add_up_to_the_answer(scripted, api):
     else:
         assert [c[1:] for c in s_calls] == [c[1:] for c in calls] == CALLS
     assert all(len(deltas[i]) > 3 and "".join(deltas[i]) == CALLS[i][1] for i in range(len(CALLS)))
-    stored = server.sessions[streamed.id].conversation[-1]["tool_calls"]  # what the next request must echo
+    # what the next request must echo
+    stored = server.sessions[streamed.id].segments[-1].conversation[-1]["tool_calls"]
     assert [c[0] for c in s_calls] == [c["id"] for c in stored]
     a, b = (server.finish_session(s.id, 1.0) for s in (plain, streamed))
     assert [{k: s[k] for k in ("token_ids", "action_mask", "behavior_logprobs", "token_versions")} for s in a] == \
@@ -178,7 +179,7 @@ def test_an_engine_failure_mid_stream_ends_each_stream_with_its_error_event(scri
         assert "response.output_text.delta" in [e.type for e in events]
     finally:
         engine.fail_after = None
-    assert session.segment_dicts() == [] and not session.lock.locked()
+    assert session.segment_dicts() == [] and not session.in_flight
     assert oa.chat.completions.create(model="tiny", messages=ASK, tools=[CALC]).choices[0].finish_reason == "tool_calls"
     assert len(server.finish_session(session.id, 1.0)) == 1
 
@@ -215,7 +216,8 @@ def test_a_call_that_turns_out_malformed_was_streamed_as_far_as_it_went(scripted
     assert blocks == ["tool_use"]
     assert [e.item.type for e in events if e.type == "response.output_item.added"] == ["function_call", "message"]
     assert events[-1].type == "response.completed" and events[-1].response.output_text == bad
-    assert server.sessions[session.id].conversation[-1] == {"role": "assistant", "content": bad}
+    recorded = server.sessions[session.id].segments[-1].conversation[-1]
+    assert recorded == {"role": "assistant", "content": bad}
     server.finish_session(session.id, 0.0)
 
 

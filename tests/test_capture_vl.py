@@ -328,6 +328,7 @@ def test_every_image_pil_opens_gets_its_tokens_or_a_400():
 def test_images_the_processor_refuses_get_a_400_and_the_extremes_it_takes_are_served(stack):
     """The shapes that ended in the engine's 500 (aspect ratio 250) get a 400 in each protocol's format, and the engine
     is never asked; the most extreme shapes the processor takes are served."""
+    import protocols
     server, recorder, _ = stack
     session = server.new_session(attempt_id="vl-extremes")
     oa = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
@@ -348,8 +349,40 @@ def test_images_the_processor_refuses_get_a_400_and_the_extremes_it_takes_are_se
             an.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": [b64_block(png(w, h, 1))]}])
     assert recorder.of(session.id) == []
     for w, h in [(3200, 16), (16, 3200), (1, 1), (1, 200), (200, 1)]:
-        assert ask(png(w, h, 2)).usage.completion_tokens >= 1
+        image = protocols.ImageBytes(png(w, h, 2))
+        reply = ask(bytes(image))
+        call = recorder.of(session.id)[-1]
+        # the engine got one placeholder and expanded it to as many tokens as the processor counts
+        expanded = len(call["prompt"]) - 1 + server.vision.count(image)
+        assert call["prompt"].count(server.vision.token_id) == 1
+        assert call["out"]["num_prompt_tokens"] == expanded
+        assert reply.usage.prompt_tokens == expanded
     assert len(recorder.of(session.id)) == 5
+
+
+def test_the_model_is_never_let_write_an_image_placeholder(stack, monkeypatch):
+    """Every turn the server asks of the engine bans the image placeholder (logit bias -100: one in
+    the model's text would read as an image slot); the control: the engine, biased toward it
+    instead on the same prompt and images, writes it at once."""
+    server, recorder, _ = stack
+    sent = []
+    generate = recorder.generate
+    async def recording(prompt, sampling, *args, **kwargs):
+        sent.append((list(prompt), dict(sampling), kwargs.get("images")))
+        return await generate(prompt, sampling, *args, **kwargs)
+    monkeypatch.setattr(recorder, "generate", recording)
+    session = server.new_session(attempt_id="vl-ban")
+    client = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+    picture = {"type": "image_url", "image_url": {"url": data_uri(png(64, 48, 1))}}
+    client.chat.completions.create(model="tiny", max_tokens=4, messages=[
+        {"role": "user", "content": [picture, {"type": "text", "text": "What is drawn?"}]}])
+    server.finish_session(session.id, 0.0)
+    (prompt, sampling, images), = sent
+    placeholder = server.vision.token_id
+    assert sampling["logit_bias"][placeholder] == -100
+    towards = dict(sampling, logit_bias={placeholder: 100}, max_tokens=2)
+    out = server.run_in_loop(recorder.engine.generate(prompt, towards, "vl-ban-ctl", images=images))
+    assert out["token_ids"] == [placeholder, placeholder]
 
 
 def test_a_request_whose_image_a_cached_prefix_covers_survives_a_sync_pause(stack):

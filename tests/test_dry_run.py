@@ -2,9 +2,10 @@
 
     .venv/bin/python -m pytest tests/test_dry_run.py -q        # CPU, about a minute
 
-Every shipped config is planned with the real sharding code (train.dry_run_main: build_meshes / meta_sharded_model /
-shard_model, measured by measure_shards) against a fake process group of its world size; the printed memory of qwen3_30b_a3b is checked
-against a hand computation from the config's numbers, and the activation estimate against what autograd saves.
+Every shipped config is planned with the real sharding code (train.dry_run_main: build_meshes /
+meta_sharded_model / shard_model, measured by plan.measure_shards) against a fake process group of
+its world size; the printed memory of qwen3_30b_a3b is checked against a hand computation from the
+config's numbers, and the activation estimate against what autograd saves.
 """
 import ast
 import asyncio
@@ -129,8 +130,8 @@ def test_dry_run_of_every_config(name):
 
 
 @pytest.mark.stack
-def test_readme_table_holds_the_dry_run_figures():
-    with open(os.path.join(ROOT, "README.md")) as f:
+def test_scale_doc_table_holds_the_dry_run_figures():
+    with open(os.path.join(ROOT, "docs", "scale.md")) as f:
         rows = {line.split("|")[1].strip(" `"): line for line in f if line.startswith("| `")}
     for name in CONFIGS:
         out = dry_run_output(name)
@@ -249,7 +250,7 @@ def test_activation_estimate_matches_what_autograd_saves():
 
 def test_all_to_all_projection_counts_the_rows_ep_dispatch_sends():
     """The dry run's EP all-to-all volume: remote rows per token from C(E - E/ep, k) / C(E, k), against the rows
-    train.ExpertParallel.dispatch's rule sends (each token once to every other rank holding one of its top-k
+    experts.dispatch's rule sends (each token once to every other rank holding one of its top-k
     experts), counted on random top-k choices at Qwen3-30B-A3B's routing (128 experts, top-8) over 8 ranks."""
     from model import ModelConfig
     mcfg = ModelConfig(hidden_size=2048, num_experts=128, num_experts_per_tok=8)
@@ -492,3 +493,14 @@ def test_imports_run_one_way():
         reached.add(m)
     assert "train" not in reached and "train" in graph["bench"], sorted(reached)
     assert set(import_cycle(dict(graph, plan=graph["plan"] | {"train"}))) == {"plan", "train"}
+
+
+def test_lora_on_a_vision_language_model_is_refused():
+    """LoRA is for text models: a Qwen3-VL model with lora_rank > 0 is refused before any work, with
+    the way out named; the same config on the text model, and full fine-tuning of the VLM, pass."""
+    from tiny import TINY_CONFIG, TINY_VL_CONFIG
+    refused = r"lora_rank > 0 is not supported for Qwen3-VL .* lora_rank=0"
+    with pytest.raises(ConfigError, match=refused):
+        plan.check_config(tiny_cfg(lora_rank=8), TINY_VL_CONFIG)
+    plan.check_config(tiny_cfg(lora_rank=8), TINY_CONFIG)
+    plan.check_config(tiny_cfg(), TINY_VL_CONFIG)

@@ -44,11 +44,22 @@ def test_every_kind_draws_a_deterministic_diagram_with_a_consistent_answer(kind)
         assert all(a % 2 == 0 for a in answers)
 
 
-def test_drawn_angles_match_the_labels():
-    """The third angle's answer is the drawing's: measured on the drawn vertices it sums with the labels to 180."""
-    pts = [(0, 0), (10, 0), (3, 5)]
-    total = sum(geometry.angle_at(pts[i - 1], pts[i], pts[(i + 1) % 3]) for i in range(3))
-    assert total == pytest.approx(180)
+@pytest.mark.parametrize("seed", range(12))
+def test_drawn_angles_match_the_labels(monkeypatch, seed):
+    """third_angle: each label is the angle drawn at its vertex to the degree, and the answer is the
+    angle drawn at the third vertex (within the two labels' rounding), measured here from the drawn
+    corners by the law of cosines."""
+    drawn, labels = [], []
+    monkeypatch.setattr(geometry, "polygon", lambda draw, pts: drawn.append(pts))
+    monkeypatch.setattr(geometry, "label", lambda draw, xy, text: labels.append(text))
+    _, _, answer = geometry.scene("third_angle", random.Random(seed))
+    (pts,) = drawn
+    a, b, c = (np.hypot(*np.subtract(pts[(i + 1) % 3], pts[(i + 2) % 3])) for i in range(3))
+    cosines = [(b * b + c * c - a * a) / (2 * b * c), (a * a + c * c - b * b) / (2 * a * c),
+               (a * a + b * b - c * c) / (2 * a * b)]  # at each vertex
+    angles = np.degrees(np.arccos(cosines))
+    assert labels == [f"{round(angles[0])}°", f"{round(angles[1])}°", "x"]
+    assert abs(answer - angles[2]) <= 1.0
 
 
 def test_prompts_hold_the_image_and_split_train_from_eval():

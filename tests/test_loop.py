@@ -2,8 +2,9 @@
 The whole loop on the tiny default: the calculator agent through the OpenAI SDK -> capture server -> router -> a
 real vLLM engine actor -> experiences in the Ray object store -> the FSDP2 trainer (gloo, one rank) -> weight sync.
 Then resuming from the checkpoint, an off-policy run that drops stale tokens, held-out evaluation in the loop (never
-trained on), and a run that survives a failing agent, a hanging tool and a killed engine. The engine is shared with
-test_rollout.py (tests/conftest.py).
+trained on), a run that survives a failing agent, a hanging tool and a killed engine, and one
+whose steps are all skipped (with TensorBoard scalars). The engine is shared with test_rollout.py
+(tests/conftest.py).
 
     .venv/bin/python -m pytest tests/test_loop.py -q
 """
@@ -244,6 +245,31 @@ def test_failing_agent_hanging_tool_and_killed_engine_leave_the_run_going(tmp_pa
     assert sum(r["failed_attempts"] for r in rows) > sum(r["timed_out_attempts"] for r in rows) > 0
     assert sum(r["dropped_groups"] for r in rows) > 0
     # the router notices a dead engine by a request that failed on it, and starts it again
-    assert rows[-1]["engine_restarts"] == 1 and run["router"].failed_requests >= 1
+    assert rows[-1]["engine_restarts"] == 1 and run.router.failed_requests >= 1
     assert restarted
     assert version == 4  # the restarted engine rejoined the weight group and got step 4
+
+
+def test_skipped_steps_sync_nothing_and_tensorboard_gets_the_rows(
+        tmp_path, tiny_model_path, rollout_engine, device, monkeypatch):
+    """Every step's advantages poisoned (NaN) on their way to the train step: each step is skipped
+    (non-finite gradients), so no policy version is made and no weights go to the engine, which
+    still serves version 0 after the run; the log says so. tensorboard_dir: the run's TensorBoard
+    scalars are its metrics rows' numbers at their steps."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    real_share_batch = train.share_batch
+    def poisoned(*args):
+        segments, advantages = real_share_batch(*args)
+        return segments, [float("nan")] * len(advantages)
+    monkeypatch.setattr(train, "share_batch", poisoned)
+    cfg = loop_config(tmp_path, tiny_model_path, tensorboard_dir=str(tmp_path / "tb"))
+    rows, _ = run_loop(cfg, device, [rollout_engine])
+    assert [(r["step"], r["skipped"], r["policy_version"], r["sync_s"]) for r in rows] == [
+        (1, True, 0, None), (2, True, 0, None)]
+    assert engine_version(rollout_engine) == 0
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    for key in ("reward_mean", "tokens_per_s", "kept_tokens", "policy_version"):
+        got = [(e.step, e.value) for e in events.Scalars(key)]
+        assert got == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in rows], key
+    assert "skipped" not in events.Tags()["scalars"]  # a bool is the log's, not a curve

@@ -140,13 +140,22 @@ def test_activation_checkpointing_keeps_the_gradients():
 
 
 def test_routing_replay_with_images():
+    """Routes recorded on a sequence with images, replayed after the routers moved: the recorded
+    experts are used, not the ones the moved routers pick (which differ: the control)."""
     m = random_model(MOE_VL).eval()
     input_ids, pixel_values, grid = image_batch(MOE_VL.vision, GRIDS)
+    kw = dict(pixel_values=pixel_values, image_grid_thw=grid)
     with torch.no_grad():
-        h, routes = m.hidden_states(input_ids, return_routes=True, pixel_values=pixel_values, image_grid_thw=grid)
-        replayed = m.hidden_states(input_ids, routes, pixel_values=pixel_values, image_grid_thw=grid)
-    assert routes.shape == (*input_ids.shape, 2, 2)
-    assert torch.equal(h, replayed)
+        h, routes = m.hidden_states(input_ids, return_routes=True, **kw)
+        assert routes.shape == (*input_ids.shape, 2, 2)
+        assert torch.equal(m.hidden_states(input_ids, routes, **kw), h)
+        for layer in MOE_VL.moe_layers:
+            gate = m.model.layers[layer].mlp.gate.weight
+            gate.add_(torch.randn_like(gate))
+        _, own = m.hidden_states(input_ids, return_routes=True, **kw)
+        _, replayed = m.hidden_states(input_ids, routes, return_routes=True, **kw)
+    assert not torch.equal(own, routes)
+    assert torch.equal(replayed, routes)
 
 
 def test_mrope_positions():

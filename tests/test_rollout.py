@@ -185,18 +185,22 @@ def test_failures_while_an_engine_is_down_do_not_stop_the_pool(server):
 
 
 def test_hanging_tool_times_out_and_the_pool_goes_on(server):
-    pool = make_pool(server, as_result(cued_agent()), ["hang"], attempt_timeout_s=2.0, failed_group_rule="complete")
+    # 5 s: an ordinary attempt (one 4-token turn) takes well under it, also on a loaded machine
+    pool = make_pool(server, as_result(cued_agent()), ["hang"], attempt_timeout_s=5.0,
+                     failed_group_rule="complete")
     try:
-        batches = [pool.next_batch(timeout=120)]
-        while 0 not in groups_of(batches[-1]) and len(batches) < 20:  # other groups stream past the hung one
+        batches, deadline = [pool.next_batch(timeout=120)], time.monotonic() + 120
+        while 0 not in groups_of(batches[-1]) and time.monotonic() < deadline:  # others go past
             batches.append(pool.next_batch(timeout=120))
         stats = pool.stats()
     finally:
         pool.stop()
     hung = [r for r in batches[-1] if r["group_id"] == 0]
     assert len(groups_of(hung)[0]) == 2 and all(r["failed"] and r["reward"] == 0.0 for r in hung)
-    assert all("timed out after 2.0s" in r["error"] for r in hung)
-    assert stats["timed_out_attempts"] == 2 and stats["failed_attempts"] == 2
+    assert all("timed out after 5.0s" in r["error"] for r in hung)
+    # every failure was a time-out; the hung two at least (an ordinary attempt slowed past 5 s by a
+    # loaded machine would be one more, which an exact count made a flaky failure)
+    assert stats["timed_out_attempts"] == stats["failed_attempts"] >= 2
 
 
 def test_agent_without_model_calls_still_counts_in_its_group(server):

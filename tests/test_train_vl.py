@@ -72,7 +72,9 @@ def vl_steps(rank, world, cfg, weights, wins, out):
         group["eps"] = ADAM_EPS
     recorded = record_grads_before_step(opt, model)
     before = {n: t for n, t in checkpoint.full_parameters(model)}
-    metrics = [train.train_step(model, opt, wins[step][rank::world], cfg, policy_version=step) for step in range(STEPS)]
+    lcfg = train.loss_config(cfg)
+    metrics = [train.train_step(model, opt, wins[step][rank::world], cfg, lcfg, policy_version=step)
+               for step in range(STEPS)]
     params = {n: t for n, t in checkpoint.full_parameters(model)}
     if rank == 0:
         torch.save(dict(metrics=metrics, grads=recorded, params=params, before=before), out)

@@ -3,7 +3,8 @@ The trajectory viewer (viewer.py, viewer.html) over HTTP and in a real headless 
 protocol: over a run directory holding bad input (a corrupt and a truncated JSONL line, a missing log, an unreadable
 attempt file, a 50,000-token attempt) beside an attempt with a tool call, an image and routed experts; live during a
 tiny run (view_port, the rotating sample with the trainer's logprobs, Weights & Biases offline); and over that run's
-directory with `python capture.py --view`. Without Chromium (Debian: apt-get install chromium) the browser tests skip.
+directory with `python capture.py --view`. The browser tests need Chromium (Debian: apt-get install
+chromium) and fail without it, unless NO_BROWSER=1 (`make test NO_BROWSER=1`) skips them.
 
     .venv/bin/python -m pytest tests/test_viewer.py -q
 """
@@ -27,8 +28,8 @@ import viewer
 from conftest import ROOT, child_env
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine: apt-get install chromium "
-                                                             "(.ci/run installs it)")
+NO_BROWSER = os.environ.get("NO_BROWSER") == "1"  # the Makefile's switch: no Chromium here
+needs_chromium = pytest.mark.skipif(NO_BROWSER, reason="NO_BROWSER=1 skips the browser tests")
 SHOTS = os.environ.get("VIEWER_SCREENSHOTS")  # a directory: keep the screenshots there too
 
 
@@ -37,6 +38,8 @@ class Browser:
     comes with vLLM). JavaScript exceptions on the page are collected in `errors`."""
 
     def __init__(self, profile):
+        assert CHROMIUM, ("no Chromium on this machine: apt-get install chromium (.ci/run does), "
+                          "or skip the browser tests with NO_BROWSER=1")
         self.proc = subprocess.Popen([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                                       "--no-first-run", "--disable-background-networking", "--disable-component-update",
                                       "--disable-sync", f"--user-data-dir={profile}", "--remote-debugging-port=0",
@@ -252,6 +255,73 @@ def test_page_shows_tokens_tool_calls_images_and_survives_bad_input(bad_run_view
     assert browser.screenshot(tmp_path / "viewer-bad-input.png") > 10_000
 
 
+@pytest.fixture(scope="module")
+def tree_run(tmp_path_factory, tiny_model_path):
+    """A run directory with an attempt of three segments (a lead and two sub-agents under it),
+    held-out results whose prompts hold an image, and metrics over 12 steps."""
+    from transformers import AutoTokenizer
+    out = str(tmp_path_factory.mktemp("tree_run"))
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(dict(step=s, reward_mean=0.05 * s, loss=2.0 / s)) + "\n"
+                     for s in range(1, 13))
+    image = "data:image/png;base64," + base64.b64encode(png(16, 12, (30, 200, 30))).decode()
+    prompt = [{"role": "system", "content": "Name colours."},
+              {"role": "user", "content": [{"type": "text", "text": "Which colour is this?"},
+                                           {"type": "image_url", "image_url": {"url": image}}]}]
+    with open(os.path.join(out, "eval_results.jsonl"), "w") as f:
+        f.write(json.dumps(dict(policy_version=2, prompt=prompt, label="green", success=1.0,
+                                reward=1.0, generated_tokens=3, text=["green"])) + "\n")
+    segments = []
+    tree = [(None, 100.0, "Plan the trip."), (0, 101.5, "Flights."), (0, 101.75, "Hotels.")]
+    for i, (parent, started, text) in enumerate(tree):
+        ids = tok(text + " Done.", add_special_tokens=False)["input_ids"]
+        mask = [0] * (len(ids) - 2) + [1, 1]
+        arrays = dict(attempt_id="tree", segment_index=i, token_ids=np.array(ids),
+                      action_mask=np.array(mask), behavior_logprobs=np.where(mask, -0.5, 0.0),
+                      token_versions=np.where(mask, 2, -1),
+                      images=[], parent=parent, started=started, opened="a new conversation")
+        segments.append(viewer.segment_record(arrays, tok))
+    summary = viewer.attempt_summary(segments, step=3, policy_version=2, reward=1.0, group_id=1)
+    write_attempt(out, "00000003-tree.json", summary, segments)
+    server, url = viewer.serve_in_thread(out)
+    yield url
+    server.should_exit = True
+
+
+@needs_chromium
+def test_page_shows_the_segment_tree_eval_thumbnails_and_axes(tree_run, browser):
+    browser.open(tree_run)
+    # the curves have axes: round ticks with labels on both, and the axes' names
+    browser.wait("document.querySelectorAll('#curves .panel').length === 2")
+    ticks = browser.js("[...document.querySelectorAll('#curves .panel')].map(p => "
+                       "['x-axis', 'y-axis'].map(a => "
+                       "[...p.querySelectorAll(`.${a} text.tick`)].map(t => t.textContent)))")
+    assert ticks[0][0] == ["2", "4", "6", "8", "10", "12"] and ticks[0][1] == ["0.2", "0.4", "0.6"]
+    assert len(ticks[1][0]) >= 4 and len(ticks[1][1]) >= 3
+    labels = browser.js("[...document.querySelectorAll('#curves .panel text.label')]"
+                        ".map(t => t.textContent)")
+    assert labels == ["step", "reward_mean", "step", "loss"]
+    # the held-out prompt: its text and a thumbnail of its image, no base64 in the text
+    browser.wait("document.querySelectorAll('#evals tbody tr').length === 1")
+    cell = browser.js("document.querySelector('#evals tbody td').textContent")
+    assert "Which colour is this?" in cell and "system: Name colours." in cell
+    assert "base64" not in cell
+    assert browser.wait("(i => i && i.complete && [i.naturalWidth, i.naturalHeight])"
+                        "(document.querySelector('#evals img.thumb'))") == [16, 12]
+    # the attempt as a tree: both sub-agents' segments under the lead's, with when each began
+    browser.js("location.hash = 'attempt=tree&file=00000003-tree.json'")
+    browser.wait("document.querySelectorAll('#detail .segment').length === 3")
+    tree = browser.js("[...document.querySelectorAll('#detail .tree-node')].map(n => "
+                      "[n.querySelector('h3').textContent, n.parentElement.className])")
+    assert [t[1] for t in tree] == ["", "subtree", "subtree"]
+    assert "under segment 0" in tree[1][0] and "began at +1.50 s" in tree[1][0]
+    assert "began at +1.75 s" in tree[2][0] and "under" not in tree[0][0]
+    assert browser.js("document.querySelector('#detail .subtree').parentElement.querySelector('h3')"
+                      ".textContent").startswith("segment 0")
+    assert browser.errors == []
+
+
 def wandb_records(path, block=32768):
     """The protobuf records of a W&B run file (run-ID.wandb): a 7-byte header, then LevelDB-log style blocks of
     records, each chunk behind a 7-byte header (CRC-32, length, kind: 1 full, 2 first, 3 middle, 4 last)."""
@@ -297,7 +367,7 @@ def test_live_during_a_tiny_run_then_over_its_directory(tmp_path, tiny_model_pat
     model, optimizer, step, _ = train.build_trainer(cfg, 1, device)
     run = train.start_rollout(cfg, engines=[rollout_engine])
     url = f"http://127.0.0.1:{cfg['view_port']}"
-    add, add_s = run["recorder"].add, []  # what the sample costs the trainer's thread, per step (printed)
+    add, add_s = run.recorder.add, []  # what the sample costs the trainer's thread, per step
 
     live_checked = threading.Event()  # the trainer waits at step 2 until the page was checked live (a quiet
                                       # machine ran the 3 steps before Chromium had the page up)
@@ -308,7 +378,7 @@ def test_live_during_a_tiny_run_then_over_its_directory(tmp_path, tiny_model_pat
         add_s.append(time.perf_counter() - t0)
         if len(add_s) == 2:  # step 1 is complete (its metrics row and sample written)
             live_checked.wait(timeout=600)
-    run["recorder"].add = timed_add
+    run.recorder.add = timed_add
     done = threading.Event()
     failure = []
 
@@ -321,12 +391,12 @@ def test_live_during_a_tiny_run_then_over_its_directory(tmp_path, tiny_model_pat
             done.set()
     thread = threading.Thread(target=go)
     thread.start()
-    browser = Browser(str(tmp_path / "profile")) if CHROMIUM else None
+    browser = None if NO_BROWSER else Browser(str(tmp_path / "profile"))
     browser and request.addfinalizer(browser.close)  # whatever fails below
     try:
         assert get(url + "/api/attempts", 401)  # up at once, and keyed
         if browser:
-            key = run["view"].config.app.state.key
+            key = run.view.config.app.state.key
             browser.open(f"{url}/?key={key}")
             # live: the first step's curve and sampled attempts appear while the run goes on
             browser.wait("document.querySelectorAll('#curves .panel').length && "

@@ -347,3 +347,16 @@ def test_bench_sync_cpu_smoke():
     result = bench.bench_sync("--iters=1")
     assert result["match"] is True and result["buckets"] >= 2 and result["ratio"] > 0
     assert result["backend"] == ("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def test_free_port_gives_distinct_ports_below_the_ephemeral_range():
+    """free_port's ports are never the kernel's own picks for outgoing connections (the ephemeral
+    range), nothing is bound to them, and one process never gets the same one twice (the kernel's
+    port-0 picks repeated 142 times in 2000 binds here: two servers of one test could collide)."""
+    import socket
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == 200 and all(10000 <= p < ephemeral for p in ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))  # free: the caller can bind it
