@@ -6,7 +6,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # a CPU run: the trainer and the engine share the cores, one torch thread each (more spin on each other's barriers)
 train: export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup extras train test clean
+.PHONY: setup extras train test test-gpu clean
 
 setup: .venv/.done
 extras: .venv/.extras
@@ -49,6 +49,12 @@ train: setup
 test: export NO_BROWSER ?=
 test: setup extras
 	$(PY) -m pytest tests -q $(ARGS)
+
+# every CUDA test on one GPU (marker `gpu`: the kernels' CUDA tests and the GPU engine's), with
+# the Python that has the GPU install (docs/gpu.md): make test-gpu GPU_PY=python3
+GPU_PY ?= $(PY)
+test-gpu:
+	$(GPU_PY) -m pytest tests -q -m gpu -rs $(ARGS)
 
 clean:
 	rm -rf .venv .cache out

@@ -607,10 +607,14 @@ def bench_capture(agents=16, turns=4, tokens=48, rounds=6, spread=0, threads=0):
             await engine.start()
             await server.start()
         async def start_vllm_server():  # vLLM's OpenAI-compatible app on our engine's AsyncLLM, served like ours
-            from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-            from vllm.entrypoints.launchers.app import build_app
-            from vllm.entrypoints.launchers.cli_args import make_arg_parser
             from vllm.utils.argparse_utils import FlexibleArgumentParser
+            try:
+                from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+                from vllm.entrypoints.launchers.app import build_app
+                from vllm.entrypoints.launchers.cli_args import make_arg_parser
+            except ImportError:  # vLLM before its launchers package: the same in the OpenAI server
+                from vllm.entrypoints.openai.api_server import build_app, init_app_state
+                from vllm.entrypoints.openai.cli_args import make_arg_parser
             vargs = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", path, "--served-model-name", "tiny"])
             app = build_app(vargs, supported_tasks=("generate",), model_config=engine.llm.model_config)
             await init_app_state(engine.llm, app.state, vargs, ("generate",))

@@ -12,7 +12,13 @@ in their own process) and the classes that vLLM's own processes load by name, as
 Engine's keyword defaults are the one home of each engine option's default (OPTIONS): train.py's config block and
 the standalone users (capture.py's command line, agents/frozen.py) read them there. Nothing here imports vLLM at
 module level: the trainer imports this file's names without it.
+
+Supported vLLM: 0.26 (the release built for torch 2.11) through 0.32. Where an API of the range's
+newer end is missing, the feature is detected (never the version string) and the wrapper keeps the
+same guarantee itself: per-token policy versions without vLLM's weight-version spans
+(`version_starts`); without `per_request_spec_decode_metrics` a turn's `drafts` is None.
 """
+import dataclasses
 import io
 import json
 import os
@@ -39,12 +45,14 @@ class Engine:
         self.engine_args = dict(
             model=model_path, dtype="bfloat16", max_model_len=max_model_len, gpu_memory_utilization=memory_fraction,
             tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=enable_prefix_caching,
-            speculative_config=speculative_config, seed=seed,  # with drafts, each request reports its acceptance
-            per_request_spec_decode_metrics="summary" if speculative_config else "none",
+            speculative_config=speculative_config, seed=seed,
             enable_return_routed_experts=enable_return_routed_experts,
             limit_mm_per_prompt={"image": max_images_per_prompt, "video": 0},  # vLLM ignores it for a text model
             # the behavior logprob is the sampling distribution's (after temperature), not the raw model's
             logprobs_mode="processed_logprobs")
+        if vllm_takes("per_request_spec_decode_metrics"):  # each request reports its acceptance
+            self.engine_args["per_request_spec_decode_metrics"] = (
+                "summary" if speculative_config else "none")
         if speculative_config and not torch.cuda.is_available() and worker_extension_cls == WORKER_EXTENSION:
             worker_extension_cls = "engine.DraftingCPUWorker"  # see verify_drafts_on_cpu
         if worker_extension_cls:
@@ -70,6 +78,9 @@ class Engine:
         self.seeds_refused = not torch.cuda.is_available() and bool(self.engine_args.get("enable_chunked_prefill"))
         self.llm = None
         self.policy_version, self.drafts = 0, [0, 0]  # drafts: (accepted, drafted) since take_drafts
+        # where vLLM keeps no per-token weight version:
+        # request id -> [(policy_version, output tokens it had when that version began)]
+        self.version_starts = None
         # lora_path: a PEFT adapter directory; every request runs with that adapter (vLLM's LoRA id 1), which each
         # weight sync then replaces in place (weights_sync.WeightSyncWorker.receive_adapter)
         self.lora_request = None
@@ -82,6 +93,7 @@ class Engine:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+        self.version_starts = None if hasattr(self.llm, "update_weight_version") else {}
         await self.set_version(0)
 
     async def generate(self, prompt_token_ids, sampling, request_id, session_id=None, images=None):
@@ -118,17 +130,29 @@ class Engine:
             output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE)
         if self.engine_args["speculative_config"] and params.logit_bias:  # refused with drafts: our biases are bans
             params.logit_bias, params._bad_words_token_ids = None, [[t] for t in params.logit_bias]  # (-100)
-        async for out in self.llm.generate(self.prompt(prompt_token_ids, images), params, request_id,
-                                           lora_request=self.lora_request):
-            if not out.finished:
-                yield {"token_ids": list(out.outputs[0].token_ids)}
+        starts = [(self.policy_version, 0)]  # where vLLM keeps none (see set_version)
+        if self.version_starts is not None:
+            self.version_starts[request_id] = starts
+        try:
+            prompt = self.prompt(prompt_token_ids, images)
+            lora = self.lora_request
+            async for out in self.llm.generate(prompt, params, request_id, lora_request=lora):
+                if not out.finished:
+                    yield {"token_ids": list(out.outputs[0].token_ids)}
+        finally:
+            if self.version_starts is not None:
+                self.version_starts.pop(request_id, None)
         c = out.outputs[0]
         ids = list(c.token_ids)
         versions = [self.policy_version] * len(ids)
-        for span in c.weight_versions or []:  # spans of output tokens sampled by each weight version
-            v = 0 if span.version == "default" else int(span.version)
-            versions[span.start:span.end] = [v] * (span.end - span.start)
-        routes, m = c.routed_experts, c.spec_decode_metrics  # routes: (T - routed_experts_start, L_moe, K) when enabled
+        spans = [(0 if s.version == "default" else int(s.version), s.start, s.end)
+                 for s in getattr(c, "weight_versions", None) or []]
+        if self.version_starts is not None:
+            spans = [(v, a, b) for (v, a), (_, b) in zip(starts, [*starts[1:], (None, len(ids))])]
+        for v, a, b in spans:
+            versions[a:b] = [v] * (b - a)
+        # routes: (T - routed_experts_start, L_moe, K) when enabled
+        routes, m = c.routed_experts, getattr(c, "spec_decode_metrics", None)
         result = dict(token_ids=ids, logprobs=[c.logprobs[i][t].logprob for i, t in enumerate(ids)],
                       token_versions=versions, routed_experts=None if routes is None else routes.tolist(),
                       finish_reason=c.finish_reason, num_prompt_tokens=len(out.prompt_token_ids),
@@ -173,8 +197,17 @@ class Engine:
         return drafts
 
     async def set_version(self, policy_version):
+        """Every token sampled from now on carries `policy_version` (called while paused, after the
+        new weights loaded). Where vLLM cannot tag tokens itself, each held request's token count is
+        noted: the engine is paused and its outputs so far are processed, so the count is where the
+        new version's tokens begin."""
         self.policy_version = int(policy_version)
-        await self.llm.update_weight_version(str(self.policy_version))
+        if self.version_starts is None:
+            await self.llm.update_weight_version(str(self.policy_version))
+            return
+        for state in self.llm.output_processor.request_states.values():
+            if (starts := self.version_starts.get(state.external_req_id)) is not None:
+                starts.append((self.policy_version, state.detokenizer.num_output_tokens()))
 
     async def collective_rpc(self, method, args=(), kwargs=None):
         return await self.llm.collective_rpc(method, args=tuple(args), kwargs=kwargs)
@@ -186,6 +219,12 @@ class Engine:
 
 
 OPTIONS = Engine.__init__.__kwdefaults__  # each keyword option's default, as declared above
+
+
+def vllm_takes(engine_arg):
+    """Whether the installed vLLM has engine argument `engine_arg` (the supported range differs)."""
+    from vllm import AsyncEngineArgs
+    return engine_arg in {f.name for f in dataclasses.fields(AsyncEngineArgs)}
 
 # -----------------------------------------------------------------------------
 # the classes vLLM's processes load by name

@@ -457,27 +457,30 @@ class WeightSyncWorker:
     def init_weight_group(self, host, port, rank_offset, world_size, backend, timeout_s=600.0):
         self.close_weight_group()
         self.weight_group = stateless_process_group(host, port, rank_offset + self.rank, world_size, backend, timeout_s)
+        # gloo moves host tensors: a GPU worker reached over gloo (a sender on the same GPU, where
+        # NCCL cannot join two processes) receives into host buffers; the reload copies them over
+        self.weight_device = self.device if backend == "nccl" else torch.device("cpu")
 
     def close_weight_group(self):
         if getattr(self, "weight_group", None) is not None:
             self.weight_group.shutdown()
-        self.weight_group = None
+        self.weight_group, self.weight_device = None, self.device
 
     def receive_weights(self, buckets):
         """Receive the buckets and load them. `reload_weights` runs vLLM's layerwise reload (the checkpoint-format
         loader, then each layer's weight processing, then a copy into the kernel tensors), so every layer updates
         on CPU and GPU alike. Returns the bytes received."""
         from vllm.config import set_current_vllm_config
-        receiver = BucketReceiver(getattr(self, "weight_group", None), buckets, self.device)
+        device = getattr(self, "weight_device", self.device)
+        receiver = BucketReceiver(getattr(self, "weight_group", None), buckets, device)
         drafter, mtp = getattr(getattr(self.model_runner, "drafter", None), "model", None), []
         # the target's load_weights drops mtp.*: they are set aside (views into their buckets) for the MTP drafter
         target = (x for x in receiver if not (x[0].startswith("mtp.") and mtp.append(x) is None))
         try:
             self.reload_weights(weights_iterator=target, is_checkpoint_format=True)
             if mtp and drafter is not None:  # the drafter's embed_tokens and lm_head are the target's: its own layers
-                from vllm.model_executor.model_loader.reload.inplace import reload_weights
                 with set_current_vllm_config(self.vllm_config):
-                    reload_weights(self.vllm_config, drafter, iter(mtp), None, True)
+                    reload_drafter(self, drafter, mtp)
         except BaseException:
             # an interrupted layerwise reload leaves the layers that had not arrived on the meta device: put
             # their old tensors back so the engine can still serve, then free the sender if the group still works
@@ -501,7 +504,8 @@ class WeightSyncWorker:
         here, base + scaling * B @ A per expert (vLLM's MoE LoRA needs a LoRA-aware fused-experts kernel: Triton on
         GPU, none on CPU), from a host copy of the base experts read once from the model directory; only adapters
         travel either way. Returns the bytes received."""
-        receiver = BucketReceiver(getattr(self, "weight_group", None), buckets, self.device)
+        device = getattr(self, "weight_device", self.device)
+        receiver = BucketReceiver(getattr(self, "weight_group", None), buckets, device)
         try:
             tensors = dict(receiver)
         finally:
@@ -536,11 +540,26 @@ class WeightSyncWorker:
                 if p.numel() == 0 and hasattr(m, "cpu_linear"):
                     p = m.cpu_linear(torch.eye(getattr(m, "input_size_per_partition", m.input_size), dtype=p.dtype),
                                      p, None)
-                out[name] = hashlib.sha256(p.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+                data = p.detach().contiguous().reshape(-1).view(torch.uint8).cpu()  # GPU: a sync
+                out[name] = hashlib.sha256(data.numpy()).hexdigest()
         return out
 
 
 LORA_ID = 1  # the one LoRA adapter an engine serves; engine.Engine's requests name it
+
+
+def reload_drafter(worker, drafter, weights):
+    """vLLM's layerwise reload of the MTP drafter's own layers from (hf_name, tensor) pairs: vLLM's
+    function for a model other than the target where it has one, else (older vLLM) its steps."""
+    from vllm.model_executor.model_loader import reload
+    try:
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+    except ImportError:
+        reload.initialize_layerwise_reload(drafter)
+        drafter.load_weights(iter(weights))
+        reload.finalize_layerwise_reload(drafter, worker.model_config)
+        return
+    reload_weights(worker.vllm_config, drafter, iter(weights), None, True)
 
 
 def merged_experts(worker, adapters, scaling):

@@ -124,12 +124,22 @@ def uses_stack_fixture(item):
 def pytest_configure(config):
     config.addinivalue_line("markers", "stack: runs a vLLM engine, Ray, rank processes (gloo) or train.py / bench.py as a "
                                        "process (deselect with -m 'not stack')")
+    config.addinivalue_line("markers", "gpu: runs on CUDA where there is one (`make test-gpu` "
+                            "runs these on one GPU); a test skipped without CUDA (its skipif "
+                            "reason names CUDA) is marked too")
+
+
+def needs_cuda(item):
+    reasons = [str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")]
+    return any("cuda" in r.lower() for r in reasons)
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
         if uses_stack_fixture(item):
             item.add_marker(pytest.mark.stack)
+        if needs_cuda(item):
+            item.add_marker(pytest.mark.gpu)
 
 
 ENTRY_SCRIPTS = {"train.py", "bench.py", "capture.py", "torchrun.sh", "torchrun"}

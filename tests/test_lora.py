@@ -238,6 +238,7 @@ MAX_DIFF, MEAN_DIFF = 0.05, 0.01  # as tests/test_weights_sync.py: bf16 on two s
 
 
 @pytest.mark.stack
+@pytest.mark.gpu
 def test_engine_serves_the_synced_adapter_and_matches_the_trainer(tmp_path, tiny_model_path):
     from engine import Engine
     from model import load_config
@@ -260,7 +261,9 @@ def test_engine_serves_the_synced_adapter_and_matches_the_trainer(tmp_path, tiny
         want = sequence_logprobs(copy.deepcopy(model).to(torch.bfloat16), torch.tensor([ids]))
     loop = asyncio.new_event_loop()
     engine = Engine(tiny_model_path, **{**options, "max_model_len": 1024})
-    sender = WeightSender(bucket_bytes=64 << 10, adapter=lora.peft_config(8, 16.0, lora.TARGETS))
+    # on the host, over gloo: a GPU engine's worker shares this GPU (NCCL cannot join two processes)
+    sender = WeightSender(bucket_bytes=64 << 10, adapter=lora.peft_config(8, 16.0, lora.TARGETS),
+                          device="cpu")
     try:
         loop.run_until_complete(engine.start())
         before = torch.tensor(loop.run_until_complete(engine.prompt_logprobs(ids))[1:])
