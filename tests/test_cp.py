@@ -214,7 +214,8 @@ def cp_run(rank, world, cfg, weights, wins, out, split=context.split_microbatch)
         group["eps"] = ADAM_EPS
     recorded = record_grads_before_step(opt, model)
     metrics = [
-        train.train_step(model, opt, win[rank // cp :: world // cp], cfg, policy_version=step)
+        train.train_step(model, opt, win[rank // cp :: world // cp], cfg, train.loss_config(cfg),
+                         policy_version=step)
         for step, win in enumerate(wins)
     ]
     params = {n: t for n, t in checkpoint.full_parameters(model)}
