@@ -1,64 +1,80 @@
 """
-Model and trainer speed benchmarks, run through bench.py (`python bench.py NAME`): the whole trainer step (train),
-the MoE decoder layer alone (layer), the experts with LoRA adapters (lora), the VLM (vl). Each measures ours and a
-baseline (transformers', torchtitan's) in the same run on the same GPUs and returns one dict with `ratio`.
+Model and trainer speed benchmarks, run through bench.py (`python bench.py NAME`):
+the whole trainer step (train), the MoE decoder layer alone (layer), the experts with
+LoRA adapters (lora), the VLM (vl). Each measures ours and a baseline (transformers',
+torchtitan's) in the same run on the same GPUs and returns one dict with `ratio`.
 """
 import sys
 
 PEAK_FLOPS = 989e12  # dense bf16 of an H100 / H200 (SXM), the MFU denominator
-QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_attention_heads=32,
-                     num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                     moe_intermediate_size=768, max_position_embeddings=40960)
-SMOKE_MOE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, max_position_embeddings=512)
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                     num_experts_per_tok=8, moe_intermediate_size=768,
+                     max_position_embeddings=40960)
+SMOKE_MOE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=32, max_position_embeddings=512)
 
 
 
 def qwen36_text_config(layers, smoke=False):
-    """Qwen3.6-35B-A3B's text model (configs/qwen3_6_35b_a3b.py: hidden 2048, Gated DeltaNet of 16 key + 32 value
-    heads of 128, gated attention of 16 heads / 2 KV of 256, 256 experts top-8 of 512 plus a shared expert, vocab
-    248320) with `layers` layers, every 4th full attention, no MTP layer; --smoke: the tiny hybrid's shape."""
+    """Qwen3.6-35B-A3B's text model (configs/qwen3_6_35b_a3b.py: hidden 2048,
+    Gated DeltaNet of 16 key + 32 value heads of 128, gated attention of 16
+    heads / 2 KV of 256, 256 experts top-8 of 512 plus a shared expert, vocab
+    248320) with `layers` layers, every 4th full attention, no
+            MTP layer; --smoke: the tiny hybrid's shape."""
     import dataclasses
     import os
     import runpy
     from model import ModelConfig
-    kinds = ["linear_attention" if (i + 1) % (2 if smoke else 4) else "full_attention" for i in range(layers)]
+    kinds = ["linear_attention" if (i + 1) % (2 if smoke else 4) else "full_attention"
+             for i in range(layers)]
     if smoke:
         from tiny import TINY_QWEN36_CONFIG
-        return dataclasses.replace(TINY_QWEN36_CONFIG, vision=None, mtp_num_hidden_layers=0, num_hidden_layers=layers,
-                                   layer_types=kinds)
-    text = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen3_6_35b_a3b.py"))
+        return dataclasses.replace(TINY_QWEN36_CONFIG, vision=None, mtp_num_hidden_layers=0,
+                                   num_hidden_layers=layers, layer_types=kinds)
+    text = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
+                                       "qwen3_6_35b_a3b.py"))
     text = text["model_config"]["text_config"]
-    return ModelConfig.from_hf({**text, "model_type": "qwen3_5_moe_text", "num_hidden_layers": layers,
-                                "layer_types": kinds, "mtp_num_hidden_layers": 0})
+    return ModelConfig.from_hf(
+        {**text, "model_type": "qwen3_5_moe_text", "num_hidden_layers": layers,
+         "layer_types": kinds, "mtp_num_hidden_layers": 0})
 
 # -----------------------------------------------------------------------------
-# the trainers side by side: each builder returns step(i), one optimizer step over `accum` microbatches
+# the trainers side by side: each builder returns
+# step(i), one optimizer step over `accum` microbatches
 
 
 def _trainer_config(ep, cuda, ac=0, chunk=2048, keep_logits=1, lora=0):
     import train
     return train.configure([f"--ep_size={ep}", f"--param_dtype={'bfloat16' if cuda else 'float32'}",
-                            f"--activation_checkpointing={bool(ac)}", f"--logprob_chunk_size={chunk}",
+                            f"--activation_checkpointing={bool(ac)}",
+                            f"--logprob_chunk_size={chunk}",
                             f"--logprob_keep_logits={bool(keep_logits)}", f"--lora_rank={lora}",
-                            "--learning_rate=1e-5", "--min_lr=1e-6", "--warmup_steps=1", "--max_steps=1000"])
+                            "--learning_rate=1e-5", "--min_lr=1e-6", "--warmup_steps=1",
+                            "--max_steps=1000"])
 
 
 def _random_microbatch(vocab, B, T, device, seed):
-    """B random sequences of T tokens, every token an action with advantage ~N(0, 1) per sequence."""
+    """B random sequences of T tokens, every token an
+    action with advantage ~N(0, 1) per sequence."""
     import torch
     g = torch.Generator(device=device).manual_seed(seed)
     ids = torch.randint(0, vocab, (B, T + 1), device=device, generator=g)
-    return dict(input_ids=ids[:, :-1], targets=ids[:, 1:], action_mask=torch.ones(B, T, device=device),
+    return dict(input_ids=ids[:, :-1], targets=ids[:, 1:],
+                action_mask=torch.ones(B, T, device=device),
                 behavior_logprobs=torch.full((B, T), -12.0, device=device),
                 token_versions=torch.zeros(B, T, dtype=torch.long, device=device),
                 advantages=torch.randn(B, device=device, generator=g), routed_experts=None)
 
 
-def _ours_trainer(mcfg, cfg, world, ep, device, microbatch, accum, compile_modules=False, last=None):
-    """Ours: train.py's sharded model and optimizer, and its real train_step (metrics into `last`)."""
+def _ours_trainer(mcfg, cfg, world, ep, device, microbatch, accum, compile_modules=False,
+                  last=None):
+    """Ours: train.py's sharded model and optimizer,
+    and its real train_step (metrics into `last`)."""
     import train
-    model = train.build_model(cfg, train.build_meshes(world, ep, device.type), device, model_config=mcfg)
+    model = train.build_model(cfg, train.build_meshes(world, ep, device.type), device,
+                              model_config=mcfg)
     if compile_modules:
         _compile_attention_and_norms(model)
     optimizer = train.build_optimizer(model, cfg)
@@ -73,8 +89,9 @@ def _ours_trainer(mcfg, cfg, world, ep, device, microbatch, accum, compile_modul
 
 
 def _policy_gradient_step(params, optimizer, microbatch, accum, cfg, logprobs_fn):
-    """The baselines' optimizer step: `accum` forward + backward passes of the advantage-weighted token logprob
-    (logprobs_fn(input_ids, targets) -> (B, T)), clipping, AdamW at the trainer's learning-rate schedule."""
+    """The baselines' optimizer step: `accum` forward + backward passes of
+    the advantage-weighted token logprob (logprobs_fn(input_ids, targets)
+    -> (B, T)), clipping, AdamW at the trainer's learning-rate schedule."""
     import torch
     import train
     params = list(params)
@@ -95,37 +112,44 @@ def _full_logits_logprobs(logits_fn):
     import torch
 
     def logprobs(ids, targets):  # full logits, fp32 log_softmax: what a plain HF training loop does
-        return torch.log_softmax(logits_fn(ids).float(), dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+        return torch.log_softmax(logits_fn(ids).float(),
+                                 dim=-1).gather(-1, targets[..., None]).squeeze(-1)
     return logprobs
 
 
 def _chunked_logprobs(model, hidden_fn, lm_head, chunk):
-    """Token logprobs through loss.token_logprobs (ours) on a baseline's final hidden states: the layer bench gives
-    every model the same head, which cancels out of its layer-count difference, in memory that fits 8 x 4096."""
+    """Token logprobs through loss.token_logprobs (ours) on a baseline's final
+    hidden states: the layer bench gives every model the same head, which
+    cancels out of its layer-count difference, in memory that fits 8 x 4096."""
     from torch.distributed.fsdp import register_fsdp_forward_method
     import loss
     model.hidden_for_bench = hidden_fn
-    register_fsdp_forward_method(model, "hidden_for_bench")  # the root unit's all-gather runs as in forward
+    # the root unit's all-gather runs as in forward
+    register_fsdp_forward_method(model, "hidden_for_bench")
 
     def logprobs(ids, targets):
         return loss.token_logprobs(model.hidden_for_bench(ids), lm_head(), targets, 1.0, chunk)[0]
     return logprobs
 
 
-def _hf_trainer(mcfg, cfg, device, microbatch, accum, compile_modules=False, ac=False, chunked=False, info=None):
-    """transformers' Qwen3MoeForCausalLM under FSDP2 (_hf_fsdp_model); full logits, or chunked (see above)."""
+def _hf_trainer(mcfg, cfg, device, microbatch, accum, compile_modules=False, ac=False,
+                chunked=False, info=None):
+    """transformers' Qwen3MoeForCausalLM under FSDP2
+    (_hf_fsdp_model); full logits, or chunked (see above)."""
     hf, optimizer, hf_info = _hf_fsdp_model(mcfg, cfg, device, compile_modules, ac)
     if info is not None:
         info.update(hf_info)
-    logprobs = (_chunked_logprobs(hf, lambda ids: hf.model(input_ids=ids, use_cache=False).last_hidden_state,
-                                  lambda: hf.lm_head.weight, cfg["logprob_chunk_size"]) if chunked else
+    logprobs = (_chunked_logprobs(
+        hf, lambda ids: hf.model(input_ids=ids, use_cache=False).last_hidden_state,
+        lambda: hf.lm_head.weight, cfg["logprob_chunk_size"]) if chunked else
                 _full_logits_logprobs(lambda ids: hf(input_ids=ids, use_cache=False).logits))
     return _policy_gradient_step(hf.parameters(), optimizer, microbatch, accum, cfg, logprobs)
 
 
 def _titan_trainer(mcfg, cfg, device, microbatch, accum, info=None):
-    """torchtitan's Qwen3 MoE (its 30B-A3B flavour with our layer count) under its own apply_fsdp (bf16 compute, fp32
-    reductions), its init, grouped-GEMM experts, SDPA; the head as in _chunked_logprobs; AdamW like ours."""
+    """torchtitan's Qwen3 MoE (its 30B-A3B flavour with our layer count) under
+    its own apply_fsdp (bf16 compute, fp32 reductions), its init, grouped-GEMM
+    experts, SDPA; the head as in _chunked_logprobs; AdamW like ours."""
     import copy
     import torch
     from torchtitan.models.llama4.infra.parallelize import apply_fsdp
@@ -134,7 +158,8 @@ def _titan_trainer(mcfg, cfg, device, microbatch, accum, info=None):
     args.n_layers, args.max_seq_len = mcfg.num_hidden_layers, microbatch["input_ids"].shape[1]
     with torch.device("meta"):
         titan = Qwen3Model(args)
-    apply_fsdp(titan, train_mesh(device), param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=False)
+    apply_fsdp(titan, train_mesh(device), param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+               pp_enabled=False)
     titan.to_empty(device=device)
     with torch.no_grad():
         titan.init_weights(buffer_device=device)
@@ -147,11 +172,14 @@ def _titan_trainer(mcfg, cfg, device, microbatch, accum, info=None):
         return titan.norm(h)
     if info is not None:
         import importlib.metadata
-        info.update(version=importlib.metadata.version("torchtitan"), params=sum(p.numel() for p in titan.parameters()),
+        info.update(version=importlib.metadata.version("torchtitan"),
+                    params=sum(p.numel() for p in titan.parameters()),
                     experts_grouped_mm=args.moe_args.use_grouped_mm, attn_type=args.attn_type)
-    optimizer = torch.optim.AdamW(titan.parameters(), lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
+    optimizer = torch.optim.AdamW(titan.parameters(), lr=cfg["learning_rate"],
+                                  betas=(cfg["beta1"], cfg["beta2"]),
                                   weight_decay=cfg["weight_decay"], fused=True)
-    logprobs = _chunked_logprobs(titan, hidden, lambda: titan.output.weight, cfg["logprob_chunk_size"])
+    logprobs = _chunked_logprobs(titan, hidden, lambda: titan.output.weight,
+                                 cfg["logprob_chunk_size"])
     return _policy_gradient_step(titan.parameters(), optimizer, microbatch, accum, cfg, logprobs)
 
 
@@ -162,7 +190,8 @@ def train_mesh(device):
 
 
 def _time_steps(step, warmup, steps, device, first=0):
-    """Seconds per step (mean over `steps` after `warmup`), all ranks in step, and the peak memory of any rank."""
+    """Seconds per step (mean over `steps` after `warmup`),
+    all ranks in step, and the peak memory of any rank."""
     import time
     import torch
     import torch.distributed as dist
@@ -215,38 +244,44 @@ def _free_memory():
         torch.cuda.empty_cache()
 
 # -----------------------------------------------------------------------------
-# train: our FSDP2 + expert-parallel trainer vs transformers' Qwen3MoeForCausalLM under FSDP2, same GPUs, same run
+# train: our FSDP2 + expert-parallel trainer vs transformers'
+# Qwen3MoeForCausalLM under FSDP2, same GPUs, same run
 
 
-def bench_train(layers=4, seq=4096, batch=4, accum=1, steps=6, warmup=3, ep=0, compile=0, ac=0, baseline=1, smoke=0,
-                profile=0, keep_logits=1, chunk=2048, lora=0, hybrid=0):
-    """Training throughput on a Qwen3-30B-A3B-shaped MoE with few layers (hidden 2048, 32 heads, 4 kv heads,
-    head_dim 128, 128 experts top-8, expert hidden 768, vocab 151936), bf16 compute, fp32 master weights, AdamW,
-    `accum` microbatches of `batch` sequences of `seq` tokens per GPU per optimizer step. Ours: train.py's model,
-    fully_shard, expert parallel over `ep` GPUs (default: all), grouped-GEMM experts, the real train_step (chunked
-    logprobs, PPO loss, clipping, AdamW). Baseline, same run and GPUs: transformers' Qwen3MoeForCausalLM (its
-    default experts implementation) with each decoder layer and the root under fully_shard (same mixed precision),
-    full logits + log_softmax, the same optimizer. Prints tokens/s, MFU, peak memory of both and ratio = ours / transformers tokens/s.
+def bench_train(layers=4, seq=4096, batch=4, accum=1, steps=6, warmup=3, ep=0, compile=0, ac=0,
+                baseline=1, smoke=0, profile=0, keep_logits=1, chunk=2048, lora=0, hybrid=0):
+    """Training throughput on a Qwen3-30B-A3B-shaped MoE with few layers (hidden 2048, 32
+    heads, 4 kv heads, head_dim 128, 128 experts top-8, expert hidden 768, vocab 151936), bf16
+    compute, fp32 master weights, AdamW, `accum` microbatches of `batch` sequences of `seq`
+    tokens per GPU per optimizer step. Ours: train.py's model, fully_shard, expert parallel
+    over `ep` GPUs (default: all), grouped-GEMM experts, the real train_step (chunked logprobs,
+    PPO loss, clipping, AdamW). Baseline, same run and GPUs: transformers' Qwen3MoeForCausalLM
+    (its default experts implementation) with each decoder layer and the root under fully_shard
+    (same mixed precision), full logits + log_softmax, the same optimizer. Prints tokens/s,
+    MFU, peak memory of both and ratio = ours / transformers tokens/s.
 
         torchrun --nproc_per_node=1 bench.py train               # 1 GPU
         torchrun --nproc_per_node=2 bench.py train               # 2 GPUs, ep=2
         torchrun --nproc_per_node=2 bench.py train --layers=8 --batch=2 --compile=1
         python bench.py train --smoke                            # CPU, tiny shape: exercises both code paths
 
-    Options: --batch (sequences per microbatch) --accum (microbatches per optimizer step, both trainers: the
-    optimizer step and gradient clipping are per-step costs that a real RL window, many microbatches long, spreads
-    out) --ep (0 = all ranks) --compile (1: compile attention and norms of both models) --ac (activation
-    checkpointing, both) --chunk (ours: tokens per logprob chunk) --keep_logits (ours keeps the bf16 logits for
-    backward, 5 GB at 16K tokens, instead of recomputing them; the baseline holds full logits anyway) --lora (ours
-    trains LoRA adapters of this rank on every target, experts included, on the frozen bf16 base; the baseline stays
-    full) --profile=N (one more step of each under torch.profiler: its N costliest kernels). --hybrid=1: the
-    Qwen3.6-35B-A3B hybrid instead (qwen36_text_config: at 4 layers 3 Gated DeltaNet + 1 gated full attention, all
-    MoE with the shared expert) against transformers' Qwen3_5MoeForCausalLM (fla's kernels in both when installed);
-    there the baseline gets our chunked logprobs over its hidden states: full fp32 logits of 16K tokens x 248K vocab
-    beside AdamW over 4.4B parameters do not fit one H200.
-    MFU = 6 * N * tokens/s / (989e12 * GPUs), N = active matmul weights per token (attention projections, router,
-    the top-8 experts, dense MLPs, lm_head; not the embedding lookup); attention scores are not in `mfu`, and
-    `mfu_with_attention` adds 6 * L * T * heads * head_dim per token (causal QK^T and AV, forward + backward).
+    Options: --batch (sequences per microbatch) --accum (microbatches per optimizer step, both
+    trainers: the optimizer step and gradient clipping are per-step costs that a real RL
+    window, many microbatches long, spreads out) --ep (0 = all ranks) --compile (1: compile
+    attention and norms of both models) --ac (activation checkpointing, both) --chunk (ours:
+    tokens per logprob chunk) --keep_logits (ours keeps the bf16 logits for backward, 5 GB at
+    16K tokens, instead of recomputing them; the baseline holds full logits anyway) --lora
+    (ours trains LoRA adapters of this rank on every target, experts included, on the frozen
+    bf16 base; the baseline stays full) --profile=N (one more step of each under
+    torch.profiler: its N costliest kernels). --hybrid=1: the Qwen3.6-35B-A3B hybrid instead
+    (qwen36_text_config: at 4 layers 3 Gated DeltaNet + 1 gated full attention, all MoE with
+    the shared expert) against transformers' Qwen3_5MoeForCausalLM (fla's kernels in both when
+    installed); there the baseline gets our chunked logprobs over its hidden states: full fp32
+    logits of 16K tokens x 248K vocab beside AdamW over 4.4B parameters do not fit one H200.
+    MFU = 6 * N * tokens/s / (989e12 * GPUs), N = active matmul weights per token
+    (attention projections, router, the top-8 experts, dense MLPs, lm_head; not the
+    embedding lookup); attention scores are not in `mfu`, and `mfu_with_attention` adds
+    6 * L * T * heads * head_dim per token (causal QK^T and AV, forward + backward).
     """
     import os
     if smoke:
@@ -255,49 +290,58 @@ def bench_train(layers=4, seq=4096, batch=4, accum=1, steps=6, warmup=3, ep=0, c
     import train
     from model import ModelConfig, num_params
     if "TORCHELASTIC_RUN_ID" not in os.environ and torch.cuda.device_count() > 1:
-        print("bench.py train: running on 1 GPU; use torchrun --nproc_per_node=N for N GPUs", flush=True)
+        print("bench.py train: running on 1 GPU; use torchrun --nproc_per_node=N for N GPUs",
+              flush=True)
     rank, world, device = train.init_distributed()
     cuda = device.type == "cuda"
     if not cuda and not smoke:
         sys.exit("bench.py train needs CUDA GPUs (run it under torchrun); on CPU use --smoke")
     ep = ep or world
     mcfg = (qwen36_text_config(2 if smoke else layers, smoke) if hybrid else
-            ModelConfig(**(SMOKE_MOE if smoke else QWEN3_30B_A3B), num_hidden_layers=2 if smoke else layers))
+            ModelConfig(**(SMOKE_MOE if smoke else QWEN3_30B_A3B), num_hidden_layers=2 if smoke
+                        else layers))
     cfg = _trainer_config(ep, cuda, ac, chunk, keep_logits, lora)
     B, T, A = batch, seq, accum
-    microbatch = _random_microbatch(mcfg.vocab_size, B, T, device, seed=1000 + rank)  # each rank its own data
-    n_active = num_params(mcfg, active=True) - mcfg.vocab_size * mcfg.hidden_size  # minus the embedding lookup
+    # each rank its own data
+    microbatch = _random_microbatch(mcfg.vocab_size, B, T, device, seed=1000 + rank)
+    # minus the embedding lookup
+    n_active = num_params(mcfg, active=True) - mcfg.vocab_size * mcfg.hidden_size
     full = sum(mcfg.layer_type(i) == "full_attention" for i in range(mcfg.num_hidden_layers))
     attn_per_token = 6 * full * T * mcfg.num_attention_heads * mcfg.head_dim
 
     def measure(name, step):
         seconds, peak = _time_steps(step, warmup, steps, device)
         tokens_per_s = world * B * T * A / seconds
-        out = dict(tokens_per_s=round(tokens_per_s), step_s=round(seconds, 4), peak_gb=round(peak / 1e9, 2),
+        out = dict(tokens_per_s=round(tokens_per_s), step_s=round(seconds, 4),
+                   peak_gb=round(peak / 1e9, 2),
                    mfu=round(6 * n_active * tokens_per_s / (PEAK_FLOPS * world), 4),
-                   mfu_with_attention=round((6 * n_active + attn_per_token) * tokens_per_s / (PEAK_FLOPS * world), 4))
+                   mfu_with_attention=round(
+                       (6 * n_active + attn_per_token) * tokens_per_s / (PEAK_FLOPS * world), 4))
         train.print0(f"{name}: {out}")
         if profile:  # one more step under the profiler: where the time goes, per kernel
             prof = _profiled(step, device, warmup + steps)
-            train.print0(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
+            train.print0(prof.key_averages().table(sort_by="cuda_time_total" if cuda
+                                                   else "cpu_time_total",
                                                    row_limit=profile))
         return out
 
     last = {}
-    result = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", gpus=world if cuda else 0, ep=ep,
+    result = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", gpus=world if cuda
+                  else 0, ep=ep,
                   layers=mcfg.num_hidden_layers, seq=T, batch_per_gpu=B, microbatches_per_step=A,
                   tokens_per_step=world * B * T * A, active_params=n_active, compile=bool(compile),
                   activation_checkpointing=bool(ac), keep_logits=bool(keep_logits), lora_rank=lora,
                   layer_types=mcfg.layer_types, fla=_version("fla-core"))
-    result["ours"] = measure("ours", _ours_trainer(mcfg, cfg, world, ep, device, microbatch, A, bool(compile), last))
+    result["ours"] = measure("ours", _ours_trainer(mcfg, cfg, world, ep, device, microbatch, A,
+                                                   bool(compile), last))
     result["ours"]["loss"], result["ours"]["skipped_steps"] = last["loss"], int(last["skipped"])
     _free_memory()  # the step closure and its model are gone: the baseline gets the whole GPU
     result["ratio"] = None
     if baseline:
         try:
             info = result["transformers"] = {}
-            step = _hf_trainer(mcfg, cfg, device, microbatch, A, bool(compile), bool(ac), chunked=bool(hybrid),
-                               info=info)
+            step = _hf_trainer(mcfg, cfg, device, microbatch, A, bool(compile), bool(ac),
+                               chunked=bool(hybrid), info=info)
             info.update(measure("transformers", step))
             result["ratio"] = round(result["ours"]["tokens_per_s"] / info["tokens_per_s"], 3)
         except Exception as e:  # report ours even when the baseline cannot run here
@@ -313,8 +357,9 @@ def bench_train(layers=4, seq=4096, batch=4, accum=1, steps=6, warmup=3, ep=0, c
 # layer: the MoE decoder layer alone, from the step-time difference between two layer counts
 
 
-# Where a GPU kernel's time goes: the first row whose words occur in its (lowercased) name. Inductor names its
-# fused kernels by their ops (triton_red_fused__to_copy_mean_mul_pow_rsqrt_0 is an RMSNorm).
+# Where a GPU kernel's time goes: the first row whose words occur in
+# its (lowercased) name. Inductor names its fused kernels by their
+# ops (triton_red_fused__to_copy_mean_mul_pow_rsqrt_0 is an RMSNorm).
 KERNEL_ROWS = (
     ("expert_gemms", ("grouped", "groupproblem", "ptrarray")),
     ("attention", ("flash", "fmha", "sdpa", "cudnn", "attention", "attn")),
@@ -323,8 +368,8 @@ KERNEL_ROWS = (
     ("communication", ("nccl",)),
     ("norms_rope", ("rsqrt", "rms_norm", "rmsnorm")),
     ("swiglu", ("silu", "swiglu")),
-    ("router_permutation", ("sort", "topk", "scatter", "gather", "index", "sum_slots", "cumsum", "softmax", "radix",
-                            "histogram", "bincount")),
+    ("router_permutation", ("sort", "topk", "scatter", "gather", "index", "sum_slots", "cumsum",
+                            "softmax", "radix", "histogram", "bincount")),
     ("casts_copies", ("copy", "contiguous", "cat", "fill", "memcpy", "memset", "convert")),
     ("other_elementwise", ("elementwise", "triton", "reduce", "vectorized")),
 )
@@ -345,22 +390,24 @@ def _kernel_row(name):
     return next((row for row, words in KERNEL_ROWS if any(w in low for w in words)), "other")
 
 
-def bench_layer(low=2, high=4, seq=4096, batch=8, accum=1, steps=4, warmup=2, transformers=1, torchtitan=1,
-                profile=1, compile=0, smoke=0):
-    """The MoE decoder layer's training time on one GPU at Qwen3-30B-A3B shapes (bench.py train's model): the
-    optimizer-step time with `high` layers minus the time with `low` layers, over high - low. That is what each of a
-    48-layer model's layers costs (forward, backward, its share of clipping and AdamW, casts between microbatches),
-    with the embedding, the final norm, the lm_head and the logprobs cancelled out. `accum` microbatches of `batch`
-    x `seq` tokens per step. Ours: train.py's model and train_step, as bench.py train. Baselines in the same run:
-    transformers' Qwen3MoeForCausalLM under FSDP2 (bench.py train's) and torchtitan's Qwen3 MoE under its
-    apply_fsdp, when importable; both train the same advantage-weighted logprob loss with AdamW, on our chunked
-    logprobs over their hidden states (the head cancels out; full fp32 logits of 8 x 4096 tokens would not fit).
-    With --profile, one more step of each at both layer counts under torch.profiler: each GPU kernel's time goes
-    to a row (KERNEL_ROWS: expert GEMMs, dense GEMMs, attention, router and permutation, norms, SwiGLU, casts and
-    copies, optimizer, ...) and each row's per-layer ms is again the difference over high - low; the costliest
-    kernels' per-layer ms too. ratio = transformers' layer ms / ours (ratio_torchtitan likewise).
-    MFU per layer: 6 * N * tokens / layer time / 989e12, N = one layer's active matmul weights (attention
-    projections, router, top-8 experts: 56.9M); mfu_with_attention adds 6 * seq * heads * head_dim per token.
+def bench_layer(low=2, high=4, seq=4096, batch=8, accum=1, steps=4, warmup=2, transformers=1,
+                torchtitan=1, profile=1, compile=0, smoke=0):
+    """The MoE decoder layer's training time on one GPU at Qwen3-30B-A3B shapes (bench.py train's
+    model): the optimizer-step time with `high` layers minus the time with `low` layers, over high -
+    low. That is what each of a 48-layer model's layers costs (forward, backward, its share of
+    clipping and AdamW, casts between microbatches), with the embedding, the final norm, the lm_head
+    and the logprobs cancelled out. `accum` microbatches of `batch` x `seq` tokens per step. Ours:
+    train.py's model and train_step, as bench.py train. Baselines in the same run: transformers'
+    Qwen3MoeForCausalLM under FSDP2 (bench.py train's) and torchtitan's Qwen3 MoE under its
+    apply_fsdp, when importable; both train the same advantage-weighted logprob loss with AdamW, on
+    our chunked logprobs over their hidden states (the head cancels out; full fp32 logits of 8 x
+    4096 tokens would not fit). With --profile, one more step of each at both layer counts under
+    torch.profiler: each GPU kernel's time goes to a row (KERNEL_ROWS: expert GEMMs, dense GEMMs,
+    attention, router and permutation, norms, SwiGLU, casts and copies, optimizer, ...) and each
+    row's per-layer ms is again the difference over high - low; the costliest kernels' per-layer ms
+    too. ratio = transformers' layer ms / ours (ratio_torchtitan likewise). MFU per layer: 6 * N *
+    tokens / layer time / 989e12, N = one layer's active matmul weights (attention projections,
+    router, top-8 experts: 56.9M); mfu_with_attention adds 6 * seq * heads * head_dim per token.
 
         python bench.py layer                       # 1 x (8 x 4096) tokens per step
         python bench.py layer --accum=4             # 4 microbatches of 8 x 4096 per step
@@ -384,14 +431,18 @@ def bench_layer(low=2, high=4, seq=4096, batch=8, accum=1, steps=4, warmup=2, tr
     tokens = batch * seq * accum
     n_layer = num_params(mcfg[1], active=True) - num_params(mcfg[0], active=True)
     attn_per_token = 6 * seq * shape["num_attention_heads"] * shape["head_dim"]
-    builders = dict(ours=lambda c, info: _ours_trainer(c, cfg, 1, 1, device, microbatch, accum, bool(compile)),
-                    transformers=lambda c, info: _hf_trainer(c, cfg, device, microbatch, accum, bool(compile),
+    builders = dict(ours=lambda c,
+                    info: _ours_trainer(c, cfg, 1, 1, device, microbatch, accum, bool(compile)),
+                    transformers=lambda c,
+                    info: _hf_trainer(c, cfg, device, microbatch, accum, bool(compile),
                                                              chunked=True, info=info),
-                    torchtitan=lambda c, info: _titan_trainer(c, cfg, device, microbatch, accum, info=info))
+                    torchtitan=lambda c,
+                    info: _titan_trainer(c, cfg, device, microbatch, accum, info=info))
     wanted = dict(ours=True, transformers=bool(transformers), torchtitan=bool(torchtitan) and cuda)
-    result = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", torch=torch.__version__,
-                  layers=[low, high], seq=seq, batch=batch, microbatches_per_step=accum, tokens_per_step=tokens,
-                  layer_active_params=n_layer, compile=bool(compile))
+    result = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu",
+                  torch=torch.__version__, layers=[low, high], seq=seq, batch=batch,
+                  microbatches_per_step=accum, tokens_per_step=tokens, layer_active_params=n_layer,
+                  compile=bool(compile))
     for name, build in builders.items():
         if not wanted[name]:
             continue
@@ -404,7 +455,8 @@ def bench_layer(low=2, high=4, seq=4096, batch=8, accum=1, steps=4, warmup=2, tr
                     kernels[L] = _kernel_ms(_profiled(step, device, warmup + steps))
                 step = None
                 _free_memory()
-        except Exception as e:  # a baseline that cannot run here (not installed, out of memory) is reported
+        except Exception as e:  # a baseline that cannot run here (not
+                                # installed, out of memory) is reported
             if name == "ours":
                 raise
             step = None
@@ -413,17 +465,20 @@ def bench_layer(low=2, high=4, seq=4096, batch=8, accum=1, steps=4, warmup=2, tr
             train.print0(f"{name} failed: {result[name + '_error']}")
             continue
         layer_s = (seconds[high] - seconds[low]) / (high - low)
-        out = dict(info, layer_ms=round(layer_s * 1e3, 2), step_s={L: round(s, 4) for L, s in seconds.items()},
+        out = dict(info, layer_ms=round(layer_s * 1e3, 2),
+                   step_s={L: round(s, 4) for L, s in seconds.items()},
                    peak_gb={L: round(p / 1e9, 2) for L, p in peaks.items()},
                    mfu=round(6 * n_layer * tokens / layer_s / PEAK_FLOPS, 4),
-                   mfu_with_attention=round((6 * n_layer + attn_per_token) * tokens / layer_s / PEAK_FLOPS, 4))
+                   mfu_with_attention=round(
+                       (6 * n_layer + attn_per_token) * tokens / layer_s / PEAK_FLOPS, 4))
         if profile:
             per_kernel = {k: (kernels[high].get(k, 0.0) - kernels[low].get(k, 0.0)) / (high - low)
                           for k in set(kernels[high]) | set(kernels[low])}
             rows = {}
             for k, ms in per_kernel.items():
                 rows[_kernel_row(k)] = rows.get(_kernel_row(k), 0.0) + ms
-            out["profile_layer_ms"] = {r: round(ms, 2) for r, ms in sorted(rows.items(), key=lambda kv: -kv[1])}
+            out["profile_layer_ms"] = {r: round(ms, 2) for r,
+                                       ms in sorted(rows.items(), key=lambda kv: -kv[1])}
             out["profile_total_layer_ms"] = round(sum(rows.values()), 2)
             top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
             out["top_kernels_layer_ms"] = [[k[:120], _kernel_row(k), round(ms, 3)] for k, ms in top]
@@ -443,14 +498,15 @@ def bench_layer(low=2, high=4, seq=4096, batch=8, accum=1, steps=4, warmup=2, tr
 
 
 def bench_gdn(seq=4096, batch=4, iters=20, warmup=3, profile=12, smoke=0):
-    """The Gated DeltaNet layer alone at Qwen3.6-35B-A3B's shape (qwen36_text_config: hidden 2048, 16 key + 32 value
-    heads of 128, conv 4), bf16, forward + backward of `batch` x `seq` tokens (gradients of the input and every
-    weight against a fixed random output gradient). Ours: gdn.GatedDeltaNet (on CUDA fla's fused varlen conv, delta
-    rule and gated norm). Baselines in the same run: fla's own layer (flash-linear-attention's fla.layers.
-    GatedDeltaNet at the same heads: separate q/k/v projections and convs) and transformers' Qwen3_5MoeGatedDeltaNet
-    (fla's delta rule and gated norm where fla is installed), the latter with our weights: its output is compared
-    with ours (max |diff| over max |output|). ms per step from CUDA events over `iters` steps after `warmup`;
-    ratio = fla's ms / ours. --profile=N: ours' N costliest kernels per step.
+    """The Gated DeltaNet layer alone at Qwen3.6-35B-A3B's shape (qwen36_text_config: hidden 2048,
+    16 key + 32 value heads of 128, conv 4), bf16, forward + backward of `batch` x `seq` tokens
+    (gradients of the input and every weight against a fixed random output gradient). Ours:
+    gdn.GatedDeltaNet (on CUDA fla's fused varlen conv, delta rule and gated norm). Baselines in
+    the same run: fla's own layer (flash-linear-attention's fla.layers. GatedDeltaNet at the same
+    heads: separate q/k/v projections and convs) and transformers' Qwen3_5MoeGatedDeltaNet (fla's
+    delta rule and gated norm where fla is installed), the latter with our weights: its output is
+    compared with ours (max |diff| over max |output|). ms per step from CUDA events over `iters`
+    steps after `warmup`; ratio = fla's ms / ours. --profile=N: ours' N costliest kernels per step.
 
         python bench.py gdn
         python bench.py gdn --smoke      # CPU, tiny shape, fp32: ours and transformers' (fla computes on CUDA only)
@@ -464,7 +520,8 @@ def bench_gdn(seq=4096, batch=4, iters=20, warmup=3, profile=12, smoke=0):
         seq, batch, iters, warmup, profile = 64, 2, 1, 1, 0
     elif not torch.cuda.is_available():
         sys.exit("bench.py gdn needs a CUDA GPU; on CPU use --smoke")
-    device, dtype = (torch.device("cpu"), torch.float32) if smoke else (torch.device("cuda"), torch.bfloat16)
+    device, dtype = (torch.device("cpu"), torch.float32) if smoke else (torch.device("cuda"),
+                                                                        torch.bfloat16)
     cfg = qwen36_text_config(1, smoke)
     ours = GatedDeltaNet(cfg).to(device)
     with torch.no_grad():
@@ -472,7 +529,8 @@ def bench_gdn(seq=4096, batch=4, iters=20, warmup=3, profile=12, smoke=0):
                         torch.Generator(device).manual_seed(0))
     ours.to(dtype)
     hf_cfg = transformers.Qwen3_5MoeTextConfig(**{k: v for k, v in cfg.to_hf().items()
-                                                  if k not in ("model_type", "architectures", "torch_dtype")})
+                                                  if k not in ("model_type", "architectures",
+                                                               "torch_dtype")})
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
     theirs = modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet(hf_cfg, layer_idx=0).to(device, dtype)
     theirs.load_state_dict(ours.state_dict())
@@ -482,11 +540,13 @@ def bench_gdn(seq=4096, batch=4, iters=20, warmup=3, profile=12, smoke=0):
         fla = FlaGatedDeltaNet(hidden_size=cfg.hidden_size, head_dim=cfg.linear_key_head_dim,
                                expand_v=cfg.linear_value_head_dim / cfg.linear_key_head_dim,
                                num_heads=cfg.linear_num_key_heads,
-                               num_v_heads=cfg.linear_num_value_heads, mode="chunk", use_gate=True, use_short_conv=True,
-                               conv_size=cfg.linear_conv_kernel_dim, norm_eps=cfg.rms_norm_eps).to(device, dtype)
+                               num_v_heads=cfg.linear_num_value_heads, mode="chunk", use_gate=True,
+                               use_short_conv=True, conv_size=cfg.linear_conv_kernel_dim,
+                               norm_eps=cfg.rms_norm_eps).to(device, dtype)
         layers["fla"] = (fla, lambda x: fla(x)[0])
     g = torch.Generator(device).manual_seed(1)
-    x = torch.randn(batch, seq, cfg.hidden_size, device=device, generator=g).to(dtype).requires_grad_()
+    x = torch.randn(batch, seq, cfg.hidden_size, device=device,
+                    generator=g).to(dtype).requires_grad_()
     probe = torch.randn(x.shape, device=device, generator=g).to(dtype)
     cu = torch.arange(batch + 1, device=device) * seq  # one segment a row
 
@@ -498,13 +558,16 @@ def bench_gdn(seq=4096, batch=4, iters=20, warmup=3, profile=12, smoke=0):
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
-    result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
-                  transformers_version=transformers.__version__, fla_version=_version("fla-core"),
-                  tilelang=_version("tilelang"), tokens=batch * seq, batch=batch, seq=seq, dtype=str(dtype))
+    result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                  torch=torch.__version__, transformers_version=transformers.__version__,
+                  fla_version=_version("fla-core"),
+                  tilelang=_version("tilelang"), tokens=batch * seq, batch=batch, seq=seq,
+                  dtype=str(dtype))
     with torch.no_grad():
         want, got = theirs(x), ours(x, cu)
         want = want[0] if isinstance(want, tuple) else want
-        result["ours_vs_transformers_max_rel_diff"] = round(((got - want).abs().max() / want.abs().max()).item(), 5)
+        result["ours_vs_transformers_max_rel_diff"] = round(
+            ((got - want).abs().max() / want.abs().max()).item(), 5)
     for name, (module, fn) in layers.items():
         for _ in range(warmup):
             step(module, fn)
@@ -520,7 +583,8 @@ def bench_gdn(seq=4096, batch=4, iters=20, warmup=3, profile=12, smoke=0):
         prof = _profiled(lambda i: step(*layers["ours"]), device, 0)
         top = sorted(_kernel_ms(prof).items(), key=lambda kv: -kv[1])[:profile]
         result["ours_top_kernels_ms"] = [[k[:100], round(ms, 3)] for k, ms in top]
-    result["ratio"] = round(result["fla"]["ms"] / result["ours"]["ms"], 3) if "fla" in layers else None
+    result["ratio"] = round(result["fla"]["ms"] / result["ours"]["ms"],
+                            3) if "fla" in layers else None
     result["ratio_transformers"] = round(result["transformers"]["ms"] / result["ours"]["ms"], 3)
     return result
 
@@ -530,13 +594,14 @@ def bench_gdn(seq=4096, batch=4, iters=20, warmup=3, profile=12, smoke=0):
 
 
 def bench_lora(experts=16, dim=2048, hidden=768, rows=32768, rank=8, iters=20, seed=0):
-    """The grouped-GEMM experts (experts.experts_grouped_mm) forward + backward on `rows` routed rows, bf16: with
-    rank-`rank` adapters on gate, up and down over a frozen base (gradients of the adapters, the rows and the routing
-    weights) against full fine-tuning (gradients of the base weights too), and the frozen base without adapters (the
-    floor: no weight gradient GEMMs at all). Default shape: Qwen3-30B-A3B's experts (D 2048, H 768), 16 local experts
-    (128 over expert parallelism 8). Prints ms of each and ratio = LoRA / full fine-tuning (target: <= 1.0). Each step
-    is timed as the trainer runs it, launches from Python included: at a few thousand rows per expert the LoRA step
-    launches more kernels than the GPU needs time for on a slow host CPU.
+    """The grouped-GEMM experts (experts.experts_grouped_mm) forward + backward on `rows` routed
+    rows, bf16: with rank-`rank` adapters on gate, up and down over a frozen base (gradients of the
+    adapters, the rows and the routing weights) against full fine-tuning (gradients of the base
+    weights too), and the frozen base without adapters (the floor: no weight gradient GEMMs at
+    all). Default shape: Qwen3-30B-A3B's experts (D 2048, H 768), 16 local experts (128 over expert
+    parallelism 8). Prints ms of each and ratio = LoRA / full fine-tuning (target: <= 1.0). Each
+    step is timed as the trainer runs it, launches from Python included: at a few thousand rows per
+    expert the LoRA step launches more kernels than the GPU needs time for on a slow host CPU.
 
         python bench.py lora --experts=128 --rows=32768 --rank=8
     """
@@ -548,10 +613,12 @@ def bench_lora(experts=16, dim=2048, hidden=768, rows=32768, rank=8, iters=20, s
     E, D, H, N, r = opt["experts"], opt["dim"], opt["hidden"], opt["rows"], opt["rank"]
     g = torch.Generator(device="cuda").manual_seed(opt["seed"])
     randn = lambda *shape, std=0.02: (torch.randn(*shape, device="cuda", generator=g) * std).bfloat16()  # noqa: E731
-    counts = torch.bincount(torch.randint(0, E, (N,), device="cuda", generator=g), minlength=E)  # uniform routing
+    # uniform routing
+    counts = torch.bincount(torch.randint(0, E, (N,), device="cuda", generator=g), minlength=E)
     x, scale = randn(N, D, std=1.0), torch.rand(N, device="cuda", generator=g).bfloat16()
     base = [randn(E, H, D), randn(E, H, D), randn(E, D, H)]
-    adapters = [randn(E, r, D), randn(E, H, r), randn(E, r, D), randn(E, H, r), randn(E, r, H), randn(E, D, r)]
+    adapters = [randn(E, r, D), randn(E, H, r), randn(E, r, D), randn(E, H, r), randn(E, r, H),
+                randn(E, D, r)]
     grad = randn(N, D, std=1.0)
 
     def step(train_base, with_lora):
@@ -561,7 +628,8 @@ def bench_lora(experts=16, dim=2048, hidden=768, rows=32768, rank=8, iters=20, s
         lora = (2.0, tuple(zip(lo[0::2], lo[1::2]))) if with_lora else None
         experts_grouped_mm(leaves[0], counts, leaves[1], *ws, lora).backward(grad)
 
-    def ms(*variant):  # CUDA events around `iters` steps after warm-up (the first calls compile silu_mul)
+    def ms(*variant):  # CUDA events around `iters` steps after
+                       # warm-up (the first calls compile silu_mul)
         for _ in range(5):
             step(*variant)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -572,23 +640,27 @@ def bench_lora(experts=16, dim=2048, hidden=768, rows=32768, rank=8, iters=20, s
         torch.cuda.synchronize()
         return round(start.elapsed_time(end) / opt["iters"], 3)
     full, lora, floor = ms(True, False), ms(False, True), ms(False, False)
-    result = dict(opt, full_ms=full, lora_ms=lora, frozen_base_ms=floor, ratio=round(lora / full, 3),
-                  over_frozen_base=round(lora / floor, 3))
-    print(f"experts {E} x D {D} x H {H}, {N} rows, rank {r}: LoRA {lora} ms, full fine-tuning {full} ms, "
+    result = dict(opt, full_ms=full, lora_ms=lora, frozen_base_ms=floor,
+                  ratio=round(lora / full, 3), over_frozen_base=round(lora / floor, 3))
+    print(f"experts {E} x D {D} x H {H}, {N} rows, rank {r}: LoRA {lora} ms, full fine-tuning "
+          f"{full} ms, "
           f"frozen base without adapters {floor} ms (fwd + bwd)")
     return result
 
 
 
 # -----------------------------------------------------------------------------
-# vl: our Qwen3-VL-MoE (vision tower, M-RoPE, deepstack) vs transformers' Qwen3VLMoeForConditionalGeneration, 1 GPU
+# vl: our Qwen3-VL-MoE (vision tower, M-RoPE, deepstack) vs
+# transformers' Qwen3VLMoeForConditionalGeneration, 1 GPU
 
 
 def _vl_batch(vc, rows, T, vocab, generator, device):
-    """Rows of T tokens with images in them (random text, then per image vision_start, its t*h*w/m^2 image
-    tokens, vision_end, a few text tokens), the patches of all images in order, and image_grid_thw."""
+    """Rows of T tokens with images in them (random text, then per image
+    vision_start, its t*h*w/m^2 image tokens, vision_end, a few text
+    tokens), the patches of all images in order, and image_grid_thw."""
     m2 = vc.spatial_merge_size ** 2
-    special = min(vc.image_token_id, vc.video_token_id, vc.vision_start_token_id, vc.vision_end_token_id)
+    special = min(vc.image_token_id, vc.video_token_id, vc.vision_start_token_id,
+                  vc.vision_end_token_id)
     import torch
     ids = torch.randint(0, min(vocab, special), (len(rows), T), generator=generator, device=device)
     for r, grids in enumerate(rows):
@@ -597,26 +669,32 @@ def _vl_batch(vc, rows, T, vocab, generator, device):
             n = t * h * w // m2
             if at + n + 10 > T:
                 raise ValueError(f"images {grids} do not fit in {T} tokens")
-            ids[r, at], ids[r, at + 1:at + 1 + n], ids[r, at + 1 + n] = (vc.vision_start_token_id, vc.image_token_id,
+            ids[r, at], ids[r, at + 1:at + 1
+                            + n], ids[r, at + 1 + n] = (vc.vision_start_token_id, vc.image_token_id,
                                                                          vc.vision_end_token_id)
             at += n + 10
     flat = [thw for grids in rows for thw in grids]
     patch = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
-    pixel_values = torch.randn(sum(t * h * w for t, h, w in flat), patch, generator=generator, device=device)
+    pixel_values = torch.randn(sum(t * h * w for t, h, w in flat), patch, generator=generator,
+                               device=device)
     return ids, pixel_values, torch.tensor(flat, device=device)
 
 
-def bench_vl(layers=4, depth=27, seq=4096, batch=2, images=4, steps=6, warmup=3, smoke=0, profile=0):
-    """The VLM's training forward + backward on one GPU at Qwen3-VL-30B-A3B shapes (configs/qwen3_vl_30b_a3b.py:
-    hidden 2048, 128 experts top-8, vocab 151936, the 27-layer 1152-wide vision tower with deepstack into the
-    first 3 layers) with `layers` text layers and random weights, ours (model.py) against transformers'
+def bench_vl(layers=4, depth=27, seq=4096, batch=2, images=4, steps=6, warmup=3, smoke=0,
+             profile=0):
+    """The VLM's training forward + backward on one GPU at Qwen3-VL-30B-A3B shapes
+    (configs/qwen3_vl_30b_a3b.py: hidden 2048, 128 experts top-8, vocab 151936, the
+    27-layer 1152-wide vision tower with deepstack into the first 3 layers) with
+    `layers` text layers and random weights, ours (model.py) against transformers'
     Qwen3VLMoeForConditionalGeneration loaded from the checkpoint ours writes.
-    1. Parity, fp32 (TF32 off): logits on sequences holding several images of several sizes (one beyond the
-       48x48 learned position grid), and every parameter's gradient of a token-logprob loss, each relative to
-       the reference tensor's largest entry. Then both models in bf16 against the fp32 reference logits.
-    2. Speed, bf16 weights: `batch` sequences of `seq` tokens with `images` 448x448 images each (784 patches,
-       196 image tokens), forward + backward of the mean token logprob (ours: hidden_states + chunked logprobs;
-       transformers: full logits + log_softmax). ratio = ours / transformers tokens/s.
+    1. Parity, fp32 (TF32 off): logits on sequences holding several images of several
+       sizes (one beyond the 48x48 learned position grid), and every parameter's
+       gradient of a token-logprob loss, each relative to the reference tensor's
+       largest entry. Then both models in bf16 against the fp32 reference logits.
+    2. Speed, bf16 weights: `batch` sequences of `seq` tokens with `images` 448x448
+       images each (784 patches, 196 image tokens), forward + backward of the mean
+       token logprob (ours: hidden_states + chunked logprobs; transformers: full
+       logits + log_softmax). ratio = ours / transformers tokens/s.
 
         python bench.py vl                      # GPU
         python bench.py vl --smoke              # CPU, tiny shapes: exercises both code paths
@@ -638,23 +716,29 @@ def bench_vl(layers=4, depth=27, seq=4096, batch=2, images=4, steps=6, warmup=3,
     if not cuda and not opt["smoke"]:
         sys.exit("bench.py vl needs a CUDA GPU; on CPU use --smoke")
     device = torch.device("cuda" if cuda else "cpu")
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 parity means fp32
+    # fp32 parity means fp32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     hf_cfg = runpy.run_path("configs/qwen3_vl_30b_a3b.py")["model_config"]
     cfg = ModelConfig.from_hf(hf_cfg)
     vision = dataclasses.replace(cfg.vision, depth=opt["depth"],
-                                 deepstack_visual_indexes=[i for i in cfg.vision.deepstack_visual_indexes
-                                                           if i < opt["depth"]])
+                                 deepstack_visual_indexes=[
+                                     i for i in cfg.vision.deepstack_visual_indexes
+                                     if i < opt["depth"]])
     cfg = dataclasses.replace(cfg, num_hidden_layers=opt["layers"], vision=vision)
     grids_448 = [(1, 28, 28)] * opt["images"]
-    parity_rows = [[(1, 28, 28), (1, 16, 40)], [(1, 60, 52), (1, 4, 6)]]  # 60x52: beyond the 48x48 learned grid
+    # 60x52: beyond the 48x48 learned grid
+    parity_rows = [[(1, 28, 28), (1, 16, 40)], [(1, 60, 52), (1, 4, 6)]]
     parity_T = 1024
     if opt["smoke"]:
-        cfg = dataclasses.replace(cfg, vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                  num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-                                  moe_intermediate_size=48, mrope_section=[2, 3, 3], vision=dataclasses.replace(
-                                      vision, depth=3, hidden_size=64, intermediate_size=96, num_heads=2,
-                                      out_hidden_size=64, patch_size=4, num_position_embeddings=64,
-                                      deepstack_visual_indexes=[0, 2], image_token_id=500, video_token_id=501,
+        cfg = dataclasses.replace(cfg, vocab_size=512, hidden_size=64, intermediate_size=128,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  num_experts=8, num_experts_per_tok=2,
+                                  moe_intermediate_size=48, mrope_section=[2, 3, 3],
+                                  vision=dataclasses.replace(
+                                      vision, depth=3, hidden_size=64, intermediate_size=96,
+                                      num_heads=2, out_hidden_size=64, patch_size=4,
+                                      num_position_embeddings=64, deepstack_visual_indexes=[0, 2],
+                                      image_token_id=500, video_token_id=501,
                                       vision_start_token_id=502, vision_end_token_id=503))
         opt.update(seq=128, steps=1, warmup=1)
         grids_448 = [(1, 8, 8)] * opt["images"]
@@ -672,16 +756,18 @@ def bench_vl(layers=4, depth=27, seq=4096, batch=2, images=4, steps=6, warmup=3,
     with torch.no_grad():  # non-trivial norms and LayerNorm biases, so a misplaced norm would show
         for n, p in ours.named_parameters():
             if "norm" in n.rsplit(".", 2)[-2]:
-                p.uniform_(0.5, 1.5, generator=g) if n.endswith("weight") else p.uniform_(-0.2, 0.2, generator=g)
+                p.uniform_(0.5, 1.5, generator=g) if n.endswith("weight") else p.uniform_(
+                    -0.2, 0.2, generator=g)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         ours.save_pretrained(tmp)
         hf = AutoModelForImageTextToText.from_pretrained(tmp, dtype=torch.float32).to(device)
-    print(f"checkpoint written and loaded by transformers in {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"checkpoint written and loaded by transformers in {time.perf_counter() - t0:.0f} s",
+          flush=True)
 
     def hf_logits(ids, pv, grid):
-        return hf(input_ids=ids, pixel_values=pv, image_grid_thw=grid, mm_token_type_ids=(ids == vc.image_token_id).int(),
-                  use_cache=False).logits
+        return hf(input_ids=ids, pixel_values=pv, image_grid_thw=grid,
+                  mm_token_type_ids=(ids == vc.image_token_id).int(), use_cache=False).logits
 
     def rel(a, b):
         return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
@@ -689,7 +775,8 @@ def bench_vl(layers=4, depth=27, seq=4096, batch=2, images=4, steps=6, warmup=3,
     # 1. parity
     ids, pv, grid = _vl_batch(vc, parity_rows, parity_T, cfg.vocab_size, g, device)
     targets = torch.randint(0, cfg.vocab_size, ids.shape, generator=g, device=device)
-    result = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", transformers_version=transformers.__version__,
+    result = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu",
+                  transformers_version=transformers.__version__,
                   torch=torch.__version__, text_layers=cfg.num_hidden_layers, vision_depth=vc.depth,
                   experts=cfg.num_experts, params=sum(p.numel() for p in ours.parameters()),
                   experts_implementation=getattr(hf.config, "_experts_implementation", None),
@@ -708,10 +795,12 @@ def bench_vl(layers=4, depth=27, seq=4096, batch=2, images=4, steps=6, warmup=3,
     for name, ref_g in theirs.items():
         if name in mine:
             g_ = mine[name]
-        else:  # transformers' fused experts (E, 2H, D) / (E, D, H) in memory; ours stacked per projection
+        else:  # transformers' fused experts (E, 2H, D) / (E,
+               # D, H) in memory; ours stacked per projection
             stem = name.rsplit(".", 1)[0].replace("model.language_model.", "model.") + "."
             w = {k: p.grad for k, p in ours.named_parameters() if k.startswith(stem)}
-            g_ = torch.cat([w[stem + "gate_proj"], w[stem + "up_proj"]], 1) if name.endswith("gate_up_proj") else w[stem + "down_proj"]
+            g_ = torch.cat([w[stem + "gate_proj"], w[stem + "up_proj"]],
+                           1) if name.endswith("gate_up_proj") else w[stem + "down_proj"]
             g_ = g_ if g_.shape == ref_g.shape else g_.transpose(1, 2)
         part = "vision" if ".visual." in name else "experts" if ".experts" in name else "text"
         worst[part] = max(worst.get(part, 0.0), rel(g_, ref_g))
@@ -724,7 +813,8 @@ def bench_vl(layers=4, depth=27, seq=4096, batch=2, images=4, steps=6, warmup=3,
         ours.to(torch.bfloat16)
         hf.to(torch.bfloat16)
         pv16 = pv.to(torch.bfloat16)
-        parity["bf16_ours_vs_fp32_rel"] = rel(ours(ids, pixel_values=pv16, image_grid_thw=grid), ref)
+        parity["bf16_ours_vs_fp32_rel"] = rel(ours(ids, pixel_values=pv16, image_grid_thw=grid),
+                                              ref)
         parity["bf16_transformers_vs_fp32_rel"] = rel(hf_logits(ids, pv16, grid), ref)
     ref = None
     print(f"parity: {parity}", flush=True)
@@ -760,64 +850,75 @@ def bench_vl(layers=4, depth=27, seq=4096, batch=2, images=4, steps=6, warmup=3,
             step()
         sync()
         s = (time.perf_counter() - t0) / opt["steps"]
-        out = dict(step_s=round(s, 4), tokens_per_s=round(B * T / s), images_per_s=round(len(grid) / s, 1),
-                   peak_extra_gb=round(((torch.cuda.max_memory_allocated(device) if cuda else 0) - base) / 1e9, 2))
+        out = dict(step_s=round(s, 4), tokens_per_s=round(B * T / s),
+                   images_per_s=round(len(grid) / s, 1), peak_extra_gb=round(
+                       ((torch.cuda.max_memory_allocated(device) if cuda else 0) - base) / 1e9, 2))
         print(f"{name}: {out}", flush=True)
         if opt["profile"]:  # one more step under the profiler: where the time goes, per kernel
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] +
-                                        ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])) as prof:
+                                        ([torch.profiler.ProfilerActivity.CUDA] if cuda
+                                         else [])) as prof:
                 step()
                 sync()
             print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
                                             row_limit=opt["profile"]), flush=True)
         return out
     result.update(seq=T, batch=B, images_per_sequence=opt["images"], image_tokens_per_sequence=int(
-        (ids[0] == vc.image_token_id).sum()), ours=measure("ours", ours_step), transformers=measure("transformers", hf_step))
-    result["ratio"] = round(result["ours"]["tokens_per_s"] / result["transformers"]["tokens_per_s"], 3)
+        (ids[0] == vc.image_token_id).sum()), ours=measure("ours", ours_step),
+        transformers=measure("transformers", hf_step))
+    result["ratio"] = round(result["ours"]["tokens_per_s"] / result["transformers"]["tokens_per_s"],
+                            3)
     return result
 
 
 def _compile_attention_and_norms(model):
-    """torch.compile the attention and RMSNorm modules (elementwise fusion); experts and all-to-alls stay eager."""
+    """torch.compile the attention and RMSNorm modules
+    (elementwise fusion); experts and all-to-alls stay eager."""
     for module in model.modules():
         if type(module).__name__.endswith(("Attention", "RMSNorm")):
             module.compile()
 
 
 def _hf_fsdp_model(mcfg, cfg, device, compile_modules, checkpointing):
-    """transformers' Qwen3MoeForCausalLM (Qwen3_5MoeForCausalLM for the hybrid) built on the meta device, each
-    decoder layer and the root under fully_shard with our mixed precision, shards initialized like ours, AdamW
-    like ours."""
+    """transformers' Qwen3MoeForCausalLM (Qwen3_5MoeForCausalLM for the hybrid)
+    built on the meta device, each decoder layer and the root under fully_shard
+    with our mixed precision, shards initialized like ours, AdamW like ours."""
     import torch
     import transformers
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     import train
     hybrid = mcfg.family == "qwen3_5"
-    names = ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM") if hybrid else ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")
+    names = ("Qwen3_5MoeTextConfig",
+             "Qwen3_5MoeForCausalLM") if hybrid else ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")
     Config, CausalLM = (getattr(transformers, n) for n in names)
-    hf_cfg = Config(**{k: v for k, v in mcfg.to_hf().items() if k not in ("model_type", "architectures", "torch_dtype")})
+    hf_cfg = Config(**{k: v for k, v in mcfg.to_hf().items()
+                       if k not in ("model_type", "architectures", "torch_dtype")})
     hf_cfg._attn_implementation = "sdpa"
     with torch.device("meta"):
         hf = CausalLM(hf_cfg)
     if checkpointing:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg["param_dtype"]), reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg["param_dtype"]),
+                              reduce_dtype=torch.float32)
     for layer in hf.model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(hf, mp_policy=mp)
     hf.to_empty(device=device)
     from model import init_parameters
     generator = torch.Generator(device).manual_seed(cfg["seed"] + torch.distributed.get_rank())
-    init_parameters(((n, train.local_tensor(p)) for n, p in hf.named_parameters()), 0.02, generator, hybrid)
+    init_parameters(((n, train.local_tensor(p)) for n, p in hf.named_parameters()), 0.02, generator,
+                    hybrid)
     # to_empty left the rotary inv_freq buffers uninitialized: build the rotary embedding again
     hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_cfg).to(device)
     if compile_modules:
         _compile_attention_and_norms(hf)
     hf.train()
     fused = device.type == "cuda"
-    optimizer = torch.optim.AdamW(hf.parameters(), lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
+    optimizer = torch.optim.AdamW(hf.parameters(), lr=cfg["learning_rate"],
+                                  betas=(cfg["beta1"], cfg["beta2"]),
                                   weight_decay=cfg["weight_decay"], fused=fused)
-    info = dict(version=transformers.__version__, attn_implementation=hf.config._attn_implementation,
+    info = dict(version=transformers.__version__,
+                attn_implementation=hf.config._attn_implementation,
                 experts_implementation=getattr(hf.config, "_experts_implementation", None),
                 params=sum(p.numel() for p in hf.parameters()))
     return hf, optimizer, info

@@ -1,10 +1,12 @@
 """
-The capture server. Agents are unchanged programs using the official OpenAI or Anthropic SDK (or a framework on one:
-the OpenAI Agents SDK, LangChain, pydantic-ai, ...); only their base URL points here. It speaks chat completions, the
-Responses API and Anthropic Messages. The server renders each request to token ids with the model's own tokenizer
-and chat template, asks a vLLM engine for tokens (ids in, ids + sampling logprobs out), answers in the protocol the
-client spoke (tool calls parsed by the vLLM parser of the model's call format: Hermes JSON for Qwen3, XML for Qwen3.5 /
-3.6; reasoning as each protocol gives it), and records the trajectory token-exactly (README, invariant 1).
+The capture server. Agents are unchanged programs using the official OpenAI or Anthropic
+SDK (or a framework on one: the OpenAI Agents SDK, LangChain, pydantic-ai, ...); only
+their base URL points here. It speaks chat completions, the Responses API and Anthropic
+Messages. The server renders each request to token ids with the model's own tokenizer
+and chat template, asks a vLLM engine for tokens (ids in, ids + sampling logprobs out),
+answers in the protocol the client spoke (tool calls parsed by the vLLM parser of the
+model's call format: Hermes JSON for Qwen3, XML for Qwen3.5 / 3.6; reasoning as each
+protocol gives it), and records the trajectory token-exactly (README, invariant 1).
 
     python capture.py                          # serve the tiny model on CPU; prints the address
     python capture.py --model DIR --port 8000  # any local HuggingFace model directory
@@ -14,10 +16,11 @@ client spoke (tool calls parsed by the vLLM parser of the model's call format: H
     curl -H "x-api-key: KEY" http://127.0.0.1:8000/sessions/ID  # the recorded segments
     curl -H "x-api-key: KEY" -d '{"reward": 1}' http://127.0.0.1:8000/sessions/ID/finish
 
-From Python (the rollout side): `server = CaptureServer(backend, model_dir, max_model_len=...)`, then
-`server.start_in_thread()` (or `await server.start()` in your loop); per attempt `session = server.new_session(
-attempt_id)` hands the agent `session.base_url` and `session.api_key`, and `server.finish_session(session.id, reward)`
-returns its segments (dicts: attempt_id, segment_index, token_ids, action_mask, behavior_logprobs, token_versions,
+From Python (the rollout side): `server = CaptureServer(backend, model_dir,
+max_model_len=...)`, then `server.start_in_thread()` (or `await server.start()` in your loop);
+per attempt `session = server.new_session(attempt_id)` hands the agent `session.base_url` and
+`session.api_key`, and `server.finish_session(session.id, reward)` returns its segments
+(dicts: attempt_id, segment_index, token_ids, action_mask, behavior_logprobs, token_versions,
 routed_experts, reward, finished, images, opened, parent, started);
 `write_trajectories(path, segments, tokenizer)` appends them as JSONL.
 
@@ -31,23 +34,26 @@ render; each segment records the segment open when it began (`parent`) and when 
 attempt is a tree. Turns on different segments run at once, turns on one segment in order; at most
 max_open_segments stay open (the least recently extended closes first).
 
-Streaming requests get text and tool-call deltas as the engine samples them (with a backend that has
-`stream`; the calls read by vLLM's streaming parser). A turn that begins inside `<think>` (the generation prompt of
-a reasoning template opens it) is split at `</think>`: the reasoning goes to the client as its protocol expects and is
-recorded as the generated tokens it is; a template that drops earlier turns' reasoning at a new user query rewrites
+Streaming requests get text and tool-call deltas as the engine samples them (with a backend
+that has `stream`; the calls read by vLLM's streaming parser). A turn that begins inside
+`<think>` (the generation prompt of a reasoning template opens it) is split at `</think>`:
+the reasoning goes to the client as its protocol expects and is recorded as the generated
+tokens it is; a template that drops earlier turns' reasoning at a new user query rewrites
 them, and a new segment opens there (a tool loop keeps its reasoning shown: one segment).
 
-Images (OpenAI image_url and Responses input_image data URIs, Anthropic base64 image blocks, in user messages and
-tool results) are part of their message: the same text with another image is a rewrite. Each image's placeholder is
-expanded to the tokens the model's processor gives it (context, mask 0), and the segment keeps the image files
-(`images`: the bytes the client sent, in the order of their tokens) for the trainer's forward.
+Images (OpenAI image_url and Responses input_image data URIs, Anthropic base64 image
+blocks, in user messages and tool results) are part of their message: the same text with
+another image is a rewrite. Each image's placeholder is expanded to the tokens the model's
+processor gives it (context, mask 0), and the segment keeps the image files (`images`: the
+bytes the client sent, in the order of their tokens) for the trainer's forward.
 
-Forced tool calls put the template's call opening in the context (mask 0), and the rest of the one call is sampled
-under the tool's JSON schema (protocols.call_grammar: a vLLM structural tag in the tool parser's own call format), as
-are calls to `strict` tools and structured output; tool_choice "none" bans the call opening. What is sampled under
-a mask has the masked distribution's behavior logprob (constrained_tokens: "train" records it as generated tokens,
-"mask" as context). A stop string ends the answer's text; the recorded turn keeps the tokens the
-engine sampled up to the one that completed it, so a policy learns to stop.
+Forced tool calls put the template's call opening in the context (mask 0), and the rest of the
+one call is sampled under the tool's JSON schema (protocols.call_grammar: a vLLM structural
+tag in the tool parser's own call format), as are calls to `strict` tools and structured
+output; tool_choice "none" bans the call opening. What is sampled under a mask has the masked
+distribution's behavior logprob (constrained_tokens: "train" records it as generated tokens,
+"mask" as context). A stop string ends the answer's text; the recorded turn keeps the tokens
+the engine sampled up to the one that completed it, so a policy learns to stop.
 """
 import asyncio
 import base64
@@ -117,7 +123,8 @@ class Segment:
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)  # one turn at a time
 
     def append(self, token_ids, generated=None):
-        """Context tokens (mask 0), or, given the engine's output dict, generated tokens (mask 1)."""
+        """Context tokens (mask 0), or, given the engine's
+        output dict, generated tokens (mask 1)."""
         n = len(token_ids)
         self.token_ids += token_ids
         self.action_mask += [1 if generated else 0] * n
@@ -235,7 +242,8 @@ class Session:
         self.segments, self.finished, self.reward = [], False, None
         self.answers = OrderedDict()  # request key -> result, for client retries
         self.pending = {}  # request key -> the task answering it (a retry meanwhile waits for it)
-        self.responses = {}  # Responses API: response id -> the conversation it ended, for previous_response_id
+        self.responses = {}  # Responses API: response id -> the conversation
+                             # it ended, for previous_response_id
         self.turns = self.in_flight = 0
         self.quiet = asyncio.Event()  # set while no request is in flight
         self.quiet.set()
@@ -260,7 +268,8 @@ class Session:
 
 
 def failure(e, session_id):
-    """(status, message, param) of a failed request: a RequestError's own, else the engine's failure (logged)."""
+    """(status, message, param) of a failed request: a
+    RequestError's own, else the engine's failure (logged)."""
     if isinstance(e, RequestError):
         return e.status, e.message, e.param
     print(f"capture: request on session {session_id} failed: {e!r}", file=sys.stderr)
@@ -276,7 +285,8 @@ def key_digest(api_key):
 
 def end_token_ids(tokenizer):
     ids = {tokenizer.eos_token_id}
-    # the engine also stops at generation_config's eos ids (Qwen: <|im_end|> and <|endoftext|>), where it has one
+    # the engine also stops at generation_config's eos ids
+    # (Qwen: <|im_end|> and <|endoftext|>), where it has one
     with contextlib.suppress(OSError, ValueError):
         from transformers import GenerationConfig
         eos = GenerationConfig.from_pretrained(tokenizer.name_or_path).eos_token_id
@@ -288,8 +298,8 @@ def end_token_ids(tokenizer):
 
 
 def new_event_loop():
-    """uvloop's event loop where it is installed (vLLM installs it, and its API server serves on it): the server's
-    socket and protocol work costs less per request than on asyncio's own loop."""
+    """uvloop's event loop where it is installed (vLLM installs it, and its API server serves on
+    it): the server's socket and protocol work costs less per request than on asyncio's own loop."""
     try:
         import uvloop
     except ImportError:
@@ -299,8 +309,8 @@ def new_event_loop():
 
 def bind_socket(host="127.0.0.1", port=0):
     """A TCP socket bound to host:port (0: a free port), ready for serve_app."""
-    # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY only on sockets that say so (else Nagle + delayed ACK hold
-    # each response ~40 ms)
+    # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY only on sockets
+    # that say so (else Nagle + delayed ACK hold each response ~40 ms)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -308,18 +318,19 @@ def bind_socket(host="127.0.0.1", port=0):
 
 
 class EmbeddedServer(uvicorn.Server):
-    """uvicorn's server without its signal handlers: the process that embeds it (rollout, `python capture.py`)
-    decides what SIGINT and SIGTERM do; uvicorn's would stop the listener and then re-raise the signal, which kills
-    the process before it can stop its engines (or does nothing when SIGINT was ignored)."""
+    """uvicorn's server without its signal handlers: the process that embeds it
+    (rollout, `python capture.py`) decides what SIGINT and SIGTERM do; uvicorn's
+    would stop the listener and then re-raise the signal, which kills the process
+    before it can stop its engines (or does nothing when SIGINT was ignored)."""
 
     def capture_signals(self):
         return contextlib.nullcontext()
 
 
 async def serve_app(app, sock, **config):
-    """Serve an ASGI app with uvicorn on a bound socket, on the running loop (`config`: more uvicorn.Config options).
-    Returns (the uvicorn server, its task) once it accepts connections; stop it with `server.should_exit = True` and
-    await the task."""
+    """Serve an ASGI app with uvicorn on a bound socket, on the running loop (`config`:
+    more uvicorn.Config options). Returns (the uvicorn server, its task) once it accepts
+    connections; stop it with `server.should_exit = True` and await the task."""
     server = EmbeddedServer(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                            timeout_graceful_shutdown=5, **config))
     serving = asyncio.ensure_future(server.serve(sockets=[sock]))
@@ -331,9 +342,10 @@ async def serve_app(app, sock, **config):
 
 
 class GuardedHttp(HttpToolsProtocol):
-    """uvicorn's HTTP/1.1 protocol (httptools) with the limits it lacks: each request's headers must arrive within
-    header_timeout_s and stay under ~64 KiB, else 408 / 431 and the connection closes (slow-header clients, a
-    connection that never sends a byte); malformed HTTP gets a JSON 400 instead of plain text."""
+    """uvicorn's HTTP/1.1 protocol (httptools) with the limits it lacks: each
+    request's headers must arrive within header_timeout_s and stay under ~64 KiB,
+    else 408 / 431 and the connection closes (slow-header clients, a connection that
+    never sends a byte); malformed HTTP gets a JSON 400 instead of plain text."""
     timer, max_header_bytes = None, 64 << 10
 
     def __init__(self, *args, header_timeout_s=10.0, **kwargs):
@@ -355,7 +367,8 @@ class GuardedHttp(HttpToolsProtocol):
         super().on_headers_complete()
 
     def data_received(self, data):
-        counted = len(data) if self.timer else 0  # with the read that completes them: <= 256 KiB of body counted
+        counted = len(data) if self.timer else 0  # with the read that completes
+                                                  # them: <= 256 KiB of body counted
         super().data_received(data)
         self.header_bytes += counted
         if self.timer and self.header_bytes > self.max_header_bytes:
@@ -365,7 +378,8 @@ class GuardedHttp(HttpToolsProtocol):
         self.refuse(400, "The request is not valid HTTP/1.1 (its framing or headers are malformed).")
 
     def refuse(self, status, message):
-        """Answer outside the app, in the error format of the path's protocol, and close the connection."""
+        """Answer outside the app, in the error format of
+        the path's protocol, and close the connection."""
         self.timer = self.timer and self.timer.cancel()
         if not self.transport.is_closing():
             body = json.dumps(error_body("anthropic" if b"/messages" in self.url else "openai", status, message))
@@ -375,17 +389,20 @@ class GuardedHttp(HttpToolsProtocol):
             self.transport.close()
 
 
-# A private-use character and the one after it (its index) stand for an escaped piece of message text while the
-# template renders; client text holding PLACEHOLDER itself is escaped too, so every placeholder is ours.
+# A private-use character and the one after it (its index) stand for an
+# escaped piece of message text while the template renders; client text
+# holding PLACEHOLDER itself is escaped too, so every placeholder is ours.
 PLACEHOLDER, PLACEHOLDER_BASE = "\ue000", 0xE100
 PLACEHOLDERS = re.compile(PLACEHOLDER + "(.)", re.S)
 INLINE_RENDER_BYTES = 64 << 10  # larger request bodies render on the render thread
 MAX_DEPTH = 64  # JSON nesting in tool schemas and arguments (real schemas stay under ~15)
-PROBE = [{"role": "user", "content": "x"}]  # a conversation rendered to see what the template adds after it
+PROBE = [{"role": "user", "content": "x"}]  # a conversation rendered to see
+                                            # what the template adds after it
 
 
 def plain_token_ids(tokenizer, text):
-    """Token ids of `text` as plain text: its added-token strings (special or not) are not recognised."""
+    """Token ids of `text` as plain text: its added-token
+    strings (special or not) are not recognised."""
     backend = tokenizer.backend_tokenizer
     if backend.normalizer is not None:
         text = backend.normalizer.normalize_str(text)
@@ -394,13 +411,14 @@ def plain_token_ids(tokenizer, text):
 
 
 class CaptureServer:
-    """HTTP front of one backend (an Engine, or rollout's router): sessions, rendering, the segmenter.
+    """HTTP front of one backend (an Engine, or rollout's
+    router): sessions, rendering, the segmenter.
 
-    Limits (README, "The capture server's limits"): request bodies up to max_body_bytes, arriving within
-    body_timeout_s; headers within header_timeout_s and under 64 KiB; at most max_connections connections (more get
-    503); sessions made over HTTP expire after http_session_idle_s without a request, at most max_http_sessions
-    live at once (finished ones make room first, else POST /sessions gets 429); a session keeps at
-    most max_open_segments segments open (Segmenter)."""
+    Limits (README, "The capture server's limits"): request bodies up to max_body_bytes, arriving
+    within body_timeout_s; headers within header_timeout_s and under 64 KiB; at most max_connections
+    connections (more get 503); sessions made over HTTP expire after http_session_idle_s without a
+    request, at most max_http_sessions live at once (finished ones make room first, else POST
+    /sessions gets 429); a session keeps at most max_open_segments segments open (Segmenter)."""
 
     def __init__(self, backend, tokenizer, *, max_model_len=OPTIONS["max_model_len"], importance_correction=False,
                  host="127.0.0.1", port=0, model_name=None, max_body_bytes=16 << 20, max_cached_answers=16,
@@ -412,54 +430,68 @@ class CaptureServer:
         from vllm.tool_parsers import ToolParserManager
         self.backend = backend
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer) if isinstance(tokenizer, str) else tokenizer
-        # the model's tool-call format, as its chat template writes calls: Qwen3.5 / 3.6's XML (vLLM's qwen3_coder
-        # parser, arguments rendered from mappings) or Qwen3's Hermes JSON; `tool_parser` names another vLLM parser
+        # the model's tool-call format, as its chat template writes calls: Qwen3.5
+        # / 3.6's XML (vLLM's qwen3_coder parser, arguments rendered from mappings)
+        # or Qwen3's Hermes JSON; `tool_parser` names another vLLM parser
         self.tool_parser_name = tool_parser or tool_parser_of(self.tokenizer)
         self.tool_parser_cls = ToolParserManager.get_tool_parser(self.tool_parser_name)
         self.arguments_as_mapping = self.tool_parser_name in XML_TOOL_PARSERS
-        self.strips_content = hasattr(self.tool_parser_cls, "_parser_engine_cls")  # vLLM's grammar-engine parsers
-        self.call_format = self.tool_parser_cls.structural_tag_model  # its calls' grammar (protocols.call_grammar)
-        # a malformed tool call is the policy's output, not our error (its text goes back as content): no traceback
+        # vLLM's grammar-engine parsers
+        self.strips_content = hasattr(self.tool_parser_cls, "_parser_engine_cls")
+        # its calls' grammar (protocols.call_grammar)
+        self.call_format = self.tool_parser_cls.structural_tag_model
+        # a malformed tool call is the policy's output, not our
+        # error (its text goes back as content): no traceback
         logging.getLogger("vllm.tool_parsers.hermes_tool_parser").setLevel(logging.CRITICAL)
         self.end_ids = end_token_ids(self.tokenizer)
         self.vision = ImageTokens(self.tokenizer, max_images_per_prompt, **image_limits)
-        vocab = self.tokenizer.get_added_vocab()  # the call's tags as single tokens: None where the tokenizer lacks them
+        vocab = self.tokenizer.get_added_vocab()  # the call's tags as single tokens:
+                                                  # None where the tokenizer lacks them
         self.call_tags = call_tags(self.tool_parser_cls(self.tokenizer))
         self.call_ids = [vocab.get(t) for t in self.call_tags]
-        self.think_ids = [vocab.get(t) for t in THINK_TAGS]  # None where the model has no reasoning tags
-        self.constrained_tokens = constrained_tokens  # "train" or "mask" (plan.check_config checks the run's)
+        # None where the model has no reasoning tags
+        self.think_ids = [vocab.get(t) for t in THINK_TAGS]
+        self.constrained_tokens = constrained_tokens  # "train" or "mask" (plan.check_config
+                                                      # checks the run's)
         self.end_texts = [self.tokenizer.decode([i]) for i in self.end_ids]
         self.added_texts = tuple(self.tokenizer.get_added_vocab())
         self.segmenter = Segmenter(self.render_text, self.tokenize, self.end_texts,
                                    self.added_texts, max_open_segments)
-        # Message text is tokenized as text: added-token strings in it (a web page holding "<|im_end|>") become
-        # placeholders before rendering and tokenize() puts their plain tokens back, so only the template's own
-        # markup becomes control tokens. Assistant text escapes only special tokens: <think> / <tool_call> there are
-        # the model's own output (and templates parse them).
+        # Message text is tokenized as text: added-token strings in it (a web page
+        # holding "<|im_end|>") become placeholders before rendering and tokenize()
+        # puts their plain tokens back, so only the template's own markup becomes
+        # control tokens. Assistant text escapes only special tokens: <think> /
+        # <tool_call> there are the model's own output (and templates parse them).
         self.escapes = sorted(self.added_texts, key=len, reverse=True) + [PLACEHOLDER]
         self.escape_index = {t: PLACEHOLDER + chr(PLACEHOLDER_BASE + i) for i, t in enumerate(self.escapes)}
         special = set(self.tokenizer.all_special_tokens) | {PLACEHOLDER}
         self.escape_any = re.compile("|".join(map(re.escape, self.escapes)))
         self.escape_special = re.compile("|".join(re.escape(t) for t in self.escapes if t in special))
         self.escaped_ids = [plain_token_ids(self.tokenizer, t) for t in self.escapes]
-        # one token covers at most this many characters: a longer render cannot fit, whatever it tokenizes to
+        # one token covers at most this many characters: a
+        # longer render cannot fit, whatever it tokenizes to
         self.max_token_chars = max(map(len, self.tokenizer.get_vocab()))
-        self.render_pool = ThreadPoolExecutor(1, thread_name_prefix="capture-render")  # large requests, off the loop
+        # large requests, off the loop
+        self.render_pool = ThreadPoolExecutor(1, thread_name_prefix="capture-render")
         self.header_timeout_s, self.body_timeout_s, self.max_connections = header_timeout_s, body_timeout_s, max_connections
         self.http_session_idle_s, self.max_http_sessions = http_session_idle_s, max_http_sessions
-        self.http_sessions = OrderedDict()  # id -> Session made over HTTP, least recently used first
+        self.http_sessions = OrderedDict()  # id -> Session made over HTTP,
+                                            # least recently used first
         self.max_model_len, self.importance_correction = max_model_len, importance_correction
         self.model_name = model_name or os.path.basename(os.path.normpath(self.tokenizer.name_or_path)) or "model"
         self.max_body_bytes, self.max_cached_answers = max_body_bytes, max_cached_answers
-        self.socket = bind_socket(host, port)  # bound now so that url (and sessions' base URLs) exist before serving
+        self.socket = bind_socket(host, port)  # bound now so that url (and sessions'
+                                               # base URLs) exist before serving
         self.url = f"http://{host}:{self.socket.getsockname()[1]}"
         self.sessions = {}
-        # sessions dropped lately (finished, expired, or dropped by the pool): id -> (key digest, why), so that a late
-        # request hears that its session is gone rather than that its key is wrong; the oldest are forgotten first
+        # sessions dropped lately (finished, expired, or dropped by the pool): id
+        # -> (key digest, why), so that a late request hears that its session is
+        # gone rather than that its key is wrong; the oldest are forgotten first
         self.dropped = OrderedDict()
         self.uvicorn = self.loop = self.thread = None
-        # what the template's generation prompt adds to close reasoning (enable_thinking=False): the context that
-        # structured output and Anthropic's thinking "disabled" sample after ("" for a template without reasoning)
+        # what the template's generation prompt adds to close reasoning
+        # (enable_thinking=False): the context that structured output and Anthropic's
+        # thinking "disabled" sample after ("" for a template without reasoning)
         thinking, closed = (self.render_text(PROBE, None, True, **kw) for kw in ({}, {"enable_thinking": False}))
         self.closed_reasoning = closed[len(thinking):] if closed.startswith(thinking) else ""
         routes = [Route("/sessions", self.http_new_session, methods=["POST"]),
@@ -468,7 +500,8 @@ class CaptureServer:
                   Route("/s/{sid}/v1/models", self.http_models, methods=["GET"]),
                   Route("/s/{sid}/v1/chat/completions", self.http_chat, methods=["POST"]),
                   Route("/s/{sid}/v1/responses", self.http_chat, methods=["POST"])]
-        # Anthropic Messages and its token count, also under the /v1 the Anthropic SDK adds to the same base_url
+        # Anthropic Messages and its token count, also under
+        # the /v1 the Anthropic SDK adds to the same base_url
         routes += [Route(f"/s/{{sid}}/v1{v}/messages{tail}", handler, methods=["POST"]) for v in ("", "/v1")
                    for tail, handler in (("", self.http_chat), ("/count_tokens", self.http_count_tokens))]
         self.app = Starlette(routes=routes, exception_handlers={HTTPException: self.http_error})
@@ -481,8 +514,8 @@ class CaptureServer:
         return session
 
     def finish_session(self, session_id, reward):
-        """End an attempt: later requests for turns get 410; every segment gets the reward (the first finish's: a later
-        one changes nothing). Returns the segment dicts."""
+        """End an attempt: later requests for turns get 410; every segment gets the reward
+        (the first finish's: a later one changes nothing). Returns the segment dicts."""
         session = self.sessions[session_id]
         with session.record_lock:
             if not session.finished:
@@ -492,7 +525,8 @@ class CaptureServer:
     def drop_session(self, session_id, why=None):
         session = self.sessions.pop(session_id, None)
         self.http_sessions.pop(session_id, None)
-        getattr(self.backend, "forget", lambda _: None)(session_id)  # the router's engine affinity, if it keeps one
+        # the router's engine affinity, if it keeps one
+        getattr(self.backend, "forget", lambda _: None)(session_id)
         if session is not None:
             why = why or ("it finished and was dropped" if session.finished else "it was dropped unfinished")
             self.dropped[session_id] = key_digest(session.api_key), why
@@ -500,8 +534,9 @@ class CaptureServer:
                 self.dropped.popitem(last=False)
 
     def make_room_for_http_session(self):
-        """Drop HTTP sessions idle past their lifetime, and finished ones (least recently used first) while their
-        count is at max_http_sessions. False if it still is: every one left is live."""
+        """Drop HTTP sessions idle past their lifetime, and finished ones
+        (least recently used first) while their count is at
+        max_http_sessions. False if it still is: every one left is live."""
         now = time.monotonic()
         for s in list(self.http_sessions.values()):  # least recently used first
             idle, full = now - s.last_used > self.http_session_idle_s, len(self.http_sessions) >= self.max_http_sessions
@@ -514,9 +549,11 @@ class CaptureServer:
     # --- rendering and the segmenter
 
     def escape(self, value, pattern, depth=0):
-        """`value` (a JSON value) with every match of `pattern` in its strings (keys too) replaced by a placeholder."""
+        """`value` (a JSON value) with every match of `pattern`
+        in its strings (keys too) replaced by a placeholder."""
         if isinstance(value, str):
-            if len(value) > self.max_model_len * self.max_token_chars:  # cannot fit: refused before any work
+            # cannot fit: refused before any work
+            if len(value) > self.max_model_len * self.max_token_chars:
                 raise RequestError(400, f"A text of {len(value)} characters is more than the model's context of "
                                         f"{self.max_model_len} tokens can hold.", "messages")
             return pattern.sub(lambda m: self.escape_index[m.group()], value)
@@ -527,7 +564,8 @@ class CaptureServer:
         return [self.escape(v, pattern, depth + 1) for v in value] if isinstance(value, list) else value
 
     def render_text(self, messages, tools, add_generation_prompt, **template_kwargs):
-        if self.arguments_as_mapping:  # XML templates write each argument: they read a mapping, as vLLM gives them
+        if self.arguments_as_mapping:  # XML templates write each argument: they
+                                       # read a mapping, as vLLM gives them
             messages = [dict(m, tool_calls=[argument_mapping(c) for c in m["tool_calls"]]) if m.get("tool_calls")
                         else m for m in messages]
         messages = [{k: self.escape(v, self.escape_special if m.get("role") == "assistant" and k in (
@@ -536,11 +574,13 @@ class CaptureServer:
         try:
             return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt, **template_kwargs)
-        except Exception as e:  # jinja raise_exception(...) and friends: the template refused this conversation
+        except Exception as e:  # jinja raise_exception(...) and friends:
+                                # the template refused this conversation
             raise RequestError(400, f"The chat template rejected the conversation: {e}.", "messages")
 
     def tokenize(self, text):
-        """Token ids of rendered text: markup as control tokens, each placeholder as its text's plain tokens."""
+        """Token ids of rendered text: markup as control
+        tokens, each placeholder as its text's plain tokens."""
         if len(text) > self.max_model_len * self.max_token_chars:  # before the costly part
             raise RequestError(400, f"The prompt is {len(text)} characters, more than the model's context of "
                                     f"{self.max_model_len} tokens can hold.", "messages")
@@ -570,11 +610,13 @@ class CaptureServer:
             session.pending[request.key] = this = asyncio.current_task()
             hold.callback(lambda: session.pending.get(request.key) is this
                           and session.pending.pop(request.key))
-            if request.previous_response_id is not None:  # Responses API: the stored conversation goes first
+            if request.previous_response_id is not None:  # Responses API: the stored
+                                                          # conversation goes first
                 if request.previous_response_id not in session.responses:
                     raise RequestError(400, f"No stored response {request.previous_response_id!r} in this session "
                                             "(unknown id, or answered with store: false).", "previous_response_id")
-                prior, had = session.responses[request.previous_response_id]  # its instructions are not carried over
+                # its instructions are not carried over
+                prior, had = session.responses[request.previous_response_id]
                 k = request.instructions
                 request.messages = request.messages[:k] + prior[had:] + request.messages[k:]
             started, segmenter, messages = time.time(), self.segmenter, request.messages
@@ -604,14 +646,17 @@ class CaptureServer:
                 opening = self.closed_reasoning  # context too: the template's empty reasoning
             if opening:
                 appended, prompt = appended + self.tokenize(opening), prompt + self.tokenize(opening)
-            request.reasoning = self.opens_reasoning(prompt)  # the turn starts inside <think>: answer() splits it off
+            # the turn starts inside <think>: answer() splits it off
+            request.reasoning = self.opens_reasoning(prompt)
             if len(prompt) >= self.max_model_len:
                 raise RequestError(400, f"The prompt is {len(prompt)} tokens; the model's context is "
                                         f"{self.max_model_len} tokens.", "messages")
-            room = self.max_model_len - len(prompt)  # a longer max_tokens is cut to it (finish_reason "length")
+            room = self.max_model_len - len(prompt)  # a longer max_tokens is cut to
+                                                     # it (finish_reason "length")
             routes = (segment.routed_experts or []) if ext else []
-            # forced and strict calls: their arguments sampled under the schema; the grammar also ends the turn after
-            # the first call when calls are not parallel (a stop token would be one the grammar could not write)
+            # forced and strict calls: their arguments sampled under the schema;
+            # the grammar also ends the turn after the first call when calls are
+            # not parallel (a stop token would be one the grammar could not write)
             grammar, trigger = call_grammar(self.call_format, request) or (None, None)
             stop_at_call = not request.parallel and grammar is None
             sampling = dict(request.sampling, stop_token_ids=self.end_ids + [self.call_ids[1]] * stop_at_call,
@@ -623,14 +668,17 @@ class CaptureServer:
             if None in self.call_ids and (refuse_calls or stop_at_call):
                 raise RequestError(400, "This tokenizer has no single tokens that open and close a tool call, so "
                                         "tool_choice \"none\" and parallel_tool_calls false cannot be honoured.")
-            # the model never writes an image placeholder (one in its text would read as an image slot)
+            # the model never writes an image placeholder
+            # (one in its text would read as an image slot)
             sampling["logit_bias"] = {**self.vision.banned, **({self.call_ids[0]: -100} if refuse_calls else {})} or None
-            # sampled under a mask: recorded as context when the config keeps such tokens out of the loss
+            # sampled under a mask: recorded as context when
+            # the config keeps such tokens out of the loss
             masked = self.constrained_tokens == "mask" and bool(sampling.get("structured") or refuse_calls)
             session.turns += 1
             request.prompt_tokens, request_id = len(prompt), f"{session.id}-{session.turns}"
             ids, more = prompt, {}
-            if images:  # the engine gets each image's one placeholder and the images: vLLM expands them
+            if images:  # the engine gets each image's one placeholder
+                        # and the images: vLLM expands them
                 ids, more = self.vision.collapse(prompt, counts), {"images": list(map(bytes, images))}
             try:
                 if on_tokens is None or not hasattr(self.backend, "stream"):
@@ -646,7 +694,8 @@ class CaptureServer:
                 json.dumps(result, ensure_ascii=False).encode()
             except (TypeError, ValueError) as e:
                 raise RequestError(400, f"The reply cannot be encoded as JSON: {e}.")
-            with session.record_lock:  # recorded only now: a failed generation leaves the trajectory as it was
+            with session.record_lock:  # recorded only now: a failed generation
+                                       # leaves the trajectory as it was
                 if session.finished:
                     raise RequestError(410, f"Session {session.id} finished while this request was generating.")
                 if not ext:
@@ -658,7 +707,8 @@ class CaptureServer:
                 free = self.free_tokens(out["token_ids"], trigger) if masked else len(out["token_ids"])
                 segment.append(out["token_ids"][:free], {k: out[k][:free] for k in ("logprobs", "token_versions")})
                 segment.append(out["token_ids"][free:])
-                if out.get("routed_experts") is not None:  # routes of the tokens the engine computed this turn
+                # routes of the tokens the engine computed this turn
+                if out.get("routed_experts") is not None:
                     segment.routed_experts = routes + out["routed_experts"]
                 conversation = conversation + [result["message"]]
                 segment.conversation = None if segment.closed else conversation
@@ -673,22 +723,25 @@ class CaptureServer:
             return result
 
     async def off_loop(self, size, work, *args):
-        """work(*args), for a request of `size` bytes: a large one's on the render thread (one at a time), so that
-        the loop keeps serving other sessions meanwhile; a small one's here (~0.1 ms less)."""
+        """work(*args), for a request of `size` bytes: a large one's on
+        the render thread (one at a time), so that the loop keeps serving
+        other sessions meanwhile; a small one's here (~0.1 ms less)."""
         if size > INLINE_RENDER_BYTES:
             return await asyncio.get_running_loop().run_in_executor(self.render_pool, work, *args)
         return work(*args)
 
     def opens_reasoning(self, ids):
-        """Whether the prompt leaves the model inside <think> (a reasoning template's generation prompt opens it)."""
+        """Whether the prompt leaves the model inside <think>
+        (a reasoning template's generation prompt opens it)."""
         for t in reversed(ids):
             if t == self.think_ids[0] or t == self.think_ids[1] or t in self.end_ids:
                 return t == self.think_ids[0] is not None
         return False
 
     def free_tokens(self, ids, trigger):
-        """How many of a turn's tokens came before its grammar constrained any: those up to the end of the trigger's
-        text ("auto" calls to strict tools), none without a trigger (the whole turn constrained)."""
+        """How many of a turn's tokens came before its grammar constrained
+        any: those up to the end of the trigger's text ("auto" calls to strict
+        tools), none without a trigger (the whole turn constrained)."""
         lo, hi = 0, len(ids) if trigger else 0  # the shortest prefix whose text holds the trigger
         while lo < hi:
             mid = (lo + hi) // 2
@@ -696,9 +749,10 @@ class CaptureServer:
         return lo
 
     def call_opening(self, request):
-        """The template's text that opens a tool call, up to the name (tool_choice "required") or up to the arguments
-        (a named tool; in XML, up to the line of the first parameter): what the template renders for such a call after
-        the generation prompt (after empty reasoning, for a reasoning template)."""
+        """The template's text that opens a tool call, up to the name (tool_choice
+        "required") or up to the arguments (a named tool; in XML, up to the line of
+        the first parameter): what the template renders for such a call after the
+        generation prompt (after empty reasoning, for a reasoning template)."""
         arguments = {"\1": "\1"} if self.arguments_as_mapping else "\1"
         call = {"role": "assistant", "content": "", "tool_calls": [tool_call("call_0", request.forced or "\0", arguments)]}
         prompt = self.render_text(PROBE, request.tools, True)
@@ -712,10 +766,10 @@ class CaptureServer:
         return full[len(prompt):cut]
 
     def answer(self, out, request, num_prompt_tokens):
-        """The engine's tokens as an assistant message: decoded after the forced call opening, tool calls parsed. At a
-        stop string the text ends where the stop string begins; `out` keeps every token up to the
-        one that completed it (vLLM stops there): the trajectory holds what the policy sampled, the
-        stop string's tokens included, so a policy can learn to stop."""
+        """The engine's tokens as an assistant message: decoded after the forced call opening, tool
+        calls parsed. At a stop string the text ends where the stop string begins; `out` keeps
+        every token up to the one that completed it (vLLM stops there): the trajectory holds what
+        the policy sampled, the stop string's tokens included, so a policy can learn to stop."""
         ids, parse = out["token_ids"], request.parse_tools and bool(request.tools)
         n = len(ids) - (bool(ids) and ids[-1] in self.end_ids)
         text = self.decode_turn(ids, n, request)
@@ -755,12 +809,14 @@ class CaptureServer:
                     model=request.model or self.model_name, logprobs=logprobs)
 
     def decode_turn(self, ids, n, request):
-        """The text of a turn's first n tokens; tool tags (which may be special tokens) kept where calls are parsed."""
+        """The text of a turn's first n tokens; tool tags (which
+        may be special tokens) kept where calls are parsed."""
         return self.tokenizer.decode(ids[:n], skip_special_tokens=not (request.parse_tools and request.tools))
 
     def tool_parser(self, tools):
-        """A fresh parser of the model's call format for one turn (a streaming parser holds its turn's state); the tools'
-        schemas type XML arguments (a parameter's text becomes a number where its schema says so)."""
+        """A fresh parser of the model's call format for one turn (a streaming
+        parser holds its turn's state); the tools' schemas type XML arguments
+        (a parameter's text becomes a number where its schema says so)."""
         if not self.strips_content:  # the older parsers (Hermes) read no schemas
             return self.tool_parser_cls(self.tokenizer)
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
@@ -768,12 +824,14 @@ class CaptureServer:
 
     def token_logprob(self, token_id, logprob):
         text = self.tokenizer.decode([token_id])
-        return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode())}  # -inf: masked
+        # -inf: masked
+        return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode())}
 
     def stream_text(self, ids, request):
-        """The text of a turn's tokens so far that is sure to begin the text answer() parses: the forced call's
-        opening, then with stop strings only up to a token boundary at least the longest stop string away from the
-        end (a stop string completing later cannot start before it; answer cuts there); no half characters."""
+        """The text of a turn's tokens so far that is sure to begin the text answer()
+        parses: the forced call's opening, then with stop strings only up to a token
+        boundary at least the longest stop string away from the end (a stop string
+        completing later cannot start before it; answer cuts there); no half characters."""
         n, hold = len(ids) - (bool(ids) and ids[-1] in self.end_ids), max(map(len, request.sampling["stop"]), default=0)
         text = self.decode_turn(ids, n, request)
         limit = len(text) - hold
@@ -783,16 +841,19 @@ class CaptureServer:
         return request.opening + text.rstrip("\ufffd")
 
     async def live(self, request, tokens, first, task, session_id):
-        """A streamed turn for the protocols' event writers (protocols.py): the head; text, call and argument deltas
-        as the engine samples (`tokens`: a queue of the token ids so far, `first` its first get; reasoning first, the
-        calls read by vLLM's streaming parser); what the answer holds beyond what was sent; then the answer, or the error
-        that ended the turn. `task` is the request's respond(); http_chat waited for it or `first` to be done."""
-        done = task.done() and not task.exception()  # answered at once (a retry) or before any token came
+        """A streamed turn for the protocols' event writers (protocols.py): the head; text, call
+        and argument deltas as the engine samples (`tokens`: a queue of the token ids so far,
+        `first` its first get; reasoning first, the calls read by vLLM's streaming parser); what
+        the answer holds beyond what was sent; then the answer, or the error that ended the turn.
+        `task` is the request's respond(); http_chat waited for it or `first` to be done."""
+        done = task.done() and not task.exception()  # answered at once (a retry)
+                                                     # or before any token came
         head = task.result() if done else {"id": request.id, "created": request.created, "prompt_tokens": None}
         yield ("head", head["id"], head["created"], request.model or self.model_name,
                head["prompt_tokens"] or request.prompt_tokens)
         parser = self.tool_parser(request.tools) if request.parse_tools and request.tools else None
-        sent, text, content, pending = ["", [], ""], "", "", first  # a streaming parser holds one turn's state
+        # a streaming parser holds one turn's state
+        sent, text, content, pending = ["", [], ""], "", "", first
         try:
             while not task.done() or pending.done():
                 if pending.done():
@@ -804,12 +865,14 @@ class CaptureServer:
                     reasoning, text = split_reasoning(text, self.call_tags[0]) if request.reasoning else ("", text)
                     # the parser gives each piece of text once (and none of a call's)
                     new, calls = read_calls(parser, previous, text) if parser else (text[len(content):], [])
-                    content += new  # the grammar-engine parsers' answers end stripped: trailing spaces wait for more
+                    content += new  # the grammar-engine parsers' answers end
+                                    # stripped: trailing spaces wait for more
                     for item in stream_deltas(sent, content.rstrip() if self.strips_content else content, [
                             (call_id(request.protocol, request.id, i), *c) for i, c in enumerate(calls)], reasoning):
                         yield item
                 await asyncio.wait([pending, task], return_when=asyncio.FIRST_COMPLETED)
-        finally:  # the client may have gone mid-stream: the engine aborts the turn, and it is not recorded
+        finally:  # the client may have gone mid-stream: the
+                  # engine aborts the turn, and it is not recorded
             pending.cancel()
             task.cancel()
         try:
@@ -859,7 +922,8 @@ class CaptureServer:
             raise RequestError(413, f"The request body is larger than {self.max_body_bytes} bytes.")
         chunks, size = [], 0
         try:
-            async with asyncio.timeout(self.body_timeout_s):  # a client that stalls mid-body holds nothing for long
+            # a client that stalls mid-body holds nothing for long
+            async with asyncio.timeout(self.body_timeout_s):
                 async for chunk in request.stream():
                     size += len(chunk)
                     if size > self.max_body_bytes:
@@ -876,10 +940,12 @@ class CaptureServer:
         return await self.off_loop(size, parse)  # ~10 ms per MiB
 
     async def until_disconnected(self, request, coro):
-        """Await `coro`, cancelling it if the client disconnects first: the engine aborts a cancelled generation
-        (vLLM's AsyncLLM does on cancellation) and nothing is recorded (respond records only a finished turn)."""
+        """Await `coro`, cancelling it if the client disconnects first: the engine
+        aborts a cancelled generation (vLLM's AsyncLLM does on cancellation) and
+        nothing is recorded (respond records only a finished turn)."""
         async def gone():
-            while (await request.receive())["type"] != "http.disconnect":  # the body was read: only the end comes
+            # the body was read: only the end comes
+            while (await request.receive())["type"] != "http.disconnect":
                 pass
         work, watch = asyncio.ensure_future(coro), asyncio.ensure_future(gone())
         done = set()
@@ -899,13 +965,15 @@ class CaptureServer:
             session = self.authorize(request)  # a finished session's turn: respond answers 410
             raw, body = await self.read_json(request)
             messages = body.get("input" if protocol == "responses" else "messages") if isinstance(body, dict) else None
-            if isinstance(messages, list) and len(messages) > self.max_model_len:  # before reading each of them
+            # before reading each of them
+            if isinstance(messages, list) and len(messages) > self.max_model_len:
                 raise RequestError(400, f"The request holds {len(messages)} messages, more than the model's context "
                                         f"of {self.max_model_len} tokens can hold (each takes a token at least).",
                                    "input" if protocol == "responses" else "messages")
             try:
                 chat = PARSERS[protocol](body, self)
-            except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as e:  # a shape no check named
+            # a shape no check named
+            except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as e:
                 raise RequestError(400, f"The request is malformed: {type(e).__name__}: {str(e)[:200]}.")
             idempotency = request.headers.get("idempotency-key")
             key = hashlib.sha256(request.url.path.encode() + b"\0")
@@ -914,7 +982,8 @@ class CaptureServer:
             else:
                 await self.off_loop(len(raw), key.update, raw)  # ~3 ms per MiB
             chat.key, chat.body_bytes = key.hexdigest(), len(raw)
-            # the SDKs mark their retries; an unmarked repeat is a new sample (an agent may sample twice on purpose)
+            # the SDKs mark their retries; an unmarked repeat is
+            # a new sample (an agent may sample twice on purpose)
             chat.retry = bool(idempotency) or request.headers.get("x-stainless-retry-count", "0") not in ("", "0")
             if chat.stream:  # a refusal before the first token is still a plain error response
                 tokens = asyncio.Queue()
@@ -936,8 +1005,8 @@ class CaptureServer:
 
     @json_handler("anthropic")
     async def http_count_tokens(self, request):
-        """Anthropic's token count: the prompt as this server would render it for the request (the turn's own checks:
-        a bad image, a template that refuses, a text too long)."""
+        """Anthropic's token count: the prompt as this server would render it for the request
+        (the turn's own checks: a bad image, a template that refuses, a text too long)."""
         self.authorize(request)
         chat = parse_anthropic((await self.read_json(request))[1], self, counting=True)
         ids = self.vision.expand(self.render(chat.messages, chat.tools, True), self.vision.check(chat.messages))[0]
@@ -972,7 +1041,8 @@ class CaptureServer:
         session = self.authorize(request)
         _, body = await self.read_json(request)
         reward = field(body if isinstance(body, dict) else {}, "reward", (int, float))
-        if reward is not None and not abs(reward) <= sys.float_info.max:  # NaN, infinities, ints beyond float
+        # NaN, infinities, ints beyond float
+        if reward is not None and not abs(reward) <= sys.float_info.max:
             raise RequestError(400, f"`reward` must be a finite number, got {reward}.", "reward")
         while session.in_flight:  # let the turns in flight land first
             await session.quiet.wait()
@@ -987,13 +1057,16 @@ class CaptureServer:
         return error_response(protocol, exc.status_code, f"{request.method} {request.url.path}: {exc.detail}.")
 
     async def start(self):
-        # as vLLM's API server does: the millions of objects that imports left behind (torch, transformers, vLLM)
-        # move out of the cyclic GC's reach, so a full collection during a request stops costing tens of ms
+        # as vLLM's API server does: the millions of objects that imports left
+        # behind (torch, transformers, vLLM) move out of the cyclic GC's reach,
+        # so a full collection during a request stops costing tens of ms
         gc.collect()
         gc.freeze()
         limits = dict(http=partial(GuardedHttp, header_timeout_s=self.header_timeout_s),
-                      limit_concurrency=self.max_connections,  # connections + requests in flight; more get 503
-                      timeout_keep_alive=20)  # idle keep-alive connections: longer than clients keep theirs (5-15 s)
+                      # connections + requests in flight; more get 503
+                      limit_concurrency=self.max_connections,
+                      timeout_keep_alive=20)  # idle keep-alive connections: longer
+                                              # than clients keep theirs (5-15 s)
         self.uvicorn, self.serving = await serve_app(self.app, self.socket, **limits)
         return self.url
 
@@ -1005,7 +1078,8 @@ class CaptureServer:
         self.socket.close()
 
     def start_in_thread(self):
-        """Serve from a daemon thread with its own event loop (`self.loop`); returns the base URL."""
+        """Serve from a daemon thread with its own event
+        loop (`self.loop`); returns the base URL."""
         started = threading.Event()
 
         def run():
@@ -1020,7 +1094,8 @@ class CaptureServer:
         return self.url
 
     def run_in_loop(self, coro):
-        """Run a coroutine on the server's loop from another thread (e.g. an Engine's start or shutdown)."""
+        """Run a coroutine on the server's loop from another
+        thread (e.g. an Engine's start or shutdown)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def stop_thread(self):
@@ -1033,17 +1108,19 @@ class CaptureServer:
 
 
 def trajectory_record(segment, tokenizer):
-    """A segment dict as JSON (images in base64) plus decoded text for humans: the whole segment, each run of
-    generated tokens, and each token."""
+    """A segment dict as JSON (images in base64) plus decoded text for humans:
+    the whole segment, each run of generated tokens, and each token."""
     runs = [tokenizer.decode([t for t, _ in run], skip_special_tokens=False) for generated, run in
             itertools.groupby(zip(segment["token_ids"], segment["action_mask"]), key=lambda pair: pair[1]) if generated]
     return dict(segment, text=tokenizer.decode(segment["token_ids"], skip_special_tokens=False), generated=runs,
-                tokens=tokenizer.batch_decode([[t] for t in segment["token_ids"]]),  # each token's text (viewer.py)
+                # each token's text (viewer.py)
+                tokens=tokenizer.batch_decode([[t] for t in segment["token_ids"]]),
                 images=[base64.b64encode(b).decode() for b in segment.get("images", [])])
 
 
 def write_trajectories(path, segments, tokenizer):
-    """Append one JSON line per segment (token ids, mask, logprobs, versions, reward, decoded text)."""
+    """Append one JSON line per segment (token ids,
+    mask, logprobs, versions, reward, decoded text)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a") as f:
         f.writelines(json.dumps(trajectory_record(segment, tokenizer)) + "\n" for segment in segments)
@@ -1069,8 +1146,9 @@ def main(argv=None):
         sys.exit(f"--model {model}: no config.json there; pass a local HuggingFace model directory.")
 
     async def serve():
-        # SIGTERM and SIGINT (also when the shell started us with SIGINT ignored: `python capture.py &`) stop the
-        # server and then the engine, whose process would outlive us otherwise; one during start-up acts after it
+        # SIGTERM and SIGINT (also when the shell started us with SIGINT ignored:
+        # `python capture.py &`) stop the server and then the engine, whose
+        # process would outlive us otherwise; one during start-up acts after it
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)

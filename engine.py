@@ -1,7 +1,8 @@
 """
-Our side of vLLM: the engine wrapper (`Engine`: one AsyncLLM; token ids in, token ids, sampling logprobs, policy
-versions and routes out; rollout.EngineActor runs it as a Ray actor, the capture server and agents/frozen.py run it
-in their own process) and the classes that vLLM's own processes load by name, as engine arguments:
+Our side of vLLM: the engine wrapper (`Engine`: one AsyncLLM; token ids in, token
+ids, sampling logprobs, policy versions and routes out; rollout.EngineActor runs it
+as a Ray actor, the capture server and agents/frozen.py run it in their own process)
+and the classes that vLLM's own processes load by name, as engine arguments:
 
     worker_extension_cls  weights_sync.WeightSyncWorker (receives the weights), engine.LoRAWeightSyncWorker (the
                           same, after serve_lora_beside_cpu_moe) for a LoRA run, engine.DraftingCPUWorker (the same,
@@ -9,9 +10,9 @@ in their own process) and the classes that vLLM's own processes load by name, as
     worker_cls            engine.AMXCPUWorker on a CPU with AMX
     scheduler_cls         engine.ImageScheduler for a vision model (KeepImages)
 
-Engine's keyword defaults are the one home of each engine option's default (OPTIONS): train.py's config block and
-the standalone users (capture.py's command line, agents/frozen.py) read them there. Nothing here imports vLLM at
-module level: the trainer imports this file's names without it.
+Engine's keyword defaults are the one home of each engine option's default (OPTIONS): train.py's
+config block and the standalone users (capture.py's command line, agents/frozen.py) read them
+there. Nothing here imports vLLM at module level: the trainer imports this file's names without it.
 
 Supported vLLM: 0.26 (the release built for torch 2.11) through 0.32. Where an API of the range's
 newer end is missing, the feature is detected (never the version string) and the wrapper keeps the
@@ -28,27 +29,33 @@ WORKER_EXTENSION = "weights_sync.WeightSyncWorker"
 
 
 class EngineNotStarted(RuntimeError):
-    """A request reached an engine whose actor Ray restarted but nobody started yet (the router then starts it)."""
+    """A request reached an engine whose actor Ray restarted
+    but nobody started yet (the router then starts it)."""
 
 
 class Engine:
-    """One vLLM AsyncLLM: token ids in; token ids, sampling logprobs, policy versions (and routes) out."""
+    """One vLLM AsyncLLM: token ids in; token ids, sampling
+    logprobs, policy versions (and routes) out."""
 
-    def __init__(self, model_path, *, max_model_len=2048, memory_fraction=0.5, tensor_parallel_size=1,
-                 enable_prefix_caching=True, speculative_config=None, seed=0, enable_return_routed_experts=False,
-                 worker_extension_cls=WORKER_EXTENSION, recompute_kv_on_sync=True, max_images_per_prompt=8,
-                 lora_path=None, **engine_kwargs):
+    def __init__(self, model_path, *, max_model_len=2048, memory_fraction=0.5,
+                 tensor_parallel_size=1, enable_prefix_caching=True, speculative_config=None,
+                 seed=0, enable_return_routed_experts=False,
+                 worker_extension_cls=WORKER_EXTENSION, recompute_kv_on_sync=True,
+                 max_images_per_prompt=8, lora_path=None, **engine_kwargs):
         import torch
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache of a CPU engine (else half the RAM)
+        # GiB of KV cache of a CPU engine (else half the RAM)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         self.model_path, self.max_model_len = model_path, max_model_len
         self.recompute_kv_on_sync = recompute_kv_on_sync
         self.engine_args = dict(
-            model=model_path, dtype="bfloat16", max_model_len=max_model_len, gpu_memory_utilization=memory_fraction,
-            tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=enable_prefix_caching,
-            speculative_config=speculative_config, seed=seed,
-            enable_return_routed_experts=enable_return_routed_experts,
-            limit_mm_per_prompt={"image": max_images_per_prompt, "video": 0},  # vLLM ignores it for a text model
-            # the behavior logprob is the sampling distribution's (after temperature), not the raw model's
+            model=model_path, dtype="bfloat16", max_model_len=max_model_len,
+            gpu_memory_utilization=memory_fraction, tensor_parallel_size=tensor_parallel_size,
+            enable_prefix_caching=enable_prefix_caching, speculative_config=speculative_config,
+            seed=seed, enable_return_routed_experts=enable_return_routed_experts,
+            # vLLM ignores it for a text model
+            limit_mm_per_prompt={"image": max_images_per_prompt, "video": 0},
+            # the behavior logprob is the sampling distribution's
+            # (after temperature), not the raw model's
             logprobs_mode="processed_logprobs")
         if vllm_takes("per_request_spec_decode_metrics"):  # each request reports its acceptance
             self.engine_args["per_request_spec_decode_metrics"] = (
@@ -61,35 +68,41 @@ class Engine:
         hf = json.load(open(config)) if os.path.isfile(config) else {}
         if "vision_config" in hf:
             self.engine_args["scheduler_cls"] = "engine.ImageScheduler"  # see KeepImages
-        # a hybrid (Qwen3.5 / 3.6: Gated DeltaNet layers) keeps its recurrent state in fp32 (a bf16 state drifts the
-        # rollout logprobs); its prefix caching is vLLM's "align" mode, which caches the state at block boundaries
+        # a hybrid (Qwen3.5 / 3.6: Gated DeltaNet layers) keeps its recurrent state
+        # in fp32 (a bf16 state drifts the rollout logprobs); its prefix caching is
+        # vLLM's "align" mode, which caches the state at block boundaries
         hybrid = "linear_attention" in (hf.get("text_config", hf).get("layer_types") or [])
         if hybrid:
             self.engine_args["mamba_ssm_cache_dtype"] = "float32"
         if not torch.cuda.is_available():
             self.engine_args["enforce_eager"] = True
-            # vLLM's CPU runner rewinds a seeded request's generator when it discards the sample of a partial
-            # prefill, which CPU generators cannot do: the engine dies. Whole-prompt prefills never discard. A hybrid's
-            # align mode needs chunked prefill (it splits prompts at block boundaries): there seeds are refused.
+            # vLLM's CPU runner rewinds a seeded request's generator when it discards the
+            # sample of a partial prefill, which CPU generators cannot do: the engine dies.
+            # Whole-prompt prefills never discard. A hybrid's align mode needs chunked
+            # prefill (it splits prompts at block boundaries): there seeds are refused.
             self.engine_args["enable_chunked_prefill"] = hybrid and enable_prefix_caching
             if torch.cpu._is_amx_tile_supported():
                 self.engine_args["worker_cls"] = "engine.AMXCPUWorker"
         self.engine_args.update(engine_kwargs)
-        self.seeds_refused = not torch.cuda.is_available() and bool(self.engine_args.get("enable_chunked_prefill"))
+        self.seeds_refused = not torch.cuda.is_available() and bool(
+            self.engine_args.get("enable_chunked_prefill"))
         self.llm = None
-        self.policy_version, self.drafts = 0, [0, 0]  # drafts: (accepted, drafted) since take_drafts
+        self.policy_version, self.drafts = 0, [0, 0]  # drafts: (accepted,
+                                                      # drafted) since take_drafts
         # where vLLM keeps no per-token weight version:
         # request id -> [(policy_version, output tokens it had when that version began)]
         self.version_starts = None
-        # lora_path: a PEFT adapter directory; every request runs with that adapter (vLLM's LoRA id 1), which each
-        # weight sync then replaces in place (weights_sync.WeightSyncWorker.receive_adapter)
+        # lora_path: a PEFT adapter directory; every request runs with that
+        # adapter (vLLM's LoRA id 1), which each weight sync then replaces
+        # in place (weights_sync.WeightSyncWorker.receive_adapter)
         self.lora_request = None
         if lora_path:
             from vllm.lora.request import LoRARequest
             from weights_sync import LORA_ID
             self.lora_request = LoRARequest("policy", LORA_ID, lora_path)
 
-    async def start(self):  # answers None: under Ray the result travels back, and an Engine cannot be pickled
+    async def start(self):  # answers None: under Ray the result travels
+                            # back, and an Engine cannot be pickled
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
@@ -98,38 +111,53 @@ class Engine:
 
     async def generate(self, prompt_token_ids, sampling, request_id, session_id=None, images=None):
         """One turn, as the last item of stream()."""
-        async for out in self.stream(prompt_token_ids, sampling, request_id, final_only=True, images=images):
+        async for out in self.stream(prompt_token_ids, sampling, request_id, final_only=True,
+                                     images=images):
             pass
         return out
 
-    async def stream(self, prompt_token_ids, sampling, request_id, session_id=None, final_only=False, images=None):
-        """Sample one turn: {"token_ids": the tokens so far} per engine step, then the turn. `sampling` keys:
-        temperature, top_p, max_tokens, stop, stop_token_ids, seed, routed_experts_start (routes are returned for the
-        tokens from there on: the caller has the earlier ones), ignore_eos (benchmarks), structured
-        (StructuredOutputsParams fields: json, json_object, ...), logit_bias, top_logprobs (k: also return the k
-        likeliest tokens per position). session_id is for routers that keep a session on one engine; one engine
-        ignores it. `images`: the encoded files of the prompt's images, in order; prompt_token_ids holds one
-        placeholder token for each, which vLLM's processor expands to the image's tokens. The turn's `drafts`: (draft
-        tokens accepted, tokens drafted) with speculative decoding on, else None."""
-        if self.llm is None:  # a Ray actor restarted after its process died is a fresh Engine, not started
-            raise EngineNotStarted("this engine's process was restarted and has not started its engine yet")
+    async def stream(self, prompt_token_ids, sampling, request_id, session_id=None,
+                     final_only=False, images=None):
+        """Sample one turn: {"token_ids": the tokens so far} per engine step, then the
+        turn. `sampling` keys: temperature, top_p, max_tokens, stop, stop_token_ids, seed,
+        routed_experts_start (routes are returned for the tokens from there on: the caller
+        has the earlier ones), ignore_eos (benchmarks), structured (StructuredOutputsParams
+        fields: json, json_object, ...), logit_bias, top_logprobs (k: also return the k
+        likeliest tokens per position). session_id is for routers that keep a session on
+        one engine; one engine ignores it. `images`: the encoded files of the prompt's
+        images, in order; prompt_token_ids holds one placeholder token for each, which
+        vLLM's processor expands to the image's tokens. The turn's `drafts`: (draft tokens
+        accepted, tokens drafted) with speculative decoding on, else None."""
+        if self.llm is None:  # a Ray actor restarted after its process
+                              # died is a fresh Engine, not started
+            raise EngineNotStarted(
+                "this engine's process was restarted and has not started its engine yet")
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
         if self.seeds_refused and sampling.get("seed") is not None:  # the caller answers 400
-            raise ValueError("`seed` is not supported by this engine: vLLM's CPU runner cannot rewind a seeded "
-                             "generator over the chunked prefills a hybrid model's prefix cache needs.")
+            raise ValueError("`seed` is not supported by this engine: vLLM's CPU runner cannot "
+                             "rewind a seeded "
+                             "generator over the chunked prefills a hybrid model's prefix cache "
+                             "needs.")
         stop, structured, top = sampling.get("stop") or None, sampling.get("structured"), sampling.get("top_logprobs")
         params = SamplingParams(
             n=1, temperature=sampling.get("temperature", 1.0), top_p=sampling.get("top_p", 1.0),
-            max_tokens=sampling.get("max_tokens"), stop=stop, stop_token_ids=sampling.get("stop_token_ids"),
-            seed=sampling.get("seed"), ignore_eos=sampling.get("ignore_eos", False), logprobs=top or 0,
-            routed_experts_prompt_start=sampling.get("routed_experts_start", 0), logit_bias=sampling.get("logit_bias"),
-            # grammar masks and biases act before sampling: processed logprobs are those of the masked distribution
+            max_tokens=sampling.get("max_tokens"), stop=stop,
+            stop_token_ids=sampling.get("stop_token_ids"),
+            seed=sampling.get("seed"), ignore_eos=sampling.get("ignore_eos", False), logprobs=top
+            or 0,
+            routed_experts_prompt_start=sampling.get("routed_experts_start", 0),
+            logit_bias=sampling.get("logit_bias"),
+            # grammar masks and biases act before sampling: processed
+            # logprobs are those of the masked distribution
             structured_outputs=StructuredOutputsParams(**structured) if structured else None,
             detokenize=stop is not None,  # text only for stop strings
-            output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE)
-        if self.engine_args["speculative_config"] and params.logit_bias:  # refused with drafts: our biases are bans
-            params.logit_bias, params._bad_words_token_ids = None, [[t] for t in params.logit_bias]  # (-100)
+            output_kind=RequestOutputKind.FINAL_ONLY if final_only
+            else RequestOutputKind.CUMULATIVE)
+        # refused with drafts: our biases are bans
+        if self.engine_args["speculative_config"] and params.logit_bias:
+            # (-100)
+            params.logit_bias, params._bad_words_token_ids = None, [[t] for t in params.logit_bias]
         starts = [(self.policy_version, 0)]  # where vLLM keeps none (see set_version)
         if self.version_starts is not None:
             self.version_starts[request_id] = starts
@@ -154,24 +182,30 @@ class Engine:
         # routes: (T - routed_experts_start, L_moe, K) when enabled
         routes, m = c.routed_experts, getattr(c, "spec_decode_metrics", None)
         result = dict(token_ids=ids, logprobs=[c.logprobs[i][t].logprob for i, t in enumerate(ids)],
-                      token_versions=versions, routed_experts=None if routes is None else routes.tolist(),
+                      token_versions=versions, routed_experts=None if routes is None
+                      else routes.tolist(),
                       finish_reason=c.finish_reason, num_prompt_tokens=len(out.prompt_token_ids),
-                      drafts=m and (sum(j * n for j, n in enumerate(m.histogram)), m.num_draft_tokens))
+                      drafts=m and (sum(j * n for j, n in enumerate(m.histogram)),
+                                    m.num_draft_tokens))
         self.drafts = [a + b for a, b in zip(self.drafts, result["drafts"] or (0, 0))]
-        if top:  # per position, (token id, logprob) by rank; the sampled token's entry comes too when ranked lower
-            result["top_logprobs"] = [[(t, p.logprob) for t, p in sorted(d.items(), key=lambda x: x[1].rank)
-                                       if p.rank <= top] for d in c.logprobs]
+        if top:  # per position, (token id, logprob) by rank; the
+                 # sampled token's entry comes too when ranked lower
+            result["top_logprobs"] = [
+                [(t, p.logprob) for t, p in sorted(d.items(), key=lambda x: x[1].rank)
+                 if p.rank <= top] for d in c.logprobs]
         yield result
 
     async def prompt_logprobs(self, token_ids, images=None):
-        """The engine's logprob of each token given the ones before it (None for the first), at temperature 1; with
-        images (as for stream), of the prompt with each image's tokens expanded."""
+        """The engine's logprob of each token given the ones before it
+        (None for the first), at temperature 1; with images (as for
+        stream), of the prompt with each image's tokens expanded."""
         from vllm import SamplingParams
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
         async for out in self.llm.generate(self.prompt(token_ids, images), params, uuid.uuid4().hex,
                                            lora_request=self.lora_request):
             pass
-        return [None if d is None else d[t].logprob for t, d in zip(out.prompt_token_ids, out.prompt_logprobs)]
+        return [None if d is None else d[t].logprob for t,
+                d in zip(out.prompt_token_ids, out.prompt_logprobs)]
 
     @staticmethod
     def prompt(token_ids, images):
@@ -183,10 +217,11 @@ class Engine:
         return prompt
 
     async def pause(self):
-        """Freeze in-flight requests for a weight update (they finish after resume). With recompute_kv_on_sync the
-        prefix cache is emptied and the frozen requests are preempted: after resume they recompute their KV (prompt
-        and tokens so far) with the new weights, so every later token is the new policy's alone. Without it they
-        continue on KV the old weights computed, and a new request can hit an old-weight prefix."""
+        """Freeze in-flight requests for a weight update (they finish after resume). With
+        recompute_kv_on_sync the prefix cache is emptied and the frozen requests are
+        preempted: after resume they recompute their KV (prompt and tokens so far) with the
+        new weights, so every later token is the new policy's alone. Without it they continue
+        on KV the old weights computed, and a new request can hit an old-weight prefix."""
         await self.llm.pause_generation(mode="keep", clear_cache=self.recompute_kv_on_sync)
 
     async def resume(self):
@@ -232,11 +267,12 @@ def vllm_takes(engine_arg):
 
 def serve_lora_beside_cpu_moe():
     """Works around vLLM 0.32 on CPU: with enable_lora every FusedMoE layer is marked LoRA-enabled
-    (fused_moe/layer.py: `is_lora_enabled=vllm_config.lora_config is not None`), whatever lora_target_modules says,
-    and the MoE kernel oracle then picks TritonExperts (oracle/unquantized.py), which CPU lacks: the first forward
-    fails with "module 'triton.language' has no attribute 'bfloat16'". Our engines never give the experts to vLLM's
-    LoRA (receive_adapter merges them), so on CPU the MoE layers keep their CPU kernel. Runs in the worker process
-    before the model is built (lora.engine_options names LoRAWeightSyncWorker)."""
+    (fused_moe/layer.py: `is_lora_enabled=vllm_config.lora_config is not None`), whatever
+    lora_target_modules says, and the MoE kernel oracle then picks TritonExperts
+    (oracle/unquantized.py), which CPU lacks: the first forward fails with "module
+    'triton.language' has no attribute 'bfloat16'". Our engines never give the experts to vLLM's
+    LoRA (receive_adapter merges them), so on CPU the MoE layers keep their CPU kernel. Runs in the
+    worker process before the model is built (lora.engine_options names LoRAWeightSyncWorker)."""
     from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
     from vllm.platforms import current_platform
     if not current_platform.is_cpu() or getattr(FusedMoEConfig, "lora_experts_off", False):
@@ -250,26 +286,29 @@ def serve_lora_beside_cpu_moe():
 
 
 def verify_drafts_on_cpu():
-    """Works around vLLM 0.32 on CPU: the rejection sampler spreads each request's temperature, top_k and top_p over
-    its draft tokens with the C++ stand-in of a Triton kernel (`expand_kernel_impl`), which writes into int64 copies
-    of its tensors: the float32 output stays uninitialized memory, by which the target's logits are then divided.
-    Drafts were verified against that garbage distribution and the processed logprobs came out 0.0 or nan (greedy is
-    untouched). Runs in the worker process; the same expansion in torch."""
+    """Works around vLLM 0.32 on CPU: the rejection sampler spreads each request's
+    temperature, top_k and top_p over its draft tokens with the C++ stand-in of a Triton
+    kernel (`expand_kernel_impl`), which writes into int64 copies of its tensors: the float32
+    output stays uninitialized memory, by which the target's logits are then divided. Drafts
+    were verified against that garbage distribution and the processed logprobs came out 0.0
+    or nan (greedy is untouched). Runs in the worker process; the same expansion in torch."""
     import torch
     from vllm.v1.sample import rejection_sampler
 
     def expand(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
         counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
-        return x.masked_fill(x == replace_from, replace_to).repeat_interleave(counts, output_size=num_tokens)
+        return x.masked_fill(x == replace_from,
+                             replace_to).repeat_interleave(counts, output_size=num_tokens)
     rejection_sampler.expand_batch_to_tokens = expand
 
 
 class KeepImages:
-    """Mixed into vLLM's scheduler (async or not, as the engine decided) for a vision model's engine: a request's
-    images always reach the worker. vLLM drops the pixels of an image that a prefix-cache hit covers when it hands a
-    request to the worker; the worker keeps the request's state across a preemption, so a request preempted when a
-    weight sync empties the prefix cache (recompute_kv_on_sync), or by memory pressure after its cached prefix was
-    evicted, must encode the image again and finds no pixels: the engine dies. Costs a copy per covered image."""
+    """Mixed into vLLM's scheduler (async or not, as the engine decided) for a vision model's
+    engine: a request's images always reach the worker. vLLM drops the pixels of an image that a
+    prefix-cache hit covers when it hands a request to the worker; the worker keeps the request's
+    state across a preemption, so a request preempted when a weight sync empties the prefix cache
+    (recompute_kv_on_sync), or by memory pressure after its cached prefix was evicted, must encode
+    the image again and finds no pixels: the engine dies. Costs a copy per covered image."""
 
     def schedule(self, *args, **kwargs):
         out = super().schedule(*args, **kwargs)
@@ -279,15 +318,18 @@ class KeepImages:
 
 
 def __getattr__(name):
-    # vLLM resolves these names in its own processes (worker_extension_cls and worker_cls in the worker, scheduler_cls
-    # in the engine core); each is built there on first use, as it imports vLLM
-    if name in ("LoRAWeightSyncWorker", "DraftingCPUWorker"):  # before the worker builds the model: the moment to patch
+    # vLLM resolves these names in its own processes (worker_extension_cls
+    # and worker_cls in the worker, scheduler_cls in the engine core);
+    # each is built there on first use, as it imports vLLM
+    # before the worker builds the model: the moment to patch
+    if name in ("LoRAWeightSyncWorker", "DraftingCPUWorker"):
         (serve_lora_beside_cpu_moe if name.startswith("LoRA") else verify_drafts_on_cpu)()
         from weights_sync import WeightSyncWorker
         return WeightSyncWorker
     if name == "AMXCPUWorker":
-        # Linux grants AMX tile state only to processes that ask (arch_prctl); vLLM's CPU kernels use AMX whenever
-        # the CPU has it without asking, and die with SIGILL unless something (oneDNN, on some paths) asked first
+        # Linux grants AMX tile state only to processes that ask (arch_prctl);
+        # vLLM's CPU kernels use AMX whenever the CPU has it without asking, and
+        # die with SIGILL unless something (oneDNN, on some paths) asked first
         import torch
         from vllm.v1.worker.cpu_worker import CPUWorker
 
@@ -300,9 +342,11 @@ def __getattr__(name):
     if name == "ImageScheduler":
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
-        pick = {a: type("ImageScheduler", (KeepImages, base), {}) for a, base in ((False, Scheduler),
+        pick = {a: type("ImageScheduler", (KeepImages, base), {}) for a,
+                base in ((False, Scheduler),
                                                                                   (True, AsyncScheduler))}
-        globals()[name] = lambda vllm_config, **kw: pick[bool(vllm_config.scheduler_config.async_scheduling)](
+        globals()[name] = lambda vllm_config, **kw: pick[
+            bool(vllm_config.scheduler_config.async_scheduling)](
             vllm_config=vllm_config, **kw)
         return globals()[name]
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -38,11 +38,11 @@ COMPILE_ON_CUDA = True  # fuse the elementwise chains below with torch.compile w
 
 
 def cuda_compiled(fn):
-    """fn through torch.compile when its first argument is a CUDA tensor: a chain of elementwise ops becomes one
-    kernel forward and one backward instead of one fp32 pass per op. Eager elsewhere (CPU runs need no compiler).
-    A new shape recompiles once with dynamic shapes, after which microbatch shapes do not recompile.
-    Inductor tunes each kernel's launch configuration as it compiles (max-autotune; no CUDA graphs):
-    faster norms than the default configuration."""
+    """fn through torch.compile when its first argument is a CUDA tensor: a chain of elementwise
+    ops becomes one kernel forward and one backward instead of one fp32 pass per op. Eager
+    elsewhere (CPU runs need no compiler). A new shape recompiles once with dynamic shapes, after
+    which microbatch shapes do not recompile. Inductor tunes each kernel's launch configuration as
+    it compiles (max-autotune; no CUDA graphs): faster norms than the default configuration."""
     compiled = None
 
     @functools.wraps(fn)
@@ -57,10 +57,11 @@ def cuda_compiled(fn):
 
 
 def experts_loop(x, counts, scale, gate_proj, up_proj, down_proj, lora=None):
-    """Reference expert compute: x (N, D) sorted by expert, counts (E,) rows per expert, scale (N,) each row's
-    routing weight -> (N, D). The weight scales the H-wide hidden row before the (linear) down projection: the
-    same product as scaling the D-wide output, in less memory traffic. lora: (scaling, ((A, B) of gate, up, down)),
-    stacked adapters A (E, r, in), B (E, out, r) adding scaling * B_e A_e to each expert's weight, or None."""
+    """Reference expert compute: x (N, D) sorted by expert, counts (E,) rows per expert,
+    scale (N,) each row's routing weight -> (N, D). The weight scales the H-wide hidden row
+    before the (linear) down projection: the same product as scaling the D-wide output, in
+    less memory traffic. lora: (scaling, ((A, B) of gate, up, down)), stacked adapters A
+    (E, r, in), B (E, out, r) adding scaling * B_e A_e to each expert's weight, or None."""
     out = torch.empty_like(x)
     start = 0
     for e, n in enumerate(counts.tolist()):  # NOTE: .tolist() is a device-to-host sync
@@ -86,23 +87,28 @@ def silu_mul(gate, up, scale):
 
 
 def experts_grouped_mm(x, counts, scale, gate_proj, up_proj, down_proj, lora=None):
-    """Same as experts_loop in grouped GEMMs (CUDA, bf16); no host sync: GroupedSwiGLU on the gate and up weights
-    stacked (Experts.compute hands it them stacked already). With LoRA adapters (on a frozen base, as lora.py trains
+    """Same as experts_loop in grouped GEMMs (CUDA, bf16); no host sync:
+    GroupedSwiGLU on the gate and up weights stacked (Experts.compute hands it
+    them stacked already). With LoRA adapters (on a frozen base, as lora.py trains
     them) through LoRAGroupedMM: gate and up in one call, down in another."""
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     if lora is None:
         return GroupedSwiGLU.apply(x, offs, scale, torch.cat([gate_proj, up_proj], 1), down_proj)
     s, ((A_g, B_g), (A_u, B_u), (A_d, B_d)) = lora
-    rows = (offs, lowrank_tiles(counts) if x.is_cuda and triton is not None else None)  # for every lowrank_add
-    # gate's and up's adapters as one of rank 2r (x read once for both); the scaling goes into the (E, out, r) Bs
-    gate, up = LoRAGroupedMM.apply(x, rows, torch.cat([A_g, A_u], 1), 2, gate_proj, up_proj, B_g * s, B_u * s)
+    # for every lowrank_add
+    rows = (offs, lowrank_tiles(counts) if x.is_cuda and triton is not None else None)
+    # gate's and up's adapters as one of rank 2r (x read once
+    # for both); the scaling goes into the (E, out, r) Bs
+    gate, up = LoRAGroupedMM.apply(x, rows, torch.cat([A_g, A_u], 1), 2, gate_proj, up_proj,
+                                   B_g * s, B_u * s)
     return LoRAGroupedMM.apply(silu_mul(gate, up, scale), rows, A_d, 1, down_proj, B_d * s)[0]
 
 
 def swiglu_backward(gate_up, scale, dh):
-    """silu_mul's backward from its input (N, 2H) = [gate | up]: d[gate | up] (N, 2H) in one tensor, and dscale (N,).
-    On CUDA one Triton kernel: each row read once and written once (torch.compile's kernel for the eager code below
-    read every row twice, once for each half of the concatenation, and a second kernel again for dscale)."""
+    """silu_mul's backward from its input (N, 2H) = [gate | up]: d[gate | up] (N, 2H)
+    in one tensor, and dscale (N,). On CUDA one Triton kernel: each row read once and
+    written once (torch.compile's kernel for the eager code below read every row twice,
+    once for each half of the concatenation, and a second kernel again for dscale)."""
     if gate_up.is_cuda and triton is not None:
         return swiglu_backward_triton(gate_up, scale, dh)
     gate, up = gate_up.float().chunk(2, -1)
@@ -119,14 +125,16 @@ def swiglu_backward_triton(gate_up, scale, dh):
     dgu, dscale = torch.empty_like(gate_up), torch.empty_like(scale)
     rows = 4
     if N:
-        _swiglu_backward_kernel[(triton.cdiv(N, rows),)](gate_up, scale, dh, dgu, dscale, N, H, BR=rows,
-                                                         BH=triton.next_power_of_2(H), num_warps=8)
+        _swiglu_backward_kernel[(triton.cdiv(N, rows),)](gate_up, scale, dh, dgu, dscale, N, H,
+                                                         BR=rows, BH=triton.next_power_of_2(H),
+                                                         num_warps=8)
     return dgu, dscale
 
 
 if triton is not None:
     @triton.jit
-    def _swiglu_backward_kernel(gu, scale, dh, dgu, dscale, N, H, BR: tl.constexpr, BH: tl.constexpr):
+    def _swiglu_backward_kernel(gu, scale, dh, dgu, dscale, N, H, BR: tl.constexpr,
+                                BH: tl.constexpr):
         rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)  # BR whole rows
         cols = tl.arange(0, BH)
         mask = (rows[:, None] < N) & (cols[None, :] < H)
@@ -137,19 +145,22 @@ if triton is not None:
         s = tl.load(scale + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
         sig = tl.sigmoid(gate)
         silu = gate * sig
-        tl.store(dgu + at, (d * up * s * sig * (1 + gate * (1 - sig))).to(dgu.dtype.element_ty), mask=mask)
+        tl.store(dgu + at, (d * up * s * sig * (1 + gate * (1 - sig))).to(dgu.dtype.element_ty),
+                 mask=mask)
         tl.store(dgu + at + H, (d * silu * s).to(dgu.dtype.element_ty), mask=mask)
         tl.store(dscale + rows, tl.sum(d * silu * up, 1).to(dscale.dtype.element_ty), mask=rows < N)
 
 
 class GroupedSwiGLU(torch.autograd.Function):
-    """The experts' SwiGLU in three grouped GEMMs: x (N, D) rows sorted by expert (offs: cumulative row counts),
-    gate_up (E, 2H, D) the gate and up weights stacked (one GEMM for both, x read once; one GEMM for their input
-    gradient, no add), down (E, D, H), scale (N,) each row's routing weight -> (N, D) = experts_loop's product.
-    Backward forms each weight gradient in its weight's own (E, out, in) layout (dy^T h rather than autograd's
-    (h^T dy)^T, the same GEMM). With `into` ((gate, up), (down,): fp32 parameters whose casts gate_up and down are,
-    train.keep_experts_local's), it adds them into those parameters' .grad itself (grouped_grad, fp32 in the GEMM's
-    epilogue) and returns none for the casts. Saves what autograd would: x, gate_up's output and the hidden rows h."""
+    """The experts' SwiGLU in three grouped GEMMs: x (N, D) rows sorted by expert (offs:
+    cumulative row counts), gate_up (E, 2H, D) the gate and up weights stacked (one GEMM for
+    both, x read once; one GEMM for their input gradient, no add), down (E, D, H), scale
+    (N,) each row's routing weight -> (N, D) = experts_loop's product. Backward forms each
+    weight gradient in its weight's own (E, out, in) layout (dy^T h rather than autograd's
+    (h^T dy)^T, the same GEMM). With `into` ((gate, up), (down,): fp32 parameters whose
+    casts gate_up and down are, train.keep_experts_local's), it adds them into those
+    parameters' .grad itself (grouped_grad, fp32 in the GEMM's epilogue) and returns none
+    for the casts. Saves what autograd would: x, gate_up's output and the hidden rows h."""
 
     @staticmethod
     def forward(ctx, x, offs, scale, gate_up, down, into=None):
@@ -166,10 +177,12 @@ class GroupedSwiGLU(torch.autograd.Function):
         dgu, dscale = swiglu_backward(gu, scale, torch._grouped_mm(dy, down, offs=offs))
         dx = torch._grouped_mm(dgu, gate_up, offs=offs)
         if ctx.into is None:  # the weight gradients to autograd: (E, 2H, D) and (E, D, H)
-            d_gate_up, d_down = torch._grouped_mm(dgu.t(), x, offs=offs), torch._grouped_mm(dy.t(), h, offs=offs)
+            d_gate_up, d_down = torch._grouped_mm(dgu.t(), x, offs=offs), torch._grouped_mm(
+                dy.t(), h, offs=offs)
             return dx, None, dscale, d_gate_up, d_down, None
         for params, a, b in zip(ctx.into, (dgu, dy), (x, h)):
-            grads = grouped_grad(a, b, offs, [None if p.grad is None else local(p.grad) for p in params])
+            grads = grouped_grad(a, b, offs,
+                                 [None if p.grad is None else local(p.grad) for p in params])
             for p, g in zip(params, grads):
                 if p.grad is None:
                     p.grad = placed_like(p, g)
@@ -212,21 +225,24 @@ class CastForCompute(torch.autograd.Function):
 
 
 class LoRAGroupedMM(torch.autograd.Function):
-    """Grouped GEMMs of x (N, in), rows sorted by expert (rows: offs, the cumulative row counts, and lowrank_tiles or
-    None), with n frozen expert weights W_i (E, out_i, in), each plus a LoRA update: y_i = x W_i^T + (x A_i^T) B_i^T.
-    The A_i come stacked along the rank, A (E, sum r_i, in), so one GEMM reads x for all of them; B_i (E, out_i, r_i),
-    scaled. Gradients: x, A, the B_i; none for the base, so none of its weight-gradient GEMMs (a third of full
-    fine-tuning's FLOPs). The rank-r products that write a full-width output (z B^T forward, dz A backward) add into
-    the base GEMM's output with lowrank_add."""
+    """Grouped GEMMs of x (N, in), rows sorted by expert (rows: offs, the cumulative row
+    counts, and lowrank_tiles or None), with n frozen expert weights W_i (E, out_i, in), each
+    plus a LoRA update: y_i = x W_i^T + (x A_i^T) B_i^T. The A_i come stacked along the rank,
+    A (E, sum r_i, in), so one GEMM reads x for all of them; B_i (E, out_i, r_i), scaled.
+    Gradients: x, A, the B_i; none for the base, so none of its weight-gradient GEMMs (a
+    third of full fine-tuning's FLOPs). The rank-r products that write a full-width output (z
+    B^T forward, dz A backward) add into the base GEMM's output with lowrank_add."""
 
     @staticmethod
     def forward(ctx, x, rows, A, n, *weights_and_Bs):
         (offs, _), Ws, Bs = rows, weights_and_Bs[:n], weights_and_Bs[n:]
         if any(W.requires_grad for W in Ws):
-            raise ValueError("LoRAGroupedMM trains adapters on a frozen base: the expert weights must not need grad")
+            raise ValueError("LoRAGroupedMM trains adapters on a frozen base: the expert weights "
+                             "must not need grad")
         z = torch._grouped_mm(x, A.transpose(-2, -1), offs=offs)  # (N, R)
         zs = z.split([B.shape[-1] for B in Bs], 1)
-        ys = [lowrank_add(torch._grouped_mm(x, W.transpose(-2, -1), offs=offs), zi, B.transpose(-2, -1), rows)
+        ys = [lowrank_add(torch._grouped_mm(x, W.transpose(-2, -1), offs=offs), zi,
+                          B.transpose(-2, -1), rows)
               for W, zi, B in zip(Ws, zs, Bs)]
         ctx.save_for_backward(x, A, z, *weights_and_Bs)
         ctx.rows = rows
@@ -244,20 +260,22 @@ class LoRAGroupedMM(torch.autograd.Function):
             dx = dx + torch._grouped_mm(dy, W, offs=offs)
         dx = lowrank_add(dx, dz, A, ctx.rows)
         dA = torch._grouped_mm(dz.t(), x, offs=offs)  # (E, R, in): the rows' sum per expert
-        dBs = [torch._grouped_mm(dy.t(), zi.contiguous(), offs=offs) for dy, zi in  # (E, out_i, r_i)
+        # (E, out_i, r_i)
+        dBs = [torch._grouped_mm(dy.t(), zi.contiguous(), offs=offs) for dy, zi in
                zip(dys, z.split([B.shape[-1] for B in Bs], 1))]
         return dx, None, dA, None, *[None] * ctx.n, *dBs
 
 
 def lowrank_add(y, z, M, rows):
-    """y (N, O) plus each row's z (N, R) @ M[e] (M (E, R, O), any strides) for the expert e of the row (rows sorted
-    by expert; rows: offs, the cumulative row counts, and lowrank_tiles, None off CUDA). On CUDA one Triton kernel
-    adds in place, memory-bound (y read and written once), where a grouped GEMM of inner dimension R writes its
-    full-width output at a fraction of the bandwidth (about as slow as a base GEMM at real expert
-    shapes) and an add then reads it again."""
+    """y (N, O) plus each row's z (N, R) @ M[e] (M (E, R, O), any strides) for the expert e of the
+    row (rows sorted by expert; rows: offs, the cumulative row counts, and lowrank_tiles, None off
+    CUDA). On CUDA one Triton kernel adds in place, memory-bound (y read and written once), where a
+    grouped GEMM of inner dimension R writes its full-width output at a fraction of the bandwidth
+    (about as slow as a base GEMM at real expert shapes) and an add then reads it again."""
     offs, tiles = rows
     if tiles is None:
-        return y + torch._grouped_mm(z, M, offs=offs)  # the reference; the kernel matches it to bf16 rounding
+        return y + torch._grouped_mm(z, M, offs=offs)  # the reference; the kernel
+                                                       # matches it to bf16 rounding
     return lowrank_add_triton(y, z, M, offs, tiles)
 
 
@@ -265,56 +283,63 @@ LOWRANK_BM, LOWRANK_BN = 64, 128  # lowrank_add's tile: rows of one expert x out
 
 
 def lowrank_tiles(counts):
-    """The cumulative count of lowrank_add's row tiles up to each expert (int32 (E,)), from its row counts."""
+    """The cumulative count of lowrank_add's row tiles up
+    to each expert (int32 (E,)), from its row counts."""
     return torch.cumsum((counts + LOWRANK_BM - 1) // LOWRANK_BM, 0, dtype=torch.int32)
 
 
 def lowrank_add_triton(y, z, M, offs, tiles):
-    (N, O), (E, R), BM, BN = y.shape, M.shape[:2], LOWRANK_BM, LOWRANK_BN
-    _lowrank_add_kernel[(triton.cdiv(N, BM) + E, triton.cdiv(O, BN))](
-        y, z, M, offs, tiles, O, R, E, *z.stride(), *M.stride(), BM=BM, BN=BN, BR=max(16, triton.next_power_of_2(R)),
-        BE=triton.next_power_of_2(E), UPCAST=os.environ.get("TRITON_INTERPRET") == "1")
+    (N, n_out), (E, R), BM, BN = y.shape, M.shape[:2], LOWRANK_BM, LOWRANK_BN
+    _lowrank_add_kernel[(triton.cdiv(N, BM) + E, triton.cdiv(n_out, BN))](
+        y, z, M, offs, tiles, n_out, R, E, *z.stride(), *M.stride(), BM=BM, BN=BN,
+        BR=max(16, triton.next_power_of_2(R)), BE=triton.next_power_of_2(E),
+        UPCAST=os.environ.get("TRITON_INTERPRET") == "1")
     return y
 
 
 if triton is not None:
     @triton.jit
-    def _lowrank_add_kernel(y, z, M, offs, tiles, O, R, E, sz0, sz1, sm0, sm1, sm2, BM: tl.constexpr,
-                            BN: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr, UPCAST: tl.constexpr):
-        # program (t, j): row tile t counted over the experts (tiles: cumulative tiles up to each expert; the grid has
-        # E spare tiles, as each expert's last tile may be partial), columns j * BN to (j + 1) * BN
+    def _lowrank_add_kernel(y, z, M, offs, tiles, n_out, R, E, sz0, sz1, sm0, sm1, sm2,
+                            BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr,
+                            UPCAST: tl.constexpr):
+        # program (t, j): row tile t counted over the experts (tiles: cumulative
+        # tiles up to each expert; the grid has E spare tiles, as each expert's
+        # last tile may be partial), columns j * BN to (j + 1) * BN
         t = tl.program_id(0)
         experts = tl.arange(0, BE)
         e = tl.sum((tl.load(tiles + experts, mask=experts < E, other=2 ** 30) <= t).to(tl.int32))
         if e < E:
             first_tile = tl.load(tiles + e - 1, mask=e > 0, other=0)
             row_end = tl.load(offs + e)
-            rows = (tl.load(offs + e - 1, mask=e > 0, other=0) + (t - first_tile) * BM + tl.arange(0, BM)).to(tl.int64)
+            rows = (tl.load(offs + e - 1, mask=e > 0, other=0) + (t - first_tile) * BM
+                    + tl.arange(0, BM)).to(tl.int64)
             cols = tl.program_id(1) * BN + tl.arange(0, BN)
             ks = tl.arange(0, BR)
             zt = tl.load(z + rows[:, None] * sz0 + ks[None, :] * sz1,
                          mask=(rows[:, None] < row_end) & (ks[None, :] < R), other=0.0)
             mt = tl.load(M + e * sm0 + ks[:, None] * sm1 + cols[None, :] * sm2,
-                         mask=(ks[:, None] < R) & (cols[None, :] < O), other=0.0)
-            mask = (rows[:, None] < row_end) & (cols[None, :] < O)
-            ptrs = y + rows[:, None] * O + cols[None, :]
-            if UPCAST:  # Triton's interpreter (the CPU test) gets bf16 dots wrong; on the GPU bf16 in, fp32 out
+                         mask=(ks[:, None] < R) & (cols[None, :] < n_out), other=0.0)
+            mask = (rows[:, None] < row_end) & (cols[None, :] < n_out)
+            ptrs = y + rows[:, None] * n_out + cols[None, :]
+            if UPCAST:  # Triton's interpreter (the CPU test) gets bf16
+                        # dots wrong; on the GPU bf16 in, fp32 out
                 zt, mt = zt.to(tl.float32), mt.to(tl.float32)
             acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + tl.dot(zt, mt)
             tl.store(ptrs, acc.to(y.dtype.element_ty), mask=mask)
 
 
 def topk_ids(probs, k):
-    """The indices of each row's k largest values, largest first (N, k) int64, as torch.topk gives them (ties aside).
-    On CUDA one Triton kernel holds each row (the router's E probabilities) in registers and takes k
-    maxima, where torch.topk runs a radix select meant for long rows."""
+    """The indices of each row's k largest values, largest first (N, k) int64, as torch.topk gives
+    them (ties aside). On CUDA one Triton kernel holds each row (the router's E probabilities) in
+    registers and takes k maxima, where torch.topk runs a radix select meant for long rows."""
     if not (probs.is_cuda and triton is not None):
         return torch.topk(probs, k, dim=-1).indices
     probs = probs.contiguous()
     (N, E), rows = probs.shape, 16
     out = torch.empty(N, k, dtype=torch.int64, device=probs.device)
     if N:
-        _topk_kernel[(triton.cdiv(N, rows),)](probs, out, N, E, K=k, BR=rows, BE=triton.next_power_of_2(E))
+        _topk_kernel[(triton.cdiv(N, rows),)](probs, out, N, E, K=k, BR=rows,
+                                              BE=triton.next_power_of_2(E))
     return out
 
 
@@ -324,7 +349,8 @@ if triton is not None:
         rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
         cols = tl.arange(0, BE)
         mask = (rows[:, None] < N) & (cols[None, :] < E)
-        p = tl.load(probs + rows[:, None] * E + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+        p = tl.load(probs + rows[:, None] * E + cols[None, :], mask=mask,
+                    other=float("-inf")).to(tl.float32)
         for j in tl.static_range(K):
             best = tl.max(p, 1)
             # the first column holding the maximum, then out of the race
@@ -342,7 +368,8 @@ class AdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        mine = [[p for p in g["params"] if p.is_cuda and triton is not None and p.numel() >= 2 ** 20 and
+        mine = [[p for p in g["params"] if p.is_cuda and triton is not None and p.numel() >= 2 ** 20
+                 and
                  local(p).is_contiguous()] for g in self.param_groups]
         kept = [g["params"] for g in self.param_groups]
         for g, ps in zip(self.param_groups, mine):  # torch's step sees the others only
@@ -358,23 +385,29 @@ class AdamW(torch.optim.AdamW):
             self._init_group(dict(g, params=ps), params, grads, m, v, [], steps)
             for p, grad, m1, v1, t in zip(params, grads, m, v, steps):
                 t += 1
-                adamw_triton(*map(local, (p, grad, m1, v1)), t, getattr(self, "grad_scale", None), g)
+                adamw_triton(*map(local, (p, grad, m1, v1)), t, getattr(self, "grad_scale", None),
+                             g)
 
 
 def local(t):  # a DTensor's local shard, or the tensor itself
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def placed_like(p, t):  # a local tensor placed as p is: a DTensor on p's mesh where p is one (local's inverse)
-    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False) if isinstance(p, DTensor) else t
+def placed_like(p, t):  # a local tensor placed as p is: a DTensor on
+                        # p's mesh where p is one (local's inverse)
+    return DTensor.from_local(t, p.device_mesh, p.placements,
+                              run_check=False) if isinstance(p, DTensor) else t
 
 
 def adamw_triton(p, grad, m, v, step, grad_scale, group):
     (beta1, beta2), n, block = group["betas"], p.numel(), 4096
-    scale = step if grad_scale is None else grad_scale  # a pointer the kernel reads only when SCALED
-    _adamw_kernel[(triton.cdiv(n, block),)](p, grad.contiguous(), m, v, step, scale, n, float(group["lr"]), beta1,
-                                            beta2, group["eps"], group["weight_decay"], math.log2(beta1),
-                                            math.log2(beta2), SCALED=grad_scale is not None, BLOCK=block)
+    scale = step if grad_scale is None else grad_scale  # a pointer the kernel
+                                                        # reads only when SCALED
+    _adamw_kernel[(triton.cdiv(n, block),)](p, grad.contiguous(), m, v, step, scale, n,
+                                            float(group["lr"]), beta1, beta2, group["eps"],
+                                            group["weight_decay"], math.log2(beta1),
+                                            math.log2(beta2), SCALED=grad_scale is not None,
+                                            BLOCK=block)
 
 
 if triton is not None:
@@ -396,18 +429,21 @@ if triton is not None:
         tl.store(v + offs, v1, mask=mask)
 
 
-# Rows and slots. Each row of an (N, D) tensor has K slots, slot s = row * K + j: a token's j-th chosen expert, or
-# under expert parallelism a token's copy for rank j. `slots` (S,) lists the slots in use in the order they are
-# wanted, and `position` (N*K,) is its inverse: each slot's index in `slots`, or S for a slot not in use.
+# Rows and slots. Each row of an (N, D) tensor has K slots, slot s = row * K + j: a
+# token's j-th chosen expert, or under expert parallelism a token's copy for rank j.
+# `slots` (S,) lists the slots in use in the order they are wanted, and `position`
+# (N*K,) is its inverse: each slot's index in `slots`, or S for a slot not in use.
 
 def count_ids(ids, n):
-    """How often each of 0..n-1 occurs in `ids` (int64 (n,)). scatter_add, not bincount: bincount on CUDA reads
-    the max id back to the host (a sync)."""
-    return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+    """How often each of 0..n-1 occurs in `ids` (int64 (n,)). scatter_add, not
+    bincount: bincount on CUDA reads the max id back to the host (a sync)."""
+    return torch.zeros(n, dtype=torch.int64,
+                       device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
 
 
 def slot_positions(slots, n_slots):
-    """The inverse of a selection of slots: position[slots[i]] = i, and S = len(slots) for the others."""
+    """The inverse of a selection of slots: position[slots[i]]
+    = i, and S = len(slots) for the others."""
     S = slots.numel()
     return torch.full((n_slots,), S, dtype=slots.dtype, device=slots.device).scatter_(
         0, slots, torch.arange(S, dtype=slots.dtype, device=slots.device))
@@ -442,7 +478,8 @@ if triton is not None:
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for k in tl.static_range(K):
             p = tl.load(position + row * K + k)  # where slot k of this row sits in y, S if unused
-            acc += tl.load(y + p * D + cols, mask=(cols < D) & (cols * 0 + p < S), other=0.0).to(tl.float32)
+            acc += tl.load(y + p * D + cols, mask=(cols < D) & (cols * 0 + p < S),
+                           other=0.0).to(tl.float32)
         tl.store(out + row * D + cols, acc.to(out.dtype.element_ty), mask=cols < D)
 
 
@@ -455,22 +492,26 @@ def grouped_grad(a, b, offs, grads):
     written only to be read again and added (the largest traffic of the experts' backward), and the
     SM waits on no load of the gradient."""
     (E,), M, K, n = offs.shape, a.shape[1], b.shape[1], len(grads)
-    kernel = a.is_cuda and triton is not None and torch.cuda.get_device_capability(a.device)[0] >= 9  # TMA: Hopper on
+    # TMA: Hopper on
+    kernel = a.is_cuda and triton is not None and torch.cuda.get_device_capability(a.device)[0] >= 9
     if not (kernel and a.dtype == torch.bfloat16 and (M // n) % 16 == 0 and K % 16 == 0):
         parts = torch._grouped_mm(a.t(), b, offs=offs).float().chunk(n, 1)  # the reference
         return [p.contiguous() if g is None else g.add_(p) for g, p in zip(grads, parts)]
     if grads[0] is None:
-        return grouped_grad_triton(a, b, offs, [a.new_empty(E, M // n, K, dtype=torch.float32) for _ in grads], False)
+        return grouped_grad_triton(
+            a, b, offs, [a.new_empty(E, M // n, K, dtype=torch.float32) for _ in grads], False)
     return grouped_grad_triton(a, b, offs, grads, True)
 
 
 def grouped_grad_triton(a, b, offs, grads, accumulate):
     (E,), M, K, M0 = offs.shape, a.shape[1], b.shape[1], grads[0].shape[1]
-    BM, (BN, BK) = next(bm for bm in (128, 64, 32, 16) if M0 % bm == 0), (256, 64) if K % 256 == 0 else (128, 64)
+    BM, (BN, BK) = next(bm for bm in (128, 64, 32, 16)
+                        if M0 % bm == 0), (256, 64) if K % 256 == 0 else (128, 64)
     desc_a, desc_b = (TensorDescriptor.from_tensor(t, [BK, bs]) for t, bs in ((a, BM), (b, BN)))
     c0, c1 = (TensorDescriptor.from_tensor(g.view(-1, K), [BM, BN]) for g in (grads[0], grads[-1]))
     _grouped_grad_kernel[(E * triton.cdiv(M, BM) * triton.cdiv(K, BN),)](
-        desc_a, desc_b, offs, c0, c1, M0, M, K, ACCUMULATE=accumulate, BM=BM, BN=BN, BK=BK, num_warps=8, num_stages=3)
+        desc_a, desc_b, offs, c0, c1, M0, M, K, ACCUMULATE=accumulate, BM=BM, BN=BN, BK=BK,
+        num_warps=8, num_stages=3)
     return grads
 
 
@@ -478,23 +519,26 @@ if triton is not None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     @triton.jit
-    def _grouped_grad_kernel(a, b, offs, c0, c1, M0, M, K, ACCUMULATE: tl.constexpr, BM: tl.constexpr,
-                             BN: tl.constexpr, BK: tl.constexpr):
-        # program: expert e, output tile (tm, tn), tm fastest (the tiles of one expert run together, its rows in L2);
-        # output rows below M0 go to c0, the others to c1 (BM divides M0), both viewed as (E * rows, K)
+    def _grouped_grad_kernel(a, b, offs, c0, c1, M0, M, K, ACCUMULATE: tl.constexpr,
+                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # program: expert e, output tile (tm, tn), tm fastest (the tiles of
+        # one expert run together, its rows in L2); output rows below M0 go to
+        # c0, the others to c1 (BM divides M0), both viewed as (E * rows, K)
         tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(K, BN)
         pid = tl.program_id(0)
         e, tm, tn = pid // (tiles_m * tiles_n), pid % tiles_m, pid // tiles_m % tiles_n
         start = tl.load(offs + e - 1, mask=e > 0, other=0)
         end = tl.load(offs + e)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for i in range((end - start) // BK):  # whole blocks of rows: tensor-core operands straight from TMA
-            acc = tl.dot(a.load([start + i * BK, tm * BM]).T, b.load([start + i * BK, tn * BN]), acc)
+        for i in range((end - start) // BK):  # whole blocks of rows: tensor-core
+                                              # operands straight from TMA
+            acc = tl.dot(a.load([start + i * BK, tm * BM]).T, b.load([start + i * BK, tn * BN]),
+                         acc)
         last = start + (end - start) // BK * BK
         if last < end:  # the expert's last rows; the rest of the block is the next expert's: zeroed
             keep = (last + tl.arange(0, BK) < end)[:, None]
-            acc = tl.dot(tl.where(keep, a.load([last, tm * BM]), 0).T, tl.where(keep, b.load([last, tn * BN]), 0),
-                         acc)
+            acc = tl.dot(tl.where(keep, a.load([last, tm * BM]), 0).T,
+                         tl.where(keep, b.load([last, tn * BN]), 0), acc)
         if tm * BM < M0:
             _put_tile(c0, e * M0 + tm * BM, tn * BN, acc, ACCUMULATE)
         else:
@@ -511,8 +555,9 @@ if triton is not None:
 
 
 class GatherRows(torch.autograd.Function):
-    """x (N, D) -> x[slots // K] (S, D): a row once for each of its slots in use. Backward sums each row's slot
-    gradients with `sum_slots` (autograd's own backward of x[index] would scatter with atomics)."""
+    """x (N, D) -> x[slots // K] (S, D): a row once for each of its slots
+    in use. Backward sums each row's slot gradients with `sum_slots`
+    (autograd's own backward of x[index] would scatter with atomics)."""
 
     @staticmethod
     def forward(ctx, x, slots, position, K):
@@ -527,7 +572,8 @@ class GatherRows(torch.autograd.Function):
 
 
 class SumRows(torch.autograd.Function):
-    """The adjoint of GatherRows: y (S, D), one row per slot in use -> (N, D), each row the sum of its slots."""
+    """The adjoint of GatherRows: y (S, D), one row per slot
+    in use -> (N, D), each row the sum of its slots."""
 
     @staticmethod
     def forward(ctx, y, slots, position, K):
@@ -609,7 +655,8 @@ def combine(y_recv, routes, group):
 
 
 class Experts(nn.Module):
-    """E stacked SwiGLU experts. HF checkpoints name them `experts.{e}.gate_proj.weight` etc.; we stack them.
+    """E stacked SwiGLU experts. HF checkpoints name them
+    `experts.{e}.gate_proj.weight` etc.; we stack them.
 
     `expert_parallel` (a process group, train.py's `ep` mesh's, or None): its ranks split the
     experts, and this one holds [first_expert, first_expert + E / size); `forward` sends each token
@@ -630,14 +677,17 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(E_local, H, D))    # (E_local, H, D)
         self.down_proj = nn.Parameter(torch.empty(E_local, D, H))  # (E_local, D, H)
         self.use_grouped_mm = None  # None: grouped GEMM for bf16 on CUDA, loop elsewhere
-        self.cast_weights = None  # train.keep_experts_local sets it when these weights stay outside FSDP
-        self.lora_scaling = None  # lora.add_adapters sets it, with the adapters {proj}_lora_A / {proj}_lora_B
+        self.cast_weights = None  # train.keep_experts_local sets it
+                                  # when these weights stay outside FSDP
+        self.lora_scaling = None  # lora.add_adapters sets it, with the
+                                  # adapters {proj}_lora_A / {proj}_lora_B
 
     def weights(self, stacked=False):
-        """(gate_proj, up_proj, down_proj) as the computation uses them: the parameters (under FSDP, its unsharded
-        compute-dtype copies), or what `cast_weights` makes of them (train.keep_experts_local). stacked: (gate_up,
-        down_proj), the gate and up weights as one (E, 2H, D) tensor for GroupedSwiGLU (cast_weights writes both
-        into one; FSDP's copies are concatenated)."""
+        """(gate_proj, up_proj, down_proj) as the computation uses them: the
+        parameters (under FSDP, its unsharded compute-dtype copies), or what
+        `cast_weights` makes of them (train.keep_experts_local). stacked: (gate_up,
+        down_proj), the gate and up weights as one (E, 2H, D) tensor for GroupedSwiGLU
+        (cast_weights writes both into one; FSDP's copies are concatenated)."""
         if not stacked:
             ws = (self.gate_proj, self.up_proj, self.down_proj)
             return ws if self.cast_weights is None else tuple(self.cast_weights(w) for w in ws)
@@ -646,7 +696,8 @@ class Experts(nn.Module):
         return self.cast_weights(self.gate_proj, self.up_proj), self.cast_weights(self.down_proj)
 
     def lora_weights(self):
-        """(scaling, ((A, B) of gate, up, down)) of the LoRA adapters as the computation uses them, or None."""
+        """(scaling, ((A, B) of gate, up, down)) of the LoRA
+        adapters as the computation uses them, or None."""
         if self.lora_scaling is None:
             return None
         ws = [getattr(self, f"{p}_lora_{m}") for p in EXPERT_PROJS for m in "AB"]
@@ -655,18 +706,23 @@ class Experts(nn.Module):
 
     def compute(self, x, counts, scale):
         lora = self.lora_weights()
-        grouped = self.use_grouped_mm if self.use_grouped_mm is not None else (x.is_cuda and x.dtype == torch.bfloat16)
+        grouped = self.use_grouped_mm if self.use_grouped_mm is not None else (
+            x.is_cuda and x.dtype == torch.bfloat16)
         stacked = grouped and lora is None
         ws = self.weights(stacked)
-        if x.shape[0] == 0:  # no rows for this rank's experts (expert parallelism): keep the weights and the scale in
-            # the graph so the weights still get a (zero) gradient, FSDP's gradient reduce-scatter runs on every rank,
-            # and so does the backward all-to-all of the routing weights that arrived (empty) from other ranks
+        if x.shape[0] == 0:  # no rows for this rank's experts (expert parallelism): keep
+                             # the weights and the scale in the graph so the weights still
+                             # get a (zero) gradient, FSDP's gradient reduce-scatter runs
+                             # on every rank, and so does the backward all-to-all of the
+                             # routing weights that arrived (empty) from other ranks
             adapters = sum(w.sum() for ab in lora[1] for w in ab) if lora is not None else 0
             return x + 0 * (scale.sum() + sum(w.sum() for w in ws) + adapters)
-        if stacked:  # local fp32 experts (cast_weights) get their gradients added into .grad by GroupedSwiGLU
+        if stacked:  # local fp32 experts (cast_weights) get their
+                     # gradients added into .grad by GroupedSwiGLU
             own_grads = self.cast_weights is not None and self.gate_proj.requires_grad
             return GroupedSwiGLU.apply(x, torch.cumsum(counts, 0, dtype=torch.int32), scale, *ws,
-                                       ((self.gate_proj, self.up_proj), (self.down_proj,)) if own_grads else None)
+                                       ((self.gate_proj, self.up_proj), (self.down_proj,))
+                                       if own_grads else None)
         return (experts_grouped_mm if grouped else experts_loop)(x, counts, scale, *ws, lora)
 
     def forward(self, x, topk_ids, topk_weights):
@@ -681,17 +737,21 @@ class Experts(nn.Module):
     def local_experts(self, x, ids, weights, pairs):
         """Each row's weighted sum over its chosen experts among this rank's.
 
-        x (N, D); ids (N, K) local expert index of each choice, or E_local for a choice another rank holds;
-        weights (N, K); pairs: how many ids are local (a host int: the row count of the grouped GEMMs)."""
+        x (N, D); ids (N, K) local expert index of each choice, or E_local
+        for a choice another rank holds; weights (N, K); pairs: how many
+        ids are local (a host int: the row count of the grouped GEMMs)."""
         N, K = ids.shape
         E_local = self.gate_proj.shape[0]
         flat = ids.flatten()  # (N*K,) one slot per (row, choice)
-        # slots of local choices, grouped by expert; on 16-bit keys the GPU's radix sort makes a quarter of the passes
-        slots = flat.to(torch.int16 if E_local < 2 ** 15 else flat.dtype).argsort(stable=True)[:pairs]
+        # slots of local choices, grouped by expert; on 16-bit
+        # keys the GPU's radix sort makes a quarter of the passes
+        slots = flat.to(torch.int16 if E_local < 2 ** 15
+                        else flat.dtype).argsort(stable=True)[:pairs]
         counts = count_ids(flat, E_local + 1)[:E_local]  # (E_local,) choices per local expert
         position = slot_positions(slots, N * K)
         x_sorted = GatherRows.apply(x, slots, position, K)  # (pairs, D) rows grouped by expert
-        y_sorted = self.compute(x_sorted, counts, weights.flatten().index_select(0, slots))  # weighted outputs
+        # weighted outputs
+        y_sorted = self.compute(x_sorted, counts, weights.flatten().index_select(0, slots))
         return SumRows.apply(y_sorted, slots, position, K)  # (N, D)
 
 

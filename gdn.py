@@ -1,12 +1,14 @@
 """
-Gated DeltaNet, the linear-attention layer of the Qwen3.5 / Qwen3.6 hybrid models (`linear_attn` in their
-checkpoints), with packed-sequence boundaries respected: the short causal convolution and the delta-rule
-recurrence restart at every segment of a packed row, so no state leaks from one segment into the next.
+Gated DeltaNet, the linear-attention layer of the Qwen3.5 / Qwen3.6 hybrid
+models (`linear_attn` in their checkpoints), with packed-sequence boundaries
+respected: the short causal convolution and the delta-rule recurrence restart at
+every segment of a packed row, so no state leaks from one segment into the next.
 
-The recurrence is the chunked gated delta rule. `chunk_gated_delta_rule_torch` is the readable fp32 reference and
-the CPU path; on CUDA the same call goes, for 16-bit inputs, to fla's Triton kernel (`fla-core`, installed with the GPU requirements
-only: it cannot compute on a CPU, so it is imported only when a CUDA tensor arrives), and the layer takes fla's fused
-causal conv (varlen) and gated RMSNorm too, with `causal_conv` and `GatedRMSNorm` below as their reference. Tests
+The recurrence is the chunked gated delta rule. `chunk_gated_delta_rule_torch` is the readable
+fp32 reference and the CPU path; on CUDA the same call goes, for 16-bit inputs, to fla's Triton
+kernel (`fla-core`, installed with the GPU requirements only: it cannot compute on a CPU, so it is
+imported only when a CUDA tensor arrives), and the layer takes fla's fused causal conv (varlen)
+and gated RMSNorm too, with `causal_conv` and `GatedRMSNorm` below as their reference. Tests
 compare the two paths forward and backward on a GPU (`FLA_ON_CUDA = False` runs the reference).
 
 This file imports nothing of ours.
@@ -26,21 +28,24 @@ def l2norm(x, eps=1e-6):
 
 
 def segment_positions(cu_seqlens, N):
-    """Each of the N packed tokens' index within its segment, and its segment: cu_seqlens (S+1,) int -> (N,), (N,)."""
-    segment = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=cu_seqlens.device), cu_seqlens.diff(),
-                                      output_size=N)
+    """Each of the N packed tokens' index within its segment,
+    and its segment: cu_seqlens (S+1,) int -> (N,), (N,)."""
+    segment = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=cu_seqlens.device),
+                                      cu_seqlens.diff(), output_size=N)
     return torch.arange(N, device=cu_seqlens.device) - cu_seqlens[segment], segment
 
 
 def chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, chunk=64, incoming=None):
-    """The gated delta rule over packed segments, in fp32 (fp64 for fp64 inputs), as transformers' and fla's chunked form computes it:
-    per segment S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T, o_t = S_t^T q_t, with q, k
+    """The gated delta rule over packed segments, in fp32 (fp64 for fp64 inputs),
+    as transformers' and fla's chunked form computes it: per segment S_t = exp(g_t)
+    S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T, o_t = S_t^T q_t, with q, k
     L2-normalized and q scaled by dk^-0.5, the state zero at each segment's start.
 
-    q, k (1, N, Hk, dk), v (1, N, H, dv), g, beta (1, N, H): the N tokens of all segments in a row (fla's varlen
-    layout), each key head shared by H / Hk consecutive value heads; cu_seqlens (S+1,) the segments' offsets. Returns
-    (1, N, H, dv) in v's dtype. The segments are padded to one length (padding at the end of a segment cannot reach
-    its tokens: the recurrence is causal) and run as a batch.
+    q, k (1, N, Hk, dk), v (1, N, H, dv), g, beta (1, N, H): the N tokens of all
+    segments in a row (fla's varlen layout), each key head shared by H / Hk
+    consecutive value heads; cu_seqlens (S+1,) the segments' offsets. Returns (1, N,
+    H, dv) in v's dtype. The segments are padded to one length (padding at the end of
+    a segment cannot reach its tokens: the recurrence is causal) and run as a batch.
 
     incoming: context parallelism (GatedDeltaNet under a context.ContextParallel), where each
     segment is a piece of a longer sequence whose state arrives from pieces on other ranks. The
@@ -52,24 +57,30 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, chunk=64, incomin
     """
     q, k = (t.repeat_interleave(v.shape[2] // q.shape[2], dim=2) for t in (q, k))
     N, H, dk, dv, dtype = q.shape[1], q.shape[2], q.shape[3], v.shape[3], v.dtype
-    acc = torch.promote_types(dtype, torch.float32)  # fp32 (fp64 inputs stay fp64: the exactness test)
+    acc = torch.promote_types(dtype, torch.float32)  # fp32 (fp64 inputs stay
+                                                     # fp64: the exactness test)
     pos, seg = segment_positions(cu_seqlens, N)
-    S, n = len(cu_seqlens) - 1, -(-int(cu_seqlens.diff().max()) // chunk)  # chunks a segment; NOTE: a host sync
+    # chunks a segment; NOTE: a host sync
+    S, n = len(cu_seqlens) - 1, -(-int(cu_seqlens.diff().max()) // chunk)
     L = n * chunk
 
-    def padded(x):  # (1, N, H, ...) -> (S, H, n, chunk, ...) in fp32, zeros after each segment's end
+    def padded(x):  # (1, N, H, ...) -> (S, H, n, chunk, ...)
+                    # in fp32, zeros after each segment's end
         out = x.new_zeros(S, L, *x.shape[2:], dtype=acc).index_put((seg, pos), x[0].to(acc))
         return out.transpose(1, 2).reshape(S, H, n, chunk, *x.shape[3:])
     q, k = l2norm(padded(q)) * dk ** -0.5, l2norm(padded(k))
     v, g, beta = padded(v), padded(g), padded(beta)
     decay = g.cumsum(-1)  # (S, H, n, C): log of the decay from the chunk's start to each position
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    pair = (decay[..., :, None] - decay[..., None, :]).masked_fill(upper, float("-inf")).exp()  # (S, H, n, C, C)
-    # the delta rule within a chunk is a unit lower-triangular system (the WY/UT form): solve it for all chunks at once
+    # (S, H, n, C, C)
+    pair = (decay[..., :, None] - decay[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    # the delta rule within a chunk is a unit lower-triangular
+    # system (the WY/UT form): solve it for all chunks at once
     system = (k * beta[..., None]) @ k.transpose(-1, -2) * pair
-    values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    keys_read = torch.linalg.solve_triangular(system, k * (beta * decay.exp())[..., None], upper=False,
-                                              unitriangular=True)
+    values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False,
+                                           unitriangular=True)
+    keys_read = torch.linalg.solve_triangular(system, k * (beta * decay.exp())[..., None],
+                                              upper=False, unitriangular=True)
     within = q @ k.transpose(-1, -2) * pair  # causal, diagonal included
     q_decayed = q * decay.exp()[..., None]
     k_decayed = k * (decay[..., -1:] - decay).exp()[..., None]
@@ -83,7 +94,8 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, chunk=64, incomin
             reads.append(read @ transition)  # (S, H, C, dk)
             transition = transition * decay[:, :, i, -1, None, None].exp() - \
                 k_decayed[:, :, i].transpose(-1, -2) @ (keys_read[:, :, i] @ transition)
-        state = state * decay[:, :, i, -1, None, None].exp() + k_decayed[:, :, i].transpose(-1, -2) @ new
+        state = state * decay[:, :, i, -1, None,
+                              None].exp() + k_decayed[:, :, i].transpose(-1, -2) @ new
     out = torch.stack(out, 2)  # (S, H, n, C, dv)
     if incoming is not None:  # what each output reads of the segment's start state (a collective)
         out = out + torch.stack(reads, 2) @ incoming(state, transition)[:, :, None]
@@ -92,16 +104,19 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, chunk=64, incomin
 
 
 def fla_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens):
-    """fla's Triton kernel (CUDA only): the same function, fused, in the inputs' dtype with an fp32 state."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule  # the GPU install's fla-core
-    return fla_rule(q, k, v, g=g, beta=beta, scale=q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True,
-                    cu_seqlens=cu_seqlens.long())[0]
+    """fla's Triton kernel (CUDA only): the same function,
+    fused, in the inputs' dtype with an fp32 state."""
+    # the GPU install's fla-core
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
+    return fla_rule(q, k, v, g=g, beta=beta, scale=q.shape[-1] ** -0.5,
+                    use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.long())[0]
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens):
-    """fla's kernel for 16-bit CUDA tensors, the torch reference for the rest: in fp32, fla-core 0.6.0's backward
-    gets the log decay's gradient wrong (its per-token error grows with the decay's strength, its
-    bf16 path's does not; tests/test_hybrid.py measures both), so fp32 inputs stay on the
+    """fla's kernel for 16-bit CUDA tensors, the torch reference for the rest:
+    in fp32, fla-core 0.6.0's backward gets the log decay's gradient wrong
+    (its per-token error grows with the decay's strength, its bf16 path's does
+    not; tests/test_hybrid.py measures both), so fp32 inputs stay on the
     reference."""
     if q.is_cuda and FLA_ON_CUDA and q.dtype in (torch.bfloat16, torch.float16):
         return fla_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens)
@@ -137,17 +152,22 @@ def left_context(x, K, cp, B):
 
 
 def causal_conv(x, weight, pos):
-    """Depthwise causal convolution (no bias) restarted at each segment: x (N, C), weight (C, 1, K), pos (N,) each
-    token's index in its segment -> (N, C). Tap j reads the token K-1-j back, zero when that is before the segment."""
+    """Depthwise causal convolution (no bias) restarted at each segment: x (N,
+    C), weight (C, 1, K), pos (N,) each token's index in its segment -> (N, C).
+    Tap j reads the token K-1-j back, zero when that is before the segment."""
     K, out = weight.shape[-1], x * weight[:, 0, -1]
     for back in range(1, K):
-        # the token `back` steps earlier (zero before the segment's start; any N, even < K), times its tap
-        out = out + F.pad(x, (0, 0, back, 0))[:len(x)] * (pos >= back)[:, None].to(x.dtype) * weight[:, 0, K - 1 - back]
+        # the token `back` steps earlier (zero before the
+        # segment's start; any N, even < K), times its tap
+        out = out + F.pad(x, (0, 0, back,
+                              0))[:len(x)] * (pos >= back)[:, None].to(x.dtype) * weight[
+                                  :, 0, K - 1 - back]
     return out
 
 
 class GatedRMSNorm(nn.Module):
-    """w * rmsnorm(x) * silu(z) per head: the GDN output norm (weight init ones, not zero-centred)."""
+    """w * rmsnorm(x) * silu(z) per head: the GDN output
+    norm (weight init ones, not zero-centred)."""
 
     def __init__(self, dim, eps):
         super().__init__()
@@ -155,7 +175,8 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x, z):
         xf = x.float()  # one cast: its backward rounds as transformers' does
-        y = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        y = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(
+            x.dtype)
         return (y * F.silu(z.float())).to(x.dtype)
 
 
@@ -170,8 +191,10 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(D, value_dim, bias=False)  # the output gate
         self.in_proj_b = nn.Linear(D, self.n_v, bias=False)  # beta: the write strength
         self.in_proj_a = nn.Linear(D, self.n_v, bias=False)  # the decay's input
-        self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.linear_conv_kernel_dim, groups=conv_dim, bias=False,
-                                padding=cfg.linear_conv_kernel_dim - 1)  # only its weight is used: causal_conv
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.linear_conv_kernel_dim, groups=conv_dim,
+                                bias=False,
+                                # only its weight is used: causal_conv
+                                padding=cfg.linear_conv_kernel_dim - 1)
         self.dt_bias = nn.Parameter(torch.ones(self.n_v))
         self.A_log = nn.Parameter(torch.zeros(self.n_v))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
@@ -193,8 +216,10 @@ class GatedDeltaNet(nn.Module):
             mixed = left_context(mixed.view(2 * B, T // 2, -1), K, cp, B).flatten(0, 1)
         conv_seqlens = cu_seqlens if cp is None else \
             torch.arange(2 * B + 1, device=x.device) * (T // 2 + K - 1)
-        if fla:  # the GPU install's fla-core: conv and SiLU in one kernel, restarted at each segment
-            import fla.modules.causal_conv1d as fla_conv, fla.modules.norm.fused_norm_gate as fla_norm
+        if fla:  # the GPU install's fla-core: conv and SiLU
+                 # in one kernel, restarted at each segment
+            import fla.modules.causal_conv1d as fla_conv
+            import fla.modules.norm.fused_norm_gate as fla_norm
             qkv = fla_conv.causal_conv1d(mixed[None], self.conv1d.weight[:, 0], activation="silu",
                                          cu_seqlens=conv_seqlens.long())[0][0]
         else:
@@ -202,15 +227,19 @@ class GatedDeltaNet(nn.Module):
             qkv = F.silu(causal_conv(mixed, self.conv1d.weight, pos))
         if cp is not None:  # the context's outputs are the previous piece's, computed there
             qkv = qkv.view(2 * B, T // 2 + K - 1, -1)[:, K - 1:].flatten(0, 1)
-        q, k, v = qkv.split([self.n_k * self.dk, self.n_k * self.dk, self.n_v * self.dv], dim=-1)  # (N, ...)
-        q, k, v = q.view(1, N, self.n_k, self.dk), k.view(1, N, self.n_k, self.dk), v.view(1, N, self.n_v, self.dv)
+        # (N, ...)
+        q, k, v = qkv.split([self.n_k * self.dk, self.n_k * self.dk, self.n_v * self.dv], dim=-1)
+        q, k, v = q.view(1, N, self.n_k, self.dk), k.view(1, N, self.n_k,
+                                                          self.dk), v.view(1, N, self.n_v, self.dv)
         beta = self.in_proj_b(x).sigmoid()  # (1, N, Hv)
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # log decay, fp32
+        # log decay, fp32
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         if cp is None:
             y = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens)  # (1, N, Hv, dv)
         else:  # the torch chunked form on every device: fla's kernel makes no state transition
             y = chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens,
                                              incoming=lambda u, m: incoming_states(u, m, cp, B))
         z = self.in_proj_z(x).view(1, N, self.n_v, self.dv)
-        y = fla_norm.rms_norm_gated(y, z, self.norm.weight, None, eps=self.norm.eps) if fla else self.norm(y, z)
+        y = fla_norm.rms_norm_gated(y, z, self.norm.weight, None,
+                                    eps=self.norm.eps) if fla else self.norm(y, z)
         return self.out_proj(y.reshape(B, T, -1))

@@ -1,15 +1,16 @@
 """
-Qwen3 (dense), Qwen3-MoE and Qwen3-VL (dense or MoE: a vision tower, M-RoPE, deepstack) with HuggingFace names.
+Qwen3 (dense), Qwen3-MoE and Qwen3-VL (dense or MoE: a
+vision tower, M-RoPE, deepstack) with HuggingFace names.
 
 A real Qwen3-4B, Qwen3-30B-A3B or Qwen3-VL-30B-A3B checkpoint directory loads unchanged
-(`Transformer.from_pretrained(dir)`), and `save_pretrained` writes a directory that vLLM and transformers load.
-MoE experts are stored stacked (E, ...). Routing replay: pass the engine's expert ids per token and layer and the
-router uses them instead of its own top-k (the gate weights still come from the router, so it trains).
-Images: pass `pixel_values` and `image_grid_thw` as the model's image processor makes them; without them a
-Qwen3-VL model runs the text path unchanged.
+(`Transformer.from_pretrained(dir)`), and `save_pretrained` writes a directory that vLLM and
+transformers load. MoE experts are stored stacked (E, ...). Routing replay: pass the engine's
+expert ids per token and layer and the router uses them instead of its own top-k (the gate weights
+still come from the router, so it trains). Images: pass `pixel_values` and `image_grid_thw` as the
+model's image processor makes them; without them a Qwen3-VL model runs the text path unchanged.
 
-The MoE experts and their kernels live in experts.py; this file imports nothing else of ours. The tiny models the
-tests and the CPU runs use are built by tiny.py.
+The MoE experts and their kernels live in experts.py; this file imports nothing
+else of ours. The tiny models the tests and the CPU runs use are built by tiny.py.
 
     .venv/bin/python -m pytest tests/test_model.py tests/test_model_vl.py -q
 """
@@ -59,8 +60,8 @@ VL_TOKEN_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vi
 
 @dataclass
 class ModelConfig:
-    # the fields of HF's Qwen3Config / Qwen3MoeConfig (or a Qwen3VL(Moe)Config's text_config) that change the
-    # function the model computes
+    # the fields of HF's Qwen3Config / Qwen3MoeConfig (or a Qwen3VL(Moe)Config's
+    # text_config) that change the function the model computes
     vocab_size: int = 151936
     hidden_size: int = 4096
     intermediate_size: int = 12288
@@ -80,11 +81,13 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: list = field(default_factory=list)
-    # Qwen3-VL: the vision tower (None: a text model) and M-RoPE's frequencies per t/h/w axis (sum rotary_dim / 2)
+    # Qwen3-VL: the vision tower (None: a text model) and
+    # M-RoPE's frequencies per t/h/w axis (sum rotary_dim / 2)
     vision: VisionConfig = None
     mrope_section: list = field(default_factory=lambda: [24, 20, 20])
-    # Qwen3.5 / Qwen3.6 (family "qwen3_5"): each layer's kind (layer_types: "linear_attention", Gated DeltaNet, or
-    # "full_attention"; None: all full attention), attention with an output gate and partial rotary, zero-centred
+    # Qwen3.5 / Qwen3.6 (family "qwen3_5"): each layer's kind (layer_types:
+    # "linear_attention", Gated DeltaNet, or "full_attention"; None: all full
+    # attention), attention with an output gate and partial rotary, zero-centred
     # norms, a shared expert beside the routed ones, MTP layers kept with the weights
     family: str = "qwen3"
     layer_types: list = None
@@ -117,34 +120,43 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf):
-        """From a config.json dict: qwen3, qwen3_moe, qwen3_vl, qwen3_vl_moe, or the Qwen3.5 family's qwen3_5_moe
-        (the VLM), qwen3_5_moe_text (its text-only CausalLM) and their dense qwen3_5, qwen3_5_text."""
+        """From a config.json dict: qwen3, qwen3_moe, qwen3_vl, qwen3_vl_moe,
+        or the Qwen3.5 family's qwen3_5_moe (the VLM), qwen3_5_moe_text (its
+        text-only CausalLM) and their dense qwen3_5, qwen3_5_text."""
         mt = hf.get("model_type")
         if mt not in MODEL_TYPES:
-            raise ValueError(f"model_type {mt!r} is not a Qwen3, Qwen3-VL or Qwen3.5 model (config.json's model_type "
+            raise ValueError(f"model_type {mt!r} is not a Qwen3, Qwen3-VL or Qwen3.5 model "
+                             "(config.json's model_type "
                              f"must be one of {', '.join(MODEL_TYPES)})")
         vl, family = "text_config" in hf, "qwen3_5" if mt.startswith("qwen3_5") else "qwen3"
-        text = {**hf["text_config"], "tie_word_embeddings": hf.get("tie_word_embeddings", False)} if vl else hf
-        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}  # transformers 5 nests rope_theta here
+        text = {**hf["text_config"],
+                "tie_word_embeddings": hf.get("tie_word_embeddings", False)} if vl else hf
+        # transformers 5 nests rope_theta here
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
         names = {f.name for f in fields(cls)} - {"vision", "mrope_section", "family"}
         kw = dict({k: v for k, v in text.items() if k in names and v is not None}, family=family)
         kw.setdefault("rope_theta", rope.get("rope_theta", cls.rope_theta))
         if family == "qwen3_5":
-            kw["partial_rotary_factor"] = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-            kw.setdefault("layer_types", ["linear_attention" if (i + 1) % text.get("full_attention_interval", 4)
-                                          else "full_attention" for i in range(text["num_hidden_layers"])])
+            kw["partial_rotary_factor"] = rope.get("partial_rotary_factor",
+                                                   text.get("partial_rotary_factor", 0.25))
+            kw.setdefault("layer_types",
+                          ["linear_attention" if (i + 1) % text.get("full_attention_interval", 4)
+                                          else "full_attention"
+                                          for i in range(text["num_hidden_layers"])])
             kw["norm_topk_prob"] = True  # Qwen3.5's router always renormalizes its top-k
         if mt in ("qwen3", "qwen3_vl", "qwen3_5", "qwen3_5_text"):
             kw["num_experts"] = 0
         kw.setdefault("head_dim", text["hidden_size"] // text["num_attention_heads"])
         if vl:
-            v = {k: x for k, x in hf["vision_config"].items() if k in {f.name for f in fields(VisionConfig)}}
+            v = {k: x for k, x in hf["vision_config"].items()
+                 if k in {f.name for f in fields(VisionConfig)}}
             v.update({k: hf[k] for k in VL_TOKEN_IDS if k in hf})  # top-level in HF's config
             if family == "qwen3_5":
                 v["deepstack_visual_indexes"] = []  # Qwen3.5's tower has no deepstack
             kw["vision"] = VisionConfig(**v)
         if "mrope_section" in rope or vl:
-            kw["mrope_section"] = list(rope.get("mrope_section", [11, 11, 10] if family == "qwen3_5" else [24, 20, 20]))
+            kw["mrope_section"] = list(
+                rope.get("mrope_section", [11, 11, 10] if family == "qwen3_5" else [24, 20, 20]))
         return cls(**kw)
 
     def to_hf(self):
@@ -152,41 +164,52 @@ class ModelConfig:
             return self.to_hf_qwen3_5()
         hf = {f.name: getattr(self, f.name) for f in fields(self) if f.name in QWEN3_FIELDS}
         hf.update(model_type="qwen3_moe" if self.is_moe else "qwen3",
-                  architectures=["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"], hidden_act="silu",
-                  torch_dtype="bfloat16", attention_dropout=0.0, use_sliding_window=False, sliding_window=None,
-                  max_window_layers=self.num_hidden_layers, rope_scaling=None, initializer_range=0.02,
-                  output_router_logits=False, router_aux_loss_coef=0.001, use_cache=True)
+                  architectures=["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"],
+                  hidden_act="silu", torch_dtype="bfloat16", attention_dropout=0.0,
+                  use_sliding_window=False, sliding_window=None,
+                  max_window_layers=self.num_hidden_layers, rope_scaling=None,
+                  initializer_range=0.02, output_router_logits=False, router_aux_loss_coef=0.001,
+                  use_cache=True)
         if not self.is_moe:
-            for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                      "decoder_sparse_step", "mlp_only_layers", "output_router_logits", "router_aux_loss_coef"):
+            for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                      "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+                      "output_router_logits", "router_aux_loss_coef"):
                 hf.pop(k)
         if self.vision is None:
             return hf
-        # Qwen3-VL: the text model nested under text_config with interleaved M-RoPE, the tower under vision_config
+        # Qwen3-VL: the text model nested under text_config with
+        # interleaved M-RoPE, the tower under vision_config
         mt = "qwen3_vl_moe" if self.is_moe else "qwen3_vl"
-        for k in ("architectures", "rope_scaling", "rope_theta", "use_sliding_window", "sliding_window",
-                  "max_window_layers"):
+        for k in ("architectures", "rope_scaling", "rope_theta", "use_sliding_window",
+                  "sliding_window", "max_window_layers"):
             hf.pop(k)
         hf.update(model_type=mt + "_text", rope_parameters=dict(
-            rope_type="default", rope_theta=self.rope_theta, mrope_section=self.mrope_section, mrope_interleaved=True))
+            rope_type="default", rope_theta=self.rope_theta, mrope_section=self.mrope_section,
+            mrope_interleaved=True))
         return self.nest_vision(hf, mt, "Qwen3VLMoeForConditionalGeneration" if self.is_moe else
                                 "Qwen3VLForConditionalGeneration")
 
     def to_hf_qwen3_5(self):
-        """Qwen3_5MoeForConditionalGeneration's config.json (Qwen3_5MoeForCausalLM's without a tower)."""
+        """Qwen3_5MoeForConditionalGeneration's config.json
+        (Qwen3_5MoeForCausalLM's without a tower)."""
         moe, mt = self.is_moe, "qwen3_5_moe" if self.is_moe else "qwen3_5"
-        keep = QWEN3_FIELDS - {"rope_theta", "decoder_sparse_step", "mlp_only_layers"} | QWEN3_5_FIELDS
-        keep -= {"intermediate_size"} if moe else {"num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                                                   "norm_topk_prob", "shared_expert_intermediate_size"}
+        keep = QWEN3_FIELDS - {"rope_theta", "decoder_sparse_step",
+                               "mlp_only_layers"} | QWEN3_5_FIELDS
+        keep -= {"intermediate_size"} if moe else {"num_experts", "num_experts_per_tok",
+                                                   "moe_intermediate_size", "norm_topk_prob",
+                                                   "shared_expert_intermediate_size"}
         text = {k: getattr(self, k) for k in sorted(keep)}
-        text.update(model_type=mt + "_text", hidden_act="silu", attention_dropout=0.0, initializer_range=0.02,
-                    use_cache=True, torch_dtype="bfloat16", rope_parameters=dict(
-                        rope_type="default", rope_theta=self.rope_theta, partial_rotary_factor=self.partial_rotary_factor,
+        text.update(model_type=mt + "_text", hidden_act="silu", attention_dropout=0.0,
+                    initializer_range=0.02, use_cache=True, torch_dtype="bfloat16",
+                    rope_parameters=dict(
+                        rope_type="default", rope_theta=self.rope_theta,
+                        partial_rotary_factor=self.partial_rotary_factor,
                         mrope_section=self.mrope_section, mrope_interleaved=True))
         if moe:
             text.update(output_router_logits=False, router_aux_loss_coef=0.001)
         if self.vision is None:
-            return dict(text, architectures=["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"])
+            return dict(text, architectures=["Qwen3_5MoeForCausalLM" if moe
+                                             else "Qwen3_5ForCausalLM"])
         return self.nest_vision(text, mt, "Qwen3_5MoeForConditionalGeneration" if moe else
                                 "Qwen3_5ForConditionalGeneration")
 
@@ -200,12 +223,13 @@ class ModelConfig:
                     tie_word_embeddings=self.tie_word_embeddings, torch_dtype="bfloat16")
 
 
-MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5",
-               "qwen3_5_text")
-QWEN3_FIELDS = {f.name for f in fields(ModelConfig)[:list(f.name for f in fields(ModelConfig)).index("vision")]}
-QWEN3_5_FIELDS = {"layer_types", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-                  "linear_num_key_heads", "linear_num_value_heads", "shared_expert_intermediate_size",
-                  "mtp_num_hidden_layers"}
+MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe", "qwen3_5_moe", "qwen3_5_moe_text",
+               "qwen3_5", "qwen3_5_text")
+QWEN3_FIELDS = {f.name for f in fields(ModelConfig)[
+    :list(f.name for f in fields(ModelConfig)).index("vision")]}
+QWEN3_5_FIELDS = {"layer_types", "linear_conv_kernel_dim", "linear_key_head_dim",
+                  "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                  "shared_expert_intermediate_size", "mtp_num_hidden_layers"}
 
 # -----------------------------------------------------------------------------
 # layers
@@ -223,8 +247,8 @@ def rms_norm(x, weight, eps, zero_centred=False):
 
 @cuda_compiled
 def add_rms_norm(x, r, weight, eps, zero_centred=False):
-    """The residual stream x + r, and its RMSNorm: on CUDA one kernel forward and one backward (the add no pass of its
-    own in either)."""
+    """The residual stream x + r, and its RMSNorm: on CUDA one kernel
+    forward and one backward (the add no pass of its own in either)."""
     x = x + r
     return x, rms_norm.__wrapped__(x, weight, eps, zero_centred)
 
@@ -249,8 +273,8 @@ def rope_cos_sin(freqs, dtype):
 
 
 def apply_rope(x, cos, sin):
-    # x (B, nh, T, hd); the "rotate half" convention of HF Qwen3 checkpoints, over the first rd = cos.shape[-1]
-    # dims of each head (partial rotary: the rest pass unrotated)
+    # x (B, nh, T, hd); the "rotate half" convention of HF Qwen3 checkpoints, over the
+    # first rd = cos.shape[-1] dims of each head (partial rotary: the rest pass unrotated)
     rd = cos.shape[-1]
     x, rest = x[..., :rd], x[..., rd:]
     x1, x2 = x.chunk(2, dim=-1)
@@ -259,17 +283,18 @@ def apply_rope(x, cos, sin):
 
 @cuda_compiled
 def norm_rope(x, weight, eps, zero_centred, cos, sin):
-    """Qwen3's per-head RMSNorm of q or k, then RoPE: x (B, T, nh, hd) -> (B, T, nh, hd), a new tensor; cos and sin
-    as for (B, nh, T, hd): (T, rd) or (B, 1, T, rd). The caller's transpose to (B, nh, T, hd) is a view, so SDPA
-    gets q and k in the token-major layout its output takes, and neither the output nor its gradient is copied
-    into another layout."""
+    """Qwen3's per-head RMSNorm of q or k, then RoPE: x (B, T, nh, hd) -> (B, T, nh, hd), a
+    new tensor; cos and sin as for (B, nh, T, hd): (T, rd) or (B, 1, T, rd). The caller's
+    transpose to (B, nh, T, hd) is a view, so SDPA gets q and k in the token-major layout its
+    output takes, and neither the output nor its gradient is copied into another layout."""
     cos, sin = (t.transpose(-3, -2) if t.dim() == 4 else t.unsqueeze(-2) for t in (cos, sin))
     return apply_rope(rms_norm.__wrapped__(x, weight, eps, zero_centred), cos, sin)
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with per-head q/k norms (Qwen3). Qwen3.5's adds an output gate: q_proj makes each
-    head's query and its gate side by side, and the heads' outputs are scaled by sigmoid(gate) before o_proj."""
+    """Grouped-query attention with per-head q/k norms (Qwen3). Qwen3.5's adds
+    an output gate: q_proj makes each head's query and its gate side by side,
+    and the heads' outputs are scaled by sigmoid(gate) before o_proj."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -280,12 +305,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(D, self.n_kv * self.hd, bias=b)
         self.v_proj = nn.Linear(D, self.n_kv * self.hd, bias=b)
         self.o_proj = nn.Linear(self.n_head * self.hd, D, bias=b)
-        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, self.gated)  # per-head norm of q and k before RoPE
+        # per-head norm of q and k before RoPE
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, self.gated)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, self.gated)
         self.context_parallel = None  # a context.ContextParallel: this rank's pieces of each row
 
     def forward(self, x, cos, sin, mask=None):
-        """mask (B, 1, T, T) bool, True where a query may attend (packed rows); None: causal within each row."""
+        """mask (B, 1, T, T) bool, True where a query may
+        attend (packed rows); None: causal within each row."""
         B, T, _ = x.shape
         projs = (self.q_proj, self.k_proj, self.v_proj)
         if all(type(p) is nn.Linear and p.bias is None for p in projs):  # not LoRA's adapted ones
@@ -296,8 +323,10 @@ class Attention(nn.Module):
         if self.gated:
             q, gate = q.chunk(2, dim=-1)
         k = k.view(B, T, self.n_kv, self.hd)    # (B, T, nkv, hd)
-        q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, self.gated, cos, sin).transpose(1, 2)  # (B, nh, T, hd)
-        k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, self.gated, cos, sin).transpose(1, 2)  # (B, nkv, T, hd)
+        # (B, nh, T, hd)
+        q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, self.gated, cos, sin).transpose(1, 2)
+        # (B, nkv, T, hd)
+        k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, self.gated, cos, sin).transpose(1, 2)
         v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
         if self.context_parallel is not None:
             y = context_attention(q, k, v, self.context_parallel, self.n_kv != self.n_head)
@@ -331,10 +360,11 @@ def context_attention(q, k, v, cp, enable_gqa):
 
 
 class ProjectQKV(torch.autograd.Function):
-    """x @ Wq^T, x @ Wk^T, x @ Wv^T as one GEMM over the weights stacked (a copy of the three, made again in
-    backward rather than kept), and their input's gradient as one GEMM where autograd would run three and add them
-    twice; the weights' gradients are one GEMM too, split. q and k are column views of the one output; v is copied
-    out of it, so that what SDPA keeps of v for backward does not keep q and k alive."""
+    """x @ Wq^T, x @ Wk^T, x @ Wv^T as one GEMM over the weights stacked (a copy of the
+    three, made again in backward rather than kept), and their input's gradient as one
+    GEMM where autograd would run three and add them twice; the weights' gradients are
+    one GEMM too, split. q and k are column views of the one output; v is copied out of
+    it, so that what SDPA keeps of v for backward does not keep q and k alive."""
 
     @staticmethod
     def forward(ctx, x, *weights):
@@ -362,20 +392,22 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """Softmax router, top-k experts; Qwen3.5 adds a shared expert that every token passes through, scaled by
-    sigmoid(shared_expert_gate(x))."""
+    """Softmax router, top-k experts; Qwen3.5 adds a shared expert that
+    every token passes through, scaled by sigmoid(shared_expert_gate(x))."""
 
     def __init__(self, cfg, expert_parallel=None):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, expert_parallel)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                               expert_parallel)
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x, replay_ids=None):
-        # x (B, T, D); replay_ids (B, T, K) expert ids chosen by the engine, or None to route ourselves
+        # x (B, T, D); replay_ids (B, T, K) expert ids
+        # chosen by the engine, or None to route ourselves
         B, T, D = x.shape
         x = x.reshape(B * T, D)
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (N, E)
@@ -391,8 +423,9 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    """One decoder layer: token mixing by attention (`self_attn`) or, for a Qwen3.5 "linear_attention" layer, by
-    Gated DeltaNet (`linear_attn`), then the MLP or MoE. layer_type overrides cfg's (the MTP layer is full attention)."""
+    """One decoder layer: token mixing by attention (`self_attn`) or, for a
+    Qwen3.5 "linear_attention" layer, by Gated DeltaNet (`linear_attn`), then the
+    MLP or MoE. layer_type overrides cfg's (the MTP layer is full attention)."""
 
     def __init__(self, cfg, i, expert_parallel=None, layer_type=None):
         super().__init__()
@@ -405,11 +438,12 @@ class Block(nn.Module):
             self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zc)
         self.is_moe = cfg.is_moe_layer(i)
-        self.mlp = MoE(cfg, expert_parallel) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MoE(cfg, expert_parallel) if self.is_moe else MLP(cfg.hidden_size,
+                                                                     cfg.intermediate_size)
 
     def forward(self, x, cos, sin, replay_ids=None, mask=None, cu_seqlens=None):
-        """mask: the attention mask of packed rows (None: causal per row); cu_seqlens (S+1,): the segments' offsets in
-        the B*T tokens, where Gated DeltaNet restarts its state."""
+        """mask: the attention mask of packed rows (None: causal per row); cu_seqlens (S+1,):
+        the segments' offsets in the B*T tokens, where Gated DeltaNet restarts its state."""
         h = self.input_layernorm(x)
         h = self.linear_attn(h, cu_seqlens) if self.is_linear else self.self_attn(h, cos, sin, mask)
         norm = self.post_attention_layernorm
@@ -422,14 +456,16 @@ class Decoder(nn.Module):
     def __init__(self, cfg, expert_parallel=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i, expert_parallel) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, expert_parallel)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.family == "qwen3_5")
 
 
 class MTP(nn.Module):
-    """Qwen3.5's multi-token-prediction layers (`mtp.*`): fc over [pre_fc_norm_embedding(embedding of token t+1),
-    pre_fc_norm_hidden(trunk's hidden state at t)], full-attention MoE layers, a norm; the embeddings and lm_head are
-    the trunk's. vLLM drafts with them; here they are kept through load, train and save."""
+    """Qwen3.5's multi-token-prediction layers (`mtp.*`): fc over
+    [pre_fc_norm_embedding(embedding of token t+1), pre_fc_norm_hidden(trunk's hidden
+    state at t)], full-attention MoE layers, a norm; the embeddings and lm_head are the
+    trunk's. vLLM drafts with them; here they are kept through load, train and save."""
 
     def __init__(self, cfg, expert_parallel=None):
         super().__init__()
@@ -437,16 +473,19 @@ class MTP(nn.Module):
         self.fc = nn.Linear(2 * D, D, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(D, eps, True)
         self.pre_fc_norm_hidden = RMSNorm(D, eps, True)
-        self.layers = nn.ModuleList(Block(cfg, cfg.num_hidden_layers + j, expert_parallel, "full_attention")
-                                    for j in range(cfg.mtp_num_hidden_layers))
+        self.layers = nn.ModuleList(
+            Block(cfg, cfg.num_hidden_layers + j, expert_parallel, "full_attention")
+            for j in range(cfg.mtp_num_hidden_layers))
         self.norm = RMSNorm(D, eps, True)
 
 # -----------------------------------------------------------------------------
-# vision (Qwen3-VL): the vision tower, and the image tokens' place in the text model (M-RoPE, deepstack)
+# vision (Qwen3-VL): the vision tower, and the image
+# tokens' place in the text model (M-RoPE, deepstack)
 
 
 class VisionMLP(nn.Module):
-    """linear_fc1 -> GELU -> linear_fc2, with biases: the tower's MLP, and the patch mergers' projection."""
+    """linear_fc1 -> GELU -> linear_fc2, with biases: the
+    tower's MLP, and the patch mergers' projection."""
 
     def __init__(self, D_in, H, D_out, approximate="none"):
         super().__init__()
@@ -459,8 +498,9 @@ class VisionMLP(nn.Module):
 
 
 class PatchMerger(VisionMLP):
-    """Each merge x merge block of neighbouring patches (adjacent rows of x) -> one token of the text model's width.
-    The deepstack mergers normalize the concatenated block (postshuffle), the final merger each patch before."""
+    """Each merge x merge block of neighbouring patches (adjacent rows of x) ->
+    one token of the text model's width. The deepstack mergers normalize the
+    concatenated block (postshuffle), the final merger each patch before."""
 
     def __init__(self, vc, postshuffle):
         H = vc.hidden_size * vc.spatial_merge_size ** 2
@@ -482,12 +522,15 @@ class VisionAttention(nn.Module):
 
     def forward(self, x, cos, sin, lengths):
         N, D = x.shape
-        q, k, v = self.qkv(x).view(N, 3, self.n_head, -1).permute(1, 2, 0, 3).unbind(0)  # each (nh, N, hd)
-        q, k = (apply_rope(t.float(), cos, sin).to(v.dtype) for t in (q, k))  # 2-D RoPE in fp32, as HF does
-        # full (not causal) attention within each image: one call per image keeps memory at one image's scores;
-        # 4-D inputs, since on CUDA 3-D ones fall back to the unfused math kernel
+        # each (nh, N, hd)
+        q, k, v = self.qkv(x).view(N, 3, self.n_head, -1).permute(1, 2, 0, 3).unbind(0)
+        # 2-D RoPE in fp32, as HF does
+        q, k = (apply_rope(t.float(), cos, sin).to(v.dtype) for t in (q, k))
+        # full (not causal) attention within each image: one call per image keeps memory at one
+        # image's scores; 4-D inputs, since on CUDA 3-D ones fall back to the unfused math kernel
         y = torch.cat([F.scaled_dot_product_attention(*(t[None] for t in qkv))[0] for qkv in
-                       zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1))], dim=1)  # (nh, N, hd)
+                       # (nh, N, hd)
+                       zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1))], dim=1)
         return self.proj(y.transpose(0, 1).reshape(N, D))
 
 
@@ -506,98 +549,122 @@ class VisionBlock(nn.Module):
 
 
 def run_block(block, checkpointing, *args):
-    """block(*args); with checkpointing the block keeps only its inputs and is recomputed in backward: the
-    activations of one block at a time instead of all of them."""
-    return torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False) if checkpointing else block(*args)
+    """block(*args); with checkpointing the block keeps only its inputs and is recomputed
+    in backward: the activations of one block at a time instead of all of them."""
+    return torch.utils.checkpoint.checkpoint(block, *args,
+                                             use_reentrant=False) if checkpointing else block(*args)
 
 
 def merge_order(x, m):
-    """(h, w, ...) -> (h * w, ...) in the processor's patch order: the m x m patches of one merged token adjacent."""
+    """(h, w, ...) -> (h * w, ...) in the processor's patch
+    order: the m x m patches of one merged token adjacent."""
     h, w = x.shape[:2]
-    return x.reshape(h // m, m, w // m, m, *x.shape[2:]).transpose(1, 2).reshape(h * w, *x.shape[2:])
+    return x.reshape(h // m, m, w // m, m,
+                     *x.shape[2:]).transpose(1, 2).reshape(h * w, *x.shape[2:])
 
 
 class VisionModel(nn.Module):
-    """Qwen3-VL's vision tower. pixel_values (N, C*T*P*P): the patches of all images, as the image processor
-    flattens them; grid_thw (I, 3): each image's (t, h, w) in patches. Returns the image tokens (N / m^2, D), one
-    per m x m block, and the deepstack features (same shape) of the layers in deepstack_visual_indexes."""
+    """Qwen3-VL's vision tower. pixel_values (N, C*T*P*P): the patches of all images,
+    as the image processor flattens them; grid_thw (I, 3): each image's (t, h, w) in
+    patches. Returns the image tokens (N / m^2, D), one per m x m block, and the
+    deepstack features (same shape) of the layers in deepstack_visual_indexes."""
 
     def __init__(self, vc):
         super().__init__()
         self.config = vc
         k = (vc.temporal_patch_size, vc.patch_size, vc.patch_size)
-        self.patch_embed = nn.ModuleDict(dict(proj=nn.Conv3d(vc.in_channels, vc.hidden_size, k, stride=k)))
-        self.pos_embed = nn.Embedding(vc.num_position_embeddings, vc.hidden_size)  # a square grid, interpolated
+        self.patch_embed = nn.ModuleDict(
+            dict(proj=nn.Conv3d(vc.in_channels, vc.hidden_size, k, stride=k)))
+        # a square grid, interpolated
+        self.pos_embed = nn.Embedding(vc.num_position_embeddings, vc.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(vc) for _ in range(vc.depth))
         self.merger = PatchMerger(vc, postshuffle=False)
-        self.deepstack_merger_list = nn.ModuleList(PatchMerger(vc, True) for _ in vc.deepstack_visual_indexes)
+        self.deepstack_merger_list = nn.ModuleList(PatchMerger(vc, True)
+                                                   for _ in vc.deepstack_visual_indexes)
 
     def forward(self, pixel_values, grid_thw, checkpointing=False):
         vc, m, dev = self.config, self.config.spatial_merge_size, pixel_values.device
         proj = self.patch_embed.proj
         # a convolution with stride = kernel over one patch is a linear map of the flattened patch
-        x = F.linear(pixel_values.to(proj.weight.dtype), proj.weight.flatten(1), proj.bias)  # (N, Dv)
+        # (N, Dv)
+        x = F.linear(pixel_values.to(proj.weight.dtype), proj.weight.flatten(1), proj.bias)
         S = math.isqrt(vc.num_position_embeddings)
         table = self.pos_embed.weight.view(S, S, -1).permute(2, 0, 1)[None]  # (1, Dv, S, S)
         grids = grid_thw.tolist()  # NOTE: a device-to-host sync when grid_thw is on the GPU
         pos, rows_cols, per_size = [], [], {}
         for t, h, w in grids:
             if (h, w) not in per_size:  # once per image size: the interpolation's backward costs
-                pe = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0].permute(1, 2, 0)
-                rc = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1).to(dev)
+                pe = F.interpolate(table, size=(h, w), mode="bilinear",
+                                   align_corners=True)[0].permute(1, 2, 0)
+                rc = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"),
+                                 -1).to(dev)
                 per_size[h, w] = merge_order(pe, m), merge_order(rc, m)
             pos.append(per_size[h, w][0].repeat(t, 1))
             rows_cols.append(per_size[h, w][1].repeat(t, 1))
         x = x + torch.cat(pos)
-        # 2-D RoPE: a quarter of each head's frequencies turn with the patch's row, a quarter with its column
+        # 2-D RoPE: a quarter of each head's frequencies turn
+        # with the patch's row, a quarter with its column
         inv_freq = rope_inv_freq(vc.hidden_size // vc.num_heads // 2, 10000.0, dev)
-        cos, sin = rope_cos_sin((torch.cat(rows_cols)[..., None] * inv_freq).flatten(1), torch.float32)  # (N, hd)
+        # (N, hd)
+        cos, sin = rope_cos_sin((torch.cat(rows_cols)[..., None] * inv_freq).flatten(1),
+                                torch.float32)
         lengths = [h * w for t, h, w in grids for _ in range(t)]
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = run_block(block, checkpointing, x, cos, sin, lengths)  # checkpointed as the text blocks are
+            # checkpointed as the text blocks are
+            x = run_block(block, checkpointing, x, cos, sin, lengths)
             if i in vc.deepstack_visual_indexes:
-                deepstack.append(self.deepstack_merger_list[vc.deepstack_visual_indexes.index(i)](x))
+                deepstack.append(
+                    self.deepstack_merger_list[vc.deepstack_visual_indexes.index(i)](x))
         return self.merger(x), deepstack
 
 
 def mrope_positions(input_ids, image_grid_thw, vc, segment_start=None):
-    """(3, B, T) t/h/w positions of Qwen3-VL's M-RoPE. Text tokens count up on all three axes; the tokens of an
-    image (its t x h x w merged grid, in order) sit at start + (t, h, w) index, and the text after it resumes at
-    start + max(h, w). Images are matched to runs of image tokens in order, row by row. segment_start (B, T): the
+    """(3, B, T) t/h/w positions of Qwen3-VL's M-RoPE. Text tokens count up on all
+    three axes; the tokens of an image (its t x h x w merged grid, in order) sit at
+    start + (t, h, w) index, and the text after it resumes at start + max(h, w). Images
+    are matched to runs of image tokens in order, row by row. segment_start (B, T): the
     index of each token's segment start in a packed row (None: one segment a row)."""
     m = vc.spatial_merge_size
-    grid = image_grid_thw.to(input_ids.device).long() // torch.tensor([1, m, m], device=input_ids.device)  # (I, 3)
+    # (I, 3)
+    grid = image_grid_thw.to(input_ids.device).long() // torch.tensor([1, m, m],
+                                                                      device=input_ids.device)
     n = grid.prod(-1)  # tokens per image
-    img = torch.repeat_interleave(torch.arange(len(n), device=n.device), n)  # the image of each image token
-    k = torch.arange(len(img), device=n.device) - (n.cumsum(0) - n)[img]  # its index within the image
+    # the image of each image token
+    img = torch.repeat_interleave(torch.arange(len(n), device=n.device), n)
+    # its index within the image
+    k = torch.arange(len(img), device=n.device) - (n.cumsum(0) - n)[img]
     t, h, w = grid[img].unbind(-1)
     mask = input_ids == vc.image_token_id
-    step = (~mask).long()  # how far each token moves the next position: text 1, an image max(h, w) at its end
+    step = (~mask).long()  # how far each token moves the next position:
+                           # text 1, an image max(h, w) at its end
     step[mask] = torch.where(k == n[img] - 1, torch.maximum(h, w), 0)
     pos = (step.cumsum(-1) - step).expand(3, -1, -1).clone()
     pos[:, mask] += torch.stack([k // (h * w), k // w % h, k % w])
-    if segment_start is not None:  # packed rows: each segment counts from 0 (its first token is at base + 0)
+    if segment_start is not None:  # packed rows: each segment counts from
+                                   # 0 (its first token is at base + 0)
         pos = pos - pos.gather(2, segment_start.expand(3, -1, -1))
     return pos
 
 
 def mrope_cos_sin(pos, cfg, dtype):
-    """Interleaved M-RoPE: frequency j of the head rotates with the t, h or w position (t, h, w, t, h, w, ... as
-    mrope_section allots them, the rest t). pos (3, B, T) -> cos, sin (B, 1, T, rd), rd = cfg.rotary_dim."""
+    """Interleaved M-RoPE: frequency j of the head rotates with the t, h or
+    w position (t, h, w, t, h, w, ... as mrope_section allots them, the rest
+    t). pos (3, B, T) -> cos, sin (B, 1, T, rd), rd = cfg.rotary_dim."""
     rd, (_, s_h, s_w) = cfg.rotary_dim, cfg.mrope_section
     axis = torch.zeros(rd // 2, dtype=torch.long, device=pos.device)
     axis[1:3 * s_h:3], axis[2:3 * s_w:3] = 1, 2
-    freqs = pos[axis].permute(1, 2, 0).float() * rope_inv_freq(rd, cfg.rope_theta, pos.device)  # (B, T, rd/2)
+    # (B, T, rd/2)
+    freqs = pos[axis].permute(1, 2, 0).float() * rope_inv_freq(rd, cfg.rope_theta, pos.device)
     return rope_cos_sin(freqs[:, None], dtype)
 
 
 def embed_images(model, input_ids, x, pixel_values, image_grid_thw, segment_start=None,
                  positions=None):
-    """The text embeddings x (B, T, D) with the image tokens replaced by the tower's output; M-RoPE's cos and sin;
-    the image tokens' (row, column) indices, and the deepstack features the first decoder layers add
-    there. positions: context parallelism (hidden_states): x holds those tokens of the rows
-    input_ids (B, T_row)."""
+    """The text embeddings x (B, T, D) with the image tokens replaced by the tower's
+    output; M-RoPE's cos and sin; the image tokens' (row, column) indices, and the
+    deepstack features the first decoder layers add there. positions: context parallelism
+    (hidden_states): x holds those tokens of the rows input_ids (B, T_row)."""
     if positions is None:
         checkpointing = model.activation_checkpointing and model.training
         image_tokens, deepstack = model.visual(pixel_values, image_grid_thw,
@@ -607,8 +674,10 @@ def embed_images(model, input_ids, x, pixel_values, image_grid_thw, segment_star
     is_image = input_ids == model.config.vision.image_token_id
     where = is_image.nonzero(as_tuple=True)  # NOTE: a device-to-host sync
     if where[0].numel() != image_tokens.shape[0]:
-        raise ValueError(f"input_ids hold {where[0].numel()} image tokens but the images (image_grid_thw "
-                         f"{image_grid_thw.tolist()}) make {image_tokens.shape[0]}: expand each image to its "
+        raise ValueError(f"input_ids hold {where[0].numel()} image tokens but the images "
+                         f"(image_grid_thw {image_grid_thw.tolist()}) make "
+                         f"{image_tokens.shape[0]}: expand each "
+                         "image to its "
                          "t*h*w/merge_size^2 tokens, as this model's processor does")
     if positions is not None:  # this rank's image tokens, and which of the tower's outputs they are
         # (B, T) each token's index among the image tokens
@@ -653,10 +722,11 @@ def context_vision(model, x, pixel_values, grid_thw):
 
 
 def idle_vision(visual, x):
-    """x + 0 x the tower's output on one blank image of one merged token. A tower sharded over ranks gathers its
-    weights in forward and reduces its gradients in backward, collectives every rank must join: a rank whose
-    microbatch holds no image runs this instead, so that all ranks run the tower once per forward (every output,
-    deepstack too, in the graph: each parameter gets a gradient, zero here, on every rank)."""
+    """x + 0 x the tower's output on one blank image of one merged token. A tower sharded
+    over ranks gathers its weights in forward and reduces its gradients in backward,
+    collectives every rank must join: a rank whose microbatch holds no image runs this
+    instead, so that all ranks run the tower once per forward (every output, deepstack
+    too, in the graph: each parameter gets a gradient, zero here, on every rank)."""
     vc, m = visual.config, visual.config.spatial_merge_size
     blank = x.new_zeros(m * m, vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2)
     tokens, deepstack = visual(blank, torch.tensor([[1, m, m]]))  # the grid on the host: no sync
@@ -664,9 +734,10 @@ def idle_vision(visual, x):
 
 
 def packing(segment_ids, B, T, device):
-    """What packed rows change: (mask (B, 1, T, T) bool: causal within each segment, cu_seqlens (S+1,) the segments'
-    offsets in the B*T tokens taken row after row, start (B, T) the index of each token's segment start). Without
-    segment_ids: (None, one segment a row, None), no host sync."""
+    """What packed rows change: (mask (B, 1, T, T) bool: causal within each
+    segment, cu_seqlens (S+1,) the segments' offsets in the B*T tokens taken
+    row after row, start (B, T) the index of each token's segment start).
+    Without segment_ids: (None, one segment a row, None), no host sync."""
     if segment_ids is None:
         return None, torch.arange(B + 1, device=device) * T, None
     idx = torch.arange(T, device=device).expand(B, T)
@@ -675,8 +746,10 @@ def packing(segment_ids, B, T, device):
     start = torch.where(new, idx, 0).cummax(-1).values
     # NOTE: a device-to-host sync (nonzero)
     cu_seqlens = torch.cat([new.flatten().nonzero()[:, 0], torch.tensor([B * T], device=device)])
-    # NOTE: a (T, T) mask a row, which attention kernels read instead of skipping the blocks it masks
-    mask = (idx[:, :, None] >= idx[:, None, :]) & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    # NOTE: a (T, T) mask a row, which attention kernels
+    # read instead of skipping the blocks it masks
+    mask = (idx[:, :, None] >= idx[:, None, :]) & (
+        segment_ids[:, :, None] == segment_ids[:, None, :])
     return mask[:, None], cu_seqlens, start
 
 
@@ -692,12 +765,15 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, expert_parallel=None, context_parallel=None):
         super().__init__()
         self.config = cfg
-        self.model = Decoder(cfg, expert_parallel)  # attribute names follow HF: model.layers.0.self_attn.q_proj.weight, ...
+        self.model = Decoder(cfg, expert_parallel)  # attribute names follow HF:
+                                                    # model.layers.0.self_attn.q_proj.weight, ...
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.visual = VisionModel(cfg.vision) if cfg.vision is not None else None  # Qwen3-VL's vision tower
-        self.mtp = MTP(cfg, expert_parallel) if cfg.mtp_num_hidden_layers else None  # Qwen3.5's mtp.*
+        # Qwen3-VL's vision tower
+        self.visual = VisionModel(cfg.vision) if cfg.vision is not None else None
+        # Qwen3.5's mtp.*
+        self.mtp = MTP(cfg, expert_parallel) if cfg.mtp_num_hidden_layers else None
         self.vision_in_every_forward = False  # True under FSDP over several ranks: see idle_vision
         self.activation_checkpointing = False
         self.context_parallel = context_parallel
@@ -709,13 +785,14 @@ class Transformer(nn.Module):
                       image_grid_thw=None, segment_ids=None, positions=None):
         """input_ids (B, T) -> final-normed hidden states (B, T, D).
 
-        routed_experts (B, T, L_moe, K): expert ids per token and MoE layer (routing replay), or None.
-        return_routes: also return the expert ids used, (B, T, L_moe, K), for recording and replay.
-        pixel_values, image_grid_thw: a Qwen3-VL model's images, as its image processor makes them, for the image
-        tokens of input_ids in order (each image's tokens in one row); None for text alone.
-        segment_ids (B, T): packed rows, each token's segment number within its row (non-decreasing along it):
-        positions restart, attention stays within a segment, Gated DeltaNet restarts its state. None: a row is one
-        segment (right padding needs no segment of its own: nothing real follows it).
+        routed_experts (B, T, L_moe, K): expert ids per token and MoE layer (routing replay),
+        or None. return_routes: also return the expert ids used, (B, T, L_moe, K), for
+        recording and replay. pixel_values, image_grid_thw: a Qwen3-VL model's images, as its
+        image processor makes them, for the image tokens of input_ids in order (each image's
+        tokens in one row); None for text alone. segment_ids (B, T): packed rows, each
+        token's segment number within its row (non-decreasing along it): positions restart,
+        attention stays within a segment, Gated DeltaNet restarts its state. None: a row is
+        one segment (right padding needs no segment of its own: nothing real follows it).
         positions (T,): context parallelism (context.split_microbatch): this rank's tokens of each
         row of input_ids (B, T_row), in the order every per-token input and output takes
         (routed_experts and the result: (B, T, ...)).
@@ -732,22 +809,26 @@ class Transformer(nn.Module):
             inv_freq = rope_inv_freq(self.config.rotary_dim, self.config.rope_theta, x.device)
             t = torch.arange(T, device=x.device) if positions is None else positions
             t = t - (0 if start is None else start)  # (T,) or (B, T)
-            cos, sin = rope_cos_sin(t[..., None].float() * inv_freq, x.dtype)  # (T, rd) or (B, T, rd)
-            cos, sin = (cos, sin) if start is None else (cos[:, None], sin[:, None])  # (B, 1, T, rd)
+            # (T, rd) or (B, T, rd)
+            cos, sin = rope_cos_sin(t[..., None].float() * inv_freq, x.dtype)
+            # (B, 1, T, rd)
+            cos, sin = (cos, sin) if start is None else (cos[:, None], sin[:, None])
             if self.visual is not None and self.vision_in_every_forward:
                 x = idle_vision(self.visual, x)
         else:
             x, cos, sin, image_tokens, deepstack = embed_images(
                 self, input_ids, x, pixel_values, image_grid_thw, start, positions)
-        routes, m, self.positions = [], 0, (cos, sin, mask)  # mtp_hidden runs the MTP layers at these positions
+        # mtp_hidden runs the MTP layers at these positions
+        routes, m, self.positions = [], 0, (cos, sin, mask)
         for i, block in enumerate(self.model.layers):
             replay = routed_experts[:, :, m] if block.is_moe and routed_experts is not None else None
-            x, ids = run_block(block, self.activation_checkpointing and self.training, x, cos, sin, replay, mask,
-                               cu_seqlens)
+            x, ids = run_block(block, self.activation_checkpointing and self.training, x, cos, sin,
+                               replay, mask, cu_seqlens)
             if block.is_moe:
                 routes.append(ids)
                 m += 1
-            if i < len(deepstack):  # Qwen3-VL's deepstack: the tower's early features join the first layers
+            if i < len(deepstack):  # Qwen3-VL's deepstack: the tower's
+                                    # early features join the first layers
                 x = x.index_put(image_tokens, deepstack[i], accumulate=True)
         x = self.model.norm(x)
         if return_routes:
@@ -755,9 +836,10 @@ class Transformer(nn.Module):
         return x
 
     def mtp_hidden(self, hidden, next_ids):
-        """Qwen3.5's MTP head as vLLM drafts with it: from the trunk's hidden states (B, T, D) of the last hidden_states
-        call and the token after each position (B, T), the final-normed MTP hidden states whose logits at t predict
-        the token after next_ids[t]. The trunk's states and the embeddings come in detached."""
+        """Qwen3.5's MTP head as vLLM drafts with it: from the trunk's hidden states
+        (B, T, D) of the last hidden_states call and the token after each position (B,
+        T), the final-normed MTP hidden states whose logits at t predict the token
+        after next_ids[t]. The trunk's states and the embeddings come in detached."""
         mtp, (cos, sin, mask) = self.mtp, self.positions
         x = mtp.fc(torch.cat([mtp.pre_fc_norm_embedding(self.model.embed_tokens(next_ids).detach()),
                               mtp.pre_fc_norm_hidden(hidden.detach())], -1))
@@ -765,13 +847,17 @@ class Transformer(nn.Module):
             x, _ = block(x, cos, sin, None, mask)
         return mtp.norm(x)
 
-    def forward(self, input_ids, routed_experts=None, pixel_values=None, image_grid_thw=None, segment_ids=None):
-        """input_ids (B, T) -> logits (B, T, V). The trainer uses hidden_states + chunked logprobs instead."""
+    def forward(self, input_ids, routed_experts=None, pixel_values=None, image_grid_thw=None,
+                segment_ids=None):
+        """input_ids (B, T) -> logits (B, T, V). The trainer
+        uses hidden_states + chunked logprobs instead."""
         return self.lm_head(self.hidden_states(input_ids, routed_experts, pixel_values=pixel_values,
-                                               image_grid_thw=image_grid_thw, segment_ids=segment_ids))
+                                               image_grid_thw=image_grid_thw,
+                                               segment_ids=segment_ids))
 
     def init_weights(self, seed=0, std=0.02):
-        init_parameters(self.named_parameters(), std, torch.Generator().manual_seed(seed), self.config.family == "qwen3_5")
+        init_parameters(self.named_parameters(), std, torch.Generator().manual_seed(seed),
+                        self.config.family == "qwen3_5")
 
     # -------------------------------------------------------------------------
     # HF checkpoints
@@ -788,14 +874,15 @@ class Transformer(nn.Module):
         return model.to(dtype)
 
     def save_pretrained(self, path, max_shard_bytes=5 * 2**30, dtype=None):
-        save_hf_checkpoint(path, ours_to_hf(self.state_dict(), self.config), self.config, max_shard_bytes, dtype)
+        save_hf_checkpoint(path, ours_to_hf(self.state_dict(), self.config), self.config,
+                           max_shard_bytes, dtype)
 
 
 @torch.no_grad()
 def init_parameters(named_tensors, std, generator, zero_centred_norms=False):
-    """The init rule: norm weights 1 (0 for Qwen3.5's zero-centred norms; its GDN output norm is not one), Gated
-    DeltaNet's dt_bias 1 and A_log log(U(1, 16)), every other weight N(0, std^2), drawn from `generator` on the
-    tensor's device (the trainer calls it on each rank's shards)."""
+    """The init rule: norm weights 1 (0 for Qwen3.5's zero-centred norms; its GDN output norm is
+    not one), Gated DeltaNet's dt_bias 1 and A_log log(U(1, 16)), every other weight N(0, std^2),
+    drawn from `generator` on the tensor's device (the trainer calls it on each rank's shards)."""
     for name, t in named_tensors:
         if "norm" in name.rsplit(".", 2)[-2]:  # RMSNorm and LayerNorm: identity
             zc = zero_centred_norms and "linear_attn.norm" not in name and "visual." not in name
@@ -813,14 +900,18 @@ def load_config(path):
         raise FileNotFoundError(f"{path} is not a model directory: it has no config.json")
     with open(cfg_file) as f:
         cfg = ModelConfig.from_hf(json.load(f))
-    has_weights = any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json"))
-    if cfg.mtp_num_hidden_layers and has_weights and not any(k.startswith("mtp.") for k in weight_files(path)):
-        cfg = replace(cfg, mtp_num_hidden_layers=0)  # transformers writes Qwen3.5 without its mtp.* weights
+    has_weights = any(os.path.isfile(os.path.join(path, f))
+                      for f in ("model.safetensors", "model.safetensors.index.json"))
+    if cfg.mtp_num_hidden_layers and has_weights and not any(k.startswith("mtp.")
+                                                             for k in weight_files(path)):
+        cfg = replace(cfg, mtp_num_hidden_layers=0)  # transformers writes Qwen3.5
+                                                     # without its mtp.* weights
     return cfg
 
 
 def weight_files(path):
-    """HF tensor name -> file name, for a single-file or sharded (model.safetensors.index.json) directory."""
+    """HF tensor name -> file name, for a single-file or
+    sharded (model.safetensors.index.json) directory."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -833,8 +924,8 @@ def weight_files(path):
 
 
 def checkpoint_reader(path):
-    """read(name, rows=None): one tensor of an HF directory (rows: a slice of its first dim), the files opened
-    memory-mapped once each, so that a rank reads only what it copies."""
+    """read(name, rows=None): one tensor of an HF directory (rows: a slice of its first dim),
+    the files opened memory-mapped once each, so that a rank reads only what it copies."""
     files, handles = weight_files(path), {}
     def read(name, rows=None):
         if name not in files:
@@ -858,16 +949,20 @@ def is_stacked_experts(name):
 
 
 def hf_to_ours(sd, cfg):
-    """HF names -> our state dict: per-expert `experts.{e}.P.weight` are stacked into `experts.P` (E, ...)."""
+    """HF names -> our state dict: per-expert `experts.{e}.P.weight`
+    are stacked into `experts.P` (E, ...)."""
     out, experts = {}, {}
-    if cfg.vision is not None or cfg.family == "qwen3_5":  # Qwen3-VL, Qwen3.5 (text-only too): model.language_model.*
-        # and model.visual.* are our model.* and visual.*; Qwen3.5's mtp.* keep their names
-        sd = {k.replace("model.language_model.", "model.", 1).replace("model.visual.", "visual.", 1): v
+    # Qwen3-VL, Qwen3.5 (text-only too): model.language_model.* and model.visual.*
+    # are our model.* and visual.*; Qwen3.5's mtp.* keep their names
+    if cfg.vision is not None or cfg.family == "qwen3_5":
+        sd = {k.replace("model.language_model.", "model.", 1).replace("model.visual.", "visual.",
+                                                                      1): v
               for k, v in sd.items()}
     for name, t in sd.items():
         if is_stacked_experts(name):
             prefix, rest = name.split(".mlp.experts.")
-            if cfg.vision is not None and cfg.family == "qwen3" and rest in ("gate_up_proj", "down_proj"):
+            if cfg.vision is not None and cfg.family == "qwen3" and rest in (
+                    "gate_up_proj", "down_proj"):
                 t = t.transpose(1, 2)  # Qwen3-VL-MoE checkpoints stack experts as (E, in, out)
             if rest.startswith("gate_up_proj"):  # transformers 5's fused layout (E, 2H, D)
                 out[f"{prefix}.mlp.experts.gate_proj"], out[f"{prefix}.mlp.experts.up_proj"] = t.chunk(2, dim=1)
@@ -882,14 +977,16 @@ def hf_to_ours(sd, cfg):
         if sorted(per_e) != list(range(cfg.num_experts)):
             raise ValueError(f"{prefix}.mlp.experts.*.{proj} has experts {sorted(per_e)[:4]}..., "
                              f"expected 0..{cfg.num_experts - 1}")
-        out[f"{prefix}.mlp.experts.{proj}"] = torch.stack([per_e[e] for e in range(cfg.num_experts)])
+        out[f"{prefix}.mlp.experts.{proj}"] = torch.stack(
+            [per_e[e] for e in range(cfg.num_experts)])
     if cfg.tie_word_embeddings:
         out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
     return out
 
 
 def ours_to_hf(sd, cfg):
-    """Our state dict -> HF checkpoint names (per-expert, as published checkpoints and vLLM expect)."""
+    """Our state dict -> HF checkpoint names (per-expert,
+    as published checkpoints and vLLM expect)."""
     out = {}
     for name, t in sd.items():
         if is_stacked_experts(name):
@@ -901,7 +998,8 @@ def ours_to_hf(sd, cfg):
 
 
 def hf_name(name, cfg):
-    """Our parameter name -> its HF checkpoint name (Qwen3-VL nests the text model and the tower under model.)."""
+    """Our parameter name -> its HF checkpoint name (Qwen3-VL
+    nests the text model and the tower under model.)."""
     if cfg.vision is None:
         return name
     return ("model.language_model." + name[6:] if name.startswith("model.") else
@@ -909,27 +1007,33 @@ def hf_name(name, cfg):
 
 
 def read_experts(read, name, experts, cfg):
-    """Our stacked tensor `name` (model.layers.L.mlp.experts.P) for the experts in range `experts`, through
-    read(hf_name, rows=None): per-expert tensors, or Qwen3-VL-MoE's fused (E, D, 2H) / (E, H, D), of which only
-    those experts' rows are read."""
+    """Our stacked tensor `name` (model.layers.L.mlp.experts.P) for the experts in range
+    `experts`, through read(hf_name, rows=None): per-expert tensors, or Qwen3-VL-MoE's
+    fused (E, D, 2H) / (E, H, D), of which only those experts' rows are read."""
     prefix, proj = name.split(".mlp.experts.")
-    fused = hf_name(prefix, cfg) + ".mlp.experts." + ("down_proj" if proj == "down_proj" else "gate_up_proj")
-    if cfg.vision is None or cfg.family == "qwen3_5":  # per-expert, or transformers' fused (E, 2H, D) / (E, D, H)
+    fused = hf_name(prefix, cfg) + ".mlp.experts." + ("down_proj" if proj == "down_proj"
+                                                      else "gate_up_proj")
+    if cfg.vision is None or cfg.family == "qwen3_5":  # per-expert, or transformers'
+                                                       # fused (E, 2H, D) / (E, D, H)
         try:
             t = read(fused, rows=slice(experts.start, experts.stop))
         except KeyError:
-            return torch.stack([read(f"{hf_name(prefix, cfg)}.mlp.experts.{e}.{proj}.weight") for e in experts])
+            return torch.stack(
+                [read(f"{hf_name(prefix, cfg)}.mlp.experts.{e}.{proj}.weight") for e in experts])
     else:
         t = read(fused, rows=slice(experts.start, experts.stop)).transpose(1, 2)
     return t if proj == "down_proj" else t.chunk(2, dim=1)[proj == "up_proj"]
 
 
 def fuse_vl_experts(hf_sd, cfg):
-    """Per-expert HF names -> the layout of published Qwen3-VL-MoE checkpoints, the one vLLM's and transformers'
-    loaders read: per layer `experts.gate_up_proj` (E, D, 2H) and `experts.down_proj` (E, H, D)."""
+    """Per-expert HF names -> the layout of published Qwen3-VL-MoE
+    checkpoints, the one vLLM's and transformers' loaders read: per layer
+    `experts.gate_up_proj` (E, D, 2H) and `experts.down_proj` (E, H, D)."""
     out = {k: v for k, v in hf_sd.items() if not is_stacked_experts(k)}
-    for layer in {k.split(".mlp.experts.")[0] + ".mlp.experts." for k in hf_sd if is_stacked_experts(k)}:
-        w = [[hf_sd[f"{layer}{e}.{p}.weight"].T for p in EXPERT_PROJS] for e in range(cfg.num_experts)]
+    for layer in {k.split(".mlp.experts.")[0] + ".mlp.experts." for k in hf_sd
+                  if is_stacked_experts(k)}:
+        w = [[hf_sd[f"{layer}{e}.{p}.weight"].T for p in EXPERT_PROJS]
+             for e in range(cfg.num_experts)]
         out[layer + "gate_up_proj"] = torch.stack([torch.cat([g, u], dim=1) for g, u, _ in w])
         out[layer + "down_proj"] = torch.stack([d for _, _, d in w])
     return out
@@ -940,7 +1044,8 @@ def save_hf_checkpoint(path, hf_sd, cfg, max_shard_bytes=5 * 2**30, dtype=None):
     os.makedirs(path, exist_ok=True)
     if cfg.vision is not None and cfg.is_moe and cfg.family == "qwen3":
         hf_sd = fuse_vl_experts(hf_sd, cfg)
-    hf_sd = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu() for k, v in hf_sd.items()}
+    hf_sd = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu() for k,
+             v in hf_sd.items()}
     hf = cfg.to_hf()
     if dtype is not None:
         hf["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -967,7 +1072,8 @@ def save_hf_checkpoint(path, hf_sd, cfg, max_shard_bytes=5 * 2**30, dtype=None):
 
 
 def copy_hf_extras(source_dir, path):
-    """Tokenizer, chat template and generation config from source_dir; token ids from its config.json."""
+    """Tokenizer, chat template and generation config
+    from source_dir; token ids from its config.json."""
     import shutil
     for fname in os.listdir(source_dir):  # weights and config.json are written, not copied
         if os.path.isfile(os.path.join(source_dir, fname)) and not (
@@ -977,7 +1083,8 @@ def copy_hf_extras(source_dir, path):
     if os.path.isfile(src_cfg):
         src = json.load(open(src_cfg))
         write_json(config, dict(json.load(open(config)),
-                                **{k: src[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in src}))
+                                **{k: src[k] for k in ("bos_token_id", "eos_token_id",
+                                                       "pad_token_id") if k in src}))
 
 
 def write_json(path, value):
@@ -986,8 +1093,8 @@ def write_json(path, value):
 
 
 def num_params(cfg, active=False):
-    """Parameter count from the config alone (active=True counts top-k experts only), for FLOPs and plans: the
-    model built on the meta device (no memory)."""
+    """Parameter count from the config alone (active=True counts top-k experts
+    only), for FLOPs and plans: the model built on the meta device (no memory)."""
     with torch.device("meta"):
         total = sum(p.numel() for p in Transformer(cfg).parameters())
     if active:

@@ -1,5 +1,6 @@
 """
-Before any work: every config key checked, and the dry-run planner (per-GPU memory, GPU counts, weight-sync volume).
+Before any work: every config key checked, and the dry-run
+planner (per-GPU memory, GPU counts, weight-sync volume).
 
     python train.py --config configs/moe_700b.py --dry_run=True    # plan any config on a CPU, in seconds
     .venv/bin/python -m pytest tests/test_config.py tests/test_dry_run.py -q
@@ -34,12 +35,13 @@ class ConfigError(ValueError):
 # -----------------------------------------------------------------------------
 # config checks
 
-# what each numeric key accepts: (test, the words for it) -> keys. Types are checked earlier (train.configure).
+# what each numeric key accepts: (test, the words for it)
+# -> keys. Types are checked earlier (train.configure).
 RANGES = {
-    (lambda v: v >= 1, ">= 1"): ("checkpoint_every", "num_engines", "tensor_parallel_size", "group_size",
-                                 "groups_per_batch", "groups_in_flight", "max_tokens", "max_steps", "microbatch_tokens",
-                                 "logprob_chunk_size", "train_world_size", "ep_size", "cp_size",
-                                 "gpus_per_node",
+    (lambda v: v >= 1, ">= 1"): ("checkpoint_every", "num_engines", "tensor_parallel_size",
+                                 "group_size", "groups_per_batch", "groups_in_flight", "max_tokens",
+                                 "max_steps", "microbatch_tokens", "logprob_chunk_size",
+                                 "train_world_size", "ep_size", "cp_size", "gpus_per_node",
                                  "max_images_per_prompt"),
     (lambda v: v >= 0, ">= 0 (0: no drafting)"): ("speculative_tokens",),
     (lambda v: v >= 2, ">= 2"): ("engine_max_model_len",),
@@ -47,12 +49,14 @@ RANGES = {
     (lambda v: v >= 0, ">= 0 (0: no evaluation)"): ("eval_every",),
     (lambda v: v >= 0, ">= 0 (0: none)"): ("view_groups_per_step", "view_max_attempts"),
     (lambda v: 0 <= v <= 65535, "a port in [0, 65535] (0: no viewer)"): ("view_port",),
-    (lambda v: 0 <= v <= 512, "in [0, 512] (0: full fine-tuning; vLLM serves ranks up to 512)"): ("lora_rank",),
+    (lambda v: 0 <= v <= 512, "in [0, 512] (0: full fine-tuning; vLLM serves ranks up to 512)"): (
+        "lora_rank",),
     (lambda v: v >= 0, ">= 0 (0 never stops)"): ("max_failed_rounds",),
     (lambda v: v >= 0, ">= 0 (0 never clips)"): ("grad_clip",),
-    (lambda v: v > 0, "> 0"): ("learning_rate", "adam_eps", "attempt_timeout_s", "gpu_memory_gib", "lora_alpha",
-                               "lora_learning_rate"),
-    (lambda v: v > 0, "> 0 (the trainer divides logits by it, as the engine samples)"): ("temperature",),
+    (lambda v: v > 0, "> 0"): ("learning_rate", "adam_eps", "attempt_timeout_s", "gpu_memory_gib",
+                               "lora_alpha", "lora_learning_rate"),
+    (lambda v: v > 0, "> 0 (the trainer divides logits by it, as the engine samples)"): (
+        "temperature",),
     (lambda v: 0 < v <= 1, "in (0, 1]"): ("top_p", "engine_memory_fraction"),
     (lambda v: 0 <= v < 1, "in [0, 1)"): ("beta1", "beta2"),
 }
@@ -61,14 +65,16 @@ CHOICES = {"failed_group_rule": ("drop", "complete"), "param_dtype": ("float32",
 
 
 def loss_config(cfg):
-    """The loss's options (loss.LossConfig: it declares them and checks their values) from the config."""
+    """The loss's options (loss.LossConfig: it declares
+    them and checks their values) from the config."""
     return loss.LossConfig(**{f.name: cfg[f.name] for f in dataclasses.fields(loss.LossConfig)})
 
 
 def check_config(cfg, mcfg=None, world_size=None):
-    """Every key, before any work: ranges, choices, the loss's options, files, and the rules between keys. mcfg: the
-    model (default: planned_model_config); world_size: torchrun's WORLD_SIZE, when it started this process. Returns
-    the model config. Raises ConfigError with one sentence naming the key and what it accepts."""
+    """Every key, before any work: ranges, choices, the loss's options, files, and the
+    rules between keys. mcfg: the model (default: planned_model_config); world_size:
+    torchrun's WORLD_SIZE, when it started this process. Returns the model config.
+    Raises ConfigError with one sentence naming the key and what it accepts."""
     for (ok, accepted), keys in RANGES.items():
         for key in keys:
             if not (ok(cfg[key]) and math.isfinite(cfg[key])):
@@ -82,63 +88,86 @@ def check_config(cfg, mcfg=None, world_size=None):
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if not os.path.isfile(cfg["agent"]):
-        raise ConfigError(f"agent={cfg['agent']!r}: no such file (a Python file exporting `agent`, e.g. "
+        raise ConfigError(f"agent={cfg['agent']!r}: no such file (a Python file exporting `agent`, "
+                          "e.g. "
                           "agents/calculator.py)")
     for key, empty in (("prompts", "the agent generates them"), ("sft_data", "no supervised run"),
                        ("eval_prompts", "the agent module's eval_prompts(), if any")):
         if cfg[key] and not os.path.isfile(cfg[key]):
             raise ConfigError(f"{key}={cfg[key]!r}: no such file (JSONL or Parquet; \"\": {empty})")
-    for key, package in (("tensorboard_dir", "tensorboard"), ("wandb_project", "wandb")):  # optional packages
+    # optional packages
+    for key, package in (("tensorboard_dir", "tensorboard"), ("wandb_project", "wandb")):
         if cfg[key] and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"{key} is set, but the {package} package is missing: pip install {package}, or leave "
-                              f"{key} empty")
+            raise ConfigError(
+                f"{key} is set, but the {package} package is missing: pip install {package}, or "
+                "leave "
+                f"{key} empty")
     mcfg = mcfg or planned_model_config(cfg)
     if not cfg["train_vision"] and mcfg.vision is None:
-        raise ConfigError("train_vision=False freezes a vision tower, but the model has none (a text model): "
+        raise ConfigError("train_vision=False freezes a vision tower, but the model has none (a "
+                          "text model): "
                           "leave train_vision at True")
     W, ep = cfg["train_world_size"], cfg["ep_size"]
     if world_size is not None and world_size != W:
-        raise ConfigError(f"torchrun started {world_size} ranks (WORLD_SIZE) but train_world_size is {W}: launch "
+        raise ConfigError(f"torchrun started {world_size} ranks (WORLD_SIZE) but train_world_size "
+                          f"is {W}: launch "
                           f"{W} ranks or pass --train_world_size={world_size}")
     if W % ep:
-        raise ConfigError(f"train_world_size ({W}) is not divisible by ep_size ({ep}): expert-parallel groups "
+        raise ConfigError(f"train_world_size ({W}) is not divisible by ep_size ({ep}): "
+                          "expert-parallel groups "
                           "need whole sets of ep_size ranks")
     check_context_parallel(cfg, W)
     if ep > 1 and not mcfg.is_moe:
-        raise ConfigError(f"ep_size={ep} needs a MoE model, but the model is dense (num_experts=0): use ep_size=1")
+        raise ConfigError(f"ep_size={ep} needs a MoE model, but the model is dense "
+                          "(num_experts=0): use ep_size=1")
     if mcfg.is_moe and mcfg.num_experts % ep:
-        raise ConfigError(f"ep_size ({ep}) does not divide the number of experts ({mcfg.num_experts})")
+        raise ConfigError(f"ep_size ({ep}) does not divide the number of experts "
+                          f"({mcfg.num_experts})")
     if cfg["max_tokens"] >= cfg["engine_max_model_len"]:
         raise ConfigError(f"max_tokens ({cfg['max_tokens']}) leaves no room for the prompt within "
                           f"engine_max_model_len ({cfg['engine_max_model_len']})")
     if cfg["engine_max_model_len"] > mcfg.max_position_embeddings:
-        raise ConfigError(f"engine_max_model_len ({cfg['engine_max_model_len']}) is above the model's "
+        raise ConfigError(f"engine_max_model_len ({cfg['engine_max_model_len']}) is above the "
+                          "model's "
                           f"max_position_embeddings ({mcfg.max_position_embeddings})")
     if cfg["groups_in_flight"] < cfg["groups_per_batch"]:
         raise ConfigError(f"groups_in_flight ({cfg['groups_in_flight']}) is below groups_per_batch "
                           f"({cfg['groups_per_batch']}): a batch could never fill")
     if cfg["lora_rank"] and mcfg.vision is not None:
-        raise ConfigError("lora_rank > 0 is not supported for Qwen3-VL models yet: use lora_rank=0 (full fine-tuning)")
+        raise ConfigError("lora_rank > 0 is not supported for Qwen3-VL models yet: use lora_rank=0 "
+                          "(full fine-tuning)")
     if cfg["lora_rank"] and not lora.adapter_shapes(mcfg, cfg):
-        raise ConfigError(f"lora_targets={cfg['lora_targets']!r} names no layer of this model (a dense model has no "
-                          "experts, an all-MoE model no dense MLP): add attention projections or use 'all'")
-    if (k := cfg["speculative_tokens"]) and (not mcfg.mtp_num_hidden_layers or cfg["speculative_config"]):
-        raise ConfigError("speculative_tokens and speculative_config both turn drafting on: set one of them" if
-                          mcfg.mtp_num_hidden_layers else f"speculative_tokens={k} drafts with the model's MTP layers, "
-                          f"but {cfg['model_path']!r} has none (no mtp.* weights or mtp_num_hidden_layers): use 0")
+        raise ConfigError(f"lora_targets={cfg['lora_targets']!r} names no layer of this model (a "
+                          "dense model has no "
+                          "experts, an all-MoE model no dense MLP): add attention projections or "
+                          "use 'all'")
+    if (k := cfg["speculative_tokens"]) and (not mcfg.mtp_num_hidden_layers
+                                             or cfg["speculative_config"]):
+        raise ConfigError("speculative_tokens and speculative_config both turn drafting on: set "
+                          "one of them" if
+                          mcfg.mtp_num_hidden_layers
+                          else f"speculative_tokens={k} drafts with the model's MTP layers, "
+                          f"but {cfg['model_path']!r} has none (no mtp.* weights or "
+                          "mtp_num_hidden_layers): use 0")
     if cfg["mtp_loss_coef"] and (not mcfg.mtp_num_hidden_layers or cfg["lora_rank"]):
-        raise ConfigError(f"mtp_loss_coef={cfg['mtp_loss_coef']} trains the model's MTP layers, but " + (
-            "it has none" if not mcfg.mtp_num_hidden_layers else "a LoRA run freezes them (adapters only)") + ": use 0")
+        raise ConfigError(f"mtp_loss_coef={cfg['mtp_loss_coef']} trains the model's MTP layers, "
+                          "but " + (
+            "it has none" if not mcfg.mtp_num_hidden_layers
+            else "a LoRA run freezes them (adapters only)") + ": use 0")
     if k and cfg["lora_rank"] and not torch.cuda.is_available():
-        raise ConfigError(f"speculative_tokens={k} with lora_rank={cfg['lora_rank']}: on CPU, vLLM's LoRA engine loses its "
-                          "worker process on its first drafting step; use speculative_tokens=0 (LoRA) or lora_rank=0")
+        raise ConfigError(f"speculative_tokens={k} with lora_rank={cfg['lora_rank']}: on CPU, "
+                          "vLLM's LoRA engine loses its "
+                          "worker process on its first drafting step; use speculative_tokens=0 "
+                          "(LoRA) or lora_rank=0")
     if k and cfg["enable_prefix_caching"] and not torch.cuda.is_available():
-        print("speculative_tokens: enable_prefix_caching set to False (on CPU, vLLM's hybrid prefix cache runs a "
+        print("speculative_tokens: enable_prefix_caching set to False (on CPU, vLLM's hybrid "
+              "prefix cache runs a "
               "Triton kernel when drafting, and the engine dies)", file=sys.stderr)
         cfg["enable_prefix_caching"] = False
     peak = lora.learning_rate_key(cfg)
     if cfg["min_lr"] > cfg[peak]:
-        raise ConfigError(f"min_lr ({cfg['min_lr']}) is above {peak} ({cfg[peak]}): the schedule decays from {peak} "
+        raise ConfigError(f"min_lr ({cfg['min_lr']}) is above {peak} ({cfg[peak]}): the schedule "
+                          f"decays from {peak} "
                           "to min_lr")
     return mcfg
 
@@ -159,8 +188,9 @@ def check_context_parallel(cfg, W):
 
 
 def planned_model_config(cfg):
-    """The model a run trains: model_path's config.json; else, for the tiny model's path, the tiny config (it is
-    built on first use); else, in a dry run, model_config (a model not downloaded yet)."""
+    """The model a run trains: model_path's config.json; else, for the
+    tiny model's path, the tiny config (it is built on first use);
+    else, in a dry run, model_config (a model not downloaded yet)."""
     path = cfg["model_path"]
     if os.path.isfile(os.path.join(path, "config.json")):
         try:
@@ -179,39 +209,51 @@ def planned_model_config(cfg):
 
 
 def launched_world_size():
-    """WORLD_SIZE when torchrun started this process, else None (plain `python train.py` is a world of one)."""
+    """WORLD_SIZE when torchrun started this process, else
+    None (plain `python train.py` is a world of one)."""
     return int(os.environ["WORLD_SIZE"]) if "TORCHELASTIC_RUN_ID" in os.environ else None
 
 
-# engine.Engine's keyword -> the config key that sets it: the one list of engine options (engine_options)
-ENGINE_OPTIONS = {"max_model_len": "engine_max_model_len", "memory_fraction": "engine_memory_fraction",
-                  "tensor_parallel_size": "tensor_parallel_size", "enable_prefix_caching": "enable_prefix_caching",
-                  "speculative_config": "speculative_config", "recompute_kv_on_sync": "recompute_kv_on_sync",
+# engine.Engine's keyword -> the config key that sets
+# it: the one list of engine options (engine_options)
+ENGINE_OPTIONS = {"max_model_len": "engine_max_model_len",
+                  "memory_fraction": "engine_memory_fraction",
+                  "tensor_parallel_size": "tensor_parallel_size",
+                  "enable_prefix_caching": "enable_prefix_caching",
+                  "speculative_config": "speculative_config",
+                  "recompute_kv_on_sync": "recompute_kv_on_sync",
                   "max_images_per_prompt": "max_images_per_prompt"}
 
 
 def engine_options(cfg):
-    """engine.Engine keyword arguments from the config (num_engines says how many engines start), routing replay's
-    where the engine can return routes; LoRA runs add vLLM's LoRA options (lora.engine_options)."""
-    options = {arg: cfg[key] or None if key == "speculative_config" else cfg[key] for arg, key in ENGINE_OPTIONS.items()}
-    if cfg["speculative_tokens"]:  # MTP drafting with the model's mtp.* layers (check_config: it has some)
-        options["speculative_config"] = {"method": "mtp", "num_speculative_tokens": cfg["speculative_tokens"]}
+    """engine.Engine keyword arguments from the config (num_engines says
+    how many engines start), routing replay's where the engine can return
+    routes; LoRA runs add vLLM's LoRA options (lora.engine_options)."""
+    options = {arg: cfg[key] or None if key == "speculative_config" else cfg[key] for arg,
+               key in ENGINE_OPTIONS.items()}
+    if cfg["speculative_tokens"]:  # MTP drafting with the model's mtp.*
+                                   # layers (check_config: it has some)
+        options["speculative_config"] = {"method": "mtp",
+                                         "num_speculative_tokens": cfg["speculative_tokens"]}
     mcfg = planned_model_config(cfg)
-    # routing replay (README, invariant 3): the engine returns each token's experts for the trainer's router to reuse;
-    # vLLM returns them on GPU only (Model Runner V2), so a CPU run trains on the trainer's own routing
+    # routing replay (README, invariant 3): the engine returns each token's
+    # experts for the trainer's router to reuse; vLLM returns them on GPU only
+    # (Model Runner V2), so a CPU run trains on the trainer's own routing
     options["enable_return_routed_experts"] = torch.cuda.is_available() and mcfg.is_moe
     return {**options, **(lora.engine_options(cfg, mcfg) if cfg["lora_rank"] else {})}
 
 
 def check_engine_options(cfg, model_dir, **engine_kwargs):
-    """Ask vLLM whether it accepts the engine options, with the validation AsyncLLM runs first when an engine starts
-    (no weights loaded, no GPU needed, well under a second). Raises ConfigError naming the config key it refuses."""
+    """Ask vLLM whether it accepts the engine options, with the validation
+    AsyncLLM runs first when an engine starts (no weights loaded, no GPU needed,
+    well under a second). Raises ConfigError naming the config key it refuses."""
     from engine import Engine
     from vllm import AsyncEngineArgs
 
     def refusal(options):
         try:
-            AsyncEngineArgs(**Engine(model_dir, **options, **engine_kwargs).engine_args).create_engine_config()
+            AsyncEngineArgs(**Engine(model_dir, **options,
+                                     **engine_kwargs).engine_args).create_engine_config()
         except Exception as e:  # pydantic's ValidationError, ValueError, NotImplementedError, ...
             errors = getattr(e, "errors", None)
             msg = errors()[0]["msg"] if callable(errors) else str(e)
@@ -222,9 +264,11 @@ def check_engine_options(cfg, model_dir, **engine_kwargs):
     if refusal(options) is None:
         return
     if (base := refusal({})) is not None:
-        raise ConfigError(f"vLLM cannot start an engine on {model_dir!r} even with default options: {base}")
+        raise ConfigError(f"vLLM cannot start an engine on {model_dir!r} even with default "
+                          f"options: {base}")
     tried = {}
-    for name, value in options.items():  # add the options one at a time: the first one refused is named
+    for name, value in options.items():  # add the options one at a time:
+                                         # the first one refused is named
         tried[name] = value
         if (msg := refusal(tried)) is not None:
             key = ENGINE_OPTIONS.get(name, "lora_rank")  # the others are the LoRA run's
@@ -238,54 +282,70 @@ GiB = 2**30
 
 
 def activation_bytes(mcfg, tokens, checkpointing, dtype_bytes=2, expert_parallel=False):
-    """Estimated bytes autograd saves for backward in one microbatch of `tokens` tokens (flash attention, balanced
-    routing), counted from what each op of model.py saves. Per token and layer: each RMSNorm an fp32 copy of its
-    input, the normed input and its output (4 + 2b) * D (zero-centred, Qwen3.5: the fp32 normed input, (8 + b) * D),
-    q_norm and k_norm (4 + b) per element of their heads (zero-centred 8); attention q, k, v, its output and an fp32
-    logsumexp per head (gated, Qwen3.5: the output and the gate's sigmoid again); a Gated DeltaNet layer the conv's
-    input, shifted copies and output, beta and the decay, what fla's chunk_gated_delta_rule saves (q and k
-    normalized, their fp32 rstd, v made contiguous, g's fp32 cumsum, the WY matrix A of width 64 per head), the
-    gated norm's (12 + 2b) and out_proj's input b per value element; a MoE layer the router's fp32 probabilities (E),
-    its K input rows (sorted by expert), the K expert hidden tensors of width H five times (gate, up, silu(gate),
-    their product, scaled by the routing weight; fewer where silu_mul is compiled), and index/weight tensors of
-    width K (the row gathers and sums keep only int64 indices, about two more of width K under EP), a shared expert
-    its four hidden tensors, output and gate; a dense MLP its four hidden tensors. With activation checkpointing each
-    block keeps only its input (plus routing-replay ids) and one block at a time is recomputed in backward."""
+    """Estimated bytes autograd saves for backward in one microbatch of `tokens` tokens (flash
+    attention, balanced routing), counted from what each op of model.py saves. Per token and
+    layer: each RMSNorm an fp32 copy of its input, the normed input and its output (4 + 2b) * D
+    (zero-centred, Qwen3.5: the fp32 normed input, (8 + b) * D), q_norm and k_norm (4 + b) per
+    element of their heads (zero-centred 8); attention q, k, v, its output and an fp32 logsumexp
+    per head (gated, Qwen3.5: the output and the gate's sigmoid again); a Gated DeltaNet layer
+    the conv's input, shifted copies and output, beta and the decay, what fla's
+    chunk_gated_delta_rule saves (q and k normalized, their fp32 rstd, v made contiguous, g's
+    fp32 cumsum, the WY matrix A of width 64 per head), the gated norm's (12 + 2b) and
+    out_proj's input b per value element; a MoE layer the router's fp32 probabilities (E), its K
+    input rows (sorted by expert), the K expert hidden tensors of width H five times (gate, up,
+    silu(gate), their product, scaled by the routing weight; fewer where silu_mul is compiled),
+    and index/weight tensors of width K (the row gathers and sums keep only int64 indices, about
+    two more of width K under EP), a shared expert its four hidden tensors, output and gate; a
+    dense MLP its four hidden tensors. With activation checkpointing each block keeps only its
+    input (plus routing-replay ids) and one block at a time is recomputed in backward."""
     b, D, hd, K, zc = dtype_bytes, mcfg.hidden_size, mcfg.head_dim, mcfg.num_experts_per_tok, mcfg.family == "qwen3_5"
     nh, nkv = mcfg.num_attention_heads, mcfg.num_key_value_heads
     norm = ((8 + b) if zc else (4 + 2 * b)) * D + 4
-    attn = (2 * norm + (8 if zc else 4 + b) * (nh + nkv) * hd + 4 * (nh + nkv) + b * 2 * (nh + nkv) * hd + 4 * nh +
+    attn = (2 * norm + (8 if zc else 4 + b) * (nh + nkv) * hd + 4 * (nh + nkv)
+            + b * 2 * (nh + nkv) * hd + 4 * nh +
             2 * b * nh * hd * zc)
-    nk, nv, dk, dv, kc = (mcfg.linear_num_key_heads, mcfg.linear_num_value_heads, mcfg.linear_key_head_dim,
-                          mcfg.linear_value_head_dim, mcfg.linear_conv_kernel_dim)
+    nk, nv, dk, dv, kc = (mcfg.linear_num_key_heads, mcfg.linear_num_value_heads,
+                          mcfg.linear_key_head_dim, mcfg.linear_value_head_dim,
+                          mcfg.linear_conv_kernel_dim)
     conv_dim = 2 * nk * dk + nv * dv
-    # the delta rule (fla) keeps q and k per key head (L2-normalized, with their fp32 rstd), the rest per value head
-    gdn = 2 * norm + b * ((kc + 1) * conv_dim + kc - 1) + nk * (2 * b * dk + 8) + nv * (b + 16 + 64 * b + (12 + 4 * b) * dv)
-    index = (5 if expert_parallel else 3) * 8 * K  # int64 ids of width K: topk ids, sort order, inverse (+ EP's two)
-    moe = (4 * mcfg.num_experts + b * K * D + 5 * b * K * mcfg.moe_intermediate_size + index + (4 + b) * K + 4 +
-           (4 * b * mcfg.shared_expert_intermediate_size + b * D + b if mcfg.shared_expert_intermediate_size else 0))
+    # the delta rule (fla) keeps q and k per key head
+    # (L2-normalized, with their fp32 rstd), the rest per value head
+    gdn = 2 * norm + b * ((kc + 1) * conv_dim + kc - 1) + nk * (2 * b * dk + 8) + nv * (
+        b + 16 + 64 * b + (12 + 4 * b) * dv)
+    index = (5 if expert_parallel else 3) * 8 * K  # int64 ids of width K: topk ids,
+                                                   # sort order, inverse (+ EP's two)
+    moe = (4 * mcfg.num_experts + b * K * D + 5 * b * K * mcfg.moe_intermediate_size + index
+           + (4 + b) * K + 4 +
+           (4 * b * mcfg.shared_expert_intermediate_size + b * D + b
+            if mcfg.shared_expert_intermediate_size else 0))
     layers = [(gdn if mcfg.layer_type(i) == "linear_attention" else attn) + (
-        moe if mcfg.is_moe_layer(i) else 4 * b * mcfg.intermediate_size) for i in range(mcfg.num_hidden_layers)]
+        moe if mcfg.is_moe_layer(i) else 4 * b * mcfg.intermediate_size)
+        for i in range(mcfg.num_hidden_layers)]
     once = norm + 8 + 2 * b * mcfg.rotary_dim  # the final norm, the token ids, RoPE's cos and sin
     if not checkpointing:
         return tokens * (sum(layers) + once)
     # beside each block's input, routing replay's (B, T, L_moe, K) int64 expert ids
-    return tokens * (b * D * mcfg.num_hidden_layers + 8 * K * len(mcfg.moe_layers) + max(layers) + once)
+    return tokens * (b * D * mcfg.num_hidden_layers + 8 * K * len(mcfg.moe_layers) + max(layers)
+                     + once)
 
 
 def vision_activation_bytes(vc, checkpointing, dtype_bytes=2, patches=784):
-    """Estimated bytes the vision tower saves for backward for one image of `patches` patches (784: 448x448 at
-    patch 16), counted from what each op of model.py saves. Per patch: its pixels (the patch embedding's input) and
-    the rotary's fp32 cos and sin; per block, the inputs of both LayerNorms, qkv, q and k after the rotary, v, the
-    attention output and proj's input, the MLP's hidden before and after GELU (11 D + 2 H in the compute dtype),
-    an fp32 logsumexp per head and the norms' statistics; each merger (deepstack and final) its LayerNorm output, fc1
-    output and GELU output. With activation checkpointing each block keeps only its input, and one block at a time
-    is recomputed in backward."""
+    """Estimated bytes the vision tower saves for backward for one image of `patches` patches
+    (784: 448x448 at patch 16), counted from what each op of model.py saves. Per patch: its
+    pixels (the patch embedding's input) and the rotary's fp32 cos and sin; per block, the
+    inputs of both LayerNorms, qkv, q and k after the rotary, v, the attention output and
+    proj's input, the MLP's hidden before and after GELU (11 D + 2 H in the compute dtype),
+    an fp32 logsumexp per head and the norms' statistics; each merger (deepstack and final)
+    its LayerNorm output, fc1 output and GELU output. With activation checkpointing each
+    block keeps only its input, and one block at a time is recomputed in backward."""
     b, D, H = dtype_bytes, vc.hidden_size, vc.intermediate_size
-    once = b * vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2 + 8 * (D // vc.num_heads)
+    once = b * vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2 + 8 * (
+        D // vc.num_heads)
     per_block = 11 * b * D + 2 * b * H + 4 * vc.num_heads + 4 * b
-    mergers = (len(vc.deepstack_visual_indexes) + 1) * 3 * b * D + b * D  # + the last block's output
-    blocks = vc.depth * b * D + per_block if checkpointing else vc.depth * per_block  # inputs kept, one recomputed
+    # + the last block's output
+    mergers = (len(vc.deepstack_visual_indexes) + 1) * 3 * b * D + b * D
+    # inputs kept, one recomputed
+    blocks = vc.depth * b * D + per_block if checkpointing else vc.depth * per_block
     return patches * (once + blocks + mergers)
 
 
@@ -295,17 +355,22 @@ NCCL_GBPS = 370.0
 
 
 def ep_all_to_all(mcfg, tokens, ep, checkpointing):
-    """What expert parallelism sends per rank, MoE layer and microbatch of `tokens` tokens: each token crosses once
-    to every other rank that holds one of its top-k experts (experts.dispatch), as bf16 rows of the
-    model width with its routing weights and expert ids, and comes back the same way (its combine); backward sends
-    the gradients back along both routes, and activation checkpointing runs the forward's two again. Uniform routing:
-    a rank holds none of a token's k experts with probability C(E - E/ep, k) / C(E, k). Returns (remote rows per
-    token, bytes, seconds at NCCL_GBPS, unoverlapped)."""
+    """What expert parallelism sends per rank, MoE layer and microbatch of `tokens` tokens:
+    each token crosses once to every other rank that holds one of its top-k experts
+    (experts.dispatch), as bf16 rows of the model width with its routing weights and expert
+    ids, and comes back the same way (its combine); backward sends the gradients back along
+    both routes, and activation checkpointing runs the forward's two again. Uniform
+    routing: a rank holds none of a token's k experts with probability C(E - E/ep, k) /
+    C(E, k). Returns (remote rows per token, bytes, seconds at NCCL_GBPS, unoverlapped)."""
     E, k, D = mcfg.num_experts, mcfg.num_experts_per_tok, mcfg.hidden_size
-    remote_rows = (ep - 1) * (1 - math.comb(E - E // ep, k) / math.comb(E, k))  # 1 - P(none of its k here)
-    dispatch_row = 2 * D + k * (2 + 8)  # the bf16 row, its k bf16 routing weights and int64 expert ids
-    passes = 3 if checkpointing else 2  # forward, backward (gradients the other way), the recomputed forward
-    nbytes = tokens * remote_rows * (dispatch_row + 2 * D) * passes  # dispatch, then combine's bf16 row back
+    # 1 - P(none of its k here)
+    remote_rows = (ep - 1) * (1 - math.comb(E - E // ep, k) / math.comb(E, k))
+    dispatch_row = 2 * D + k * (2 + 8)  # the bf16 row, its k bf16 routing
+                                        # weights and int64 expert ids
+    passes = 3 if checkpointing else 2  # forward, backward (gradients the
+                                        # other way), the recomputed forward
+    # dispatch, then combine's bf16 row back
+    nbytes = tokens * remote_rows * (dispatch_row + 2 * D) * passes
     return remote_rows, nbytes, nbytes / (NCCL_GBPS * 1e9)
 
 
@@ -381,8 +446,8 @@ def plan_memory(cfg, mcfg, shards):
     b = getattr(torch, cfg["param_dtype"]).itemsize  # compute dtype: what FSDP all-gathers and activations are in
     p_dense, p_expert, trainable = shards["dense"], shards["expert"], shards["trainable"]
     params = p_dense + p_expert
-    # LoRA: the adapters train (fp32 master, gradient, AdamW m and v); the frozen base (LoRA's; with train_vision
-    # False, the tower) is stored in param_dtype under LoRA, else in fp32
+    # LoRA: the adapters train (fp32 master, gradient, AdamW m and v); the frozen base (LoRA's;
+    # with train_vision False, the tower) is stored in param_dtype under LoRA, else in fp32
     tokens = max(cfg["microbatch_tokens"], cfg["engine_max_model_len"])
     # context parallelism: this rank's two pieces of every row (context.py); the whole row's K and V
     # and the Gated DeltaNet's torch path are the extra (context_parallel_bytes)
@@ -390,69 +455,90 @@ def plan_memory(cfg, mcfg, shards):
     local = tokens if cp == 1 else max(-(-tokens // (2 * cp)), 4) * 2
     cp_saved, cp_transient = context_parallel_bytes(mcfg, tokens, local, cp, ckpt, b)
     root_numel, block_numel = shards["root_numel"], shards["block_numel"]
-    # a trained tower's activations, at most one 448x448 image (784 patches, 196 tokens) per 196 tokens of the
-    # microbatch: the bound where every token is an image token (a frozen tower keeps none); they join the text's
+    # a trained tower's activations, at most one 448x448 image (784 patches,
+    # 196 tokens) per 196 tokens of the microbatch: the bound where every token
+    # is an image token (a frozen tower keeps none); they join the text's
     images = tokens // (784 // mcfg.vision.spatial_merge_size ** 2) if mcfg.vision else 0
     images = -(-images // cp)  # under CP a rank runs the tower on its share (model.context_vision)
-    per_image = {c: vision_activation_bytes(mcfg.vision, c, b) if mcfg.vision and cfg["train_vision"] else 0
+    per_image = {c: vision_activation_bytes(mcfg.vision, c, b) if mcfg.vision
+                 and cfg["train_vision"] else 0
                  for c in (True, False)}
     figures = dict(
         world=W, ep=ep, params_total=num_params(mcfg), params_active=num_params(mcfg, active=True),
         params_dense_local=p_dense, params_expert_local=p_expert,
-        # fp32 master weights (FSDP keeps the sharded parameters fp32), fp32 gradients, AdamW m and v in fp32
-        params_bytes=4 * trainable + (b if cfg["lora_rank"] else 4) * (params - trainable), grads_bytes=4 * trainable,
-        optimizer_bytes=8 * trainable, params_trainable_local=trainable, params_vision_local=shards["vision"],
-        # kl_coef > 0: the reference policy, a frozen copy of the initial weights sharded like them, in param_dtype
-        # (train.build_reference); a LoRA run's is its frozen base, at no extra memory
+        # fp32 master weights (FSDP keeps the sharded parameters
+        # fp32), fp32 gradients, AdamW m and v in fp32
+        params_bytes=4 * trainable + (b if cfg["lora_rank"] else 4) * (params - trainable),
+        grads_bytes=4 * trainable, optimizer_bytes=8 * trainable, params_trainable_local=trainable,
+        params_vision_local=shards["vision"],
+        # kl_coef > 0: the reference policy, a frozen copy of the initial
+        # weights sharded like them, in param_dtype (train.build_reference);
+        # a LoRA run's is its frozen base, at no extra memory
         reference_bytes=b * params if cfg["kl_coef"] and not cfg["lora_rank"] else 0,
         images=images, vision_act_bytes_per_image=per_image,
-        # the root unit (embeddings, final norm, lm_head) stays gathered from forward to the end of backward, with
-        # its gradient; blocks: the one computing plus the next one prefetched (on one rank every block, kept from
-        # forward to backward: train.shard_model), and the computing one's gradient unsharded in the compute dtype
-        # and in fp32 for the reduce-scatter
-        gather_bytes=2 * b * root_numel + (mcfg.num_hidden_layers if W == 1 else 2) * b * block_numel +
+        # the root unit (embeddings, final norm, lm_head) stays gathered from forward to the end of
+        # backward, with its gradient; blocks: the one computing plus the next one prefetched (on
+        # one rank every block, kept from forward to backward: train.shard_model), and the computing
+        # one's gradient unsharded in the compute dtype and in fp32 for the reduce-scatter
+        gather_bytes=2 * b * root_numel
+        + (mcfg.num_hidden_layers if W == 1 else 2) * b * block_numel +
         (b + 4) * block_numel,
         root_numel=root_numel, block_numel=block_numel, tokens=tokens,
         act_bytes_ckpt=activation_bytes(mcfg, local, True, b, ep > 1) + images * per_image[True],
-        # + experts kept outside FSDP (train.experts_skip_fsdp): autograd keeps each layer's cast of them to the
-        # compute dtype (none when that is fp32 itself)
+        # + experts kept outside FSDP (train.experts_skip_fsdp): autograd keeps each
+        # layer's cast of them to the compute dtype (none when that is fp32 itself)
         act_bytes_full=activation_bytes(mcfg, local, False, b, ep > 1) + cp_saved +
         (b * p_expert if shards["experts_skip_fsdp"] and b < 4 else 0) + images * per_image[False],
-        # chunked logprobs: fp32 logits of one chunk, their softmax and its gradient (loss.token_logprobs)
+        # chunked logprobs: fp32 logits of one chunk, their
+        # softmax and its gradient (loss.token_logprobs)
         logits_bytes=3 * 4 * min(cfg["logprob_chunk_size"], local) * mcfg.vocab_size,
-        # Gated DeltaNet under fla: one layer's backward recomputes its chunk states (a (dk, dv) state per value head
-        # and 64 tokens) and makes their gradient, in the compute dtype
-        linear_layers=[i for i in range(mcfg.num_hidden_layers) if mcfg.layer_type(i) == "linear_attention"],
+        # Gated DeltaNet under fla: one layer's backward recomputes its chunk states (a (dk, dv)
+        # state per value head and 64 tokens) and makes their gradient, in the compute dtype
+        linear_layers=[i for i in range(mcfg.num_hidden_layers)
+                       if mcfg.layer_type(i) == "linear_attention"],
         gdn_state_bytes=(cp == 1) * 2 * b * -(-tokens // 64) * mcfg.linear_num_value_heads *
         mcfg.linear_key_head_dim *
         mcfg.linear_value_head_dim * ("linear_attention" in (mcfg.layer_types or [])),
         gpu_bytes=cfg["gpu_memory_gib"] * GiB, cp=cp, local_tokens=local,
         cp_transient_bytes=cp_transient,
         cp_comm=context_parallel_volume(mcfg, tokens, cp, ckpt, b) if cp > 1 else None)
-    on_gpu_state = 0 if cfg["cpu_offload_optimizer"] else (figures["params_bytes"] + figures["grads_bytes"] +
-                                                          figures["optimizer_bytes"] + figures["reference_bytes"])
+    on_gpu_state = 0 if cfg["cpu_offload_optimizer"] else (figures["params_bytes"]
+                                                           + figures["grads_bytes"] +
+                                                          figures["optimizer_bytes"]
+                                                          + figures["reference_bytes"])
     transient = (figures["gather_bytes"] + figures["logits_bytes"] + figures["gdn_state_bytes"] +
                  cp_transient)
     ckpt, full = figures["act_bytes_ckpt"], figures["act_bytes_full"]
-    act, other = (ckpt, full) if cfg["activation_checkpointing"] else (full, ckpt)  # as configured, and the other
-    figures["total_bytes"], figures["total_bytes_other_ckpt"] = (on_gpu_state + transient + a for a in (act, other))
-    # rollout: bf16 weights split over tensor_parallel_size GPUs; KV heads split too (replicated past nkv)
+    # as configured, and the other
+    act, other = (ckpt, full) if cfg["activation_checkpointing"] else (full, ckpt)
+    figures["total_bytes"], figures["total_bytes_other_ckpt"] = (on_gpu_state + transient + a
+                                                                 for a in (act, other))
+    # rollout: bf16 weights split over tensor_parallel_size
+    # GPUs; KV heads split too (replicated past nkv)
     tp = cfg["tensor_parallel_size"]
-    # MTP drafting (speculative_tokens k): the engine builds the drafter's own layers (mtp.*; the embeddings and lm_head
-    # are the target's), which it drops without drafting; its attention layers hold KV, and vLLM keeps k more Gated
-    # DeltaNet states per sequence (one per draft position)
-    k, drafter = cfg["speculative_tokens"], num_params(mcfg) - num_params(dataclasses.replace(mcfg, mtp_num_hidden_layers=0))
-    figures.update(drafter_weight_bytes=2 * drafter / tp if k else 0, drafter_sync_bytes=0 if cfg["lora_rank"] else 2 * drafter)
-    figures["engine_weight_bytes"] = 2 * (figures["params_total"] - drafter) / tp + figures["drafter_weight_bytes"]  # bf16
-    # sent to the engines every step: the bf16 HF state dict (mtp.* included, drafting or not), or a LoRA run's fp32
-    # adapters (never on mtp.*, which LoRA freezes: lora.add_adapters)
-    figures["sync_bytes"] = 4 * sum(math.prod(s) for s in lora.adapter_shapes(mcfg, cfg).values()) if cfg[
+    # MTP drafting (speculative_tokens k): the engine builds the drafter's
+    # own layers (mtp.*; the embeddings and lm_head are the target's), which
+    # it drops without drafting; its attention layers hold KV, and vLLM keeps
+    # k more Gated DeltaNet states per sequence (one per draft position)
+    k, drafter = cfg["speculative_tokens"], num_params(mcfg) - num_params(
+        dataclasses.replace(mcfg, mtp_num_hidden_layers=0))
+    figures.update(drafter_weight_bytes=2 * drafter / tp if k else 0, drafter_sync_bytes=0
+                   if cfg["lora_rank"] else 2 * drafter)
+    # bf16
+    figures["engine_weight_bytes"] = 2 * (figures["params_total"] - drafter) / tp + figures[
+        "drafter_weight_bytes"]
+    # sent to the engines every step: the bf16 HF state dict (mtp.* included, drafting or not),
+    # or a LoRA run's fp32 adapters (never on mtp.*, which LoRA freezes: lora.add_adapters)
+    figures["sync_bytes"] = 4 * sum(math.prod(s)
+                                    for s in lora.adapter_shapes(mcfg, cfg).values()) if cfg[
         "lora_rank"] else 2 * figures["params_total"]
     kv_heads = max(1, math.ceil(mcfg.num_key_value_heads / tp))
-    # KV in the attention layers; a Gated DeltaNet layer holds a fixed state per sequence instead (fp32 delta-rule
-    # state, bf16 conv state; heads split over TP), counted here per token of a full-length sequence
+    # KV in the attention layers; a Gated DeltaNet layer holds a fixed state
+    # per sequence instead (fp32 delta-rule state, bf16 conv state; heads
+    # split over TP), counted here per token of a full-length sequence
     lin, nv, dk, dv = len(figures["linear_layers"]), mcfg.linear_num_value_heads / tp, mcfg.linear_key_head_dim, mcfg.linear_value_head_dim
-    state = 4 * nv * dk * dv + 2 * (mcfg.linear_conv_kernel_dim - 1) * (2 * mcfg.linear_num_key_heads * dk / tp + nv * dv)
+    state = 4 * nv * dk * dv + 2 * (mcfg.linear_conv_kernel_dim - 1) * (
+        2 * mcfg.linear_num_key_heads * dk / tp + nv * dv)
     attention = mcfg.num_hidden_layers - lin + (mcfg.mtp_num_hidden_layers if k else 0)
     figures["kv_bytes_per_token"] = 4 * attention * kv_heads * mcfg.head_dim + (1 + k) * lin * state / cfg["engine_max_model_len"]
     figures["engine_budget_bytes"] = cfg["engine_memory_fraction"] * figures["gpu_bytes"]
@@ -466,20 +552,25 @@ def plan_memory(cfg, mcfg, shards):
 
 
 def plan_run(cfg, mcfg, shards):
-    """The figures of a dry run (train.dry_run_main measured the shards), the checks that the run fits, and vLLM's
-    verdict on the engine options. Raises ConfigError when the run cannot work."""
+    """The figures of a dry run (train.dry_run_main measured the shards), the checks that the run
+    fits, and vLLM's verdict on the engine options. Raises ConfigError when the run cannot work."""
     import tempfile
     figures = plan_memory(cfg, mcfg, shards)
-    gib = lambda n: f"{n / GiB:.1f} GiB"
+    def gib(n):
+        return f"{n / GiB:.1f} GiB"
     if figures["total_bytes"] > figures["gpu_bytes"]:
-        raise ConfigError(f"training needs about {gib(figures['total_bytes'])} per GPU, more than the "
-                          f"{cfg['gpu_memory_gib']:g} GiB of one GPU: raise train_world_size, lower microbatch_tokens, "
+        raise ConfigError(f"training needs about {gib(figures['total_bytes'])} per GPU, more than "
+                          f"the {cfg['gpu_memory_gib']:g} GiB of one GPU: raise train_world_size, "
+                          "lower microbatch_tokens, "
                           "turn on activation_checkpointing or cpu_offload_optimizer")
     one_sequence = figures["kv_bytes_per_token"] * cfg["engine_max_model_len"]
     if figures["engine_weight_bytes"] + one_sequence > figures["engine_budget_bytes"]:
-        raise ConfigError(f"a rollout engine cannot hold the model: {gib(figures['engine_weight_bytes'])} of bf16 "
-                          f"weights per GPU plus the KV cache of one {cfg['engine_max_model_len']}-token sequence exceed "
-                          f"engine_memory_fraction x GPU = {gib(figures['engine_budget_bytes'])}: raise "
+        raise ConfigError("a rollout engine cannot hold the model: "
+                          f"{gib(figures['engine_weight_bytes'])} of bf16 "
+                          "weights per GPU plus the KV cache of one "
+                          f"{cfg['engine_max_model_len']}-token sequence exceed "
+                          f"engine_memory_fraction x GPU = {gib(figures['engine_budget_bytes'])}: "
+                          "raise "
                           "tensor_parallel_size or engine_memory_fraction")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its config notes would bury the plan
     try:
@@ -499,31 +590,42 @@ def plan_run(cfg, mcfg, shards):
 
 def print_plan(cfg, p):
     """The dry run's report of plan_run's figures `p`."""
-    gib = lambda n: f"{n / GiB:8.2f} GiB"
-    M = lambda n: f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.1f}M"
+    def gib(n):
+        return f"{n / GiB:8.2f} GiB"
+
+    def M(n):
+        return f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.1f}M"
     W, ep = p["world"], p["ep"]
     ckpt = cfg["activation_checkpointing"]
-    lora_note = (f"LoRA rank {cfg['lora_rank']}: {M(p['params_trainable_local'])} fp32 adapter parameters, frozen "
+    lora_note = (f"LoRA rank {cfg['lora_rank']}: {M(p['params_trainable_local'])} fp32 adapter "
+                 "parameters, frozen "
                  f"base in {cfg['param_dtype']}; " if cfg["lora_rank"] else "fp32, ")
     where = "host memory (cpu_offload_optimizer)" if cfg["cpu_offload_optimizer"] else "GPU"
     lines = [
         f"dry run: {M(p['params_total'])} parameters ({M(p['params_active'])} active), "
-        f"{W} trainer ranks, ep_size {ep} (fake process group; rank 0 shown: FSDP gives it the largest shard)",
-        f"per-GPU memory, training ({cfg['param_dtype']} compute; fp32 master weights, gradients and AdamW state):",
-        f"  parameters        {gib(p['params_bytes'])}  {lora_note}{M(p['params_dense_local'])} dense + "
-        f"{M(p['params_expert_local'])} expert parameters on this rank  [{where}]",
-        f"  gradients         {gib(p['grads_bytes'])}  fp32, sharded like the parameters{' they train' * bool(lora_note)}"
-        f"  [{where}]",
+        f"{W} trainer ranks, ep_size {ep} (fake process group; rank 0 shown: FSDP gives it the "
+        "largest shard)",
+        f"per-GPU memory, training ({cfg['param_dtype']} compute; fp32 master weights, gradients "
+        "and AdamW state):",
+        f"  parameters        {gib(p['params_bytes'])}  {lora_note}{M(p['params_dense_local'])} "
+        f"dense + {M(p['params_expert_local'])} expert parameters on this rank  [{where}]",
+        f"  gradients         {gib(p['grads_bytes'])}  fp32, sharded like the "
+        f"parameters{' they train' * bool(lora_note)}  [{where}]",
         f"  optimizer         {gib(p['optimizer_bytes'])}  AdamW m and v, fp32  [{where}]",
-    ] + ([f"  reference         {gib(p['reference_bytes'])}  kl_coef > 0: frozen copy of the initial weights, "
-          f"{cfg['param_dtype']}, sharded like them  [{where}]"] if p["reference_bytes"] else []) + ([f"  vision tower      {M(p['params_vision_local'])} of the dense parameters on this rank, " + (
+    ] + ([f"  reference         {gib(p['reference_bytes'])}  kl_coef > 0: frozen copy of the "
+          "initial weights, "
+          f"{cfg['param_dtype']}, sharded like them  [{where}]"] if p["reference_bytes"]
+          else []) + ([f"  vision tower      {M(p['params_vision_local'])} of the dense parameters "
+                       "on this rank, " + (
         f"trained: activations below include {p['images']} 448x448 images per microbatch and rank "
         "(every token an image "
-        f"token) at {gib(p['vision_act_bytes_per_image'][ckpt]).strip()} each" if cfg["train_vision"] else
+        f"token) at {gib(p['vision_act_bytes_per_image'][ckpt]).strip()} each"
+        if cfg["train_vision"] else
         "frozen (train_vision=False): no gradients, no AdamW state, no activations kept")]
         if p["params_vision_local"] else []) + [
-        f"  all-gather        {gib(p['gather_bytes'])}  unsharded: root unit ({M(p['root_numel'])}, gathered "
-        f"forward to end of backward, with its gradient) + 2 x largest block ({M(p['block_numel'])} incl. "
+        f"  all-gather        {gib(p['gather_bytes'])}  unsharded: root unit "
+        f"({M(p['root_numel'])}, gathered forward to end of backward, with its gradient) + 2 x "
+        f"largest block ({M(p['block_numel'])} incl. "
         "its experts) + that block's gradient for the reduce-scatter",
         f"  activations       {gib(p['act_bytes_ckpt'])}  with activation checkpointing, "
         f"{p['tokens']:,} tokens per microbatch (max of microbatch_tokens, engine_max_model_len)" +
@@ -543,19 +645,24 @@ def print_plan(cfg, p):
         f"  logprob chunk     {gib(p['logits_bytes'])}  fp32 logits, softmax, gradient of one "
         f"{cfg['logprob_chunk_size']}-token chunk",
         f"  total             {gib(p['total_bytes'])}  of {cfg['gpu_memory_gib']:g} GiB "
-        f"({100 * p['total_bytes'] / p['gpu_bytes']:.0f}%), activation checkpointing {'on' if ckpt else 'off'}; "
-        f"{'off' if ckpt else 'on'}: {gib(p['total_bytes_other_ckpt']).strip()}",
+        f"({100 * p['total_bytes'] / p['gpu_bytes']:.0f}%), activation checkpointing "
+        f"{'on' if ckpt else 'off'}; {'off' if ckpt else 'on'}: "
+        f"{gib(p['total_bytes_other_ckpt']).strip()}",
     ]
     tp = cfg["tensor_parallel_size"]
     lines += [
-        f"GPUs: {W} training + {p['rollout_gpus']} rollout ({cfg['num_engines']} engines x tensor_parallel_size "
-        f"{tp}) = {W + p['rollout_gpus']}",
+        f"GPUs: {W} training + {p['rollout_gpus']} rollout ({cfg['num_engines']} engines x "
+        f"tensor_parallel_size {tp}) = {W + p['rollout_gpus']}",
         f"rollout engine, per GPU: {gib(p['engine_weight_bytes']).strip()} bf16 weights of "
-        f"{gib(p['engine_budget_bytes']).strip()} (engine_memory_fraction {cfg['engine_memory_fraction']:g}); KV cache "
-        f"for {p['kv_tokens']:,} tokens = {p['kv_tokens'] // cfg['engine_max_model_len']:,} full "
-        f"{cfg['engine_max_model_len']}-token sequences per engine" + (f" (MTP drafting, {cfg['speculative_tokens']} tokens: "
-        f"{gib(p['drafter_weight_bytes']).strip()} of the weights are the drafter's; KV includes its attention layers"
-        f"{' and the extra GDN states' if p['linear_layers'] else ''})" if p["drafter_weight_bytes"] else ""),
+        f"{gib(p['engine_budget_bytes']).strip()} (engine_memory_fraction "
+        f"{cfg['engine_memory_fraction']:g}); KV cache for {p['kv_tokens']:,} tokens = "
+        f"{p['kv_tokens'] // cfg['engine_max_model_len']:,} full "
+        f"{cfg['engine_max_model_len']}-token sequences per engine"
+        + (f" (MTP drafting, {cfg['speculative_tokens']} tokens: "
+        f"{gib(p['drafter_weight_bytes']).strip()} of the weights are the drafter's; KV includes "
+        "its attention layers"
+        f"{' and the extra GDN states' if p['linear_layers'] else ''})" if p["drafter_weight_bytes"]
+        else ""),
         f"engine options: {p['engine_check']}",
     ]
     if p["cp"] > 1:
@@ -567,19 +674,24 @@ def print_plan(cfg, p):
                      "unoverlapped (docs/context_parallel.md)")
     if ep > 1 and p["moe_layers"]:
         rows, nbytes, seconds = p["all_to_all"]
-        lines.append(f"expert-parallel all-to-all per rank, MoE layer and microbatch: {nbytes / 1e9:.2f} GB "
-                     f"({rows:.2f} remote rows per token at ep_size {ep}, forward and backward"
-                     f"{', forward again under activation checkpointing' if ckpt else ''}), about {seconds * 1e3:.1f} "
-                     f"ms at {NCCL_GBPS:g} GB/s unoverlapped, x {p['moe_layers']} MoE layers per microbatch")
+        lines.append("expert-parallel all-to-all per rank, MoE layer and microbatch: "
+                     f"{nbytes / 1e9:.2f} GB ({rows:.2f} remote rows per token at ep_size {ep}, "
+                     "forward and "
+                     f"backward{', forward again under activation checkpointing' if ckpt else ''}), about {seconds * 1e3:.1f} "
+                     f"ms at {NCCL_GBPS:g} GB/s unoverlapped, x {p['moe_layers']} MoE layers per "
+                     "microbatch")
     lines += [
         f"weight sync per step: {p['sync_bytes'] / 1e9:.2f} GB ("
         f"{'fp32 LoRA adapters; the engines merge the expert ones' if cfg['lora_rank'] else 'bf16 HF state dict'}), "
-        "received by each engine" + (f"; {p['drafter_sync_bytes'] / 1e9:.2f} GB of it the MTP layers (mtp.*), which "
-                                     "only a drafting engine loads" if p["drafter_sync_bytes"] else ""),
+        "received by each engine"
+        + (f"; {p['drafter_sync_bytes'] / 1e9:.2f} GB of it the MTP layers (mtp.*), which "
+                                     "only a drafting engine loads" if p["drafter_sync_bytes"]
+                                     else ""),
     ]
     if tp > cfg["gpus_per_node"]:
-        lines.append(f"note: an engine's {tp} GPUs must sit on one node (one placement bundle; the run stops at engine "
-                     f"start otherwise): nodes of {cfg['gpus_per_node']} GPUs (gpus_per_node) cannot hold one, and "
+        lines.append(f"note: an engine's {tp} GPUs must sit on one node (one placement bundle; the "
+                     f"run stops at engine start otherwise): nodes of {cfg['gpus_per_node']} GPUs "
+                     "(gpus_per_node) cannot hold one, and "
                      "engines spanning nodes are not supported yet")
     print("\n".join(lines), flush=True)
 

@@ -1,10 +1,11 @@
 """
-The three wire protocols of the capture server: OpenAI chat completions, the OpenAI Responses API and Anthropic
-Messages. Requests become one internal ChatRequest (OpenAI-style messages, as chat templates expect), with a
-RequestError (a 4xx in that protocol's error format) for anything malformed or not honoured; answers and SSE event
-streams are written back in the protocol the client spoke. Image parts (inline base64 only) become ImageBytes in
-the messages; ImageTokens decodes and checks them and expands each one's placeholder to the tokens the model's
-processor counts. Pure functions on JSON (and images); imports nothing of ours.
+The three wire protocols of the capture server: OpenAI chat completions, the OpenAI Responses
+API and Anthropic Messages. Requests become one internal ChatRequest (OpenAI-style messages,
+as chat templates expect), with a RequestError (a 4xx in that protocol's error format) for
+anything malformed or not honoured; answers and SSE event streams are written back in the
+protocol the client spoke. Image parts (inline base64 only) become ImageBytes in the messages;
+ImageTokens decodes and checks them and expands each one's placeholder to the tokens the
+model's processor counts. Pure functions on JSON (and images); imports nothing of ours.
 
     .venv/bin/python -m pytest tests/test_capture_fuzz.py tests/test_frameworks.py -q
 """
@@ -25,8 +26,9 @@ SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def strict_json(raw):
-    """The JSON in `raw`, refusing what JSON over UTF-8 cannot hold and nothing could encode back: invalid UTF-8,
-    lone UTF-16 surrogates, NaN / Infinity, numbers beyond float range. Raises RequestError(400)."""
+    """The JSON in `raw`, refusing what JSON over UTF-8 cannot hold and
+    nothing could encode back: invalid UTF-8, lone UTF-16 surrogates, NaN
+    / Infinity, numbers beyond float range. Raises RequestError(400)."""
     def finite(text):
         value = float(text)
         if not math.isfinite(value):
@@ -37,17 +39,20 @@ def strict_json(raw):
         raise ValueError(f"{name} is not a JSON value")
     try:
         body = json.loads(raw.decode("utf-8"), parse_constant=constant, parse_float=finite)
-        if SURROGATE_ESCAPE.search(raw):  # a \uD8xx escape: paired into one character, or a lone surrogate
+        if SURROGATE_ESCAPE.search(raw):  # a \uD8xx escape: paired into one
+                                          # character, or a lone surrogate
             json.dumps(body, ensure_ascii=False).encode()
         return body
     except UnicodeError as e:
-        raise RequestError(400, f"The request body is not valid UTF-8 text (or holds a lone UTF-16 surrogate): {e}.")
+        raise RequestError(400, "The request body is not valid UTF-8 text (or holds a lone UTF-16 "
+                                f"surrogate): {e}.")
     except (ValueError, RecursionError) as e:
         raise RequestError(400, f"The request body is not valid JSON: {str(e)[:200]}.")
 
 
 # -----------------------------------------------------------------------------
-# request parsing: both protocols become one internal request (OpenAI-style messages, as chat templates expect)
+# request parsing: both protocols become one internal
+# request (OpenAI-style messages, as chat templates expect)
 
 
 class RequestError(Exception):
@@ -64,22 +69,29 @@ def invalid(where, what):
 
 
 class ChatRequest:
-    """One turn asked for in any protocol: OpenAI-style messages, function tools (`strict`: the names of those marked
-    strict, whose calls are sampled under their schema) and sampling; `stream` and `model` read from the body."""
+    """One turn asked for in any protocol: OpenAI-style messages, function tools
+    (`strict`: the names of those marked strict, whose calls are sampled under
+    their schema) and sampling; `stream` and `model` read from the body."""
 
     def __init__(self, protocol, body, messages, tools, strict, sampling):
         self.protocol, self.messages, self.tools, self.strict, self.sampling = protocol, messages, tools, strict, sampling
         self.stream, self.model = field(body, "stream", bool, False), field(body, "model", str, "")
-        self.include_usage, self.parse_tools = True, True  # chat completions: usage only when stream_options asks
-        self.key, self.retry = None, False  # the answer's key (Idempotency-Key or the raw body); whether a client retry
+        # chat completions: usage only when stream_options asks
+        self.include_usage, self.parse_tools = True, True
+        self.key, self.retry = None, False  # the answer's key (Idempotency-Key or
+                                            # the raw body); whether a client retry
         self.body_bytes = 0  # the body's size: a large request renders off the event loop
         self.forced = None  # a forced tool call: "" (any tool) or the tool's name
-        self.opening = ""  # a forced call's opening from the call tag on: the text the tool parser reads first
+        self.opening = ""  # a forced call's opening from the call tag
+                           # on: the text the tool parser reads first
         self.parallel, self.top_logprobs, self.previous_response_id, self.store = True, None, None, True
-        self.instructions = 0  # Responses API: 1 when messages[0] holds this request's `instructions`
-        # the turn starts inside <think> (the server sets it from the prompt); the client asked for no reasoning
+        self.instructions = 0  # Responses API: 1 when messages[0]
+                               # holds this request's `instructions`
+        # the turn starts inside <think> (the server sets it
+        # from the prompt); the client asked for no reasoning
         self.reasoning, self.close_reasoning = False, False
-        self.id, self.created, self.prompt_tokens = uuid.uuid4().hex[:24], int(time.time()), None  # its answer's
+        # its answer's
+        self.id, self.created, self.prompt_tokens = uuid.uuid4().hex[:24], int(time.time()), None
 
 
 TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
@@ -100,20 +112,24 @@ def field(body, key, types, default=None, required=False, where=""):
 
 
 def objects(body, key):
-    """(where, item) for each item of the array body[key] (required), refusing one that is no object."""
+    """(where, item) for each item of the array body[key]
+    (required), refusing one that is no object."""
     for i, item in enumerate(field(body, key, list, required=True)):
         if not isinstance(item, dict):
             raise invalid(f"{key}[{i}]", "must be an object.")
         yield f"{key}[{i}]", item
 
 
-TEXT_PARTS = ("text", "input_text", "output_text")  # chat completions and Anthropic; the Responses API's
-IMAGE_PARTS = ("image_url", "input_image", "image")  # chat completions; the Responses API; Anthropic
+TEXT_PARTS = ("text", "input_text", "output_text")  # chat completions and
+                                                    # Anthropic; the Responses API's
+IMAGE_PARTS = ("image_url", "input_image", "image")  # chat completions; the
+                                                     # Responses API; Anthropic
 
 
 def text_of(content, where, images=False):
-    """A string, or a list of text parts/blocks joined; with images=True image parts/blocks too, and then a content
-    with an image is the list of parts chat templates read ({"type": "text", "text"}, {"type": "image", "image"})."""
+    """A string, or a list of text parts/blocks joined; with images=True image
+    parts/blocks too, and then a content with an image is the list of parts chat
+    templates read ({"type": "text", "text"}, {"type": "image", "image"})."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
@@ -127,26 +143,31 @@ def text_of(content, where, images=False):
             parts.append({"type": "text", "text": part["text"]})
         else:
             allowed = "a text or image part" if images else "a text part {\"type\": \"text\", \"text\": ...}"
-            raise invalid(f"{where}[{i}]", f"must be {allowed}; only {'text and image' if images else 'text'} content "
+            raise invalid(f"{where}[{i}]",
+                          f"must be {allowed}; only {'text and image' if images else 'text'} content "
                                            "is supported here.")
     return joined(parts)
 
 
 def joined(parts):
-    """Content parts as a message's content: their text when all are text (what every template reads), else them."""
+    """Content parts as a message's content: their text when
+    all are text (what every template reads), else them."""
     return parts if any(p["type"] == "image" for p in parts) else "".join(p["text"] for p in parts)
 
 
 class ImageBytes(bytes):
-    """An image file as the client sent it (base64-decoded). Equal to the same bytes from any request: an image is
-    part of its message's identity, where it sat in a request (`where`, for error messages) is not."""
+    """An image file as the client sent it (base64-decoded). Equal to the
+    same bytes from any request: an image is part of its message's identity,
+    where it sat in a request (`where`, for error messages) is not."""
     where = ""
 
 
 def image_of(part, where):
-    """The image of an image part (chat completions' image_url, the Responses API's input_image, an Anthropic image
-    block): inline base64 only, since this server fetches nothing. Decoded and checked when rendered."""
-    if part["type"] == "image":  # Anthropic: {"source": {"type": "base64", "media_type": ..., "data": ...}}
+    """The image of an image part (chat completions' image_url, the Responses
+    API's input_image, an Anthropic image block): inline base64 only, since
+    this server fetches nothing. Decoded and checked when rendered."""
+    if part["type"] == "image":  # Anthropic: {"source": {"type": "base64",
+                                 # "media_type": ..., "data": ...}}
         source = field(part, "source", dict, required=True, where=where + ".")
         if source.get("type") != "base64":
             raise invalid(where + ".source.type", f"is {source.get('type')!r}: this server fetches nothing; send "
@@ -174,8 +195,9 @@ def image_of(part, where):
 
 
 def tool_choice_of(request, kind, name, parallel=True):
-    """Honour a tool choice: "auto", "none" (calls not parsed; the template's call opening is banned), "required" or
-    "function" (`name`): the call is forced, see CaptureServer.call_opening. parallel=False stops after one call."""
+    """Honour a tool choice: "auto", "none" (calls not parsed; the template's call
+    opening is banned), "required" or "function" (`name`): the call is forced, see
+    CaptureServer.call_opening. parallel=False stops after one call."""
     names = {t["function"]["name"] for t in request.tools}
     if kind == "function" and (not isinstance(name, str) or name not in names):
         raise invalid("tool_choice", f"names the tool {name!r}, which is not among `tools`.")
@@ -186,14 +208,16 @@ def tool_choice_of(request, kind, name, parallel=True):
     return request
 
 
-MAX_JSON_WHITESPACE = 1  # consecutive whitespace characters in constrained JSON (a random model loops on them)
-SAFE_NUMBERS = {"integer": 2**53 - 1, "number": 1e15}  # the bounds constrained JSON numbers get where a schema has none
+MAX_JSON_WHITESPACE = 1  # consecutive whitespace characters in
+                         # constrained JSON (a random model loops on them)
+SAFE_NUMBERS = {"integer": 2**53 - 1, "number": 1e15}  # the bounds constrained JSON numbers
+                                                       # get where a schema has none
 
 
 def bounded(schema):
-    """A copy of a JSON schema whose integers and numbers without bounds get them (+-(2**53 - 1), +-1e15: the range
-    JSON readers keep exactly): xgrammar then allows finitely many digits, where a random model writes digits until
-    max_tokens."""
+    """A copy of a JSON schema whose integers and numbers without bounds get them
+    (+-(2**53 - 1), +-1e15: the range JSON readers keep exactly): xgrammar then allows
+    finitely many digits, where a random model writes digits until max_tokens."""
     if isinstance(schema, list):
         return [bounded(s) for s in schema]
     if not isinstance(schema, dict):
@@ -208,21 +232,25 @@ def bounded(schema):
 
 
 def call_grammar(format_name, request):
-    """The structural tag (vLLM structured outputs over xgrammar) that this turn is sampled under, as (JSON, trigger),
-    or None. A forced call's arguments fit its tool's schema (the prompt already holds the call's opening: the grammar
-    takes over from there); under "auto" so do the arguments of a call to a `strict` tool (other tools': any JSON);
-    an answer in a response format fits its schema. `trigger` is the text after which an "auto" turn samples under the
-    grammar (None: from its start). `format_name` is the tool parser's call format (vLLM's `structural_tag_model`:
-    "hermes" for <tool_call> JSON, "qwen_3_coder" for Qwen3.5's XML, ...): the schema constrains the arguments
-    whatever wraps them. JSON whitespace runs are capped (a random model can loop on them: the turn never ends)."""
+    """The structural tag (vLLM structured outputs over xgrammar) that this turn is sampled
+    under, as (JSON, trigger), or None. A forced call's arguments fit its tool's schema (the
+    prompt already holds the call's opening: the grammar takes over from there); under "auto"
+    so do the arguments of a call to a `strict` tool (other tools': any JSON); an answer in a
+    response format fits its schema. `trigger` is the text after which an "auto" turn samples
+    under the grammar (None: from its start). `format_name` is the tool parser's call format
+    (vLLM's `structural_tag_model`: "hermes" for <tool_call> JSON, "qwen_3_coder" for
+    Qwen3.5's XML, ...): the schema constrains the arguments whatever wraps them. JSON
+    whitespace runs are capped (a random model can loop on them: the turn never ends)."""
     structured = request.sampling.get("structured")
-    calls = format_name and request.tools and request.parse_tools and (request.strict or request.forced is not None)
+    calls = format_name and request.tools and request.parse_tools and (
+        request.strict or request.forced is not None)
     if not (calls or structured):
         return None
     from pydantic import BaseModel
     from xgrammar import Grammar, StructuralTag
-    from xgrammar.structural_tag import (ConstStringFormat, JSONSchemaFormat, OrFormat, SequenceFormat, TagFormat,
-                                         TagsWithSeparatorFormat, TriggeredTagsFormat)
+    from xgrammar.structural_tag import (ConstStringFormat, JSONSchemaFormat, OrFormat,
+                                         SequenceFormat, TagFormat, TagsWithSeparatorFormat,
+                                         TriggeredTagsFormat)
     answer = structured and JSONSchemaFormat(json_schema=bounded(structured.get("json", {"type": "object"})),
                                              max_whitespace_cnt=MAX_JSON_WHITESPACE)
     if not calls:
@@ -247,8 +275,10 @@ def call_grammar(format_name, request):
                 n.max_whitespace_cnt = MAX_JSON_WHITESPACE
             if isinstance(n, (TriggeredTagsFormat, TagsWithSeparatorFormat)):
                 n.stop_after_first = not request.parallel
-        return tag.format, found, next(n for n in found if isinstance(n, (TriggeredTagsFormat, TagsWithSeparatorFormat)))
-    def readable(schema):  # one xgrammar cannot compile keeps its object's shape: property names, required ones
+        return tag.format, found, next(
+            n for n in found if isinstance(n, (TriggeredTagsFormat, TagsWithSeparatorFormat)))
+    def readable(schema):  # one xgrammar cannot compile keeps its
+                           # object's shape: property names, required ones
         try:
             Grammar.from_json_schema(json.dumps(schema))
             return schema
@@ -268,8 +298,9 @@ def call_grammar(format_name, request):
                  for n in found if isinstance(n, TagFormat) and isinstance(n.begin, str) and isinstance(n.end, str)
                  and n.begin.startswith(request.opening)]
         if not first:
-            raise RequestError(400, f"The chat template opens a forced call as {request.opening!r}, which no call of the "
-                                    f"tool parser's format ({format_name}) begins with.", "tool_choice")
+            raise RequestError(
+                400, f"The chat template opens a forced call as {request.opening!r}, which no call of the "
+                     f"tool parser's format ({format_name}) begins with.", "tool_choice")
         fmt = first[0] if len(first) == 1 else OrFormat(elements=first)
     elif structured:  # an answer in the response format, or calls
         fmt = OrFormat(elements=[answer, grammar("required")[2]])
@@ -280,7 +311,8 @@ def call_grammar(format_name, request):
 
 
 def structured_of(fmt, where):
-    """A response format (json_schema / json_object / text) as vLLM's structured-output fields, or None."""
+    """A response format (json_schema / json_object /
+    text) as vLLM's structured-output fields, or None."""
     kind = fmt.get("type")
     if kind == "json_schema":
         schema = fmt.get("json_schema", fmt)  # chat completions nest it; the Responses API does not
@@ -296,7 +328,8 @@ def tool_call(call_id, name, arguments):
 
 
 def call_id(protocol, answer_id, index):
-    """A generated call's id, from its answer's: a stream names each call before the answer exists."""
+    """A generated call's id, from its answer's: a
+    stream names each call before the answer exists."""
     return ("toolu_" if protocol == "anthropic" else "call_") + f"{answer_id}_{index}"
 
 
@@ -307,7 +340,8 @@ def sampling_of(server, body, max_tokens, stop, seed, max_temperature):
     if top_p is not None and not 0 < top_p <= 1:
         raise invalid("top_p", f"must be in (0, 1], got {top_p}.")
     if top_p is not None and top_p < 1 and server.importance_correction:
-        raise invalid("top_p", "< 1 is refused: importance correction is on and the trainer's logprobs cover the full "
+        raise invalid("top_p", "< 1 is refused: importance correction is on and the trainer's "
+                               "logprobs cover the full "
                                "vocabulary, not the nucleus.")
     if max_tokens is not None and max_tokens < 1:
         raise invalid("max_tokens", f"must be at least 1, got {max_tokens}.")
@@ -321,7 +355,8 @@ def sampling_of(server, body, max_tokens, stop, seed, max_temperature):
 
 
 def body_fields(body, known):
-    """Refuse a body that is no JSON object, or holds a field this server does not know (it cannot honour it)."""
+    """Refuse a body that is no JSON object, or holds a field
+    this server does not know (it cannot honour it)."""
     if not isinstance(body, dict):
         raise RequestError(400, "The request body must be a JSON object.")
     if unknown := sorted(set(body) - known):
@@ -337,9 +372,10 @@ def top_logprobs_of(body, wanted):
 
 
 def tools_of(body, types=None, refusal="", schema="parameters"):
-    """A request's function tools as chat templates read them, and the names of the `strict` ones. types: the tool
-    `type`s accepted, the function's fields beside it (refusal: the message for another type, {} standing for it);
-    None: chat completions', the function's fields nested under "function". The `schema` field holds the parameters
+    """A request's function tools as chat templates read them, and the names of the
+    `strict` ones. types: the tool `type`s accepted, the function's fields beside it
+    (refusal: the message for another type, {} standing for it); None: chat completions',
+    the function's fields nested under "function". The `schema` field holds the parameters
     (required, unless it is "parameters": then an empty object schema by default)."""
     tools, strict = [], set()
     for i, tool in enumerate(field(body, "tools", list, [])):
@@ -359,8 +395,9 @@ def tools_of(body, types=None, refusal="", schema="parameters"):
 
 
 OPENAI_FIELDS = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens",
-                 "max_completion_tokens", "stop", "seed", "stream", "stream_options", "n", "logprobs", "top_logprobs",
-                 "frequency_penalty", "presence_penalty", "parallel_tool_calls", "response_format", "user", "metadata",
+                 "max_completion_tokens", "stop", "seed", "stream", "stream_options", "n",
+                 "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty",
+                 "parallel_tool_calls", "response_format", "user", "metadata",
                  "store", "service_tier"}  # the last four do not change generation
 OPENAI_MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
 
@@ -379,7 +416,8 @@ def parse_openai(body, server):
             raise invalid(f"{w}.{extra[0]}", "is not supported.")
         role = m.get("role")
         content = text_of(m.get("content"), f"{w}.content", images=role == "user")
-        name = {"name": m["name"]} if field(m, "name", str, where=w + ".") else {}  # for templates that show it
+        # for templates that show it
+        name = {"name": m["name"]} if field(m, "name", str, where=w + ".") else {}
         if role in ("system", "developer", "user"):
             messages.append({"role": "user" if role == "user" else "system", "content": content, **name})
         elif role == "assistant":
@@ -387,7 +425,8 @@ def parse_openai(body, server):
             for j, c in enumerate(calls):
                 wc = f"{w}.tool_calls[{j}]."
                 fn = field(c if isinstance(c, dict) else {}, "function", dict, required=True, where=wc)
-                calls[j] = tool_call(field(c, "id", str, "", where=wc), field(fn, "name", str, required=True, where=wc),
+                calls[j] = tool_call(field(c, "id", str, "", where=wc),
+                                     field(fn, "name", str, required=True, where=wc),
                                      field(fn, "arguments", str, "{}", where=wc))
             reasoning = field(m, "reasoning_content", str, where=w + ".")
             messages.append({"role": "assistant", "content": content, **name,
@@ -402,8 +441,10 @@ def parse_openai(body, server):
         raise invalid("messages", "must not be empty.")
     tools, strict = tools_of(body)
     max_tokens = field(body, "max_completion_tokens", int, field(body, "max_tokens", int))
-    sampling = sampling_of(server, body, max_tokens, field(body, "stop", (str, list)), field(body, "seed", int), 2.0)
-    sampling["structured"] = structured_of(field(body, "response_format", dict, {"type": "text"}), "response_format")
+    sampling = sampling_of(server, body, max_tokens, field(body, "stop", (str, list)),
+                           field(body, "seed", int), 2.0)
+    sampling["structured"] = structured_of(field(body, "response_format", dict, {"type": "text"}),
+                                           "response_format")
     options = field(body, "stream_options", dict, {})
     request = ChatRequest("openai", body, messages, tools, strict, sampling)
     request.top_logprobs, request.include_usage = top_logprobs, bool(options.get("include_usage"))
@@ -412,11 +453,13 @@ def parse_openai(body, server):
 
 
 def openai_choice(choice, nested):
-    """An OpenAI tool_choice as (kind, name); chat completions nest the name under "function", Responses do not."""
+    """An OpenAI tool_choice as (kind, name); chat completions
+    nest the name under "function", Responses do not."""
     if isinstance(choice, dict):
         fn = choice.get("function") if nested == "function" else choice
         if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise invalid("tool_choice", "must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", ...} "
+            raise invalid("tool_choice",
+                          "must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", ...} "
                                          f"naming a function, got {choice!r}.")
         return "function", fn["name"]
     if choice not in ("auto", "none", "required"):
@@ -424,8 +467,9 @@ def openai_choice(choice, nested):
     return choice, None
 
 
-ANTHROPIC_FIELDS = {"model", "messages", "max_tokens", "system", "tools", "tool_choice", "temperature", "top_p", "top_k",
-                    "stop_sequences", "stream", "metadata", "thinking", "service_tier"}
+ANTHROPIC_FIELDS = {"model", "messages", "max_tokens", "system", "tools", "tool_choice",
+                    "temperature", "top_p", "top_k", "stop_sequences", "stream", "metadata",
+                    "thinking", "service_tier"}
 
 
 def parse_anthropic(body, server, counting=False):
@@ -435,7 +479,8 @@ def parse_anthropic(body, server, counting=False):
     config = field(body, "thinking", dict)  # a reasoning model thinks unless it is "disabled"
     thinking = None if config is None else config.get("type")
     if config is not None and thinking not in ("enabled", "adaptive", "disabled"):
-        raise RequestError(400, f"`thinking.type` must be enabled, adaptive or disabled, got {thinking!r}.", "thinking")
+        raise RequestError(400, "`thinking.type` must be enabled, adaptive or disabled, got "
+                                f"{thinking!r}.", "thinking")
     budget = field(config or {}, "budget_tokens", int, required=thinking == "enabled", where="thinking.")
     system = body.get("system")
     messages = [] if system is None else [{"role": "system", "content": text_of(system, "system")}]
@@ -454,7 +499,8 @@ def parse_anthropic(body, server, counting=False):
                 text.append({"type": "text", "text": field(b, "text", str, required=True, where=wb)})
             elif kind == "image" and role == "user":
                 text.append({"type": "image", "image": image_of(b, wb[:-1])})
-            elif kind == "thinking" and role == "assistant":  # our own reasoning, sent back (its signature unread)
+            # our own reasoning, sent back (its signature unread)
+            elif kind == "thinking" and role == "assistant":
                 reasoning.append(field(b, "thinking", str, required=True, where=wb))
             elif kind == "tool_use" and role == "assistant":
                 calls.append(tool_call(field(b, "id", str, required=True, where=wb),
@@ -467,14 +513,16 @@ def parse_anthropic(body, server, counting=False):
                 # an error result reads as one to the model: chat templates have no field for it
                 error = "Error: " if field(b, "is_error", bool, False, where=wb) else ""
                 result = text_of(b.get("content"), wb + "content", images=True)
-                messages.append({"role": "tool", "tool_call_id": field(b, "tool_use_id", str, required=True, where=wb),
+                messages.append({"role": "tool", "tool_call_id": field(b, "tool_use_id", str,
+                                                                       required=True, where=wb),
                                  "content": error + result if isinstance(result, str) else
                                  [{"type": "text", "text": error}] * bool(error) + result})
             else:
                 allowed = "text, thinking and tool_use" if role == "assistant" else "text, image and tool_result"
                 raise invalid(wb + "type", f"{kind!r} is not supported in {role} messages ({allowed} are).")
         if role == "assistant":
-            messages.append({"role": "assistant", "content": joined(text), **({"tool_calls": calls} if calls else {}),
+            messages.append({"role": "assistant", "content": joined(text),
+                             **({"tool_calls": calls} if calls else {}),
                              **({"reasoning_content": "".join(reasoning)} if reasoning else {})})
         elif text or not blocks:
             messages.append({"role": "user", "content": joined(text)})
@@ -489,30 +537,36 @@ def parse_anthropic(body, server, counting=False):
                            "tool_choice")
     sampling = sampling_of(server, body, field(body, "max_tokens", int, required=not counting),
                            field(body, "stop_sequences", list), None, 1.0)
-    if budget is not None and not 1024 <= budget < (sampling["max_tokens"] or budget + 1):  # not enforced: README
+    # not enforced: README
+    if budget is not None and not 1024 <= budget < (sampling["max_tokens"] or budget + 1):
         raise invalid("thinking.budget_tokens", f"must be at least 1024 and less than `max_tokens`, got {budget}.")
     request = ChatRequest("anthropic", body, messages, tools, strict, sampling)
     request.close_reasoning = thinking == "disabled"
     return tool_choice_of(request, kind, choice.get("name"),
                           not field(choice, "disable_parallel_tool_use", bool, False, where="tool_choice."))
 
-RESPONSES_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
-                    "temperature", "top_p", "stream", "previous_response_id", "store", "text", "include", "top_logprobs",
-                    "truncation", "reasoning", "metadata", "user", "service_tier", "prompt_cache_key",
-                    "safety_identifier", "stream_options", "seed"}  # seed: as in chat completions (an extension)
+RESPONSES_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
+                    "max_output_tokens",
+                    "temperature", "top_p", "stream", "previous_response_id", "store", "text",
+                    "include", "top_logprobs", "truncation", "reasoning", "metadata", "user",
+                    "service_tier", "prompt_cache_key",
+                    # seed: as in chat completions (an extension)
+                    "safety_identifier", "stream_options", "seed"}
 RESPONSES_ITEMS = "message, reasoning, function_call, function_call_output"
 
 
 def parse_responses(body, server):
-    """The Responses API: `input` (a string or items), `instructions`, function tools, text.format; the conversation
-    of `previous_response_id` is put in front by CaptureServer.respond."""
+    """The Responses API: `input` (a string or items), `instructions`, function tools, text.format;
+    the conversation of `previous_response_id` is put in front by CaptureServer.respond."""
     body_fields(body, RESPONSES_FIELDS)
-    if field(body, "truncation", str, "disabled") != "disabled" or field(body, "reasoning", dict, {}).get("effort"):
+    if field(body, "truncation", str,
+             "disabled") != "disabled" or field(body, "reasoning", dict, {}).get("effort"):
         raise RequestError(400, "`truncation` and `reasoning` are not supported by this server.", "truncation")
     instructions = field(body, "instructions", str)
     messages = [{"role": "system", "content": instructions}] if instructions else []
     items = field(body, "input", (str, list), required=True)
-    reasoning = ""  # reasoning items' text (ours, sent back): a turn's first item, the next assistant message's
+    reasoning = ""  # reasoning items' text (ours, sent back): a
+                    # turn's first item, the next assistant message's
     for i, item in enumerate([{"role": "user", "content": items}] if isinstance(items, str) else items):
         w = f"input[{i}]."
         item = item if isinstance(item, dict) else {"type": None}
@@ -525,25 +579,30 @@ def parse_responses(body, server):
             continue
         if kind == "message" and item.get("role") in ("system", "developer", "user", "assistant"):
             role = {"developer": "system"}.get(item["role"], item["role"])
-            messages.append({"role": role, "content": text_of(item.get("content"), w + "content", images=role == "user")})
+            messages.append({"role": role, "content": text_of(item.get("content"), w + "content",
+                                                              images=role == "user")})
         elif kind == "function_call":
-            call = tool_call(field(item, "call_id", str, required=True, where=w), field(item, "name", str, required=True,
-                             where=w), field(item, "arguments", str, required=True, where=w))
+            call = tool_call(field(item, "call_id", str, required=True, where=w),
+                             field(item, "name", str, required=True, where=w),
+                             field(item, "arguments", str, required=True, where=w))
             if not (messages and messages[-1]["role"] == "assistant") or reasoning:
-                messages.append({"role": "assistant", "content": ""})  # calls without text before them
+                # calls without text before them
+                messages.append({"role": "assistant", "content": ""})
             messages[-1].setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             output = field(item, "output", (str, list), required=True, where=w)
             messages.append({"role": "tool", "tool_call_id": field(item, "call_id", str, required=True, where=w),
                              "content": text_of(output, w + "output", images=True)})
         else:
-            raise invalid(w + "type", f"{kind!r} is not supported (items: {RESPONSES_ITEMS}; message roles system, "
+            raise invalid(w + "type",
+                          f"{kind!r} is not supported (items: {RESPONSES_ITEMS}; message roles system, "
                                       "developer, user, assistant).")
         if reasoning and messages[-1]["role"] == "assistant":
             messages[-1]["reasoning_content"], reasoning = reasoning, ""
     tools, strict = tools_of(body, ("function",), "must be \"function\" (function tools only).")
     top_logprobs = top_logprobs_of(body, "message.output_text.logprobs" in field(body, "include", list, []))
-    sampling = sampling_of(server, body, field(body, "max_output_tokens", int), None, field(body, "seed", int), 2.0)
+    sampling = sampling_of(server, body, field(body, "max_output_tokens", int), None,
+                           field(body, "seed", int), 2.0)
     sampling["structured"] = structured_of(field(field(body, "text", dict, {}), "format", dict, {"type": "text"},
                                                  where="text."), "text.format")
     request = ChatRequest("responses", body, messages, tools, strict, sampling)
@@ -561,10 +620,11 @@ def parse_responses(body, server):
 
 
 class ImageTokens:
-    """A model's image placeholders: a request's images checked against the limits, each decoded and counted in
-    tokens by the model's processor (its patches after the merge), and the template's one placeholder token per image
-    expanded to that many and back. A model without an image processor takes no images. max_per_prompt: the
-    engine's limit, which the capture server passes (None: no limit, for counting alone)."""
+    """A model's image placeholders: a request's images checked against the limits, each
+    decoded and counted in tokens by the model's processor (its patches after the merge),
+    and the template's one placeholder token per image expanded to that many and back. A
+    model without an image processor takes no images. max_per_prompt: the engine's limit,
+    which the capture server passes (None: no limit, for counting alone)."""
 
     def __init__(self, tokenizer, max_per_prompt=None, max_pixels=4096 * 4096, max_bytes=8 << 20):
         self.processor, self.token_id, self.banned = None, None, {}
@@ -572,17 +632,21 @@ class ImageTokens:
             from transformers import AutoProcessor
             self.processor = AutoProcessor.from_pretrained(tokenizer.name_or_path)
             self.token_id = tokenizer.convert_tokens_to_ids(self.processor.image_token)
-            video = getattr(self.processor, "video_token", None)  # logit biases that keep placeholders unsampled
+            # logit biases that keep placeholders unsampled
+            video = getattr(self.processor, "video_token", None)
             self.banned = {t: -100 for t in (self.token_id, video and tokenizer.convert_tokens_to_ids(video)) if t}
         self.max_per_prompt, self.max_pixels, self.max_bytes = max_per_prompt, max_pixels, max_bytes
-        # the most tokens an image may take: a huge square's, resized to the processor's pixel budget, as vLLM sizes
-        # its encoder cache (a very long image can resize to a little more: the engine would refuse it)
+        # the most tokens an image may take: a huge square's, resized to the
+        # processor's pixel budget, as vLLM sizes its encoder cache (a very
+        # long image can resize to a little more: the engine would refuse it)
         self.max_tokens = self.processor and self.processor._get_num_multimodal_tokens(
             image_sizes=[(1 << 20, 1 << 20)]).num_image_tokens[0]
 
     def check(self, messages):
-        """The images of internal messages, in the order templates render them, within the limits."""
-        images = [p["image"] for m in messages if isinstance(m.get("content"), list) for p in m["content"] if "image" in p]
+        """The images of internal messages, in the order
+        templates render them, within the limits."""
+        images = [p["image"] for m in messages if isinstance(m.get("content"), list)
+                  for p in m["content"] if "image" in p]
         if images and self.processor is None:
             raise RequestError(400, f"`{images[0].where}`: this model takes no images.", images[0].where)
         if self.max_per_prompt is not None and len(images) > self.max_per_prompt:
@@ -592,38 +656,46 @@ class ImageTokens:
         return images
 
     def count(self, image):
-        """How many tokens an image takes; the whole file is decoded (a corrupt one fails here, not in the engine) and
-        the processor's rules are checked on the image vLLM will hand it (EXIF orientation applied, in RGB)."""
+        """How many tokens an image takes; the whole file is decoded (a corrupt
+        one fails here, not in the engine) and the processor's rules are checked
+        on the image vLLM will hand it (EXIF orientation applied, in RGB)."""
         from PIL import Image
         from vllm.multimodal.image import convert_image_mode, normalize_image
         where = image.where
         if len(image) > self.max_bytes:
-            raise RequestError(400, f"`{where}`: the image is {len(image)} bytes, more than {self.max_bytes}.", where)
+            raise RequestError(
+                400, f"`{where}`: the image is {len(image)} bytes, more than {self.max_bytes}.", where)
         try:
             with Image.open(io.BytesIO(image)) as img:
                 w, h = img.size
                 if w * h > self.max_pixels:
-                    raise RequestError(400, f"`{where}`: the image is {w}x{h} pixels, more than {self.max_pixels}.",
-                                       where)
+                    raise RequestError(
+                        400, f"`{where}`: the image is {w}x{h} pixels, more than {self.max_pixels}.",
+                        where)
                 img.load()
-                w, h = convert_image_mode(normalize_image(img), "RGB").size  # a photo turned on its side swaps them
+                # a photo turned on its side swaps them
+                w, h = convert_image_mode(normalize_image(img), "RGB").size
         except RequestError:
             raise
-        except Exception as e:  # PIL raises many kinds (UnidentifiedImageError, OSError, DecompressionBombError...)
+        except Exception as e:  # PIL raises many kinds (UnidentifiedImageError,
+                                # OSError, DecompressionBombError...)
             raise invalid(where, f"is not an image this server can decode: {e}.")
         try:
             n = self.processor._get_num_multimodal_tokens(image_sizes=[(h, w)]).num_image_tokens[0]
-        except ValueError as e:  # the processor's own rules (Qwen-VL: an aspect ratio of at most 200)
-            raise RequestError(400, f"`{where}`: this model's image processor refuses a {w}x{h} image: {e}.", where)
+        except ValueError as e:  # the processor's own rules (Qwen-VL:
+                                 # an aspect ratio of at most 200)
+            raise RequestError(
+                400, f"`{where}`: this model's image processor refuses a {w}x{h} image: {e}.", where)
         if n > self.max_tokens:
-            raise RequestError(400, f"`{where}`: resized by this model's processor, the {w}x{h} image takes {n} tokens, "
-                                    f"more than the {self.max_tokens} of its pixel budget (the engine's limit for one "
-                                    "image); crop or pad it closer to square.", where)
+            raise RequestError(
+                400, f"`{where}`: resized by this model's processor, the {w}x{h} image takes {n} tokens, "
+                     f"more than the {self.max_tokens} of its pixel budget (the engine's limit for one "
+                     "image); crop or pad it closer to square.", where)
         return n
 
     def expand(self, ids, images):
-        """Rendered ids with each image's placeholder token repeated as many times as the image takes tokens, and
-        those counts."""
+        """Rendered ids with each image's placeholder token repeated
+        as many times as the image takes tokens, and those counts."""
         at = [i for i, t in enumerate(ids) if t == self.token_id] if images else []
         if len(at) != len(images):
             raise RequestError(400, f"The chat template rendered {len(at)} image placeholders for {len(images)} "
@@ -634,8 +706,9 @@ class ImageTokens:
         return ids, counts
 
     def collapse(self, ids, counts):
-        """Expanded ids with each image's tokens back to one placeholder, as vLLM takes them: its processor expands
-        them itself (and, given expanded ids, would expand the first token of each image again)."""
+        """Expanded ids with each image's tokens back to one placeholder,
+        as vLLM takes them: its processor expands them itself (and, given
+        expanded ids, would expand the first token of each image again)."""
         out, i = [], 0
         for n in counts:
             j = ids.index(self.token_id, i)
@@ -661,7 +734,8 @@ def error_body(protocol, status, message, param=None):
 
 
 def error_response(protocol, status, message, param=None):
-    # a client stalled mid-body may never finish it: close its connection (uvicorn discards the rest of a 413's)
+    # a client stalled mid-body may never finish it: close
+    # its connection (uvicorn discards the rest of a 413's)
     headers = {"connection": "close"} if status == 408 else None
     return JSONResponse(error_body(protocol, status, message, param), status_code=status, headers=headers)
 
@@ -689,19 +763,22 @@ def openai_completion(result):
     usage = result["prompt_tokens"], result["completion_tokens"]
     return {"id": "chatcmpl-" + result["id"], "object": "chat.completion", "created": result["created"],
             "model": result["model"], "choices": [{"index": 0, "message": message,
-                                                   "logprobs": result["logprobs"] and {"content": result["logprobs"]},
+                                                   "logprobs": result["logprobs"]
+                                                   and {"content": result["logprobs"]},
                                                    "finish_reason": result["finish_reason"]}],
             "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1], "total_tokens": sum(usage)}}
 
 
 def sse(name, data):
-    return (f"event: {name}\n" if name else "") + f"data: {json.dumps(dict(type=name, **data) if name else data)}\n\n"
+    return (f"event: {name}\n" if name
+            else "") + f"data: {json.dumps(dict(type=name, **data) if name else data)}\n\n"
 
 
 def read_calls(parser, previous, text):
-    """A streaming tool parser of vLLM's (a fresh one per turn: it holds the turn's state) reads the turn's text so far
-    (`previous`: the text it read last): the new text before any call opens, and the calls begun, as (name, the
-    arguments as streamed so far), gathered from the parser's deltas (kept on the parser: `calls_read`)."""
+    """A streaming tool parser of vLLM's (a fresh one per turn: it holds the turn's
+    state) reads the turn's text so far (`previous`: the text it read last): the new
+    text before any call opens, and the calls begun, as (name, the arguments as streamed
+    so far), gathered from the parser's deltas (kept on the parser: `calls_read`)."""
     delta = parser.extract_tool_calls_streaming(previous, text, text[len(previous):], [], [], [], None)
     calls = parser.__dict__.setdefault("calls_read", [])
     for d in (delta and delta.tool_calls) or []:
@@ -712,7 +789,8 @@ def read_calls(parser, previous, text):
     return (delta and delta.content) or "", [tuple(c) for c in calls if c[0]]
 
 
-# the call formats: the XML ones (Qwen3.5 / 3.6, Qwen3-Coder) render arguments from mappings; reasoning tags (Qwen)
+# the call formats: the XML ones (Qwen3.5 / 3.6, Qwen3-Coder)
+# render arguments from mappings; reasoning tags (Qwen)
 XML_TOOL_PARSERS = ("qwen3_coder", "qwen3_xml")
 THINK_TAGS = ("<think>", "</think>")
 
@@ -723,28 +801,32 @@ def tool_parser_of(tokenizer):
 
 
 def call_tags(parser):
-    """The texts that open and close a tool call in a vLLM tool parser's format (None where it has none)."""
-    engine = getattr(parser, "_parser_engine", None)  # the grammar-engine parsers (qwen3_coder, ...)
+    """The texts that open and close a tool call in a vLLM
+    tool parser's format (None where it has none)."""
+    engine = getattr(parser, "_parser_engine", None)  # the grammar-engine parsers
+                                                      # (qwen3_coder, ...)
     terminals = engine.parser_engine_config.terminals if engine is not None else {}
     return (getattr(parser, "tool_call_start_token", terminals.get("TOOL_START")),
             getattr(parser, "tool_call_end_token", terminals.get("TOOL_END")))
 
 
 def argument_mapping(call):
-    """A tool call with its JSON arguments as a mapping (for XML templates); arguments that are no JSON object are
-    refused: such a template could not show them."""
+    """A tool call with its JSON arguments as a mapping (for XML templates); arguments
+    that are no JSON object are refused: such a template could not show them."""
     arguments = call["function"]["arguments"]
     if isinstance(arguments, str):
         arguments = json_or(arguments or "{}", None)
         if not isinstance(arguments, dict):
-            raise RequestError(400, f"The arguments of tool call {call.get('id')!r} are not a JSON object, which this "
-                                    "model's call format (XML parameters) cannot show.", "messages")
+            raise RequestError(
+                400, f"The arguments of tool call {call.get('id')!r} are not a JSON object, which this "
+                     "model's call format (XML parameters) cannot show.", "messages")
     return dict(call, function=dict(call["function"], arguments=arguments))
 
 
 def split_reasoning(text, call_start=None):
-    """(reasoning, the rest) of a turn that began inside <think>: the reasoning ends at </think> (the newlines the
-    template trims off it dropped), or where a tool call opens without it (as vLLM's qwen3 parser reads it)."""
+    """(reasoning, the rest) of a turn that began inside <think>: the reasoning
+    ends at </think> (the newlines the template trims off it dropped), or where
+    a tool call opens without it (as vLLM's qwen3 parser reads it)."""
     end, call = text.find(THINK_TAGS[1]), text.find(call_start) if call_start else -1
     if end >= 0 and (call < 0 or end < call):
         return text[:end].strip(), text[end + len(THINK_TAGS[1]):].lstrip("\n")
@@ -761,7 +843,8 @@ def json_or(text, default):
 
 def same_json(a, b):
     """Whether both are JSON, of the same value."""
-    return json_or(a, object()) == json_or(b, object())  # two texts that are no JSON: two objects, never equal
+    return json_or(a, object()) == json_or(b, object())  # two texts that are no JSON:
+                                                         # two objects, never equal
 
 
 def same_message(a, b):
@@ -779,11 +862,12 @@ def same_message(a, b):
 
 
 def stream_deltas(sent, content, calls, reasoning=""):
-    """The stream items that extend what was sent (sent: [text, [[id, name, arguments], ...], reasoning], updated) to
-    `reasoning`, `content` and `calls` ([(id, name, arguments), ...]): ("reasoning", delta), ("text", delta), ("call",
-    index, id, name), ("args", index, delta). Only where they extend it, as a stream cannot take anything back: no
-    reasoning once text or a call began, no text once a call began (an answer's reasoning comes first, then its text,
-    then its calls), arguments only for the latest call (the earlier ones ended)."""
+    """The stream items that extend what was sent (sent: [text, [[id, name, arguments], ...],
+    reasoning], updated) to `reasoning`, `content` and `calls` ([(id, name, arguments), ...]):
+    ("reasoning", delta), ("text", delta), ("call", index, id, name), ("args", index, delta).
+    Only where they extend it, as a stream cannot take anything back: no reasoning once text
+    or a call began, no text once a call began (an answer's reasoning comes first, then its
+    text, then its calls), arguments only for the latest call (the earlier ones ended)."""
     if reasoning and reasoning.startswith(sent[2]) and len(reasoning) > len(sent[2]) and not sent[0] and not sent[1]:
         yield "reasoning", reasoning[len(sent[2]):]
         sent[2] = reasoning
@@ -800,9 +884,10 @@ def stream_deltas(sent, content, calls, reasoning=""):
             yield "args", i, arguments[len(old):]
 
 
-# The event writers read CaptureServer.live's items: ("head", id, created, model, prompt tokens), then text, call and
-# argument deltas (stream_deltas) as the engine samples, then ("done", answer), or ("error", status, message) when
-# the turn failed mid-stream: the protocol's error event ends the stream.
+# The event writers read CaptureServer.live's items: ("head", id, created,
+# model, prompt tokens), then text, call and argument deltas (stream_deltas)
+# as the engine samples, then ("done", answer), or ("error", status, message)
+# when the turn failed mid-stream: the protocol's error event ends the stream.
 
 
 async def openai_events(items, request):
@@ -811,16 +896,20 @@ async def openai_events(items, request):
         if kind in ("done", "error"):
             break
         if kind == "head":
-            base = {"id": "chatcmpl-" + item[1], "object": "chat.completion.chunk", "created": item[2], "model": item[3]}
-        delta = {"role": "assistant", "content": ""} if kind == "head" else {"content": item[1]} if kind == "text" else {
+            base = {"id": "chatcmpl-" + item[1], "object": "chat.completion.chunk",
+                    "created": item[2], "model": item[3]}
+        delta = {"role": "assistant",
+                 "content": ""} if kind == "head" else {"content": item[1]} if kind == "text" else {
             "reasoning_content": item[1]} if kind == "reasoning" else {
             "tool_calls": [dict(tool_call(item[2], item[3], ""), index=item[1]) if kind == "call" else
                            {"index": item[1], "function": {"arguments": item[2]}}]}
         yield sse(None, {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
-    if kind == "error":  # as vLLM's OpenAI server does: an error chunk (the SDKs raise it), then the end
+    if kind == "error":  # as vLLM's OpenAI server does: an error
+                         # chunk (the SDKs raise it), then the end
         yield sse(None, error_body("openai", item[1], item[2])) + "data: [DONE]\n\n"
         return
-    answer = openai_completion(item[1])  # the last chunk: its choice's finish reason and logprobs, then its usage
+    answer = openai_completion(item[1])  # the last chunk: its choice's finish
+                                         # reason and logprobs, then its usage
     finish = {k: answer["choices"][0][k] for k in ("finish_reason", "logprobs")}
     yield sse(None, {**base, "choices": [{"index": 0, "delta": {}, **finish}]})
     if request.include_usage:
@@ -831,7 +920,8 @@ async def openai_events(items, request):
 def anthropic_message(result):
     m = result["message"]
     # no signature: nothing here signs reasoning; a thinking block sent back is read by its text
-    content = [{"type": "thinking", "thinking": m["reasoning_content"], "signature": ""}] if m.get("reasoning_content") \
+    content = [{"type": "thinking", "thinking": m["reasoning_content"], "signature": ""}] if m.get(
+        "reasoning_content") \
         else []
     content += [{"type": "text", "text": m["content"]}] if m["content"] else []
     content += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
@@ -852,17 +942,20 @@ async def anthropic_events(items, request=None):
         if kind == "head":
             yield sse("message_start", {"message": {
                 "id": "msg_" + item[1], "type": "message", "role": "assistant", "model": item[3], "content": [],
-                "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": item[4], "output_tokens": 0}}})
+                "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": item[4], "output_tokens": 0}}})
             continue
-        if kind == "call" or block is None or (block == "reasoning" and kind == "text"):  # a block begins (a
+        # a block begins (a
+        if kind == "call" or block is None or (block == "reasoning" and kind == "text"):
             index, block = index + 1, kind  # tool_use block per call): the open one ends
             start = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "",
-                     "signature": ""} if kind == "reasoning" else {"type": "tool_use", "id": item[2], "name": item[3],
-                                                                   "input": {}}
+                     "signature": ""} if kind == "reasoning" else {"type": "tool_use",
+                                                                   "id": item[2], "name": item[3], "input": {}}
             yield (sse("content_block_stop", {"index": index - 1}) if index else "") + sse(
                 "content_block_start", {"index": index, "content_block": start})
         if kind != "call":
-            delta = {"type": "text_delta", "text": item[1]} if kind == "text" else {"type": "thinking_delta", "thinking":
+            delta = {"type": "text_delta",
+                     "text": item[1]} if kind == "text" else {"type": "thinking_delta", "thinking":
                      item[1]} if kind == "reasoning" else {"type": "input_json_delta", "partial_json": item[2]}
             yield sse("content_block_delta", {"index": index, "delta": delta})
     if kind == "error":
@@ -886,8 +979,8 @@ def reasoning_item(answer_id, text):
 
 
 def call_item(call):
-    return {"type": "function_call", "id": "fc_" + call["id"], "call_id": call["id"], "name": call["function"]["name"],
-            "arguments": call["function"]["arguments"], "status": "completed"}
+    return {"type": "function_call", "id": "fc_" + call["id"], "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
 
 
 def responses_object(result):
@@ -898,18 +991,21 @@ def responses_object(result):
     output += [call_item(c) for c in m.get("tool_calls", [])]
     cut = result["finish_reason"] == "length"
     usage = result["prompt_tokens"], result["completion_tokens"]
-    return {"id": "resp_" + result["id"], "object": "response", "created_at": result["created"], "model": result["model"],
-            "status": "incomplete" if cut else "completed", "incomplete_details": {"reason": "max_output_tokens"}
+    return {"id": "resp_" + result["id"], "object": "response", "created_at": result["created"],
+            "model": result["model"], "status": "incomplete" if cut else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"}
             if cut else None, "error": None, "output": output, "parallel_tool_calls": True, "tool_choice": "auto",
             "tools": [], "usage": {"input_tokens": usage[0], "input_tokens_details": {"cached_tokens": 0},
-                                   "output_tokens": usage[1], "output_tokens_details": {"reasoning_tokens": result.get("reasoning_tokens", 0)},
+                                   "output_tokens": usage[1], "output_tokens_details": {
+                                       "reasoning_tokens": result.get("reasoning_tokens", 0)},
                                    "total_tokens": sum(usage)}}
 
 
 async def responses_events(items, request=None):
-    """The Responses API's typed events, each with its sequence number: an output item per message and per call,
-    each closed when the next one begins."""
-    number, output = itertools.count(), []  # the output items begun, holding what was streamed into them
+    """The Responses API's typed events, each with its sequence number: an output
+    item per message and per call, each closed when the next one begins."""
+    number, output = itertools.count(), []  # the output items begun, holding
+                                            # what was streamed into them
 
     def event(kind, **data):
         return sse(kind, {"sequence_number": next(number), **data})
@@ -926,13 +1022,15 @@ async def responses_events(items, request=None):
     def close(i):
         out, at = output[i], {"output_index": i, "item_id": output[i]["id"]}
         if out["type"] == "function_call":
-            done = event("response.function_call_arguments.done", **at, arguments=out["arguments"], name=out["name"])
+            done = event("response.function_call_arguments.done", **at, arguments=out["arguments"],
+                         name=out["name"])
         elif out["type"] == "reasoning":
             done = event("response.reasoning_text.done", **at, content_index=0, text=out["content"][0]["text"])
         else:
             part = out["content"][0]
             done = event("response.output_text.done", **at, content_index=0, text=part["text"],
-                         logprobs=part["logprobs"]) + event("response.content_part.done", **at, content_index=0, part=part)
+                         logprobs=part["logprobs"]) + event("response.content_part.done", **at,
+                                                            content_index=0, part=part)
         return done + event("response.output_item.done", output_index=i, item=out)
     async for item in items:
         kind = item[0]
@@ -941,12 +1039,15 @@ async def responses_events(items, request=None):
         if kind == "head":
             answer_id = item[1]
             head = {"id": "resp_" + item[1], "object": "response", "created_at": item[2], "model": item[3],
-                    "status": "in_progress", "output": [], "error": None, "incomplete_details": None, "usage": None,
-                    "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
+                    "status": "in_progress", "output": [], "error": None,
+                    "incomplete_details": None, "usage": None, "parallel_tool_calls": True,
+                    "tool_choice": "auto", "tools": []}
             yield event("response.created", response=head) + event("response.in_progress", response=head)
             continue
-        if kind == "call" or not output or (kind == "text" and output[-1]["type"] == "reasoning"):  # reasoning first,
-            yield (close(len(output) - 1) if output else "") + add(  # then text (the message), then the calls
+        # reasoning first,
+        if kind == "call" or not output or (kind == "text" and output[-1]["type"] == "reasoning"):
+            # then text (the message), then the calls
+            yield (close(len(output) - 1) if output else "") + add(
                 message_item(answer_id, "", []) if kind == "text" else reasoning_item(answer_id, "") if
                 kind == "reasoning" else call_item(tool_call(item[2], item[3], "")))
         at = {"output_index": len(output) - 1, "item_id": output[-1]["id"]}
@@ -969,7 +1070,8 @@ async def responses_events(items, request=None):
         if out["id"] in streamed:
             output[streamed.index(out["id"])] = out
     yield close(len(output) - 1) if output else ""
-    for out in response["output"]:  # not streamed: an empty answer's message (or a malformed call's text)
+    for out in response["output"]:  # not streamed: an empty answer's
+                                    # message (or a malformed call's text)
         if out["id"] not in streamed:
             yield add(out) + close(len(output) - 1)
     yield event(f"response.{response['status']}", response=response)

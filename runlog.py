@@ -1,23 +1,26 @@
 """
-The run's log, on rank 0: a row per step in out_dir/metrics.jsonl (and the same numbers as TensorBoard scalars with
-tensorboard_dir, to Weights & Biases with wandb_project), and out_dir/curves.png, a grid of the curves people look at
-first.
+The run's log, on rank 0: a row per step in out_dir/metrics.jsonl (and the same
+numbers as TensorBoard scalars with tensorboard_dir, to Weights & Biases with
+wandb_project), and out_dir/curves.png, a grid of the curves people look at first.
 """
 import json
 import os
 
 
 def log_step(out_dir, row, writer=None):
-    """A row of out_dir/metrics.jsonl; its numbers to the writer too (scalar_writer's: TensorBoard, W&B) at its step."""
+    """A row of out_dir/metrics.jsonl; its numbers to the writer
+    too (scalar_writer's: TensorBoard, W&B) at its step."""
     with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
     if writer:
-        writer.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+        writer.log({k: v for k, v in row.items() if isinstance(v, (int, float))
+                    and not isinstance(v, bool)
                     and k != "step"}, row["step"])
 
 
 def info_means(records):
-    """{"info/KEY": mean over attempts} of the numbers agents returned in Result.info (an attempt counts once)."""
+    """{"info/KEY": mean over attempts} of the numbers agents
+    returned in Result.info (an attempt counts once)."""
     per_attempt = {r["attempt_id"]: r.get("info") or {} for r in records}
     keys = sorted({k for info in per_attempt.values() for k in info})
     return {f"info/{k}": sum(info[k] for info in per_attempt.values() if k in info) /
@@ -25,13 +28,15 @@ def info_means(records):
 
 
 class ScalarWriter:
-    """Rank 0's copies of the logged numbers: TensorBoard scalars (tensorboard_dir) and a Weights & Biases run
-    (wandb_project; its files under out_dir/wandb, the resolved config logged once, at the start)."""
+    """Rank 0's copies of the logged numbers: TensorBoard scalars
+    (tensorboard_dir) and a Weights & Biases run (wandb_project; its files
+    under out_dir/wandb, the resolved config logged once, at the start)."""
 
     def __init__(self, cfg):
         self.tensorboard = self.wandb = None
         if cfg["tensorboard_dir"]:
-            from torch.utils.tensorboard import SummaryWriter  # the tensorboard package: plan.check_config asks for it
+            # the tensorboard package: plan.check_config asks for it
+            from torch.utils.tensorboard import SummaryWriter
             self.tensorboard = SummaryWriter(cfg["tensorboard_dir"])
         if cfg["wandb_project"]:
             import wandb  # optional, as plan.check_config says; WANDB_MODE=offline needs no network
@@ -53,27 +58,31 @@ def scalar_writer(cfg, rank):
         return ScalarWriter(cfg)
 
 
-PANELS = {"reward_mean": "train reward", "eval/success": "held-out success (eval)", "mismatch_kl": "engine/trainer KL",
-          "response_tokens": "generated tokens per attempt", "tokens_per_s": "generated tokens/s", "loss": "loss",
-          "entropy": "entropy (entropy_coef > 0)", "kl_ref": "KL to the reference (kl_coef > 0)"}
+PANELS = {"reward_mean": "train reward", "eval/success": "held-out success (eval)",
+          "mismatch_kl": "engine/trainer KL",
+          "response_tokens": "generated tokens per attempt", "tokens_per_s": "generated tokens/s",
+          "loss": "loss", "entropy": "entropy (entropy_coef > 0)",
+          "kl_ref": "KL to the reference (kl_coef > 0)"}
 
 
 OVERLAYS = {"eval/success": "eval/success_blank"}  # drawn in the same panel when the log has it
 
 
 def plot_metrics(out_dir):
-    """out_dir/curves.png from metrics.jsonl (all steps, including those before a resume): a grid of the PANELS
-    that the log has."""
+    """out_dir/curves.png from metrics.jsonl (all steps, including
+    those before a resume): a grid of the PANELS that the log has."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    panels = [(key, title) for key, title in PANELS.items() if any(r.get(key) is not None for r in rows)]
+    panels = [(key, title) for key, title in PANELS.items()
+              if any(r.get(key) is not None for r in rows)]
     n = max(2, -(-len(panels) // 3))  # rows of three panels
     fig, axes = plt.subplots(n, 3, figsize=(12, 2.8 * n))
     for ax, (key, title) in zip(axes.flat, panels):
-        for line in (key, OVERLAYS.get(key)):  # eval/success_blank beside eval/success: the image ablation
+        for line in (key, OVERLAYS.get(key)):  # eval/success_blank beside
+                                               # eval/success: the image ablation
             if points := [(r["step"], r[line]) for r in rows if line and r.get(line) is not None]:
                 ax.plot(*zip(*points), marker=".", label=line)
         if any(r.get(OVERLAYS.get(key, "")) is not None for r in rows):

@@ -1,45 +1,49 @@
 """
-Trainer -> engine weight transfer: pause the engines (in-flight requests kept), broadcast the new weights in
-buckets, load them in every engine worker, bump the weight version, resume.
+Trainer -> engine weight transfer: pause the engines (in-flight requests kept), broadcast the
+new weights in buckets, load them in every engine worker, bump the weight version, resume.
 
     .venv/bin/python -m pytest tests/test_weights_sync.py -q         # real vLLM engine + real gloo ranks (CPU)
     torchrun --nproc_per_node=2 bench.py sync                        # bucketed vs raw NCCL broadcast (2 GPUs)
 
-One process group joins the trainer's sender (rank 0 of the trainer, group rank 0) and every worker of every
-engine (group ranks 1..N; tensor-parallel workers each receive the full tensors and load their own shard).
-NCCL on GPU, gloo on CPU. The trainer side needs torch alone; vLLM is only imported inside engine workers.
+One process group joins the trainer's sender (rank 0 of the trainer, group rank 0)
+and every worker of every engine (group ranks 1..N; tensor-parallel workers each
+receive the full tensors and load their own shard). NCCL on GPU, gloo on CPU. The
+trainer side needs torch alone; vLLM is only imported inside engine workers.
 
     sender = WeightSender(bucket_bytes=512 << 20)                    # every trainer rank
     await connect_engines(engines, sender)                           # rank 0; again after an engine restart
     await sync_weights(engines, sender, model, policy_version)       # every trainer rank (engines=None off rank 0)
 
-How the weights travel. Every trainer rank walks the parameters in the same order. A parameter sharded by
-FSDP2 (a DTensor) is gathered to the sender only (a `gather`, not an all-gather: no rank but the sender ever
-holds a full tensor). Under expert parallelism each EP rank holds a different block of experts: the block is
-first gathered within its owner's FSDP group to the owner rank that shares rank 0's EP group, then those owners
-gather their blocks to rank 0 over the EP group. The sender casts to the engine dtype, packs tensors into
-flat byte buckets (stacked experts are split into HF's per-expert names, `model.ours_to_hf`), and broadcasts
-bucket k while it packs bucket k+1 (two buffers). Workers receive bucket k+1 while they load bucket k.
+How the weights travel. Every trainer rank walks the parameters in the same order. A parameter
+sharded by FSDP2 (a DTensor) is gathered to the sender only (a `gather`, not an all-gather: no
+rank but the sender ever holds a full tensor). Under expert parallelism each EP rank holds a
+different block of experts: the block is first gathered within its owner's FSDP group to the
+owner rank that shares rank 0's EP group, then those owners gather their blocks to rank 0 over
+the EP group. The sender casts to the engine dtype, packs tensors into flat byte buckets (stacked
+experts are split into HF's per-expert names, `model.ours_to_hf`), and broadcasts bucket k while
+it packs bucket k+1 (two buffers). Workers receive bucket k+1 while they load bucket k.
 
-A LoRA run (`WeightSender(adapter=lora.sync_config(cfg))`) sends its adapters alone, fp32, in PEFT names, through
-the same gathers and buckets; the workers' `receive_adapter` serves them with vLLM's LoRA support (attention and
-dense MLPs) and merges the routed-expert ones into the expert weights.
+A LoRA run (`WeightSender(adapter=lora.sync_config(cfg))`) sends its adapters alone, fp32, in PEFT
+names, through the same gathers and buckets; the workers' `receive_adapter` serves them with vLLM's
+LoRA support (attention and dense MLPs) and merges the routed-expert ones into the expert weights.
 
-The worker extension (`WeightSyncWorker`, the engine end of the transfer) is named by engine.Engine; the other
-classes vLLM's processes load by name live in engine.py.
+The worker extension (`WeightSyncWorker`, the engine end of the transfer) is named
+by engine.Engine; the other classes vLLM's processes load by name live in engine.py.
 
-Why not vLLM's weight-transfer engine API (`weight_transfer_config`, `WeightTransferEngineFactory`,
-`init_weight_transfer_engine` -> `start_weight_update` -> `update_weights` -> `finish_weight_update`)? Its
-worker half is `initialize_layerwise_reload` -> `model.load_weights` -> `finalize_layerwise_reload`, which is
-exactly what the worker's own `reload_weights(weights_iterator=..., is_checkpoint_format=True)` runs, so we
-call that with a streaming iterator over the received buckets: one rpc per sync, one code path on CPU and GPU
-(the layerwise reload re-runs vLLM's weight processing, so CPU's repacked Linears and GPU's fused/quantized
-layers all update; a bare `model.load_weights` silently misses repacked layers on CPU). Taking the factory
-route would add an engine argument every engine must be started with, a registry entry that has to exist in
-the worker process before the model loads, a trainer-side import of vLLM (our GPU trainer image has none), and
-its trainer half (`WeightSource`) materializes every parameter with `full_tensor()` on every rank and knows
-nothing of EP owners or stacked experts, which is the part that matters at scale. The version bump is the
-same call the factory's `finish_weight_update(weight_version=...)` makes (`update_weight_version`).
+Why not vLLM's weight-transfer engine API (`weight_transfer_config`,
+`WeightTransferEngineFactory`, `init_weight_transfer_engine` -> `start_weight_update` ->
+`update_weights` -> `finish_weight_update`)? Its worker half is `initialize_layerwise_reload` ->
+`model.load_weights` -> `finalize_layerwise_reload`, which is exactly what the worker's own
+`reload_weights(weights_iterator=..., is_checkpoint_format=True)` runs, so we call that with a
+streaming iterator over the received buckets: one rpc per sync, one code path on CPU and GPU (the
+layerwise reload re-runs vLLM's weight processing, so CPU's repacked Linears and GPU's
+fused/quantized layers all update; a bare `model.load_weights` silently misses repacked layers on
+CPU). Taking the factory route would add an engine argument every engine must be started with, a
+registry entry that has to exist in the worker process before the model loads, a trainer-side
+import of vLLM (our GPU trainer image has none), and its trainer half (`WeightSource`)
+materializes every parameter with `full_tensor()` on every rank and knows nothing of EP owners or
+stacked experts, which is the part that matters at scale. The version bump is the same call the
+factory's `finish_weight_update(weight_version=...)` makes (`update_weight_version`).
 """
 import asyncio
 import contextlib
@@ -64,18 +68,20 @@ ALIGN = 256  # byte alignment of each tensor in a bucket: keeps copies and NCCL 
 
 def stateless_process_group(host, port, rank, world_size, backend, timeout_s=600.0):
     """A process group outside torch's global state, the construction of vLLM's
-    `stateless_init_torch_distributed_process_group` in torch alone, so that the trainer needs no vLLM and both
-    ends run one function. Rank 0 hosts the rendezvous store at host:port; every rank blocks here until all
-    world_size have joined. Collectives are called on the group object (`pg.broadcast(t, root)`), group ranks."""
+    `stateless_init_torch_distributed_process_group` in torch alone, so that the trainer
+    needs no vLLM and both ends run one function. Rank 0 hosts the rendezvous store at
+    host:port; every rank blocks here until all world_size have joined. Collectives are
+    called on the group object (`pg.broadcast(t, root)`), group ranks."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"weight sync backend must be 'gloo' or 'nccl', got {backend!r}")
     from torch.distributed import PrefixStore, ProcessGroup, TCPStore
     timeout = timedelta(seconds=timeout_s)
-    # a TCPStore of our own, not torch.distributed.rendezvous: under torchrun that one only ever connects to the
-    # launcher's store (TORCHELASTIC_USE_AGENT_STORE) and never serves ours
+    # a TCPStore of our own, not torch.distributed.rendezvous: under torchrun that one only ever
+    # connects to the launcher's store (TORCHELASTIC_USE_AGENT_STORE) and never serves ours
     store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
     # prefixed: our keys never collide with another user of the store
-    prefix_store = PrefixStore(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}", store)
+    prefix_store = PrefixStore(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}",
+                               store)
     pg = ProcessGroup(prefix_store, rank, world_size)
     if backend == "gloo":
         from torch.distributed import ProcessGroupGloo
@@ -85,8 +91,8 @@ def stateless_process_group(host, port, rank, world_size, backend, timeout_s=600
         from torch.distributed import ProcessGroupNCCL
         options = ProcessGroupNCCL.Options()
         options._timeout = timeout
-        # NCCL's kernels on a high-priority stream: the bucket packing and loading copies running beside them
-        # would otherwise take the SMs that the broadcast waits for
+        # NCCL's kernels on a high-priority stream: the bucket packing and loading copies
+        # running beside them would otherwise take the SMs that the broadcast waits for
         options.is_high_priority_stream = True
         impl = ProcessGroupNCCL(prefix_store, rank, world_size, options)
         backend_type, device = ProcessGroup.BackendType.NCCL, torch.device("cuda")
@@ -126,14 +132,15 @@ def free_port(host="127.0.0.1"):
 
 
 def bucket_layout(model, bucket_bytes, dtype=torch.bfloat16, adapters_only=False):
-    """Lay the model's weights, in HF names, into flat byte buckets of at most `bucket_bytes` (a tensor larger
-    than that gets a bucket of its own). Stacked experts are split at expert boundaries. adapters_only: the LoRA
-    adapters alone, in PEFT names (lora.peft_names), the frozen base stays where it is.
+    """Lay the model's weights, in HF names, into flat byte buckets of at most
+    `bucket_bytes` (a tensor larger than that gets a bucket of its own). Stacked
+    experts are split at expert boundaries. adapters_only: the LoRA adapters
+    alone, in PEFT names (lora.peft_names), the frozen base stays where it is.
 
-    Returns (buckets, pieces). `buckets` is what the engines get: [{"nbytes": int, "tensors": [[hf_name,
-    dtype_name, shape, byte_offset], ...]}, ...] (plain lists: it travels as an rpc argument). `pieces` is what
-    the sender packs: per bucket, [(param_name, expert_start, expert_stop, byte_offset)], expert_* None for
-    tensors that are not stacked experts.
+    Returns (buckets, pieces). `buckets` is what the engines get: [{"nbytes": int, "tensors":
+    [[hf_name, dtype_name, shape, byte_offset], ...]}, ...] (plain lists: it travels as an
+    rpc argument). `pieces` is what the sender packs: per bucket, [(param_name, expert_start,
+    expert_stop, byte_offset)], expert_* None for tensors that are not stacked experts.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -143,7 +150,8 @@ def bucket_layout(model, bucket_bytes, dtype=torch.bfloat16, adapters_only=False
     def room():  # bytes left in the last bucket after its next aligned offset
         return bucket_bytes - align(buckets[-1]["nbytes"]) if buckets else 0
 
-    def place(nbytes):  # byte offset for nbytes, opening a new bucket when they do not fit in the last one
+    def place(nbytes):  # byte offset for nbytes, opening a new
+                        # bucket when they do not fit in the last one
         if not buckets or (nbytes > room() and buckets[-1]["nbytes"] > 0):
             buckets.append({"nbytes": 0, "tensors": []})
             pieces.append([])
@@ -166,12 +174,14 @@ def bucket_layout(model, bucket_bytes, dtype=torch.bfloat16, adapters_only=False
             continue
         names, expert_bytes = list(hf), math.prod(shape[1:]) * elsize
         e = 0
-        while e < shape[0]:  # as many experts as fit in the last bucket, or else in a new one (at least one)
+        while e < shape[0]:  # as many experts as fit in the last bucket,
+                             # or else in a new one (at least one)
             fit = max(0, room()) // expert_bytes or max(1, bucket_bytes // expert_bytes)
             n = min(shape[0] - e, fit)
             offset = place(n * expert_bytes)
             for i in range(n):
-                buckets[-1]["tensors"].append([names[e + i], dtype_name, list(shape[1:]), offset + i * expert_bytes])
+                buckets[-1]["tensors"].append(
+                    [names[e + i], dtype_name, list(shape[1:]), offset + i * expert_bytes])
             pieces[-1].append((name, e, e + n, offset))
             e += n
     return buckets, pieces
@@ -182,8 +192,8 @@ def align(nbytes):
 
 
 def global_shape(model, name, p):
-    """The full shape of parameter `name` (p: it, its gradient or its Adam state): a DTensor's global shape; stacked
-    experts count all experts, not the E/ep this rank's EP shard holds."""
+    """The full shape of parameter `name` (p: it, its gradient or its Adam state): a DTensor's
+    global shape; stacked experts count all experts, not the E/ep this rank's EP shard holds."""
     shape = list(p.shape)
     if is_stacked_experts(name):
         shape[0] = model.get_submodule(name.rsplit(".", 1)[0]).num_experts
@@ -198,27 +208,31 @@ def rank():
 
 
 def gather_to(p, dst, dtype, device):
-    """The full tensor of `p` (cast to dtype, on device) on global rank dst, None on every other rank. A DTensor
-    sharded on one mesh dimension (FSDP2, or HSDP with replicas) is gathered over that dimension's group, padded
-    to equal chunks (FSDP2 shards with torch.chunk: the last shards may be short or empty). Costs one `gather`;
-    only dst allocates the full tensor."""
+    """The full tensor of `p` (cast to dtype, on device) on global rank dst, None on every other
+    rank. A DTensor sharded on one mesh dimension (FSDP2, or HSDP with replicas) is gathered
+    over that dimension's group, padded to equal chunks (FSDP2 shards with torch.chunk: the last
+    shards may be short or empty). Costs one `gather`; only dst allocates the full tensor."""
     placements = p.placements if isinstance(p, DTensor) else ()
     sharded = [(i, pl.dim) for i, pl in enumerate(placements) if pl.is_shard()]
     if len(sharded) > 1 or any(not (pl.is_shard() or pl.is_replicate()) for pl in placements):
-        raise ValueError(f"cannot gather a DTensor with placements {p.placements}: weight sync supports one "
+        raise ValueError(f"cannot gather a DTensor with placements {p.placements}: weight sync "
+                         "supports one "
                          "sharded mesh dimension (FSDP2 or HSDP)")
     if not sharded:  # a plain tensor, or a replicated DTensor
-        return (p.to_local() if placements else p).detach().to(device=device, dtype=dtype) if rank() == dst else None
+        return (p.to_local() if placements
+                else p).detach().to(device=device, dtype=dtype) if rank() == dst else None
     mesh_dim, dim = sharded[0]
     group = p.device_mesh.get_group(mesh_dim)
     ranks = dist.get_process_group_ranks(group)
     if dst not in ranks:  # another replica's shard group: dst gathers from its own
         return None
-    local = p.to_local().detach().to(device=device, dtype=dtype)  # a copy: the sharded params may be offloaded
+    # a copy: the sharded params may be offloaded
+    local = p.to_local().detach().to(device=device, dtype=dtype)
     n, world = p.shape[dim], len(ranks)
     chunk = -(-n // world)
     if local.shape[dim] < chunk:  # zeros after a short (or empty) shard, on dim `dim`
-        local = torch.nn.functional.pad(local, (0, 0) * (local.dim() - 1 - dim) + (0, chunk - local.shape[dim]))
+        local = torch.nn.functional.pad(local, (0, 0) * (local.dim() - 1 - dim)
+                                        + (0, chunk - local.shape[dim]))
     if rank() != dst:
         dist.gather(local.contiguous(), None, dst=dst, group=group)
         return None
@@ -234,12 +248,14 @@ def gather_to(p, dst, dtype, device):
 
 @torch.no_grad()
 def gather(model, name, t, dtype=None, device=None):
-    """The whole of parameter `name` of the (sharded) model, or of t (its gradient or Adam state: its layout), on
-    rank 0, cast to dtype (None: as it is) on device; None on every other rank. Every rank calls it. Stacked experts
-    under expert parallelism: each EP rank's FSDP group gathers its block of experts to its member in rank 0's EP
-    group (the ranks 0..ep-1: train.build_meshes), which then gather their blocks to rank 0 in expert order (EP rank
-    i holds the experts [i*E/ep, (i+1)*E/ep): Experts.first_expert)."""
-    device = device if device is not None else (t.device_mesh.device_type if isinstance(t, DTensor) else t.device)
+    """The whole of parameter `name` of the (sharded) model, or of t (its gradient or Adam
+    state: its layout), on rank 0, cast to dtype (None: as it is) on device; None on every
+    other rank. Every rank calls it. Stacked experts under expert parallelism: each EP
+    rank's FSDP group gathers its block of experts to its member in rank 0's EP group (the
+    ranks 0..ep-1: train.build_meshes), which then gather their blocks to rank 0 in expert
+    order (EP rank i holds the experts [i*E/ep, (i+1)*E/ep): Experts.first_expert)."""
+    device = device if device is not None else (t.device_mesh.device_type if isinstance(t, DTensor)
+                                                else t.device)
     experts = model.get_submodule(name.rsplit(".", 1)[0]) if is_stacked_experts(name) else None
     ep = experts.expert_parallel if experts is not None else None  # its process group, or None
     if ep is None:
@@ -257,15 +273,17 @@ def gather(model, name, t, dtype=None, device=None):
 
 
 class WeightSender:
-    """Sends the trainer's weights to the engines. Construct it on every trainer rank; rank 0 is the sender and
-    joins the engine group (`connect_engines`), the others only take part in the gathers of `send`."""
+    """Sends the trainer's weights to the engines. Construct it on every
+    trainer rank; rank 0 is the sender and joins the engine group
+    (`connect_engines`), the others only take part in the gathers of `send`."""
 
     def __init__(self, bucket_bytes=512 << 20, dtype=torch.bfloat16, device=None, adapter=None):
-        # adapter: a LoRA run's lora.peft_config: only the adapters travel, in fp32 (megabytes), and the engines
-        # serve them through vLLM's LoRA support (WeightSyncWorker.receive_adapter)
+        # adapter: a LoRA run's lora.peft_config: only the adapters travel, in fp32 (megabytes),
+        # and the engines serve them through vLLM's LoRA support (WeightSyncWorker.receive_adapter)
         self.bucket_bytes, self.dtype, self.adapter = bucket_bytes, torch.float32 if adapter else dtype, adapter
         self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))
         self.group = None  # the engine process group, on the sender only
 
     @property
@@ -283,17 +301,21 @@ class WeightSender:
             self.group = None
 
     def layout(self, model):
-        return bucket_layout(model, self.bucket_bytes, self.dtype, adapters_only=self.adapter is not None)
+        return bucket_layout(model, self.bucket_bytes, self.dtype,
+                             adapters_only=self.adapter is not None)
 
     @torch.no_grad()
     def send(self, model, layout):
-        """Gather, cast, pack and broadcast every bucket of `layout` (from `layout(model)`). Every trainer rank calls
-        it (in the same parameter order); returns the bytes sent (0 off the sender)."""
+        """Gather, cast, pack and broadcast every bucket of `layout`
+        (from `layout(model)`). Every trainer rank calls it (in the same
+        parameter order); returns the bytes sent (0 off the sender)."""
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # we may run in a helper thread, which starts on device 0
+            torch.cuda.set_device(self.device)  # we may run in a helper thread,
+                                                # which starts on device 0
         buckets, pieces = layout
         if self.is_sender and self.group is None:
-            raise RuntimeError("WeightSender.send before connect: call connect_engines(engines, sender) first")
+            raise RuntimeError(
+                "WeightSender.send before connect: call connect_engines(engines, sender) first")
         by_param = {}
         for k, bucket_pieces in enumerate(pieces):
             for name, e0, e1, offset in bucket_pieces:
@@ -301,24 +323,29 @@ class WeightSender:
         left = [len(ps) for ps in pieces]  # pieces still to pack, per bucket
         if self.is_sender and buckets:
             size = max(b["nbytes"] for b in buckets)
-            buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(min(2, len(buckets)))]
+            buffers = [torch.empty(size, dtype=torch.uint8, device=self.device)
+                       for _ in range(min(2, len(buckets)))]
         works, current = [], -1
         for name, p in model.named_parameters():
             if name not in by_param:  # every rank knows the layout: a frozen base is not gathered
                 continue
-            # an unsharded tensor is not cast here: the copy into the bucket casts, reading fp32 once (on GPU this
-            # memory traffic competes with NCCL's)
-            full = gather(model, name, p, self.dtype if isinstance(p, DTensor) else None, self.device)
+            # an unsharded tensor is not cast here: the copy into the bucket casts,
+            # reading fp32 once (on GPU this memory traffic competes with NCCL's)
+            full = gather(model, name, p, self.dtype if isinstance(p, DTensor) else None,
+                          self.device)
             if full is None:
                 continue
             for k, e0, e1, offset in by_param.get(name, ()):
-                if k != current:  # first piece of bucket k: its buffer must be free (bucket k-2 sent)
+                if k != current:  # first piece of bucket k: its buffer
+                                  # must be free (bucket k-2 sent)
                     current = k
                     if k >= 2:
-                        works[k - 2].wait()  # NCCL: the stream waits, not the host; gloo: the host waits
+                        works[k - 2].wait()  # NCCL: the stream waits, not
+                                             # the host; gloo: the host waits
                 src = full if e0 is None else full[e0:e1]
                 buf = buffers[k % 2]
-                buf[offset:offset + src.numel() * self.dtype.itemsize].view(self.dtype).view(src.shape).copy_(src)
+                buf[offset:offset
+                    + src.numel() * self.dtype.itemsize].view(self.dtype).view(src.shape).copy_(src)
                 left[k] -= 1
                 if left[k] == 0:
                     works.append(self.group.broadcast(buf[:buckets[k]["nbytes"]], 0))
@@ -327,23 +354,27 @@ class WeightSender:
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         if self.is_sender and len(works) != len(buckets):
-            raise RuntimeError(f"sent {len(works)} of {len(buckets)} buckets: the model changed since layout()")
+            raise RuntimeError(
+                f"sent {len(works)} of {len(buckets)} buckets: the model changed since layout()")
         return sum(b["nbytes"] for b in buckets) if self.is_sender else 0
 
 # -----------------------------------------------------------------------------
-# the flow around a sync, against the engine interface (an engine.Engine, or a Ray actor handle of one)
+# the flow around a sync, against the engine interface
+# (an engine.Engine, or a Ray actor handle of one)
 
 
 def _call(engine, method, *args, **kwargs):
-    """An awaitable for engine.method(...): a coroutine of a local Engine, or an ObjectRef of a Ray actor."""
+    """An awaitable for engine.method(...): a coroutine
+    of a local Engine, or an ObjectRef of a Ray actor."""
     fn = getattr(engine, method)
     return fn.remote(*args, **kwargs) if hasattr(fn, "remote") else fn(*args, **kwargs)
 
 
 async def connect_engines(engines, sender, host="127.0.0.1", port=0, backend=None, timeout_s=600.0):
-    """Form the weight group: sender = group rank 0, then every worker of every engine. `host` must be an
-    address of the sender that the engines can reach. Call it again (all engines) after an engine restarts: a
-    group's members are fixed, so the group is re-formed. Returns the group's world size."""
+    """Form the weight group: sender = group rank 0, then every worker of every
+    engine. `host` must be an address of the sender that the engines can reach.
+    Call it again (all engines) after an engine restarts: a group's members are
+    fixed, so the group is re-formed. Returns the group's world size."""
     backend = backend or ("nccl" if sender.device.type == "cuda" else "gloo")
     port = port or free_port(host)
     workers = [len(await _call(e, "collective_rpc", "weight_worker_rank")) for e in engines]
@@ -353,23 +384,28 @@ async def connect_engines(engines, sender, host="127.0.0.1", port=0, backend=Non
     joins = [asyncio.ensure_future(_call(e, "collective_rpc", "init_weight_group",
                                          args=(host, port, off, world_size, backend, timeout_s)))
              for e, off in zip(engines, offsets)]
-    connect = asyncio.ensure_future(asyncio.to_thread(sender.connect, host, port, world_size, backend, timeout_s))
-    done, _ = await asyncio.wait([*joins, connect], return_when=asyncio.FIRST_EXCEPTION)  # all have joined
+    connect = asyncio.ensure_future(
+        asyncio.to_thread(sender.connect, host, port, world_size, backend, timeout_s))
+    # all have joined
+    done, _ = await asyncio.wait([*joins, connect], return_when=asyncio.FIRST_EXCEPTION)
     for f in [*joins, connect]:
         if f in done and f.exception() is not None:
-            raise f.exception()  # an engine that cannot join fails here; the sender's wait then times out
+            raise f.exception()  # an engine that cannot join fails here;
+                                 # the sender's wait then times out
     return world_size
 
 
 async def sync_weights(engines, sender, model, policy_version):
-    """After an optimizer step, on every trainer rank: pause the engines (in-flight requests kept), send the
-    weights, load them, set the engines' weight version to `policy_version`, resume. Off rank 0 `engines` is
-    ignored (pass None) and the rank only joins the gathers. Returns {"bytes", "pause_s", "transfer_s", "drafts"}.
+    """After an optimizer step, on every trainer rank: pause the engines (in-flight
+    requests kept), send the weights, load them, set the engines' weight version to
+    `policy_version`, resume. Off rank 0 `engines` is ignored (pass None) and the rank
+    only joins the gathers. Returns {"bytes", "pause_s", "transfer_s", "drafts"}.
 
-    If a load or the transfer fails, the weight group is closed (workers still waiting in a broadcast get an
-    error instead of waiting for the timeout), the engines resume on the weights they hold (layers that had not
-    arrived keep their old values; the version is not bumped), and the error is raised, an engine's own first
-    (e.g. Ray's RayActorError for a dead engine). Call connect_engines again before the next sync."""
+    If a load or the transfer fails, the weight group is closed (workers still waiting in
+    a broadcast get an error instead of waiting for the timeout), the engines resume on
+    the weights they hold (layers that had not arrived keep their old values; the version
+    is not bumped), and the error is raised, an engine's own first (e.g. Ray's
+    RayActorError for a dead engine). Call connect_engines again before the next sync."""
     layout = sender.layout(model)
     if not sender.is_sender:
         await asyncio.to_thread(sender.send, model, layout)
@@ -378,21 +414,27 @@ async def sync_weights(engines, sender, model, policy_version):
     await asyncio.gather(*(_call(e, "pause") for e in engines))
     t1 = time.perf_counter()
     try:
-        # the workers block in the broadcasts of receive_weights while the sender (in a thread) feeds them
-        rpc = ("receive_adapter", (layout[0], sender.adapter)) if sender.adapter else ("receive_weights", (layout[0],))
+        # the workers block in the broadcasts of receive_weights
+        # while the sender (in a thread) feeds them
+        rpc = ("receive_adapter",
+               (layout[0], sender.adapter)) if sender.adapter else ("receive_weights", (layout[0],))
         loads = [asyncio.ensure_future(_call(e, "collective_rpc", *rpc)) for e in engines]
         send = asyncio.ensure_future(asyncio.to_thread(sender.send, model, layout))
         done, _ = await asyncio.wait([*loads, send], return_when=asyncio.FIRST_EXCEPTION)
         if any(f in done and f.exception() is not None for f in [*loads, send]):
             sender.close()
-            await asyncio.wait([*loads, send], timeout=60)  # let the others fail fast on the closed group
-            errors = [f.exception() for f in [*loads, send] if f.done() and f.exception() is not None]
+            # let the others fail fast on the closed group
+            await asyncio.wait([*loads, send], timeout=60)
+            errors = [f.exception() for f in [*loads, send] if f.done()
+                      and f.exception() is not None]
             raise errors[0]  # an engine's error (the cause) before the sender's broken-pipe
         await asyncio.gather(*(_call(e, "set_version", policy_version) for e in engines))
-        drafts = [sum(d) for d in zip(*await asyncio.gather(*(_call(e, "take_drafts") for e in engines)))]
+        drafts = [sum(d) for d in zip(
+            *await asyncio.gather(*(_call(e, "take_drafts") for e in engines)))]
     finally:
         await asyncio.gather(*(_call(e, "resume") for e in engines), return_exceptions=True)
-    return {"bytes": send.result(), "pause_s": time.perf_counter() - t0, "transfer_s": time.perf_counter() - t1,
+    return {"bytes": send.result(), "pause_s": time.perf_counter() - t0,
+            "transfer_s": time.perf_counter() - t1,
             "drafts": drafts}  # the engines' draft tokens (accepted, drafted) since the last sync
 
 # -----------------------------------------------------------------------------
@@ -405,18 +447,20 @@ def tensor_view(buf, dtype_name, shape, offset):
 
 
 class BucketReceiver:
-    """Iterates (hf_name, tensor) over the buckets broadcast by the sender, receiving bucket k+1 while the caller
-    loads bucket k. Each bucket gets a fresh buffer: vLLM's layerwise reload keeps the tensors of a layer until
-    the whole layer has arrived, and a layer may span two buckets."""
+    """Iterates (hf_name, tensor) over the buckets broadcast by the sender, receiving bucket k+1
+    while the caller loads bucket k. Each bucket gets a fresh buffer: vLLM's layerwise reload keeps
+    the tensors of a layer until the whole layer has arrived, and a layer may span two buckets."""
 
     def __init__(self, group, buckets, device):
         if group is None:  # an engine worker's, before init_weight_group
-            raise RuntimeError("weights were sent before init_weight_group: call connect_engines first")
+            raise RuntimeError(
+                "weights were sent before init_weight_group: call connect_engines first")
         self.group, self.buckets, self.device = group, buckets, device
         self.posted = []  # (buffer, work) per bucket whose broadcast has been posted
 
     def _post(self):
-        buf = torch.empty(self.buckets[len(self.posted)]["nbytes"], dtype=torch.uint8, device=self.device)
+        buf = torch.empty(self.buckets[len(self.posted)]["nbytes"], dtype=torch.uint8,
+                          device=self.device)
         self.posted.append((buf, self.group.broadcast(buf, 0)))
 
     def __iter__(self):
@@ -424,7 +468,8 @@ class BucketReceiver:
             yield from tensors
 
     def iter_buckets(self):
-        """The same, one list of (hf_name, tensor) per bucket (for a caller that copies a bucket at once)."""
+        """The same, one list of (hf_name, tensor) per bucket
+        (for a caller that copies a bucket at once)."""
         for k, bucket in enumerate(self.buckets):
             while len(self.posted) < min(k + 2, len(self.buckets)):
                 self._post()
@@ -435,8 +480,8 @@ class BucketReceiver:
             self.posted[k] = None  # drop our reference; the loader holds what it still needs
 
     def drain(self):
-        """Receive every bucket the loader did not get to, so that the sender is never left waiting. Returns how
-        many buckets were not consumed."""
+        """Receive every bucket the loader did not get to, so that the sender
+        is never left waiting. Returns how many buckets were not consumed."""
         unconsumed = len(self.buckets) - sum(1 for x in self.posted if x is None)
         for posted in self.posted:
             if posted is not None:
@@ -448,15 +493,17 @@ class BucketReceiver:
 
 
 class WeightSyncWorker:
-    """vLLM worker extension (engine arg `worker_extension_cls="weights_sync.WeightSyncWorker"`); its methods run
-    in every worker through `collective_rpc`. vLLM forbids names that the worker already has."""
+    """vLLM worker extension (engine arg
+    `worker_extension_cls="weights_sync.WeightSyncWorker"`); its methods run in every
+    worker through `collective_rpc`. vLLM forbids names that the worker already has."""
 
     def weight_worker_rank(self):
         return self.rank  # this worker's rank inside its engine (tensor/pipeline parallel)
 
     def init_weight_group(self, host, port, rank_offset, world_size, backend, timeout_s=600.0):
         self.close_weight_group()
-        self.weight_group = stateless_process_group(host, port, rank_offset + self.rank, world_size, backend, timeout_s)
+        self.weight_group = stateless_process_group(host, port, rank_offset + self.rank, world_size,
+                                                    backend, timeout_s)
         # gloo moves host tensors: a GPU worker reached over gloo (a sender on the same GPU, where
         # NCCL cannot join two processes) receives into host buffers; the reload copies them over
         self.weight_device = self.device if backend == "nccl" else torch.device("cpu")
@@ -467,23 +514,26 @@ class WeightSyncWorker:
         self.weight_group, self.weight_device = None, self.device
 
     def receive_weights(self, buckets):
-        """Receive the buckets and load them. `reload_weights` runs vLLM's layerwise reload (the checkpoint-format
-        loader, then each layer's weight processing, then a copy into the kernel tensors), so every layer updates
-        on CPU and GPU alike. Returns the bytes received."""
+        """Receive the buckets and load them. `reload_weights` runs vLLM's layerwise reload (the
+        checkpoint-format loader, then each layer's weight processing, then a copy into the kernel
+        tensors), so every layer updates on CPU and GPU alike. Returns the bytes received."""
         from vllm.config import set_current_vllm_config
         device = getattr(self, "weight_device", self.device)
         receiver = BucketReceiver(getattr(self, "weight_group", None), buckets, device)
         drafter, mtp = getattr(getattr(self.model_runner, "drafter", None), "model", None), []
-        # the target's load_weights drops mtp.*: they are set aside (views into their buckets) for the MTP drafter
+        # the target's load_weights drops mtp.*: they are set
+        # aside (views into their buckets) for the MTP drafter
         target = (x for x in receiver if not (x[0].startswith("mtp.") and mtp.append(x) is None))
         try:
             self.reload_weights(weights_iterator=target, is_checkpoint_format=True)
-            if mtp and drafter is not None:  # the drafter's embed_tokens and lm_head are the target's: its own layers
+            if mtp and drafter is not None:  # the drafter's embed_tokens and lm_head
+                                             # are the target's: its own layers
                 with set_current_vllm_config(self.vllm_config):
                     reload_drafter(self, drafter, mtp)
         except BaseException:
-            # an interrupted layerwise reload leaves the layers that had not arrived on the meta device: put
-            # their old tensors back so the engine can still serve, then free the sender if the group still works
+            # an interrupted layerwise reload leaves the layers that had not
+            # arrived on the meta device: put their old tensors back so the engine
+            # can still serve, then free the sender if the group still works
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
             with set_current_vllm_config(self.vllm_config):
                 finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
@@ -491,28 +541,34 @@ class WeightSyncWorker:
                 receiver.drain()
             raise
         if unconsumed := receiver.drain():
-            raise RuntimeError(f"the model loader stopped with {unconsumed} of {len(buckets)} weight buckets unread")
+            raise RuntimeError(
+                f"the model loader stopped with {unconsumed} of {len(buckets)} weight buckets "
+                "unread")
         if self.device.type == "cpu":
-            for model in (self.model_runner.get_model(), *([drafter] if mtp and drafter is not None else [])):
+            for model in (self.model_runner.get_model(),
+                          *([drafter] if mtp and drafter is not None else [])):
                 repack_cpu_moe_experts(model)
         return sum(b["nbytes"] for b in buckets)
 
     def receive_adapter(self, buckets, config):
-        """Receive a LoRA adapter (PEFT names, lora.peft_config `config`) and serve it. Attention and dense-MLP
-        adapters replace vLLM's LoRA adapter 1 in place (requests name it, engine.Engine's lora_request), so held
-        requests go on with the new adapter after resume. Routed-expert adapters are merged into the expert weights
-        here, base + scaling * B @ A per expert (vLLM's MoE LoRA needs a LoRA-aware fused-experts kernel: Triton on
-        GPU, none on CPU), from a host copy of the base experts read once from the model directory; only adapters
-        travel either way. Returns the bytes received."""
+        """Receive a LoRA adapter (PEFT names, lora.peft_config `config`) and serve it.
+        Attention and dense-MLP adapters replace vLLM's LoRA adapter 1 in place (requests
+        name it, engine.Engine's lora_request), so held requests go on with the new adapter
+        after resume. Routed-expert adapters are merged into the expert weights here, base +
+        scaling * B @ A per expert (vLLM's MoE LoRA needs a LoRA-aware fused-experts kernel:
+        Triton on GPU, none on CPU), from a host copy of the base experts read once from the
+        model directory; only adapters travel either way. Returns the bytes received."""
         device = getattr(self, "weight_device", self.device)
         receiver = BucketReceiver(getattr(self, "weight_group", None), buckets, device)
         try:
             tensors = dict(receiver)
         finally:
             receiver.drain()
-        scaling = config["lora_alpha"] / config["r"]  # expert adapters (PEFT's per-expert names hold .mlp.experts.)
+        scaling = config["lora_alpha"] / config["r"]  # expert adapters (PEFT's per-expert
+                                                      # names hold .mlp.experts.)
         # the reload empties vLLM's LoRA slots: the adapter is set again below
-        if merged := merged_experts(self, {k: v for k, v in tensors.items() if is_stacked_experts(k)}, scaling):
+        if merged := merged_experts(
+                self, {k: v for k, v in tensors.items() if is_stacked_experts(k)}, scaling):
             self.reload_weights(weights_iterator=iter(merged), is_checkpoint_format=True)
             if self.device.type == "cpu":
                 repack_cpu_moe_experts(self.model_runner.get_model())
@@ -520,25 +576,30 @@ class WeightSyncWorker:
             from vllm.lora.lora_model import LoRAModel
             from vllm.lora.peft_helper import PEFTHelper
             manager = self.model_runner.lora_manager
-            adapter = LoRAModel.from_lora_tensors(LORA_ID, served, PEFTHelper.from_dict(config), device="cpu",
-                                                  dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size)
-            models = manager._adapter_manager  # vLLM's own in-place reload (LoRARequest.load_inplace) does the same
+            adapter = LoRAModel.from_lora_tensors(LORA_ID, served, PEFTHelper.from_dict(config),
+                                                  device="cpu",
+                                                  dtype=manager.lora_config.lora_dtype,
+                                                  model_vocab_size=manager.vocab_size)
+            models = manager._adapter_manager  # vLLM's own in-place reload
+                                               # (LoRARequest.load_inplace) does the same
             models.remove_adapter(LORA_ID)
             models.add_adapter(adapter)
             models.activate_adapter(LORA_ID)
         return sum(b["nbytes"] for b in buckets)
 
     def weights_digest(self):
-        """{parameter name: sha256 of its bytes} of the engine's weights. A Linear whose weight vLLM's CPU GEMM
-        moved into its kernel (the parameter left empty) is read back through that kernel: its output on the
-        identity, the weight it computes with."""
+        """{parameter name: sha256 of its bytes} of the engine's weights. A Linear whose
+        weight vLLM's CPU GEMM moved into its kernel (the parameter left empty) is read back
+        through that kernel: its output on the identity, the weight it computes with."""
         import hashlib
         out, drafter = {}, getattr(getattr(self.model_runner, "drafter", None), "model", None)
         for prefix, m in [*self.model_runner.get_model().named_modules(),
-                          *(drafter.named_modules(prefix="drafter") if drafter is not None else [])]:
+                          *(drafter.named_modules(prefix="drafter") if drafter is not None
+                            else [])]:
             for name, p in m.named_parameters(prefix, recurse=False):
                 if p.numel() == 0 and hasattr(m, "cpu_linear"):
-                    p = m.cpu_linear(torch.eye(getattr(m, "input_size_per_partition", m.input_size), dtype=p.dtype),
+                    p = m.cpu_linear(torch.eye(getattr(m, "input_size_per_partition", m.input_size),
+                                               dtype=p.dtype),
                                      p, None)
                 data = p.detach().contiguous().reshape(-1).view(torch.uint8).cpu()  # GPU: a sync
                 out[name] = hashlib.sha256(data.numpy()).hexdigest()
@@ -563,13 +624,16 @@ def reload_drafter(worker, drafter, weights):
 
 
 def merged_experts(worker, adapters, scaling):
-    """[(HF expert weight name, base + scaling * B @ A in the engine dtype)] for expert adapters in PEFT names."""
+    """[(HF expert weight name, base + scaling * B @ A in
+    the engine dtype)] for expert adapters in PEFT names."""
     if not adapters:
         return []
-    if not hasattr(worker, "base_experts"):  # read once: the engine's weights will hold merged values
+    if not hasattr(worker, "base_experts"):  # read once: the engine's weights
+                                             # will hold merged values
         path = worker.model_config.model
         read = checkpoint_reader(path)
-        worker.base_experts = {name: read(name) for name in weight_files(path) if is_stacked_experts(name)}
+        worker.base_experts = {name: read(name) for name in weight_files(path)
+                               if is_stacked_experts(name)}
     out = []
     for a_name in (k for k in adapters if ".lora_A." in k):
         weight = a_name.removeprefix(lora.PEFT_PREFIX).replace(".lora_A.", ".")
@@ -580,11 +644,13 @@ def merged_experts(worker, adapters, scaling):
 
 
 def repack_cpu_moe_experts(model):
-    """Works around vLLM 0.32 on CPU: on a weight update the MoE method skips its experts' prepack
-    (`UnquantizedFusedMoEMethod._setup_kernel` runs `fused_experts.process_weights_after_loading` on the first
-    load only), so the reload leaves plain-layout expert weights in the prepacked tensors and the experts compute
-    garbage. Packing them again here makes the engine match the trainer (tests/test_weights_sync.py checks it).
-    GPU backends need no repack: their layout conversion runs on every load."""
+    """Works around vLLM 0.32 on CPU: on a weight update the MoE method skips its experts'
+    prepack (`UnquantizedFusedMoEMethod._setup_kernel` runs
+    `fused_experts.process_weights_after_loading` on the first load only), so the reload leaves
+    plain-layout expert weights in the prepacked tensors and the experts compute garbage.
+    Packing them again here makes the engine match the trainer (tests/test_weights_sync.py
+    checks it). GPU backends need no repack: their layout conversion runs on every load."""
     for layer in model.modules():
-        if (kernel := getattr(getattr(layer, "quant_method", None), "moe_kernel", None)) is not None:
+        if (kernel := getattr(getattr(layer, "quant_method", None), "moe_kernel",
+                              None)) is not None:
             kernel.fused_experts.process_weights_after_loading(layer)

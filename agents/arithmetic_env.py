@@ -1,13 +1,14 @@
 """
-An `Env` example: a short arithmetic quiz, played Gymnasium-style. The framework drives the model through the capture
-server (agentrl.run_env): `reset` gives the opening messages, each model reply goes to `step`, which returns the
-next observation, the step's reward and whether the episode is over. The attempt's reward is the sum.
+An `Env` example: a short arithmetic quiz, played Gymnasium-style. The framework
+drives the model through the capture server (agentrl.run_env): `reset` gives the
+opening messages, each model reply goes to `step`, which returns the next observation,
+the step's reward and whether the episode is over. The attempt's reward is the sum.
 
     python train.py --agent=agents/arithmetic_env.py
 
-The label is the list of problems (so a data set can fix them). Each problem answered with exactly its value earns
-1 / len(problems); a bare integer that is wrong earns a tenth of that (the format is right). After each answer the
-environment says whether it was right and asks the next problem.
+The label is the list of problems (so a data set can fix them). Each problem answered with exactly
+its value earns 1 / len(problems); a bare integer that is wrong earns a tenth of that (the format
+is right). After each answer the environment says whether it was right and asks the next problem.
 """
 import random
 import re
@@ -20,7 +21,8 @@ def prompts(seed=0):
     rng = random.Random(seed)
     while True:
         yield {"prompt": "Answer each arithmetic problem with the number only.",
-               "label": [f"{rng.randint(1, 20)} {rng.choice('+-*')} {rng.randint(1, 20)}" for _ in range(3)]}
+               "label": [f"{rng.randint(1, 20)} {rng.choice('+-*')} {rng.randint(1, 20)}"
+                         for _ in range(3)]}
 
 
 class ArithmeticQuiz(Env):
@@ -28,7 +30,8 @@ class ArithmeticQuiz(Env):
 
     async def reset(self, ctx):
         self.problems = [str(p) for p in ctx.label]
-        self.answers = [calculate(p) for p in self.problems]  # a bad label fails here, before the model runs
+        # a bad label fails here, before the model runs
+        self.answers = [calculate(p) for p in self.problems]
         self.index = 0
         intro = ctx.prompt or "Answer each arithmetic problem with the number only."
         first = f"{intro}\n\nProblem 1: {self.problems[0]} = ?"

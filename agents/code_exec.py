@@ -1,12 +1,14 @@
 """
-Code execution: the model writes Python, a sandboxed subprocess runs it, and the output goes back as the tool result.
+Code execution: the model writes Python, a sandboxed subprocess
+runs it, and the output goes back as the tool result.
 
     python train.py --agent=agents/code_exec.py
 
-The model gets a small computation ("the sum of the squares of 1..7") and a `python` tool. Each call runs in its
-own subprocess (agents/sandbox.py): a time limit, an address-space limit, no network, a fresh temporary directory,
-output cut to a few hundred tokens. A program that loops forever, allocates too much or reaches for the network is
-stopped, and the model reads why in the tool result; the attempt goes on. The model answers when it makes no call.
+The model gets a small computation ("the sum of the squares of 1..7") and a `python` tool.
+Each call runs in its own subprocess (agents/sandbox.py): a time limit, an address-space
+limit, no network, a fresh temporary directory, output cut to a few hundred tokens. A program
+that loops forever, allocates too much or reaches for the network is stopped, and the model
+reads why in the tool result; the attempt goes on. The model answers when it makes no call.
 
 Reward in [0, 1]:
     1.0    the last number in the final answer is the label
@@ -24,8 +26,10 @@ from agentrl import ChatAgent, Result
 from sandbox import run_python
 
 TOOLS = [{"type": "function", "function": {
-    "name": "python", "description": "Run a Python 3 program and return what it prints (stdout and stderr).",
-    "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "the program"}},
+    "name": "python", "description": "Run a Python 3 program and return what it prints (stdout and "
+    "stderr).",
+    "parameters": {"type": "object",
+                   "properties": {"code": {"type": "string", "description": "the program"}},
                    "required": ["code"]}}}]
 
 
@@ -37,10 +41,13 @@ def fibonacci(n):
 
 
 TASKS = [  # (question, answer of n)
-    ("What is the sum of the squares of the integers from 1 to {n}?", lambda n: sum(i * i for i in range(1, n + 1))),
+    ("What is the sum of the squares of the integers from 1 to {n}?",
+     lambda n: sum(i * i for i in range(1, n + 1))),
     ("What is the {n}th Fibonacci number (F(1) = F(2) = 1)?", fibonacci),
-    ("How many primes are there below {n}?", lambda n: sum(all(p % d for d in range(2, p)) for p in range(2, n))),
-    ("What is the sum of the digits of {n} factorial?", lambda n: sum(int(c) for c in str(math.factorial(n)))),
+    ("How many primes are there below {n}?",
+     lambda n: sum(all(p % d for d in range(2, p)) for p in range(2, n))),
+    ("What is the sum of the digits of {n} factorial?",
+     lambda n: sum(int(c) for c in str(math.factorial(n)))),
 ]
 
 
@@ -49,7 +56,8 @@ def prompts(seed=0):
     while True:
         question, answer = rng.choice(TASKS)
         n = rng.randint(5, 40)
-        yield {"prompt": question.format(n=n) + " Compute it with the python tool, then give the number.",
+        yield {"prompt": question.format(n=n)
+               + " Compute it with the python tool, then give the number.",
                "label": str(answer(n))}
 
 
@@ -78,8 +86,8 @@ class CodeExec(ChatAgent):
             messages, printed = list(ctx.messages), []
             stats = dict(programs=0, timeouts=0, out_of_memory=0, failed_programs=0)
             for turn in range(1, self.max_turns + 1):
-                response = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS,
-                                                                **ctx.sampling)
+                response = await client.chat.completions.create(model=ctx.model, messages=messages,
+                                                                tools=TOOLS, **ctx.sampling)
                 reply = response.choices[0].message
                 messages.append(reply.model_dump(exclude_none=True))  # back exactly as received
                 if not reply.tool_calls:

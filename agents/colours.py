@@ -1,15 +1,16 @@
 """
-The colour of a shape: the model sees a small picture drawn here with PIL, one filled shape (circle, square or
-triangle, of a random size, place and shade) on a light background, and answers which of four colours it is. The
-question is the same for every picture, so the answer is only in the pixels: with the picture replaced by a blank one
-(train.py's eval/success_blank) a policy can do no better than guess (0.25 on the balanced held-out set).
+The colour of a shape: the model sees a small picture drawn here with PIL, one filled shape
+(circle, square or triangle, of a random size, place and shade) on a light background, and
+answers which of four colours it is. The question is the same for every picture, so the
+answer is only in the pixels: with the picture replaced by a blank one (train.py's
+eval/success_blank) a policy can do no better than guess (0.25 on the balanced held-out set).
 
     python train.py --config configs/tiny_vl.py      # warm start (tiny.py: VL_WARM_START), then RL on this task
 
-Reward 1.0 when the reply is exactly the colour's name (case, spaces and a final full stop aside), else 0.0;
-Result.info["success"] is the same. Held out: a picture is drawn from a seed, and a seed whose CRC-32 is divisible by
-8 is never in the training stream (nor in the warm start's transcripts); eval_prompts() draws 200 of them, 50 of
-each colour.
+Reward 1.0 when the reply is exactly the colour's name (case, spaces and a final full stop
+aside), else 0.0; Result.info["success"] is the same. Held out: a picture is drawn from a
+seed, and a seed whose CRC-32 is divisible by 8 is never in the training stream (nor in
+the warm start's transcripts); eval_prompts() draws 200 of them, 50 of each colour.
 """
 import base64
 import io
@@ -21,14 +22,15 @@ from openai import AsyncOpenAI
 from agentrl import ChatAgent, Result
 
 SIZE = 128  # pixels a side: 16 image tokens after Qwen3-VL's 2 x 2 merge (4 at 64: too few)
-COLOURS = {"red": (210, 40, 40), "green": (40, 160, 50), "blue": (40, 70, 210), "yellow": (225, 200, 30)}
+COLOURS = {"red": (210, 40, 40), "green": (40, 160, 50), "blue": (40, 70, 210),
+           "yellow": (225, 200, 30)}
 SHAPES = ("circle", "square", "triangle")
 QUESTION = "What colour is the shape? Answer red, green, blue or yellow."
 
 
 def picture(seed, colour=None, size=SIZE):
-    """(PIL image, colour name) of the size x size picture drawn from `seed`; `colour` fixes the colour, else the seed
-    picks it."""
+    """(PIL image, colour name) of the size x size picture drawn from
+    `seed`; `colour` fixes the colour, else the seed picks it."""
     from PIL import Image, ImageDraw
     rng = random.Random(seed)
     colour = colour or rng.choice(list(COLOURS))
@@ -55,8 +57,9 @@ def png_data_uri(image):
 
 
 def user_turn(image):
-    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_uri(image)}},
-                                        {"type": "text", "text": QUESTION}]}
+    return {"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": png_data_uri(image)}},
+        {"type": "text", "text": QUESTION}]}
 
 
 def held_out(seed):
@@ -73,15 +76,17 @@ def seeds(seed, split):
 
 
 def balanced(stream):
-    """A prompt per picture seed of `stream`, the colours in turn (the shape, size, place and shades from the seed)."""
+    """A prompt per picture seed of `stream`, the colours in
+    turn (the shape, size, place and shades from the seed)."""
     for i, s in enumerate(stream):
         colour = list(COLOURS)[i % len(COLOURS)]
         yield {"messages": [user_turn(picture(s, colour)[0])], "label": colour}
 
 
 def prompts(seed=0):
-    """Endless pictures of the training split, the colours in turn: each batch holds about as many of each colour, so
-    a policy that ignores the picture gets no net push towards one colour (only the pixels tell them apart)."""
+    """Endless pictures of the training split, the colours in turn: each batch
+    holds about as many of each colour, so a policy that ignores the picture
+    gets no net push towards one colour (only the pixels tell them apart)."""
     return balanced(seeds(seed, "train"))
 
 
@@ -91,12 +96,13 @@ def eval_prompts(n=200):
 
 
 def transcripts(n, seed=1, size=SIZE):
-    """The warm start's worked examples (train.py --sft_data): training-split pictures, each answered with a colour
-    name drawn at random, whatever the picture. The warm-started model answers in the task's format (one colour
-    word, then the end of its turn) but has no reason to look at the picture: which colour is which is what RL learns
-    from the reward."""
+    """The warm start's worked examples (train.py --sft_data): training-split pictures, each
+    answered with a colour name drawn at random, whatever the picture. The warm-started model
+    answers in the task's format (one colour word, then the end of its turn) but has no reason
+    to look at the picture: which colour is which is what RL learns from the reward."""
     rng, names = random.Random(seed), list(COLOURS)
-    return [{"messages": [user_turn(picture(s, size=size)[0]), {"role": "assistant", "content": rng.choice(names)}]}
+    return [{"messages": [user_turn(picture(s, size=size)[0]),
+                          {"role": "assistant", "content": rng.choice(names)}]}
             for s, _ in zip(seeds(seed, "train"), range(n))]
 
 

@@ -1,17 +1,19 @@
 """
-LLM-as-judge reward: the policy answers a question; a second, frozen model on its own engine reads the question,
-the reference answer and the reply, and writes "Score: N" (0-10), parsed into the reward in [0, 1].
+LLM-as-judge reward: the policy answers a question; a second, frozen
+model on its own engine reads the question, the reference answer and the
+reply, and writes "Score: N" (0-10), parsed into the reward in [0, 1].
 
     python train.py --agent=agents/judge.py
 
-The judge is a FrozenModel (agents/frozen.py): its own vLLM engine behind its own capture server, started by this
-module's `setup(cfg)`, which the framework calls once before the first attempt. JUDGE_MODEL names its weights; left
-empty it is a frozen copy of the policy's starting weights (cfg["model_path"]), which is what the tests use. The
-judge samples greedily, so one answer always gets one score. Its sessions are dropped after each verdict: nothing
-the judge writes is trained on.
+The judge is a FrozenModel (agents/frozen.py): its own vLLM engine behind its own capture server,
+started by this module's `setup(cfg)`, which the framework calls once before the first attempt.
+JUDGE_MODEL names its weights; left empty it is a frozen copy of the policy's starting weights
+(cfg["model_path"]), which is what the tests use. The judge samples greedily, so one answer always
+gets one score. Its sessions are dropped after each verdict: nothing the judge writes is trained on.
 
-Parsing: the number after "score" if there is one, else the first number; "N/D" is read as a fraction of D, a bare
-number as a fraction of 10; clamped to [0, 1]. A verdict without a number scores 0 (and counts in `judge_parsed`).
+Parsing: the number after "score" if there is one, else the first number;
+"N/D" is read as a fraction of D, a bare number as a fraction of 10; clamped
+to [0, 1]. A verdict without a number scores 0 (and counts in `judge_parsed`).
 """
 import random
 import re
@@ -29,9 +31,12 @@ Reference answer: {reference}
 Answer: {answer}
 Reply with "Score: N", where N goes from 0 (wrong) to 10 (correct and complete)."""
 
-QUESTIONS = [("What is the capital of France?", "Paris"), ("How many legs does a spider have?", "8"),
-             ("Who wrote Hamlet?", "William Shakespeare"), ("What is the largest planet?", "Jupiter"),
-             ("What gas do plants take in to make sugar?", "carbon dioxide"), ("How many days are in a week?", "7"),
+QUESTIONS = [("What is the capital of France?", "Paris"),
+             ("How many legs does a spider have?", "8"),
+             ("Who wrote Hamlet?", "William Shakespeare"),
+             ("What is the largest planet?", "Jupiter"),
+             ("What gas do plants take in to make sugar?", "carbon dioxide"),
+             ("How many days are in a week?", "7"),
              ("At what temperature in Celsius does water boil at sea level?", "100"),
              ("What colour do you get by mixing blue and yellow?", "green")]
 
@@ -39,7 +44,8 @@ judge = None  # the FrozenModel, once setup() has run
 
 
 def setup(cfg):
-    """Start the judge's engine (once per run); the framework calls the returned function at the end."""
+    """Start the judge's engine (once per run); the
+    framework calls the returned function at the end."""
     global judge
     judge = FrozenModel(JUDGE_MODEL or cfg["model_path"], max_model_len=cfg["engine_max_model_len"],
                         memory_fraction=cfg["engine_memory_fraction"], name="judge").start()
@@ -58,7 +64,8 @@ NUMBER = r"(-?\d+(?:\.\d+)?)(?:\s*/\s*(\d+(?:\.\d+)?))?"
 
 def parse_score(verdict):
     """The judge's text -> (score in [0, 1], whether a number was found)."""
-    match = re.search(r"score\s*[:=]?\s*" + NUMBER, verdict, re.IGNORECASE) or re.search(NUMBER, verdict)
+    match = re.search(r"score\s*[:=]?\s*" + NUMBER, verdict,
+                      re.IGNORECASE) or re.search(NUMBER, verdict)
     if match is None:
         return 0.0, False
     value, scale = float(match.group(1)), float(match.group(2) or 10)
@@ -68,16 +75,20 @@ def parse_score(verdict):
 class JudgedAnswer(ChatAgent):
     async def run(self, ctx):
         if judge is None:
-            raise RuntimeError("the judge is not running: the framework calls this module's setup(cfg) before the "
-                               "first attempt (agentrl.setup_agent)")
+            raise RuntimeError(
+                "the judge is not running: the framework calls this module's setup(cfg) before the "
+                "first attempt (agentrl.setup_agent)")
         async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
-            response = await client.chat.completions.create(model=ctx.model, messages=ctx.messages, **ctx.sampling)
+            response = await client.chat.completions.create(model=ctx.model, messages=ctx.messages,
+                                                            **ctx.sampling)
         answer = response.choices[0].message.content or ""
         question = ctx.prompt or ctx.messages[-1]["content"]
         async with judge.client() as judge_client:
             verdict = await judge_client.chat.completions.create(
-                model="judge", temperature=0.0, max_tokens=JUDGE_MAX_TOKENS, messages=[{"role": "user", "content": (
-                    JUDGE_PROMPT.format(question=question, reference=ctx.label, answer=answer.strip()))}])
+                model="judge", temperature=0.0, max_tokens=JUDGE_MAX_TOKENS,
+                messages=[{"role": "user", "content": (
+                    JUDGE_PROMPT.format(question=question, reference=ctx.label,
+                                        answer=answer.strip()))}])
         score, parsed = parse_score(verdict.choices[0].message.content or "")
         return Result(score, {"judge_parsed": float(parsed)})
 

@@ -1,18 +1,20 @@
 """
-A sandboxed subprocess for model-written Python: a wall-clock and CPU time limit, an address-space limit, no
-network, a fresh temporary directory as the working directory, and output truncated to a size a context can hold.
+A sandboxed subprocess for model-written Python: a wall-clock and CPU time
+limit, an address-space limit, no network, a fresh temporary directory as
+the working directory, and output truncated to a size a context can hold.
 
     result = await run_python("print(2 + 2)", time_limit_s=5, memory_mb=256)
     result.report()   # "4\n[exit code 0]": what an agent sends back as the tool result
 
     .venv/bin/python -m pytest tests/test_sandbox.py -q
 
-No network: the child runs in a new, empty network namespace (`unshare -n`, or `unshare -rn` as an unprivileged user
-where user namespaces are allowed): no interface but a loopback that is down, for the child and anything it starts.
-Where neither works (some containers), an audit hook in the child refuses to create sockets and to start processes;
-`network_isolation()` says which one is in force. Either way this stops honest-but-buggy code (runaway loops, huge
-allocations, stray downloads) from hurting the run; it is not a jail for adversarial code, which needs a container or
-a VM (the child can still read the file system with the trainer's permissions).
+No network: the child runs in a new, empty network namespace (`unshare -n`, or `unshare -rn` as
+an unprivileged user where user namespaces are allowed): no interface but a loopback that is
+down, for the child and anything it starts. Where neither works (some containers), an audit hook
+in the child refuses to create sockets and to start processes; `network_isolation()` says which
+one is in force. Either way this stops honest-but-buggy code (runaway loops, huge allocations,
+stray downloads) from hurting the run; it is not a jail for adversarial code, which needs a
+container or a VM (the child can still read the file system with the trainer's permissions).
 """
 import asyncio
 import functools
@@ -24,8 +26,9 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-# Runs in the child before the model's code: limits first, then (in audit mode) the hook, then main.py.
-# setrlimit here rather than in preexec_fn: preexec_fn is not safe in a process with threads (the rollout pool's is).
+# Runs in the child before the model's code: limits first, then (in audit
+# mode) the hook, then main.py. setrlimit here rather than in preexec_fn:
+# preexec_fn is not safe in a process with threads (the rollout pool's is).
 PRELUDE = r"""
 import resource, sys
 memory_bytes, cpu_s, file_bytes, audit = (int(a) for a in sys.argv[1:5])
@@ -60,7 +63,8 @@ except BaseException as e:  # the traceback of the model's own lines: library fr
 
 @dataclass
 class SandboxResult:
-    output: str            # stdout and stderr interleaved, truncated to max_output_chars (head and tail kept)
+    output: str            # stdout and stderr interleaved, truncated
+                           # to max_output_chars (head and tail kept)
     exit_code: int | None  # None when the sandbox killed the process
     timed_out: bool        # the wall-clock limit fired
     output_limited: bool   # killed for writing more than max_output_mb
@@ -98,7 +102,8 @@ def namespace_command():
     """The command prefix that runs a program in a new network namespace here, or None."""
     if shutil.which("unshare") is None:
         return None
-    for prefix in (["unshare", "-n"], ["unshare", "-rn"]):  # root; an unprivileged user with user namespaces
+    # root; an unprivileged user with user namespaces
+    for prefix in (["unshare", "-n"], ["unshare", "-rn"]):
         try:
             if subprocess.run(prefix + ["true"], capture_output=True, timeout=10).returncode == 0:
                 return prefix
@@ -108,23 +113,27 @@ def namespace_command():
 
 
 def network_isolation():
-    """"namespace" where `unshare` can give the child an empty network namespace, else "audit-hook"."""
+    """"namespace" where `unshare` can give the child
+    an empty network namespace, else "audit-hook"."""
     return "namespace" if namespace_command() is not None else "audit-hook"
 
 
-async def run_python(code, *, time_limit_s=5.0, memory_mb=256, max_output_chars=4000, max_output_mb=1,
-                     max_file_mb=16, isolation="auto", python=sys.executable):
-    """Run `code` as main.py in a fresh temporary directory and return a SandboxResult. The process group is
-    killed at the time limit or once it has written max_output_mb (and always at the end, so nothing it started
-    lives on); the directory is removed. The result keeps max_output_chars of the output, its start and its end.
-    isolation: "auto" (a network namespace when available, else the audit hook), "namespace" or "audit-hook"."""
+async def run_python(code, *, time_limit_s=5.0, memory_mb=256, max_output_chars=4000,
+                     max_output_mb=1, max_file_mb=16, isolation="auto", python=sys.executable):
+    """Run `code` as main.py in a fresh temporary directory and return a SandboxResult. The
+    process group is killed at the time limit or once it has written max_output_mb (and
+    always at the end, so nothing it started lives on); the directory is removed. The result
+    keeps max_output_chars of the output, its start and its end. isolation: "auto" (a
+    network namespace when available, else the audit hook), "namespace" or "audit-hook"."""
     if isolation == "auto":
         isolation = network_isolation()
     if isolation == "namespace":
         prefix = namespace_command()
         if prefix is None:
-            raise RuntimeError("isolation='namespace' needs `unshare -n` (root) or `unshare -rn` (user namespaces), "
-                               "and neither works here; use isolation='auto'")
+            raise RuntimeError(
+                "isolation='namespace' needs `unshare -n` (root) or `unshare -rn` (user "
+                "namespaces), "
+                "and neither works here; use isolation='auto'")
     elif isolation == "audit-hook":
         prefix = []
     else:
@@ -132,13 +141,15 @@ async def run_python(code, *, time_limit_s=5.0, memory_mb=256, max_output_chars=
     workdir = tempfile.mkdtemp(prefix="sandbox-")
     with open(os.path.join(workdir, "main.py"), "w") as f:
         f.write(code)
-    cpu_s = int(time_limit_s) + 1  # the wall-clock limit normally fires first; this one also stops busy children
+    cpu_s = int(time_limit_s) + 1  # the wall-clock limit normally fires
+                                   # first; this one also stops busy children
     audit = int(isolation == "audit-hook")
     args = [str(int(memory_mb * 2**20)), str(cpu_s), str(int(max_file_mb * 2**20)), str(audit)]
     output_limit = int(max_output_mb * 2**20)
-    # -I: ignore PYTHON* variables and the user's site-packages; the environment holds nothing of the trainer's
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    # -I: ignore PYTHON* variables and the user's site-packages;
+    # the environment holds nothing of the trainer's
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
+           "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     head, tail, total = bytearray(), bytearray(), 0
     half = max_output_chars // 2
     too_much_output = asyncio.Event()
@@ -147,7 +158,8 @@ async def run_python(code, *, time_limit_s=5.0, memory_mb=256, max_output_chars=
         nonlocal head, tail, total
         while chunk := await stream.read(1 << 16):
             total += len(chunk)
-            if total > output_limit:  # a print loop: it is being killed; drain the pipe, keep nothing more
+            if total > output_limit:  # a print loop: it is being killed;
+                                      # drain the pipe, keep nothing more
                 too_much_output.set()
                 continue
             if len(head) < half:
@@ -158,16 +170,18 @@ async def run_python(code, *, time_limit_s=5.0, memory_mb=256, max_output_chars=
         *prefix, python, "-I", "-c", PRELUDE, *args, cwd=workdir, env=env, stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     async def exit_code_of(proc):
-        # polled: asyncio's proc.wait() (Python 3.11) also waits for the pipe to close, which a child of the
-        # program may hold open long after the program itself has exited
+        # polled: asyncio's proc.wait() (Python 3.11) also waits for the pipe to close, which
+        # a child of the program may hold open long after the program itself has exited
         while proc.returncode is None:
             await asyncio.sleep(0.02)
         return proc.returncode
 
     reader = asyncio.ensure_future(read_output(proc.stdout))
-    exited, limited = asyncio.ensure_future(exit_code_of(proc)), asyncio.ensure_future(too_much_output.wait())
+    exited, limited = asyncio.ensure_future(exit_code_of(proc)), asyncio.ensure_future(
+        too_much_output.wait())
     try:
-        done, _ = await asyncio.wait([exited, limited], timeout=time_limit_s, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait([exited, limited], timeout=time_limit_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
         timed_out = not done
     finally:  # also when the attempt is cancelled
         try:
@@ -182,8 +196,10 @@ async def run_python(code, *, time_limit_s=5.0, memory_mb=256, max_output_chars=
             pass
         shutil.rmtree(workdir, ignore_errors=True)
     truncated = total > 2 * half
-    if truncated:  # head and tail each hold `half` bytes: keep the start and the end (where tracebacks are)
-        text = (head.decode(errors="replace") + f"\n... [{total - 2 * half} bytes of output cut] ...\n"
+    if truncated:  # head and tail each hold `half` bytes: keep
+                   # the start and the end (where tracebacks are)
+        text = (head.decode(errors="replace")
+                + f"\n... [{total - 2 * half} bytes of output cut] ...\n"
                 + tail.decode(errors="replace"))
     else:  # head, then what the tail holds beyond it
         text = (head + tail[len(tail) - (total - len(head)):]).decode(errors="replace")
@@ -191,4 +207,5 @@ async def run_python(code, *, time_limit_s=5.0, memory_mb=256, max_output_chars=
     return SandboxResult(output=text, exit_code=None if timed_out or output_limited else exit_code,
                          timed_out=timed_out, output_limited=output_limited, truncated=truncated,
                          network_isolation=isolation,
-                         limits=dict(time_limit_s=time_limit_s, memory_mb=memory_mb, max_output_mb=max_output_mb))
+                         limits=dict(time_limit_s=time_limit_s, memory_mb=memory_mb,
+                                     max_output_mb=max_output_mb))

@@ -1,12 +1,13 @@
 """
-Multi-turn tool use with the official OpenAI SDK: `tools=`, structured `tool_calls`, and every call of a turn
-answered by its own `tool` message before the next model turn.
+Multi-turn tool use with the official OpenAI SDK: `tools=`, structured `tool_calls`,
+and every call of a turn answered by its own `tool` message before the next model turn.
 
     python train.py --agent=agents/tool_use_openai.py
 
-The task: a small shop. The model is asked what a basket costs ("3 apples and 2 pears") and has two tools,
-`get_price(item)` and `calculator(expression)`. It may call several tools in one turn (parallel calls); each result
-goes back as a `tool` message with the call's id; it answers when it makes no call (or after MAX_TURNS turns).
+The task: a small shop. The model is asked what a basket costs ("3 apples and 2
+pears") and has two tools, `get_price(item)` and `calculator(expression)`. It may call
+several tools in one turn (parallel calls); each result goes back as a `tool` message
+with the call's id; it answers when it makes no call (or after MAX_TURNS turns).
 
 Reward in [0, 1]:
     1.0                                 the last number in the final answer is the basket's total
@@ -26,10 +27,12 @@ PRICES = {"apple": 3, "pear": 5, "banana": 2, "mango": 7, "lemon": 4}
 TOOLS = [
     {"type": "function", "function": {
         "name": "get_price", "description": "The price of one item of the shop, in dollars.",
-        "parameters": {"type": "object", "properties": {"item": {"type": "string", "enum": sorted(PRICES)}},
+        "parameters": {"type": "object",
+                       "properties": {"item": {"type": "string", "enum": sorted(PRICES)}},
                        "required": ["item"]}}},
     {"type": "function", "function": {
-        "name": "calculator", "description": "Evaluate an arithmetic expression with + - * and parentheses.",
+        "name": "calculator", "description": "Evaluate an arithmetic expression with + - * and "
+        "parentheses.",
         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
                        "required": ["expression"]}}}]
 
@@ -46,7 +49,8 @@ def prompts(seed=0):
 
 
 def run_tool(name, arguments, looked_up):
-    """One tool call -> its result text. A bad call gets an error the model can read, never an exception."""
+    """One tool call -> its result text. A bad call gets
+    an error the model can read, never an exception."""
     try:
         args = json.loads(arguments) if isinstance(arguments, str) else dict(arguments)
         if name == "get_price":
@@ -74,17 +78,20 @@ class ShopAgent(ChatAgent):
         async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
             messages, looked_up, calls = list(ctx.messages), set(), 0
             for turn in range(1, MAX_TURNS + 1):
-                response = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS,
-                                                                **ctx.sampling)
+                response = await client.chat.completions.create(model=ctx.model, messages=messages,
+                                                                tools=TOOLS, **ctx.sampling)
                 reply = response.choices[0].message
-                # the reply goes back exactly as received, so the capture server sees the conversation extend its tokens
+                # the reply goes back exactly as received, so the
+                # capture server sees the conversation extend its tokens
                 messages.append(reply.model_dump(exclude_none=True))
                 if not reply.tool_calls:
                     break
-                for call in reply.tool_calls:  # one `tool` message per call, in the order of the calls
+                for call in reply.tool_calls:  # one `tool` message per call,
+                                               # in the order of the calls
                     calls += 1
                     messages.append({"role": "tool", "tool_call_id": call.id,
-                                     "content": run_tool(call.function.name, call.function.arguments, looked_up)})
+                                     "content": run_tool(call.function.name,
+                                                         call.function.arguments, looked_up)})
         answer = "" if reply.tool_calls else reply.content or ""
         return Result(score(answer, ctx.label, looked_up), {"tool_calls": calls, "turns": turn})
 

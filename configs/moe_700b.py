@@ -5,10 +5,12 @@
 # Check the plan first, on any machine: python train.py --config configs/moe_700b.py --dry_run=True
 out_dir = "out/moe_700b"
 model_path = "checkpoints/moe-700b"
-model_config = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 7168, "intermediate_size": 18432,
-                "num_hidden_layers": 61, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
-                "rope_theta": 1000000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
-                "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "norm_topk_prob": True}
+model_config = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 7168,
+                "intermediate_size": 18432, "num_hidden_layers": 61, "num_attention_heads": 64,
+                "num_key_value_heads": 8, "head_dim": 128,
+                "rope_theta": 1000000.0, "max_position_embeddings": 131072,
+                "tie_word_embeddings": False, "num_experts": 256, "num_experts_per_tok": 8,
+                "moe_intermediate_size": 2048, "norm_topk_prob": True}
 train_world_size = 512
 ep_size = 256
 num_engines = 8

@@ -4,10 +4,12 @@
 # Plan it first: python train.py --config configs/qwen3_30b_a3b.py --dry_run=True
 out_dir = "out/qwen3_30b_a3b"
 model_path = "checkpoints/Qwen3-30B-A3B"
-model_config = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
-                "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-                "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
-                "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True}
+model_config = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+                "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32,
+                "num_key_value_heads": 4, "head_dim": 128,
+                "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+                "tie_word_embeddings": False, "num_experts": 128, "num_experts_per_tok": 8,
+                "moe_intermediate_size": 768, "norm_topk_prob": True}
 train_world_size = 8
 ep_size = 8
 num_engines = 8
@@ -21,8 +23,9 @@ max_tokens = 8192
 microbatch_tokens = 16384
 param_dtype = "bfloat16"
 activation_checkpointing = True
-# MTP speculative decoding ({"method": "mtp", "num_speculative_tokens": 1}) needs a model with MTP layers (Qwen3-Next,
-# DeepSeek-V3); vLLM refuses it for Qwen3-MoE, and the run stops with one sentence naming this key.
+# MTP speculative decoding ({"method": "mtp", "num_speculative_tokens": 1})
+# needs a model with MTP layers (Qwen3-Next, DeepSeek-V3); vLLM refuses it
+# for Qwen3-MoE, and the run stops with one sentence naming this key.
 speculative_config = {}
 learning_rate = 1e-6
 min_lr = 1e-7

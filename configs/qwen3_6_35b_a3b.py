@@ -9,21 +9,26 @@ model_path = "checkpoints/Qwen3.6-35B-A3B"
 agent = "agents/geometry.py"
 # the fields of its config.json that change the function the model computes
 model_config = {
-    "model_type": "qwen3_5_moe", "tie_word_embeddings": False, "image_token_id": 248056, "video_token_id": 248057,
-    "vision_start_token_id": 248053, "vision_end_token_id": 248054,
-    "text_config": {"model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
-                    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "rms_norm_eps": 1e-6,
-                    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10,  # every 4th: full attention
-                    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
-                    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-                    "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
-                    "shared_expert_intermediate_size": 512, "max_position_embeddings": 262144,
-                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+    "model_type": "qwen3_5_moe", "tie_word_embeddings": False, "image_token_id": 248056,
+    "video_token_id": 248057, "vision_start_token_id": 248053, "vision_end_token_id": 248054,
+    "text_config": {"model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048,
+                    "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
+                    "head_dim": 256, "rms_norm_eps": 1e-6,
+                    # every 4th: full attention
+                    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10,
+                    "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                    "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                    "linear_conv_kernel_dim": 4, "num_experts": 256, "num_experts_per_tok": 8,
+                    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                    "max_position_embeddings": 262144,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                                        "partial_rotary_factor": 0.25,
                                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
                     "mtp_num_hidden_layers": 1, "attention_bias": False},
-    "vision_config": {"model_type": "qwen3_5_moe", "depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
-                      "num_heads": 16, "hidden_act": "gelu_pytorch_tanh", "in_channels": 3, "patch_size": 16,
-                      "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 2048,
+    "vision_config": {"model_type": "qwen3_5_moe", "depth": 27, "hidden_size": 1152,
+                      "intermediate_size": 4304, "num_heads": 16, "hidden_act": "gelu_pytorch_tanh",
+                      "in_channels": 3, "patch_size": 16, "temporal_patch_size": 2,
+                      "spatial_merge_size": 2, "out_hidden_size": 2048,
                       "num_position_embeddings": 2304}}
 train_world_size = 8
 ep_size = 8

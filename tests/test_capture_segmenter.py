@@ -219,7 +219,7 @@ async def run_sequence(server, seed):
     tools = rng.choice(TOOLSETS)
     messages = [{"role": "system", "content": sentence(rng)}] * (rng.random() < 0.7) + [
         {"role": "user", "content": sentence(rng)}]
-    reference, answers, last_body, resend = [], {}, None, None
+    reference, answers, last_body, resend, reply = [], {}, None, None, None
     for step in range(rng.randint(2, 12)):
         if step:
             messages, tools, resend = next_request(rng, messages, reply, tools, last_body, protocol)

@@ -251,7 +251,7 @@ def test_train_step_under_cp_matches_single_process(tmp_path, world, cp, ep, nam
         mock.patch.dict(test_train.GRAD_TOL, atol=1e-5),
         mock.patch.dict(test_train.PARAM_TOL, atol=5e-5),
     ):
-        check_matches_single_process(got, ref, hybrid=True)
+        check_matches_single_process(got, ref)
 
 
 @pytest.mark.stack

@@ -291,7 +291,8 @@ class FlaSaves(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, cu_seqlens):
-        rstd = lambda t: torch.rsqrt((t.float() ** 2).sum(-1) + 1e-6)
+        def rstd(t):
+            return torch.rsqrt((t.float() ** 2).sum(-1) + 1e-6)
         A = k.new_zeros(*v.shape[:3], 64)
         ctx.save_for_backward(q * rstd(q)[..., None].to(q.dtype), rstd(q), k * rstd(k)[..., None].to(k.dtype), rstd(k),
                               v.contiguous(), g.float().cumsum(1), beta.contiguous(), A)

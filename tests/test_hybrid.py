@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from gdn import GatedDeltaNet, chunk_gated_delta_rule_torch, fla_chunk_gated_delta_rule
-from model import ModelConfig, Transformer, VisionConfig, hf_to_ours, ours_to_hf, read_safetensors
+from model import ModelConfig, Transformer, VisionConfig, hf_to_ours
 from tiny import TINY_QWEN36_CONFIG
 
 # a shape the tiny model does not have: 6 layers in an irregular pattern, 3 value heads per key head, rotary 8 of 32
@@ -172,7 +172,8 @@ def fp64_throughout(monkeypatch):
     softmax's dtype) keep fp64 tensors fp64, so that an fp64 run rounds nowhere at fp32."""
     import model
     to, to_float, softmax, cos_sin = torch.Tensor.to, torch.Tensor.float, F.softmax, model.rope_cos_sin
-    wide = lambda x: x.dtype == torch.float64
+    def wide(x):
+        return x.dtype == torch.float64
     monkeypatch.setattr(torch.Tensor, "float", lambda x, *a, **k: x if wide(x) else to_float(x, *a, **k))
     monkeypatch.setattr(torch.Tensor, "to", lambda x, *a, **k: x if wide(x) and (torch.float32 in a or k.get(
         "dtype") == torch.float32) else to(x, *a, **k))

@@ -95,7 +95,8 @@ def test_weight_sync_reaches_every_engine_parameter(run, engine, hf_hybrid_path,
     bytes exactly. Negative control: that sync without layer 0's in_proj_z (a quarter of vLLM's stacked
     in_proj_qkvz) leaves that parameter stale. Then the engine computes the trainer's function on both (logprobs,
     mismatch_kl_current), and the check tells other weights apart."""
-    digest = lambda: run(engine.collective_rpc("weights_digest"))[0]
+    def digest():
+        return run(engine.collective_rpc("weights_digest"))[0]
     loaded = digest()
     ours = Transformer.from_pretrained(hf_hybrid_path)
     moved = perturbed(ours)

@@ -43,7 +43,8 @@ def test_a_sync_reaches_the_drafter(drafting, tmp_path):
     what vLLM's own loader made of them at start. Negative control: vLLM's own reload of the perturbed checkpoint
     (the target's load_weights, which drops mtp.*) moves the target and leaves every drafter parameter stale."""
     run, engine = drafting.run, drafting.engine
-    digest = lambda: run(engine.collective_rpc("weights_digest"))[0]
+    def digest():
+        return run(engine.collective_rpc("weights_digest"))[0]
     loaded = digest()
     own = drafter_own(loaded)
     assert len(own) >= 10 and any(".experts" in n or "w13" in n for n in own), sorted(own)

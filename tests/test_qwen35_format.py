@@ -10,7 +10,6 @@ reasoning items, Anthropic thinking blocks), the call's XML parameters typed by 
 turn's tokens as generated; a tool loop stays one segment, a new user query (which drops earlier reasoning) opens one.
 """
 import asyncio
-import os
 
 import anthropic
 import openai

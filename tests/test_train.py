@@ -132,10 +132,10 @@ def reference_run(weights, wins, cfg, steps=STEPS, prepare=None, reference_is_po
         window_tokens = sum(int(k.sum()) for k in kept)
         total, metrics = 0.0, []
         for old, ref, mb in zip(olds, refs, window):
-            l, m = loss.policy_loss(logprobs_of(mb), old, mb["behavior_logprobs"], mb["advantages"], mb["action_mask"],
-                                    mb["token_versions"], step, lcfg, window_tokens, ref_logprobs=ref)
-            l.backward()
-            total += l.item()
+            lo, m = loss.policy_loss(logprobs_of(mb), old, mb["behavior_logprobs"], mb["advantages"], mb["action_mask"],
+                                     mb["token_versions"], step, lcfg, window_tokens, ref_logprobs=ref)
+            lo.backward()
+            total += lo.item()
             metrics.append(m)
         norm = torch.nn.utils.clip_grad_norm_(trainable, cfg["grad_clip"])
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
