@@ -414,7 +414,7 @@ class CaptureServer:
     """HTTP front of one backend (an Engine, or rollout's
     router): sessions, rendering, the segmenter.
 
-    Limits (README, "The capture server's limits"): request bodies up to max_body_bytes, arriving
+    Limits (docs/capture.md, "Limits"): request bodies up to max_body_bytes, arriving
     within body_timeout_s; headers within header_timeout_s and under 64 KiB; at most max_connections
     connections (more get 503); sessions made over HTTP expire after http_session_idle_s without a
     request, at most max_http_sessions live at once (finished ones make room first, else POST

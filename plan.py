@@ -350,7 +350,8 @@ def vision_activation_bytes(vc, checkpointing, dtype_bytes=2, patches=784):
 
 
 # NCCL bandwidth the all-to-all projection uses: a broadcast between 2 H200s over NVLink, as
-# `torchrun --nproc_per_node=2 bench.py sync` measures it (README); no 8-GPU all-to-all is measured
+# `torchrun --nproc_per_node=2 bench.py sync` measures it (docs/performance.md); no 8-GPU
+# all-to-all is measured
 NCCL_GBPS = 370.0
 
 

@@ -537,7 +537,7 @@ def parse_anthropic(body, server, counting=False):
                            "tool_choice")
     sampling = sampling_of(server, body, field(body, "max_tokens", int, required=not counting),
                            field(body, "stop_sequences", list), None, 1.0)
-    # not enforced: README
+    # not enforced: docs/capture.md
     if budget is not None and not 1024 <= budget < (sampling["max_tokens"] or budget + 1):
         raise invalid("thinking.budget_tokens", f"must be at least 1024 and less than `max_tokens`, got {budget}.")
     request = ChatRequest("anthropic", body, messages, tools, strict, sampling)

@@ -149,7 +149,7 @@ mtp_loss_coef = _loss.mtp_loss_coef  # the MTP head's cross-entropy of token t
                                      # + 2 (mtp_loss), trunk detached (0: off)
 # optimization
 max_steps = 40
-learning_rate = 5e-4       # the tiny default's RL from its warm start (README: Learning)
+learning_rate = 5e-4       # the tiny default's RL from its warm start (docs/learning.md)
 min_lr = 5e-5
 warmup_steps = 2
 weight_decay = 0.0
@@ -186,7 +186,7 @@ lora_targets = "all"       # "all" or a comma-separated list of q_proj, k_proj,
                            # v_proj, o_proj, gate_proj, up_proj, down_proj (dense
                            # MLPs), experts (every routed expert's three projections)
 lora_learning_rate = 5e-3  # a LoRA run's learning_rate (learning_rate is full fine-tuning's):
-                           # adapters start at B = 0 and need ~10x the rate (README: LoRA);
+                           # adapters start at B = 0 and need ~10x the rate (docs/learning.md);
                            # warm-up and decay to min_lr as for full fine-tuning
 # -----------------------------------------------------------------------------
 
