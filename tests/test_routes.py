@@ -82,7 +82,10 @@ def test_routes_line_up_with_a_real_engines_tokens(routed):
     segments = server.finish_session(session.id, 1.0)
     assert len(segments) == 2
     generated = [sum(s["action_mask"]) for s in segments]
-    assert sum(generated) < sum(backend.sampled), "no turn was cut at the stop string: nothing tested that path"
+    # a turn cut at the stop string returns cut text but records every token the engine sampled,
+    # the one that completed the stop string included (its route is lined up like any other)
+    assert min(backend.sampled) < 16, "no turn was cut at the stop string: nothing tested that path"
+    assert sum(generated) == sum(backend.sampled), (generated, backend.sampled)
     for s in segments:
         ids, routes = s["token_ids"], s["routed_experts"]
         want = reference_routes(backend.model, ids[:-1])
