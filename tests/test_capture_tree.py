@@ -160,26 +160,16 @@ def test_segmenter_cap_closes_the_least_recently_extended(tokenizer):
     def conversation(i):
         return [message("system", f"Agent {i}."), message("user", "go")]
 
+    def add(i):
+        record(segmenter, segments, conversation(i), message("assistant", "ok"), tokenizer,
+               float(i))
+
     async def run():
         for i in range(3):
-            record(
-                segmenter,
-                segments,
-                conversation(i),
-                message("assistant", "ok"),
-                tokenizer,
-                float(i),
-            )
+            add(i)
         async with segments[0].lock:  # a turn in flight on the least recent one: it stays open
             for i in range(3, 6):
-                record(
-                    segmenter,
-                    segments,
-                    conversation(i),
-                    message("assistant", "ok"),
-                    tokenizer,
-                    float(i),
-                )
+                add(i)
                 assert sum(not s.closed for s in segments) == 3
 
     asyncio.run(run())
