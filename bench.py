@@ -505,10 +505,12 @@ def bench_spec(prompts=8, tokens=64, k=2, train_prompts=16, steps=40, language=6
         await engine.start()
         await asyncio.gather(*(engine.generate(p, greedy, f"warm{i}") for i,
                                p in enumerate(bench_prompts[:2])))
+        await engine.take_drafts()
         t0 = time.perf_counter()
         outs = await asyncio.gather(
             *(engine.generate(p, greedy, f"b{i}") for i, p in enumerate(bench_prompts)))
         seconds = time.perf_counter() - t0
+        drafts = await engine.take_drafts()  # (accepted, drafted) over the timed outputs
         more = await asyncio.gather(
             *(engine.generate(p, greedy, f"t{i}") for i, p in enumerate(extra)))
         # each divergence: (prompt, t, a, b, engine's gap of a - b)
@@ -521,7 +523,7 @@ def bench_spec(prompts=8, tokens=64, k=2, train_prompts=16, steps=40, language=6
                        for x in (a["token_ids"][t], b["token_ids"][t])]
                 more.append((i, t, a["token_ids"][t], b["token_ids"][t], gap[0] - gap[1]))
         await engine.shutdown()
-        return outs, seconds, more
+        return outs, seconds, more, drafts
 
     def head_loss(model, x):  # x: (B, T) token ids -> the MTP loss and the
                               # trunk's states (the positions mtp_hidden uses)
@@ -554,7 +556,7 @@ def bench_spec(prompts=8, tokens=64, k=2, train_prompts=16, steps=40, language=6
                 shutil.copy(os.path.join(path, f), trained)
         model.save_pretrained(trained, dtype=torch.bfloat16)
         model = Transformer.from_pretrained(trained)  # the served (bf16) trunk, in fp32
-        off, off_s, continued = asyncio.run(serve(trained, None, train_set))
+        off, off_s, continued, _ = asyncio.run(serve(trained, None, train_set))
         x = torch.tensor([p + o["token_ids"] for p, o in zip(train_set, continued)])
         with torch.no_grad():  # the trunk's states, once: it is frozen
             _, hidden, mb = head_loss(model, x)
@@ -567,7 +569,7 @@ def bench_spec(prompts=8, tokens=64, k=2, train_prompts=16, steps=40, language=6
             opt.step()
             losses.append(loss.item())
         model.save_pretrained(trained, dtype=torch.bfloat16)  # the trunk's bits unchanged
-        on, on_s, divergences = asyncio.run(
+        on, on_s, divergences, (accepted, drafted) = asyncio.run(
             serve(trained, {"method": "mtp", "num_speculative_tokens": k}, off=off))
     finally:
         shutil.rmtree(trained, ignore_errors=True)
@@ -582,7 +584,6 @@ def bench_spec(prompts=8, tokens=64, k=2, train_prompts=16, steps=40, language=6
         ties.append(dict(prompt=i, t=t, engine_gap=round(engine_gap, 5),
                          fp32_gap=round((logits[a] - logits[b]).item(), 5), bf16_ulp=ulp,
                          fp32_logit=round(logits[a].item(), 4)))
-    accepted, drafted = (sum(o["drafts"][i] for o in on) for i in (0, 1))
     n_tokens = sum(len(o["token_ids"]) for o in off)
     result = dict(prompts=prompts, tokens=tokens, k=k, language=language, mtp_loss_before=losses[0],
                   mtp_loss_after=losses[-1], off_tokens_per_s=n_tokens / off_s,

@@ -17,7 +17,8 @@ there. Nothing here imports vLLM at module level: the trainer imports this file'
 Supported vLLM: 0.26 (the release built for torch 2.11) through 0.32. Where an API of the range's
 newer end is missing, the feature is detected (never the version string) and the wrapper keeps the
 same guarantee itself: per-token policy versions without vLLM's weight-version spans
-(`version_starts`); without `per_request_spec_decode_metrics` a turn's `drafts` is None.
+(`version_starts`); without `per_request_spec_decode_metrics` a turn's `drafts` is None and
+take_drafts reads the engine's own counters (vLLM's Prometheus metrics, in this process).
 """
 import dataclasses
 import io
@@ -57,9 +58,12 @@ class Engine:
             # the behavior logprob is the sampling distribution's
             # (after temperature), not the raw model's
             logprobs_mode="processed_logprobs")
+        self.spec_counts = None  # the engine's draft counters at the last take_drafts, where
         if vllm_takes("per_request_spec_decode_metrics"):  # each request reports its acceptance
             self.engine_args["per_request_spec_decode_metrics"] = (
                 "summary" if speculative_config else "none")
+        elif speculative_config:  # requests don't: vLLM's counters (kept when stats are logged)
+            self.spec_counts = [0, 0]
         if speculative_config and not torch.cuda.is_available() and worker_extension_cls == WORKER_EXTENSION:
             worker_extension_cls = "engine.DraftingCPUWorker"  # see verify_drafts_on_cpu
         if worker_extension_cls:
@@ -106,6 +110,8 @@ class Engine:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+        if self.spec_counts is not None:
+            self.spec_counts = spec_counters()
         self.version_starts = None if hasattr(self.llm, "update_weight_version") else {}
         await self.set_version(0)
 
@@ -228,6 +234,10 @@ class Engine:
         await self.llm.resume_generation()
 
     async def take_drafts(self):  # the draft tokens accepted and drafted since the last call
+        if self.spec_counts is not None:
+            now = spec_counters()
+            drafts, self.spec_counts = [a - b for a, b in zip(now, self.spec_counts)], now
+            return drafts
         drafts, self.drafts = self.drafts, [0, 0]
         return drafts
 
@@ -283,6 +293,15 @@ def serve_lora_beside_cpu_moe():
         post_init(self)
         self.is_lora_enabled = False
     FusedMoEConfig.__post_init__, FusedMoEConfig.lora_experts_off = without_expert_lora, True
+
+
+def spec_counters():
+    """(accepted, drafted) draft tokens of every engine in this process since it started: vLLM's
+    Prometheus counters, for a vLLM without per-request acceptance."""
+    from vllm.v1.metrics.reader import Counter, get_metrics_snapshot
+    names = ("vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_draft_tokens")
+    got = [m for m in get_metrics_snapshot() if isinstance(m, Counter)]
+    return [sum(m.value for m in got if m.name == n) for n in names]
 
 
 def verify_drafts_on_cpu():

@@ -96,6 +96,27 @@ def test_drafted_turns_record_the_targets_logprobs_and_honour_bans(drafting):
         assert not set(out["token_ids"]) & set(ban)
 
 
+def test_the_engines_draft_counters_agree_with_the_turns(drafting):
+    """Where vLLM reports no per-request acceptance (0.26), take_drafts reads the engine's own
+    Prometheus counters (engine.spec_counters): over the same turns they equal the sum of the
+    turns' own (accepted, drafted), which 0.32 reports. Control: leaving one turn out differs."""
+    import time
+
+    from engine import spec_counters
+    run, engine = drafting.run, drafting.engine
+    time.sleep(1.0)  # stats of earlier steps are recorded after their outputs went out
+    before = spec_counters()
+    outs = [run(engine.generate(list(range(20 + i, 40 + i)),
+                                dict(max_tokens=24, temperature=1.0, ignore_eos=True), f"count{i}"))
+            for i in range(3)]
+    time.sleep(1.0)
+    counted = [a - b for a, b in zip(spec_counters(), before)]
+    turns = [sum(o["drafts"][j] for o in outs) for j in (0, 1)]
+    print(f"\nengine counters {counted}, turns {turns}")
+    assert counted == turns and turns[1] > 0, (counted, turns)
+    assert counted != [sum(o["drafts"][j] for o in outs[1:]) for j in (0, 1)]
+
+
 def test_a_drafted_turn_paused_across_a_sync_resumes_on_the_new_policy(drafting):
     """A turn sampled with drafts at temperature 1 while a sync of perturbed weights pauses the engine (a partial
     rollout): every token streamed before the pause is the start of the recorded turn (the engine's tokens, none
