@@ -248,7 +248,7 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid()  # (1, N, Hv)
         # log decay, fp32
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        y = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, None if cp is None else (
+        y = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, incoming=None if cp is None else (
             lambda u, m: incoming_states(u, m, cp, B)))  # (1, N, Hv, dv)
         z = self.in_proj_z(x).view(1, N, self.n_v, self.dv)
         y = fla_norm.rms_norm_gated(y, z, self.norm.weight, None,
