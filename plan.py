@@ -602,7 +602,7 @@ def plan_run(cfg, mcfg, shards):
     one_sequence = figures["kv_bytes_per_token"] * cfg["engine_max_model_len"]
     if figures["engine_weight_bytes"] + one_sequence > figures["engine_budget_bytes"]:
         raise ConfigError("a rollout engine cannot hold the model: "
-                          f"{gib(figures['engine_weight_bytes'])} of {cfg['rollout_dtype']} "
+                          f"{gib(figures['engine_weight_bytes'])} of {cfg['rollout_dtype'].replace('bfloat', 'bf')} "
                           "weights per GPU plus the KV cache of one "
                           f"{cfg['engine_max_model_len']}-token sequence exceed "
                           f"engine_memory_fraction x GPU = {gib(figures['engine_budget_bytes'])}: "
