@@ -179,8 +179,9 @@ def check_fp8(cfg, mcfg):
     (torch._scaled_grouped_mm: Hopper, 9.0) need FP8 matrix multiplies, which a CPU has none
     of; a dry run plans them wherever it runs."""
     have = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    for key, on, needs, default in (("rollout_dtype", cfg["rollout_dtype"] == "fp8", (8, 9),
-                                     "bfloat16"), ("fp8_experts", cfg["fp8_experts"], (9, 0), False)):
+    for key, on, needs, default in (
+            ("rollout_dtype", cfg["rollout_dtype"] == "fp8", (8, 9), "bfloat16"),
+            ("fp8_experts", cfg["fp8_experts"], (9, 0), False)):
         if on and not cfg["dry_run"] and (have is None or have < needs):
             where = "no CUDA GPU" if have is None else "a GPU of compute capability %d.%d" % have
             raise ConfigError(f"{key}={cfg[key]!r} needs FP8 matrix multiplies (an NVIDIA GPU of "
@@ -602,7 +603,8 @@ def plan_run(cfg, mcfg, shards):
     one_sequence = figures["kv_bytes_per_token"] * cfg["engine_max_model_len"]
     if figures["engine_weight_bytes"] + one_sequence > figures["engine_budget_bytes"]:
         raise ConfigError("a rollout engine cannot hold the model: "
-                          f"{gib(figures['engine_weight_bytes'])} of {cfg['rollout_dtype'].replace('bfloat', 'bf')} "
+                          f"{gib(figures['engine_weight_bytes'])} of "
+                          f"{cfg['rollout_dtype'].replace('bfloat', 'bf')} "
                           "weights per GPU plus the KV cache of one "
                           f"{cfg['engine_max_model_len']}-token sequence exceed "
                           f"engine_memory_fraction x GPU = {gib(figures['engine_budget_bytes'])}: "

@@ -202,7 +202,8 @@ def test_fp8_rollouts_and_experts_plan_half_the_sync_and_engine_weights():
     scales = 4 * (2 * nh * hd * D + 2 * nkv * hd * D + E * 3 * H * D) // 128 ** 2
     rest = 2 * (2 * V * D + D + L * (2 * D + 2 * hd + E * D))  # bf16
     fp8 = L * (projections + scales) + rest
-    sync = lambda out: float(re.search(r"weight sync per step: ([\d.]+) GB", out).group(1))  # noqa: E731
+    def sync(out):
+        return float(re.search(r"weight sync per step: ([\d.]+) GB", out).group(1))
     assert sync(r.stdout) == pytest.approx(fp8 / 1e9, abs=0.01)
     assert 0.5 < sync(r.stdout) / sync(off) < 0.52
     assert "(the projections in e4m3 with 128x128 block scales, the rest bf16)" in r.stdout
