@@ -675,7 +675,7 @@ def bench_fp8(layers=4, prompts=256, tokens=256, scored=64, inv_temperature=4, s
     mean max(rho - C, 0), the bias it keeps, and the share of tokens it truncates.
     ratio = FP8 tokens/s / bf16 tokens/s (the issue's bar: >= 1.4).
 
-        python bench.py fp8                # one H100: about 3 minutes (the model is built once)
+        python bench.py fp8                # one H100: 3-4 minutes (the model is built once)
     """
     opt = dict(locals())
     import asyncio
@@ -722,9 +722,10 @@ def bench_fp8(layers=4, prompts=256, tokens=256, scored=64, inv_temperature=4, s
         for head, out in zip(heads, outs[:scored]):
             ids = torch.tensor([head + out["token_ids"]], device="cuda")  # (1, T)
             routes = torch.tensor(out["routed_experts"], device="cuda")  # (R, L, K)
-            routes = torch.cat([routes, routes[-1:].expand(ids.shape[1] - len(routes), -1, -1)])
-            with torch.no_grad():  # the last token's route, never run, is padding
-                hidden = model.hidden_states(ids, routed_experts=routes[None, :ids.shape[1]])
+            pad = routes[-1:].expand(max(0, ids.shape[1] - len(routes)), -1, -1)
+            with torch.no_grad():  # the last token's route (it never ran) may be missing: padding
+                hidden = model.hidden_states(
+                    ids, routed_experts=torch.cat([routes, pad])[None, :ids.shape[1]])
                 logp = F.log_softmax(model.lm_head(hidden[0, len(head) - 1:-1]).float()
                                      * inv_temperature, -1)
             mine = logp.gather(-1, ids[0, len(head):, None])[:, 0]  # (tokens,)
