@@ -235,6 +235,9 @@ def test_lora_checkpoint_holds_the_adapters_resumes_and_exports_merged_and_peft(
 
 
 MAX_DIFF, MEAN_DIFF = 0.05, 0.01  # as tests/test_weights_sync.py: bf16 on two sets of CPU kernels
+# vLLM's GPU kernels (bf16, the adapters applied by its punica LoRA kernels) against ours: on an
+# H100, max 0.053 and mean 0.0065 over the 47 predicted tokens; the mean bound stays the CPU's
+MAX_DIFF_CUDA = 0.08
 
 
 @pytest.mark.stack
@@ -282,7 +285,8 @@ def test_engine_serves_the_synced_adapter_and_matches_the_trainer(tmp_path, tiny
         d = want - after
         print(f"\nLoRA sync: {stats['bytes']} bytes (full weights {full}), engine vs trainer max |d| "
               f"{d.abs().max():.4f} mean {d.abs().mean():.4f}, KL estimate {(d.exp() - 1 - d).mean():.2e}")
-        assert d.abs().max() <= MAX_DIFF and d.abs().mean() <= MEAN_DIFF, (d.abs().max(), d.abs().mean())
+        bound = MAX_DIFF_CUDA if torch.cuda.is_available() else MAX_DIFF
+        assert d.abs().max() <= bound and d.abs().mean() <= MEAN_DIFF, (d.abs().max(), d.abs().mean())
         # a second sync of new adapters replaces the first (no stale adapter, no double merge of the experts)
         with torch.no_grad():
             for n, p in model.named_parameters():
