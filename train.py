@@ -96,6 +96,9 @@ view_max_attempts = 256    # the newest this many recorded attempts
 # rollout: engine.Engine's options, one key each
 # (plan.ENGINE_OPTIONS); engine.py declares each default
 num_engines = 1
+placement = "separate"     # "separate": engines on GPUs of their own, rollouts stream while the
+                           # trainer steps; "colocated": trainer and engine share one GPU and
+                           # take turns, the engine asleep while the trainer steps (docs/gpu.md)
 tensor_parallel_size = engine.OPTIONS["tensor_parallel_size"]
 engine_max_model_len = engine.OPTIONS["max_model_len"]
 # vLLM gpu_memory_utilization (host memory on CPU)
