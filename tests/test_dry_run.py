@@ -205,7 +205,8 @@ def test_colocated_plan_is_the_larger_phase_with_what_stays_resident():
             "--num_engines=1", "--gpu_memory_gib=79.0", "--engine_memory_fraction=0.3")
     r = run_train(*args, "--placement=colocated")
     assert r.returncode == 0, r.stderr[-3000:]
-    figure = lambda name: float(re.search(rf"{name} ([\d.]+) GiB", r.stdout).group(1)) * GiB  # noqa: E731
+    def figure(name):
+        return float(re.search(rf"{name} ([\d.]+) GiB", r.stdout).group(1)) * GiB
     state = sum(gib(r.stdout, row) for row in ("parameters", "gradients", "optimizer"))
     resident = state - gib(r.stdout, "gradients")
     assert figure("resident") == pytest.approx(resident, abs=0.02 * GiB)
