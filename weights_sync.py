@@ -277,7 +277,8 @@ class WeightSender:
     trainer rank; rank 0 is the sender and joins the engine group
     (`connect_engines`), the others only take part in the gathers of `send`."""
 
-    def __init__(self, bucket_bytes=512 << 20, dtype=torch.bfloat16, device=None, adapter=None):
+    def __init__(self, bucket_bytes=512 << 20, dtype=torch.bfloat16, device=None, adapter=None,
+                 in_place=False):
         # adapter: a LoRA run's lora.peft_config: only the adapters travel, in fp32 (megabytes),
         # and the engines serve them through vLLM's LoRA support (WeightSyncWorker.receive_adapter)
         self.bucket_bytes, self.dtype, self.adapter = bucket_bytes, torch.float32 if adapter else dtype, adapter
@@ -285,6 +286,9 @@ class WeightSender:
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
             else torch.device("cpu"))
         self.group = None  # the engine process group, on the sender only
+        # in_place: an engine on the sender's GPU reads each bucket from the sender's own buffer
+        # (CUDA IPC: no NCCL between two processes on one GPU); the gloo group only says when
+        self.in_place = in_place
 
     @property
     def is_sender(self):
@@ -304,11 +308,32 @@ class WeightSender:
         return bucket_layout(model, self.bucket_bytes, self.dtype,
                              adapters_only=self.adapter is not None)
 
+    def buffers(self, layout):
+        """The sender's two bucket buffers for `layout`, and (in_place) their handles for the
+        engine workers: bytes each, which pickle.loads opens in another process (a CUDA IPC
+        handle on GPU; a shared-memory file descriptor on CPU, between processes of one family)."""
+        from multiprocessing.reduction import ForkingPickler
+        buckets = layout[0]
+        if not (self.is_sender and buckets):
+            return [], []
+        size = max(b["nbytes"] for b in buckets)
+        buffers = [torch.empty(size, dtype=torch.uint8, device=self.device)
+                   for _ in range(min(2, len(buckets)))]
+        if not self.in_place:
+            return buffers, []
+        if self.device.type == "cpu":
+            buffers = [b.share_memory_() for b in buffers]
+        return buffers, [bytes(ForkingPickler.dumps(b)) for b in buffers]
+
     @torch.no_grad()
-    def send(self, model, layout):
+    def send(self, model, layout, buffers=None):
         """Gather, cast, pack and broadcast every bucket of `layout`
         (from `layout(model)`). Every trainer rank calls it (in the same
-        parameter order); returns the bytes sent (0 off the sender)."""
+        parameter order); returns the bytes sent (0 off the sender).
+        in_place: bucket k is packed into buffers[k % 2] (from buffers(layout), whose handles the
+        workers hold), then one gloo barrier says so; the workers pass barrier k once they copied
+        bucket k - 1 out, so after it the sender packs k + 1 into that bucket's buffer. A last
+        barrier: every bucket copied."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # we may run in a helper thread,
                                                 # which starts on device 0
@@ -321,11 +346,11 @@ class WeightSender:
             for name, e0, e1, offset in bucket_pieces:
                 by_param.setdefault(name, []).append((k, e0, e1, offset))
         left = [len(ps) for ps in pieces]  # pieces still to pack, per bucket
-        if self.is_sender and buckets:
-            size = max(b["nbytes"] for b in buckets)
-            buffers = [torch.empty(size, dtype=torch.uint8, device=self.device)
-                       for _ in range(min(2, len(buckets)))]
+        if buffers is None:
+            buffers = self.buffers(layout)[0]
         works, current = [], -1
+        # in place, bucket k's buffer is free once barrier k - 1 passed; a broadcast's once sent
+        lag = 1 if self.in_place else 2
         for name, p in model.named_parameters():
             if name not in by_param:  # every rank knows the layout: a frozen base is not gathered
                 continue
@@ -340,23 +365,33 @@ class WeightSender:
                                   # must be free (bucket k-2 sent)
                     current = k
                     if k >= 2:
-                        works[k - 2].wait()  # NCCL: the stream waits, not
-                                             # the host; gloo: the host waits
+                        works[k - lag].wait()  # NCCL: the stream waits, not
+                                               # the host; gloo: the host waits
                 src = full if e0 is None else full[e0:e1]
                 buf = buffers[k % 2]
                 buf[offset:offset
                     + src.numel() * self.dtype.itemsize].view(self.dtype).view(src.shape).copy_(src)
                 left[k] -= 1
                 if left[k] == 0:
-                    works.append(self.group.broadcast(buf[:buckets[k]["nbytes"]], 0))
+                    works.append(self.barrier() if self.in_place
+                                 else self.group.broadcast(buf[:buckets[k]["nbytes"]], 0))
+        if self.in_place and self.is_sender:
+            works.append(self.barrier())  # the workers copied the last bucket
         for work in works:
             work.wait()
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
-        if self.is_sender and len(works) != len(buckets):
+        if self.is_sender and len(works) != len(buckets) + self.in_place:
             raise RuntimeError(
                 f"sent {len(works)} of {len(buckets)} buckets: the model changed since layout()")
         return sum(b["nbytes"] for b in buckets) if self.is_sender else 0
+
+    def barrier(self):
+        """In place: the packed bucket is written (a host wait for the GPU's copies), then a gloo
+        barrier with the workers (a one-element all-reduce on the host). Returns its work."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        return self.group.allreduce(torch.zeros(1))
 
 # -----------------------------------------------------------------------------
 # the flow around a sync, against the engine interface
@@ -375,7 +410,8 @@ async def connect_engines(engines, sender, host="127.0.0.1", port=0, backend=Non
     engine. `host` must be an address of the sender that the engines can reach.
     Call it again (all engines) after an engine restarts: a group's members are
     fixed, so the group is re-formed. Returns the group's world size."""
-    backend = backend or ("nccl" if sender.device.type == "cuda" else "gloo")
+    backend = backend or ("nccl" if sender.device.type == "cuda" and not sender.in_place
+                          else "gloo")
     port = port or free_port(host)
     workers = [len(await _call(e, "collective_rpc", "weight_worker_rank")) for e in engines]
     world_size = 1 + sum(workers)
@@ -395,7 +431,7 @@ async def connect_engines(engines, sender, host="127.0.0.1", port=0, backend=Non
     return world_size
 
 
-async def sync_weights(engines, sender, model, policy_version):
+async def sync_weights(engines, sender, model, policy_version, pause=True):
     """After an optimizer step, on every trainer rank: pause the engines (in-flight
     requests kept), send the weights, load them, set the engines' weight version to
     `policy_version`, resume. Off rank 0 `engines` is ignored (pass None) and the rank
@@ -405,21 +441,25 @@ async def sync_weights(engines, sender, model, policy_version):
     a broadcast get an error instead of waiting for the timeout), the engines resume on
     the weights they hold (layers that had not arrived keep their old values; the version
     is not bumped), and the error is raised, an engine's own first (e.g. Ray's
-    RayActorError for a dead engine). Call connect_engines again before the next sync."""
+    RayActorError for a dead engine). Call connect_engines again before the next sync.
+    pause=False: the engines are paused already (colocated: asleep, their weights woken for
+    this), and are neither paused nor resumed here."""
     layout = sender.layout(model)
     if not sender.is_sender:
         await asyncio.to_thread(sender.send, model, layout)
         return {"bytes": 0, "pause_s": 0.0, "transfer_s": 0.0}
     t0 = time.perf_counter()
-    await asyncio.gather(*(_call(e, "pause") for e in engines))
+    if pause:
+        await asyncio.gather(*(_call(e, "pause") for e in engines))
     t1 = time.perf_counter()
     try:
-        # the workers block in the broadcasts of receive_weights
+        # the workers block in the broadcasts (in place: the barriers) of receive_weights
         # while the sender (in a thread) feeds them
-        rpc = ("receive_adapter",
-               (layout[0], sender.adapter)) if sender.adapter else ("receive_weights", (layout[0],))
+        buffers, handles = sender.buffers(layout)
+        rpc = ("receive_adapter", (layout[0], sender.adapter)) if sender.adapter else (
+            "receive_weights", (layout[0], handles or None))
         loads = [asyncio.ensure_future(_call(e, "collective_rpc", *rpc)) for e in engines]
-        send = asyncio.ensure_future(asyncio.to_thread(sender.send, model, layout))
+        send = asyncio.ensure_future(asyncio.to_thread(sender.send, model, layout, buffers))
         done, _ = await asyncio.wait([*loads, send], return_when=asyncio.FIRST_EXCEPTION)
         if any(f in done and f.exception() is not None for f in [*loads, send]):
             sender.close()
@@ -432,7 +472,8 @@ async def sync_weights(engines, sender, model, policy_version):
         drafts = [sum(d) for d in zip(
             *await asyncio.gather(*(_call(e, "take_drafts") for e in engines)))]
     finally:
-        await asyncio.gather(*(_call(e, "resume") for e in engines), return_exceptions=True)
+        if pause:
+            await asyncio.gather(*(_call(e, "resume") for e in engines), return_exceptions=True)
     return {"bytes": send.result(), "pause_s": time.perf_counter() - t0,
             "transfer_s": time.perf_counter() - t1,
             "drafts": drafts}  # the engines' draft tokens (accepted, drafted) since the last sync
@@ -492,6 +533,45 @@ class BucketReceiver:
         return unconsumed
 
 
+class HandedBuckets:
+    """The receiving end of an in-place sync (WeightSender(in_place=True), on the same GPU): the
+    sender's two bucket buffers, opened from their handles; bucket k is in buffer k % 2 once
+    barrier k passed. Each bucket is copied out (a device-to-device copy) before the next barrier,
+    which frees its buffer for bucket k + 2; the loader holds the copies as long as it needs (a
+    layer may span two buckets). Iterates (hf_name, tensor) as BucketReceiver does."""
+
+    def __init__(self, group, buckets, handles, device):
+        import pickle
+        if group is None:
+            raise RuntimeError(
+                "weights were sent before init_weight_group: call connect_engines first")
+        self.group, self.buckets, self.device = group, buckets, device
+        self.buffers = [pickle.loads(h) for h in handles]  # CUDA: opens the IPC handle
+        self.passed = self.consumed = 0  # barriers passed, buckets handed to the loader
+
+    def barrier(self):
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # our copy of the last bucket is done
+        self.group.allreduce(torch.zeros(1)).wait()
+        self.passed += 1
+
+    def __iter__(self):
+        for k, bucket in enumerate(self.buckets):
+            self.barrier()
+            buf = self.buffers[k % 2][:bucket["nbytes"]].to(self.device, copy=True)
+            self.consumed += 1
+            yield from [(name, tensor_view(buf, dtype_name, shape, offset))
+                        for name, dtype_name, shape, offset in bucket["tensors"]]
+
+    def drain(self):
+        """Pass the barriers the loader did not get to (the sender waits in them), then drop the
+        sender's buffers. Returns how many buckets were not consumed."""
+        while self.passed < len(self.buckets) + 1:
+            self.barrier()
+        self.buffers = []
+        return len(self.buckets) - self.consumed
+
+
 class WeightSyncWorker:
     """vLLM worker extension (engine arg
     `worker_extension_cls="weights_sync.WeightSyncWorker"`); its methods run in every
@@ -513,13 +593,15 @@ class WeightSyncWorker:
             self.weight_group.shutdown()
         self.weight_group, self.weight_device = None, self.device
 
-    def receive_weights(self, buckets):
+    def receive_weights(self, buckets, handles=None):
         """Receive the buckets and load them. `reload_weights` runs vLLM's layerwise reload (the
         checkpoint-format loader, then each layer's weight processing, then a copy into the kernel
-        tensors), so every layer updates on CPU and GPU alike. Returns the bytes received."""
+        tensors), so every layer updates on CPU and GPU alike. handles: an in-place sync's (the
+        sender's buffers, HandedBuckets). Returns the bytes received."""
         from vllm.config import set_current_vllm_config
-        device = getattr(self, "weight_device", self.device)
-        receiver = BucketReceiver(getattr(self, "weight_group", None), buckets, device)
+        group = getattr(self, "weight_group", None)
+        receiver = (HandedBuckets(group, buckets, handles, self.device) if handles else
+                    BucketReceiver(group, buckets, getattr(self, "weight_device", self.device)))
         drafter, mtp = getattr(getattr(self.model_runner, "drafter", None), "model", None), []
         # the target's load_weights drops mtp.*: they are set
         # aside (views into their buckets) for the MTP drafter
