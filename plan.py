@@ -12,6 +12,7 @@ the sharded model, whose rank 0 shards measure_shards counts; the arithmetic her
 bytes per GPU, GPU counts and the weight-sync volume. This file never imports the trainer.
 """
 
+import ast
 import dataclasses
 import importlib.util
 import math
@@ -62,6 +63,49 @@ RANGES = {
 }
 CHOICES = {"failed_group_rule": ("drop", "complete"), "param_dtype": ("float32", "bfloat16"),
            "constrained_tokens": ("train", "mask"), "placement": ("separate", "colocated")}
+
+
+def resolve_config(argv, defaults):
+    """The config: `defaults` (train.py's), then `--config FILE` (plain assignments), then
+    `--key=value` overrides, each type-checked against the default; an unknown key is an error."""
+    cfg = dict(defaults)
+    def put(key, value, where):
+        if key not in cfg:
+            raise ConfigError(
+                f"unknown config key {key!r} ({where}); known keys: {', '.join(sorted(cfg))}")
+        old = cfg[key]
+        if type(old) is float and type(value) is int:
+            value = float(value)
+        if type(value) is not type(old):
+            raise ConfigError(f"config key {key!r} ({where}) must be {type(old).__name__}, "
+                              f"got {type(value).__name__} {value!r}")
+        cfg[key] = value
+    args = list(argv)
+    for i, arg in enumerate(args):
+        if arg == "--config" and i + 1 < len(args):
+            args[i:i + 2] = ["--config=" + args[i + 1]]
+            break
+    for arg in args:
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+            if not os.path.isfile(path):
+                raise ConfigError(f"config file {path!r} does not exist")
+            scope = {}
+            with open(path) as f:
+                exec(compile(f.read(), path, "exec"), {}, scope)
+            for k, v in scope.items():
+                if not k.startswith("_") and not callable(v) and not isinstance(v, type(sys)):
+                    put(k, v, path)
+        elif arg.startswith("--") and "=" in arg:
+            key, val = arg[2:].split("=", 1)
+            try:  # a string key takes the text as it is
+                value = val if isinstance(cfg.get(key), str) else ast.literal_eval(val)
+            except (SyntaxError, ValueError):
+                value = val  # a bare string
+            put(key, value, f"--{key}")
+        else:
+            raise ConfigError(f"cannot parse argument {arg!r}: use --config FILE or --key=value")
+    return cfg
 
 
 def loss_config(cfg):

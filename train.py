@@ -17,7 +17,6 @@ run); model build. Expert-parallel dispatch and combine and the kernels are expe
 checkpoints, the HF export and weight loading checkpoint.py's; the dry run's arithmetic plan.py's.
 """
 
-import ast
 import asyncio
 import dataclasses
 import datetime
@@ -197,46 +196,9 @@ DEFAULTS = {k: v for k, v in globals().items() if k not in _BEFORE_CONFIG and no
 
 
 def configure(argv, defaults=None):
-    """Resolve the config: defaults, then `--config FILE`
-    (plain assignments), then `--key=value` overrides."""
-    cfg = dict(defaults if defaults is not None else DEFAULTS)
-    def put(key, value, where):
-        if key not in cfg:
-            raise ConfigError(
-                f"unknown config key {key!r} ({where}); known keys: {', '.join(sorted(cfg))}")
-        old = cfg[key]
-        if type(old) is float and type(value) is int:
-            value = float(value)
-        if type(value) is not type(old):
-            raise ConfigError(f"config key {key!r} ({where}) must be {type(old).__name__}, "
-                              f"got {type(value).__name__} {value!r}")
-        cfg[key] = value
-    args = list(argv)
-    for i, arg in enumerate(args):
-        if arg == "--config" and i + 1 < len(args):
-            args[i:i + 2] = ["--config=" + args[i + 1]]
-            break
-    for arg in args:
-        if arg.startswith("--config="):
-            path = arg.split("=", 1)[1]
-            if not os.path.isfile(path):
-                raise ConfigError(f"config file {path!r} does not exist")
-            scope = {}
-            with open(path) as f:
-                exec(compile(f.read(), path, "exec"), {}, scope)
-            for k, v in scope.items():
-                if not k.startswith("_") and not callable(v) and not isinstance(v, type(sys)):
-                    put(k, v, path)
-        elif arg.startswith("--") and "=" in arg:
-            key, val = arg[2:].split("=", 1)
-            try:  # a string key takes the text as it is
-                value = val if isinstance(cfg.get(key), str) else ast.literal_eval(val)
-            except (SyntaxError, ValueError):
-                value = val  # a bare string
-            put(key, value, f"--{key}")
-        else:
-            raise ConfigError(f"cannot parse argument {arg!r}: use --config FILE or --key=value")
-    return cfg
+    """Resolve the config: defaults (DEFAULTS), then `--config FILE` (plain assignments), then
+    `--key=value` overrides, type-checked (plan.resolve_config)."""
+    return plan.resolve_config(argv, DEFAULTS if defaults is None else defaults)
 
 
 # -----------------------------------------------------------------------------
@@ -287,7 +249,8 @@ def main(argv):
                                                           # per-sync notes, unless asked
     ray = connect_ray(cfg, rank, world)
     from rollout import trainer_gpus  # after connect_ray: ranks import ray once its auth is set
-    gpus = trainer_gpus(ray, world)
+    # colocated: the engine takes the trainer's GPU, which is then not reserved against it
+    gpus = {} if cfg["placement"] == "colocated" else trainer_gpus(ray, world)
     # a resumed run's pool continues the prompt stream after the prompts its earlier life drew
     start = extra.get("data_position", 0)
     rollout = start_rollout(cfg, trainer_gpus=gpus, data_position=start) if rank == 0 else None
@@ -317,7 +280,8 @@ def train(cfg, model, optimizer, rollout, step, rank, world, policy_version=None
     out_dir = cfg["out_dir"]
     loop = asyncio.new_event_loop()  # runs the weight-sync coroutines of this thread
     # LoRA: the adapters alone travel
-    sender = weights_sync.WeightSender(adapter=lora.sync_config(cfg))
+    colocated = cfg["placement"] == "colocated"  # the engine sleeps while the trainer steps
+    sender = weights_sync.WeightSender(adapter=lora.sync_config(cfg), in_place=colocated)
     writer, evals = runlog.scalar_writer(cfg, rank), {}
     reference = build_reference(cfg, model, compute_device())  # kl_coef > 0: the initial weights
     lcfg = loss_config(cfg)  # the loss's options, once for the run
@@ -337,6 +301,9 @@ def train(cfg, model, optimizer, rollout, step, rank, world, policy_version=None
         t0 = time.perf_counter()
         records = rollout.pool.next_batch() if rank == 0 else None
         t_batch = time.perf_counter()
+        if colocated and rank == 0:  # the GPU to the trainer; rl_step's sync wakes the engine
+            sleep_s = loop.run_until_complete(weights_sync.sleep_engines(rollout.engines))
+            rollout.asleep = True
         m = rl_step(rollout, loop, sender, model, optimizer, records, cfg, lcfg, policy_version,
                     step, rank, world, reference)
         # the version this step trained on, the new one
@@ -358,6 +325,7 @@ def train(cfg, model, optimizer, rollout, step, rank, world, policy_version=None
                        step_time_s=step_time, response_tokens=sum(r["action_tokens"]
                                            for r in records) / max(len(rewards), 1),
                        batch_wait_s=t_batch - t0, sync_s=m["sync_s"],
+                       **(dict(sleep_s=sleep_s, wake_s=rollout.wake_s) if colocated else {}),
                        engine_idle=rollout.router.idle_fraction(),
                        # versions between the policy that sampled a
                        # segment's oldest token and the one training on it
@@ -406,6 +374,10 @@ def rl_step(rollout, loop, sender, model, optimizer, records, cfg, lcfg, policy_
         m["sync_s"] = push_weights(rollout, loop, sender, model, m["policy_version"], rank, world)
     else:
         m["sync_s"] = None
+        if rank == 0 and rollout.asleep:  # colocated: awake on the weights it held
+            import weights_sync
+            loop.run_until_complete(weights_sync.wake_engines(rollout.engines))
+            rollout.asleep = False
     if cfg["speculative_tokens"] and rank == 0 and rollout.drafts:  # the rollouts behind this step
         (accepted, drafted), rollout.drafts = rollout.drafts, None
         m["draft_acceptance"] = accepted / max(drafted, 1)
@@ -552,6 +524,8 @@ class Rollout:
     view: object = None  # the live viewer page's server (None: view_port 0)
     cleanup: object = None  # stops what the agent's setup started, and the viewer
     drafts: tuple = None  # (accepted, drafted): the engines' MTP drafts since the last sync
+    asleep: bool = False  # placement="colocated": the engines sleep while the trainer steps
+    wake_s: float = 0.0  # seconds the last sync spent waking them
 
 
 def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
@@ -710,9 +684,11 @@ def push_weights(rollout, loop, sender, model, policy_version, rank, world):
         return None
     t0 = time.perf_counter()
     try:
-        out = loop.run_until_complete(weights_sync.sync_weights(live, sender, model, policy_version))
+        asleep = rank == 0 and rollout.asleep
+        out = loop.run_until_complete(weights_sync.sync_weights(live, sender, model, policy_version,
+                                                                asleep=asleep))
         if rank == 0:
-            rollout.drafts = out.get("drafts")
+            rollout.drafts, rollout.wake_s, rollout.asleep = out.get("drafts"), out["wake_s"], False
     except ray.exceptions.RayActorError as e:  # an engine died during the sync:
                                                # it rejoins after its restart
         print0(f"weight sync at version {policy_version} lost an engine ({type(e).__name__}); the "

@@ -431,7 +431,7 @@ async def connect_engines(engines, sender, host="127.0.0.1", port=0, backend=Non
     return world_size
 
 
-async def sync_weights(engines, sender, model, policy_version, pause=True):
+async def sync_weights(engines, sender, model, policy_version, asleep=False):
     """After an optimizer step, on every trainer rank: pause the engines (in-flight
     requests kept), send the weights, load them, set the engines' weight version to
     `policy_version`, resume. Off rank 0 `engines` is ignored (pass None) and the rank
@@ -442,15 +442,18 @@ async def sync_weights(engines, sender, model, policy_version, pause=True):
     the weights they hold (layers that had not arrived keep their old values; the version
     is not bumped), and the error is raised, an engine's own first (e.g. Ray's
     RayActorError for a dead engine). Call connect_engines again before the next sync.
-    pause=False: the engines are paused already (colocated: asleep, their weights woken for
-    this), and are neither paused nor resumed here."""
+    asleep: the engines sleep (placement="colocated", sleep_engines): instead of pause and
+    resume, their weights wake for the transfer and their KV cache after it (the trainer's cached
+    GPU blocks go back to the driver first); "wake_s" is then the time the waking took."""
     layout = sender.layout(model)
     if not sender.is_sender:
         await asyncio.to_thread(sender.send, model, layout)
         return {"bytes": 0, "pause_s": 0.0, "transfer_s": 0.0}
     t0 = time.perf_counter()
-    if pause:
-        await asyncio.gather(*(_call(e, "pause") for e in engines))
+    if asleep and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # what the trainer's step cached, for the engine
+    await asyncio.gather(*(_call(e, *(("wake", ["weights"]) if asleep else ("pause",)))
+                           for e in engines))
     t1 = time.perf_counter()
     try:
         # the workers block in the broadcasts (in place: the barriers) of receive_weights
@@ -472,11 +475,26 @@ async def sync_weights(engines, sender, model, policy_version, pause=True):
         drafts = [sum(d) for d in zip(
             *await asyncio.gather(*(_call(e, "take_drafts") for e in engines)))]
     finally:
-        if pause:
-            await asyncio.gather(*(_call(e, "resume") for e in engines), return_exceptions=True)
+        t2 = time.perf_counter()
+        if asleep and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the sender's buckets
+        await asyncio.gather(*(_call(e, *(("wake", ["kv_cache"]) if asleep else ("resume",)))
+                               for e in engines), return_exceptions=True)
     return {"bytes": send.result(), "pause_s": time.perf_counter() - t0,
-            "transfer_s": time.perf_counter() - t1,
+            "transfer_s": t2 - t1, "wake_s": (t1 - t0 + time.perf_counter() - t2) * asleep,
             "drafts": drafts}  # the engines' draft tokens (accepted, drafted) since the last sync
+
+async def sleep_engines(engines, level=2):
+    """placement="colocated", before the trainer steps: every engine sleeps (engine.Engine.sleep;
+    level 2 drops the weights, which the next sync_weights(asleep=True) rewrites). Returns
+    seconds."""
+    t0 = time.perf_counter()
+    await asyncio.gather(*(_call(e, "sleep", level) for e in engines))
+    return time.perf_counter() - t0
+
+async def wake_engines(engines):
+    """Wake sleeping engines on the weights they hold (a colocated step that synced nothing)."""
+    await asyncio.gather(*(_call(e, "wake") for e in engines))
 
 # -----------------------------------------------------------------------------
 # engine side
