@@ -325,7 +325,10 @@ def train(cfg, model, optimizer, rollout, step, rank, world, policy_version=None
                        step_time_s=step_time, response_tokens=sum(r["action_tokens"]
                                            for r in records) / max(len(rewards), 1),
                        batch_wait_s=t_batch - t0, sync_s=m["sync_s"],
-                       **(dict(sleep_s=sleep_s, wake_s=rollout.wake_s) if colocated else {}),
+                       # colocated: the engine's sleep and wake; the rest of the step is idle_s
+                       **(dict(sleep_s=sleep_s, wake_s=rollout.wake_s, idle_s=step_time - (
+                           t_batch - t0) - sleep_s - m["train_step_s"] - (m["sync_s"] or 0))
+                          if colocated else {}),
                        engine_idle=rollout.router.idle_fraction(),
                        # versions between the policy that sampled a
                        # segment's oldest token and the one training on it
@@ -493,7 +496,9 @@ def connect_ray(cfg, rank, world):
             gpus = torch.cuda.device_count()
             ray.init(num_cpus=max(os.cpu_count() or 1, cfg["num_engines"] + 1) if gpus
                      else cfg["num_engines"] + 1,
-                     num_gpus=gpus, include_dashboard=False,
+                     # colocated: the one GPU the trainer has (in CUDA_VISIBLE_DEVICES' order)
+                     num_gpus=1 if cfg["placement"] == "colocated" else gpus,
+                     include_dashboard=False,
                      # experiences of the tiny run are a few MB
                      object_store_memory=None if gpus else 1 << 30)
         # a local cluster wants a token (in ~/.ray/auth_token) and
