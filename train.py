@@ -274,7 +274,15 @@ def train(cfg, model, optimizer, rollout, step, rank, world, policy_version=None
     """The loop, from `step` to max_steps: batch -> advantages -> each rank's refs
     -> train step -> weight sync -> held-out evaluation (every eval_every steps) ->
     log -> checkpoint. Rank 0 drives (rollout: start_rollout's); the others follow
-    through collectives. Returns rank 0's evaluations, {policy_version: metrics}."""
+    through collectives. Returns rank 0's evaluations, {policy_version: metrics}.
+    placement="colocated" (one GPU): generation and training take turns, with no overlap on the
+    GPU: the engine sleeps from the batch to the sync (rl_step). The pool still keeps its groups
+    going: agents' own work (tools, their code) runs on while the trainer steps, and their requests
+    wait in the sleeping engine, to be sampled by the new weights. Staleness is what each token's
+    policy version says, as in the separate placement. The pool starts no group between the batch
+    and the sync, so with groups_in_flight = groups_per_batch every batch is on-policy (staleness
+    0); above it, the groups still open carry tokens of the previous version, preempted at the
+    sleep and resumed on the new weights (their KV recomputed): one step of staleness at most."""
     import weights_sync
     from tqdm import tqdm
     out_dir = cfg["out_dir"]
@@ -299,13 +307,14 @@ def train(cfg, model, optimizer, rollout, step, rank, world, policy_version=None
     bar = tqdm(total=cfg["max_steps"], initial=step, disable=rank != 0, dynamic_ncols=True)
     for step in range(step, cfg["max_steps"]):
         t0 = time.perf_counter()
-        records = rollout.pool.next_batch() if rank == 0 else None
+        # colocated: no new group starts before the sync (pool.resume), so none samples from
+        # the weights the step replaces
+        records = rollout.pool.next_batch(hold=colocated) if rank == 0 else None
         t_batch = time.perf_counter()
-        if colocated and rank == 0:  # the GPU to the trainer; rl_step's sync wakes the engine
-            sleep_s = loop.run_until_complete(weights_sync.sleep_engines(rollout.engines))
-            rollout.asleep = True
         m = rl_step(rollout, loop, sender, model, optimizer, records, cfg, lcfg, policy_version,
                     step, rank, world, reference)
+        if colocated and rank == 0:
+            rollout.pool.resume()
         # the version this step trained on, the new one
         trained, policy_version = policy_version, m["policy_version"]
         if rank == 0:
@@ -326,8 +335,8 @@ def train(cfg, model, optimizer, rollout, step, rank, world, policy_version=None
                                            for r in records) / max(len(rewards), 1),
                        batch_wait_s=t_batch - t0, sync_s=m["sync_s"],
                        # colocated: the engine's sleep and wake; the rest of the step is idle_s
-                       **(dict(sleep_s=sleep_s, wake_s=rollout.wake_s, idle_s=step_time - (
-                           t_batch - t0) - sleep_s - m["train_step_s"] - (m["sync_s"] or 0))
+                       **(dict(sleep_s=m["sleep_s"], wake_s=m["wake_s"], idle_s=step_time - (
+                           t_batch - t0) - m["sleep_s"] - m["train_step_s"] - (m["sync_s"] or 0))
                           if colocated else {}),
                        engine_idle=rollout.router.idle_fraction(),
                        # versions between the policy that sampled a
@@ -365,7 +374,14 @@ def rl_step(rollout, loop, sender, model, optimizer, records, cfg, lcfg, policy_
     """One RL step of every rank on rank 0's batch `records`: advantages and this rank's segments
     (share_batch), the train step, the viewer's sample, and unless the step was skipped
     (non-finite gradients: no weight changed) a new policy version synced to the engines. Returns
-    train_step's metrics with the new policy_version and sync_s (seconds; None: no sync)."""
+    train_step's metrics with the new policy_version and sync_s (seconds; None: no sync).
+    placement="colocated": the engine sleeps through the train step and the sync wakes it (or, after
+    a skipped step, it wakes on the weights it held): sleep_s and wake_s, seconds of rank 0."""
+    import weights_sync
+    sleep_s = 0.0
+    if rank == 0 and cfg["placement"] == "colocated":  # the GPU to the trainer
+        sleep_s = loop.run_until_complete(weights_sync.sleep_engines(rollout.engines))
+        rollout.asleep, rollout.wake_s = True, 0.0
     segments, advantages = share_batch(records, cfg, rank, world)
     m = train_step(model, optimizer,
                    pack_microbatches(segments, advantages, cfg["microbatch_tokens"]), cfg, lcfg,
@@ -378,9 +394,10 @@ def rl_step(rollout, loop, sender, model, optimizer, records, cfg, lcfg, policy_
     else:
         m["sync_s"] = None
         if rank == 0 and rollout.asleep:  # colocated: awake on the weights it held
-            import weights_sync
+            t0 = time.perf_counter()
             loop.run_until_complete(weights_sync.wake_engines(rollout.engines))
-            rollout.asleep = False
+            rollout.asleep, rollout.wake_s = False, time.perf_counter() - t0
+    m["sleep_s"], m["wake_s"] = sleep_s, rollout.wake_s if rank == 0 else 0.0
     if cfg["speculative_tokens"] and rank == 0 and rollout.drafts:  # the rollouts behind this step
         (accepted, drafted), rollout.drafts = rollout.drafts, None
         m["draft_acceptance"] = accepted / max(drafted, 1)
