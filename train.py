@@ -375,8 +375,8 @@ def rl_step(rollout, loop, sender, model, optimizer, records, cfg, lcfg, policy_
     (share_batch), the train step, the viewer's sample, and unless the step was skipped
     (non-finite gradients: no weight changed) a new policy version synced to the engines. Returns
     train_step's metrics with the new policy_version and sync_s (seconds; None: no sync).
-    placement="colocated": the engine sleeps through the train step and the sync wakes it (or, after
-    a skipped step, it wakes on the weights it held): sleep_s and wake_s, seconds of rank 0."""
+    placement="colocated": the engine sleeps through the train step and the sync wakes it (after a
+    skipped step too: asleep it dropped its weights): sleep_s and wake_s, seconds of rank 0."""
     import weights_sync
     sleep_s = 0.0
     if rank == 0 and cfg["placement"] == "colocated":  # the GPU to the trainer
@@ -389,14 +389,11 @@ def rl_step(rollout, loop, sender, model, optimizer, records, cfg, lcfg, policy_
     if rank == 0 and rollout.recorder:
         rollout.recorder.add(step, records, segments, advantages, m["logprobs"])
     m["policy_version"] = policy_version + (not m["skipped"])
-    if not m["skipped"]:
+    # colocated, the sync wakes the engine, whose weights were dropped asleep: it runs each step
+    if not m["skipped"] or cfg["placement"] == "colocated":
         m["sync_s"] = push_weights(rollout, loop, sender, model, m["policy_version"], rank, world)
     else:
         m["sync_s"] = None
-        if rank == 0 and rollout.asleep:  # colocated: awake on the weights it held
-            t0 = time.perf_counter()
-            loop.run_until_complete(weights_sync.wake_engines(rollout.engines))
-            rollout.asleep, rollout.wake_s = False, time.perf_counter() - t0
     m["sleep_s"], m["wake_s"] = sleep_s, rollout.wake_s if rank == 0 else 0.0
     if cfg["speculative_tokens"] and rank == 0 and rollout.drafts:  # the rollouts behind this step
         (accepted, drafted), rollout.drafts = rollout.drafts, None

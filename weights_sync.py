@@ -492,10 +492,6 @@ async def sleep_engines(engines, level=2):
     await asyncio.gather(*(_call(e, "sleep", level) for e in engines))
     return time.perf_counter() - t0
 
-async def wake_engines(engines):
-    """Wake sleeping engines on the weights they hold (a colocated step that synced nothing)."""
-    await asyncio.gather(*(_call(e, "wake") for e in engines))
-
 # -----------------------------------------------------------------------------
 # engine side
 
