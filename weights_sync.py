@@ -644,6 +644,8 @@ class WeightSyncWorker:
             for model in (self.model_runner.get_model(),
                           *([drafter] if mtp and drafter is not None else [])):
                 repack_cpu_moe_experts(model)
+        elif handles:  # an in-place sync: the bucket copies go back to the driver before the
+            torch.cuda.empty_cache()  # KV cache wakes (outside vLLM's sleep pool, they stay)
         return sum(b["nbytes"] for b in buckets)
 
     def receive_adapter(self, buckets, config):

@@ -82,14 +82,14 @@ def test_engine_sleeps_frees_its_memory_and_wakes_with_the_synced_weights(sleepy
 
 @needs_cuda
 @pytest.mark.stack
-def test_a_tiny_colocated_run_completes_on_one_gpu(tmp_path):
+def test_a_tiny_colocated_run_completes_on_one_gpu(tmp_path, tiny_model_path):
     # the whole loop with placement="colocated": every step the engine sleeps, the trainer steps,
     # the weights go in place and the engine wakes; with groups_in_flight = groups_per_batch every
     # batch is on-policy
     r = subprocess.run([sys.executable, "train.py", "--placement=colocated", "--max_steps=3",
                         "--eval_every=0", "--groups_in_flight=8", "--engine_memory_fraction=0.3",
-                        f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=180, env=child_env())
+                        f"--model_path={tiny_model_path}", f"--out_dir={tmp_path}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=180, env=child_env())
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     steps = [row for row in rows if row["step"] > 0]
