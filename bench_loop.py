@@ -122,11 +122,12 @@ def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batc
                 rollout.pool.resume()
             version = m["policy_version"]
             wall = time.perf_counter() - t0
-            sync = (m["sync_s"] or 0.0) - m["wake_s"]
+            sleep, wake = m.get("sleep_s", 0.0), m.get("wake_s", 0.0)  # colocated only
+            sync = (m["sync_s"] or 0.0) - wake
             rows.append(dict(
                 wall_s=wall, generate_s=t1 - t0, train_s=m["train_step_s"], sync_s=sync,
-                sleep_s=m["sleep_s"], wake_s=m["wake_s"],
-                idle_s=wall - (t1 - t0) - m["train_step_s"] - sync - m["sleep_s"] - m["wake_s"],
+                sleep_s=sleep, wake_s=wake,
+                idle_s=wall - (t1 - t0) - m["train_step_s"] - sync - sleep - wake,
                 trained_tokens=m["tokens"],
                 generated_tokens=sum(r["action_tokens"] for r in records)))
         peak = used.stop() if used else 0
@@ -173,7 +174,8 @@ def measure_ceiling(rollout, loop, model, optimizer, records, cfg, lcfg, version
     import train
     import weights_sync
     segments, advantages = train.share_batch(records, cfg, 0, 1)
-    prompts = [s["token_ids"][:s["action_mask"].index(1)] for s in segments]
+    # each segment's first prompt: its tokens before the first generated one (argmax: the first 1)
+    prompts = [s["token_ids"][:s["action_mask"].argmax()].tolist() for s in segments]
     engine = rollout.engines[0]
     sampling = dict(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()

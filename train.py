@@ -376,7 +376,7 @@ def rl_step(rollout, loop, sender, model, optimizer, records, cfg, lcfg, policy_
     (non-finite gradients: no weight changed) a new policy version synced to the engines. Returns
     train_step's metrics with the new policy_version and sync_s (seconds; None: no sync).
     placement="colocated": the engine sleeps through the train step and the sync wakes it (after a
-    skipped step too: asleep it dropped its weights): sleep_s and wake_s, seconds of rank 0."""
+    skipped step too: asleep it dropped its weights); the metrics then hold sleep_s and wake_s."""
     import weights_sync
     sleep_s = 0.0
     if rank == 0 and cfg["placement"] == "colocated":  # the GPU to the trainer
@@ -394,7 +394,8 @@ def rl_step(rollout, loop, sender, model, optimizer, records, cfg, lcfg, policy_
         m["sync_s"] = push_weights(rollout, loop, sender, model, m["policy_version"], rank, world)
     else:
         m["sync_s"] = None
-    m["sleep_s"], m["wake_s"] = sleep_s, rollout.wake_s if rank == 0 else 0.0
+    if rank == 0 and cfg["placement"] == "colocated":
+        m["sleep_s"], m["wake_s"] = sleep_s, rollout.wake_s
     if cfg["speculative_tokens"] and rank == 0 and rollout.drafts:  # the rollouts behind this step
         (accepted, drafted), rollout.drafts = rollout.drafts, None
         m["draft_acceptance"] = accepted / max(drafted, 1)
