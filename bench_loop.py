@@ -12,11 +12,11 @@ its end token, so generations run to max_tokens. The loop is train.py's: the rol
 capture server, the engine as a Ray actor, rl_step (the engine asleep through the train step, the
 in-place weight sync waking it). The figure: trained tokens (every token of the batch the trainer
 steps on) per second of wall time, and where the wall time went. The ceiling, in the same run on
-the same GPU: the engine's own generation throughput (the batch's prompts, all at once, max_tokens
-each, no agents, no capture server) and the train step's throughput on the batch's tokens (the
-engine asleep); `ratio` = the time those two would take back to back on the timed steps' tokens /
-the steps' wall time. Memory: the GPU's used bytes (every process), sampled every 20 ms, against
-the dry run's colocated peak (plan.plan_colocated).
+the same GPU: the engine's own generation throughput (the last batch's prompts, all at once, each
+to the length the loop generated for it; no agents, no capture server) and the train step's
+throughput on the batch's tokens (the engine asleep); `ratio` = the time those two would take
+back to back on the timed steps' tokens / the steps' wall time. Memory: the GPU's used bytes
+(every process), sampled every 20 ms, against the dry run's colocated peak (plan.plan_colocated).
 """
 import asyncio
 import os
@@ -85,6 +85,8 @@ def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batc
         sys.exit("bench.py loop needs a GPU; on CPU use --smoke")
     if smoke:
         max_tokens, group_size, groups_per_batch, steps, warmup = 16, 2, 2, 2, 1
+        opt.update(max_tokens=max_tokens, group_size=group_size,
+                   groups_per_batch=groups_per_batch, steps=steps, warmup=warmup)
     mcfg, path = loop_model(layers, dense, smoke)
     args = [f"--model_path={path}", "--agent=agents/calculator.py", f"--max_tokens={max_tokens}",
             f"--engine_max_model_len={2 * max_tokens + 512}", f"--group_size={group_size}",
@@ -131,8 +133,7 @@ def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batc
                 trained_tokens=m["tokens"],
                 generated_tokens=sum(r["action_tokens"] for r in records)))
         peak = used.stop() if used else 0
-        ceiling = measure_ceiling(rollout, loop, model, optimizer, records, cfg, lcfg, version,
-                                  max_tokens)
+        ceiling = measure_ceiling(rollout, loop, model, optimizer, records, cfg, lcfg, version)
     finally:
         train.stop_rollout(rollout)
         sender.close()
@@ -165,22 +166,24 @@ def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batc
     return result
 
 
-def measure_ceiling(rollout, loop, model, optimizer, records, cfg, lcfg, version, max_tokens):
-    """The two phases alone on the last batch: the engine generating max_tokens for each of its
-    segments' prompts at once (ignore_eos), then (the engine asleep when colocated) the train
-    step on the batch's segments, twice, the second timed. Tokens per second of each. The engine
-    is left asleep (the run ends)."""
+def measure_ceiling(rollout, loop, model, optimizer, records, cfg, lcfg, version):
+    """The two phases alone on the last batch: the engine generating, for each of its segments'
+    first prompts at once, as many tokens as the segment holds (ignore_eos), then (the engine
+    asleep when colocated) the train step on the batch's segments, twice, the second timed.
+    Tokens per second of each. The engine is left asleep (the run ends)."""
     import ray
     import train
     import weights_sync
     segments, advantages = train.share_batch(records, cfg, 0, 1)
     # each segment's first prompt: its tokens before the first generated one (argmax: the first 1)
     prompts = [s["token_ids"][:s["action_mask"].argmax()].tolist() for s in segments]
+    # as many tokens as the loop generated for it (its turns together): the same lengths
+    lengths = [max(1, int(s["action_mask"].sum())) for s in segments]
     engine = rollout.engines[0]
-    sampling = dict(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    outs = ray.get([engine.generate.remote(p, sampling, f"ceiling-{i}")
-                    for i, p in enumerate(prompts)])
+    outs = ray.get([engine.generate.remote(p, dict(temperature=1.0, max_tokens=n, ignore_eos=True),
+                                           f"ceiling-{i}")
+                    for i, (p, n) in enumerate(zip(prompts, lengths))])
     generate = sum(len(o["token_ids"]) for o in outs) / (time.perf_counter() - t0)
     colocated = cfg["placement"] == "colocated"
     if colocated:
