@@ -27,6 +27,7 @@ import loss
 from experts import local as local_tensor
 from model import ModelConfig, is_stacked_experts, load_config, num_params, write_json
 from tiny import tiny_model_config
+from weights_sync import BUCKET_BYTES
 
 
 class ConfigError(ValueError):
@@ -624,7 +625,6 @@ def plan_memory(cfg, mcfg, shards):
 # what a sleeping engine keeps on the GPU: its CUDA context and CUDA graphs (outside vLLM's
 # sleep pool); an estimate, which `bench.py loop` measures
 ENGINE_ASLEEP_BYTES = 1 * GiB
-SYNC_BUCKET_BYTES = 512 << 20  # weights_sync.WeightSender's bucket_bytes
 
 
 def plan_colocated(figures, on_gpu_state, training):
@@ -638,7 +638,7 @@ def plan_colocated(figures, on_gpu_state, training):
     phases = dict(coloc_train_bytes=on_gpu_state + training + ENGINE_ASLEEP_BYTES,
                   coloc_generate_bytes=figures["engine_budget_bytes"] + resident,
                   coloc_sync_bytes=figures["engine_weight_bytes"] + resident
-                  + 4 * min(SYNC_BUCKET_BYTES, figures["sync_bytes"]))
+                  + 4 * min(BUCKET_BYTES, figures["sync_bytes"]))
     return dict(phases, coloc_resident_bytes=resident, coloc_peak_bytes=max(phases.values()))
 
 

@@ -61,6 +61,7 @@ import lora
 from model import checkpoint_reader, is_stacked_experts, ours_to_hf, weight_files
 
 ALIGN = 256  # byte alignment of each tensor in a bucket: keeps copies and NCCL on aligned addresses
+BUCKET_BYTES = 512 << 20  # WeightSender's default bucket size (the dry run plans with it)
 
 # -----------------------------------------------------------------------------
 # the process group between the sender and the engine workers
@@ -277,7 +278,7 @@ class WeightSender:
     trainer rank; rank 0 is the sender and joins the engine group
     (`connect_engines`), the others only take part in the gathers of `send`."""
 
-    def __init__(self, bucket_bytes=512 << 20, dtype=torch.bfloat16, device=None, adapter=None,
+    def __init__(self, bucket_bytes=BUCKET_BYTES, dtype=torch.bfloat16, device=None, adapter=None,
                  in_place=False):
         # adapter: a LoRA run's lora.peft_config: only the adapters travel, in fp32 (megabytes),
         # and the engines serve them through vLLM's LoRA support (WeightSyncWorker.receive_adapter)
@@ -312,7 +313,7 @@ class WeightSender:
         """The sender's two bucket buffers for `layout`, and (in_place) their handles for the
         engine workers: bytes each, which pickle.loads opens in another process (a CUDA IPC
         handle on GPU; a shared-memory file descriptor on CPU, between processes of one family)."""
-        from multiprocessing.reduction import ForkingPickler
+        from torch.multiprocessing.reductions import ForkingPickler  # with torch's reducers
         buckets = layout[0]
         if not (self.is_sender and buckets):
             return [], []
@@ -483,6 +484,7 @@ async def sync_weights(engines, sender, model, policy_version, asleep=False):
     return {"bytes": send.result(), "pause_s": time.perf_counter() - t0,
             "transfer_s": t2 - t1, "wake_s": (t1 - t0 + time.perf_counter() - t2) * asleep,
             "drafts": drafts}  # the engines' draft tokens (accepted, drafted) since the last sync
+
 
 async def sleep_engines(engines, level=2):
     """placement="colocated", before the trainer steps: every engine sleeps (engine.Engine.sleep;
