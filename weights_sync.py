@@ -313,7 +313,9 @@ class WeightSender:
         """The sender's two bucket buffers for `layout`, and (in_place) their handles for the
         engine workers: bytes each, which pickle.loads opens in another process (a CUDA IPC
         handle on GPU; a shared-memory file descriptor on CPU, between processes of one family)."""
-        from torch.multiprocessing.reductions import ForkingPickler  # with torch's reducers
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing  # noqa: F401 (registers torch's reducers with ForkingPickler)
         buckets = layout[0]
         if not (self.is_sender and buckets):
             return [], []
