@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -86,22 +87,24 @@ def test_a_tiny_colocated_run_completes_on_one_gpu(tmp_path, tiny_model_path):
     # the whole loop with placement="colocated": every step the engine sleeps, the trainer steps,
     # the weights go in place and the engine wakes; with groups_in_flight = groups_per_batch every
     # batch is on-policy
+    t0 = time.monotonic()
     r = subprocess.run([sys.executable, "train.py", "--placement=colocated", "--max_steps=3",
                         "--eval_every=0", "--groups_in_flight=8", "--engine_memory_fraction=0.3",
                         f"--model_path={tiny_model_path}", f"--out_dir={tmp_path}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=180, env=child_env())
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_env())
+    seconds = time.monotonic() - t0
     assert r.returncode == 0, r.stderr[-3000:]
+    assert seconds < 180, f"the tiny colocated run took {seconds:.0f} s"
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     steps = [row for row in rows if row["step"] > 0]
     assert [row["policy_version"] for row in steps] == [1, 2, 3]
     for row in steps:
         assert row["sleep_s"] > 0 and 0 < row["wake_s"] < row["sync_s"], row
         assert row["staleness"] == 0 and row["stale_dropped"] == 0, row
-        parts = row["batch_wait_s"] + row["sleep_s"] + row["train_step_s"] + row["sync_s"]
-        assert row["idle_s"] == pytest.approx(row["step_time_s"] - parts)
-    print("steps:", [{k: round(row[k], 3) for k in ("step_time_s", "batch_wait_s", "sleep_s",
-                                                    "train_step_s", "sync_s", "wake_s",
-                                                    "mismatch_kl")} for row in steps])
+        assert row["idle_s"] >= 0, row  # the phases do not overlap within the step
+    shown = ("step_time_s", "batch_wait_s", "sleep_s", "train_step_s", "sync_s", "wake_s",
+             "mismatch_kl")
+    print(f"{seconds:.0f} s; steps:", [{k: round(row[k], 3) for k in shown} for row in steps])
     assert max(row["mismatch_kl"] for row in steps) < 0.05  # the in-place syncs landed
 
 
