@@ -281,8 +281,8 @@ def train(cfg, model, optimizer, rollout, step, rank, world, policy_version=None
     wait in the sleeping engine, to be sampled by the new weights. Staleness is what each token's
     policy version says, as in the separate placement. The pool starts no group between the batch
     and the sync, so with groups_in_flight = groups_per_batch every batch is on-policy (staleness
-    0); above it, the groups still open carry tokens of the previous version, preempted at the
-    sleep and resumed on the new weights (their KV recomputed): one step of staleness at most."""
+    0); above it, the groups still open carry tokens of earlier versions (their requests preempted
+    at the sleep and resumed on the new weights, KV recomputed), which max_staleness bounds."""
     import weights_sync
     from tqdm import tqdm
     out_dir = cfg["out_dir"]
