@@ -268,12 +268,12 @@ def test_in_place_sync_hands_the_senders_buffers_to_the_engine(loop, engine, sen
                                                                 tiny_model_path):
     # an engine on the trainer's GPU (placement="colocated") reads each bucket from the sender's own
     # buffer: CUDA IPC handles on a GPU, shared memory here; a gloo barrier per bucket says when
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    in_place = WeightSender(bucket_bytes=BUCKET_BYTES, device=device, in_place=True)
+    in_place = WeightSender(bucket_bytes=BUCKET_BYTES, in_place=True,
+                            device=None if torch.cuda.is_available() else "cpu")  # None: this GPU
     ids = fixed_sequence(seed=3)
-    model = trained_model(tiny_model_path, ids, steps=6).to(device)
-    want = trainer_logprobs_bf16(model.cpu(), ids)
-    model.to(device)
+    model = trained_model(tiny_model_path, ids, steps=6)
+    want = trainer_logprobs_bf16(model, ids)
+    model.to(in_place.device)
     before = torch.tensor(loop.run_until_complete(engine.prompt_logprobs(ids))[1:])
     assert (before - want).abs().mean() > 1.0  # the trained weights are far from the engine's
     try:
