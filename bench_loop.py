@@ -62,8 +62,12 @@ def loop_model(layers, dense, smoke):
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                        tie_word_embeddings=True) if dense else ModelConfig(
         **dict(QWEN3_30B_A3B, **vocab), num_hidden_layers=layers)
-    name = "dense-1.7b" if dense else f"qwen3-30b-a3b-{layers}l"
-    return mcfg, ensure_tiny_model(os.path.join(ROOT, ".cache", f"bench-loop-{name}"), cfg=mcfg)
+    path = os.path.join(ROOT, ".cache", f"bench-loop-{'dense-1.7b' if dense else f'moe-{layers}l'}")
+    # built once, aside then renamed (a directory with config.json is whole); its weights may be
+    # sharded, where ensure_tiny_model looks for model.safetensors alone
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        ensure_tiny_model(path, cfg=mcfg)
+    return mcfg, path
 
 
 def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batch=8, steps=4,
