@@ -124,7 +124,7 @@ def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batc
             t1 = time.perf_counter()
             m = train.rl_step(rollout, loop, sender, model, optimizer, records, cfg, lcfg,
                               version, step, 0, world)
-            if colocated:
+            if colocated and step + 1 < warmup + steps:
                 rollout.pool.resume()
             version = m["policy_version"]
             wall = time.perf_counter() - t0
@@ -137,6 +137,7 @@ def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batc
                 trained_tokens=m["tokens"],
                 generated_tokens=sum(r["action_tokens"] for r in records)))
         peak = used.stop() if used else 0
+        rollout.pool.stop()  # no attempt competes with the ceiling's requests
         ceiling = measure_ceiling(rollout, loop, model, optimizer, records, cfg, lcfg, version)
     finally:
         train.stop_rollout(rollout)
