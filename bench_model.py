@@ -1,8 +1,9 @@
 """
 Model and trainer speed benchmarks, run through bench.py (`python bench.py NAME`):
-the whole trainer step (train), the MoE decoder layer alone (layer), the experts with
-LoRA adapters (lora), the VLM (vl). Each measures ours and a baseline (transformers',
-torchtitan's) in the same run on the same GPUs and returns one dict with `ratio`.
+the whole trainer step (train), the MoE decoder layer alone (layer; --fp8: with FP8 experts), the
+experts with LoRA adapters (lora), the VLM (vl), vLLM's FP8 engine against its bf16 one (fp8).
+Each measures ours and a baseline (transformers', torchtitan's; bf16 for the FP8 ones) in the same
+run on the same GPUs and returns one dict with `ratio`.
 """
 import sys
 
@@ -391,7 +392,7 @@ def _kernel_row(name):
 
 
 def bench_layer(low=2, high=4, seq=4096, batch=8, accum=1, steps=4, warmup=2, transformers=1,
-                torchtitan=1, profile=1, compile=0, smoke=0):
+                torchtitan=1, profile=1, compile=0, smoke=0, fp8=0):
     """The MoE decoder layer's training time on one GPU at Qwen3-30B-A3B shapes (bench.py train's
     model): the optimizer-step time with `high` layers minus the time with `low` layers, over high -
     low. That is what each of a 48-layer model's layers costs (forward, backward, its share of
@@ -408,10 +409,13 @@ def bench_layer(low=2, high=4, seq=4096, batch=8, accum=1, steps=4, warmup=2, tr
     too. ratio = transformers' layer ms / ours (ratio_torchtitan likewise). MFU per layer: 6 * N *
     tokens / layer time / 989e12, N = one layer's active matmul weights (attention projections,
     router, top-8 experts: 56.9M); mfu_with_attention adds 6 * seq * heads * head_dim per token.
+    --fp8: ours with fp8_experts (the experts' GEMMs in FP8, experts.GroupedSwiGLU) beside ours in
+    bf16 instead of the baselines; ratio = bf16 layer ms / FP8 layer ms.
 
         python bench.py layer                       # 1 x (8 x 4096) tokens per step
         python bench.py layer --accum=4             # 4 microbatches of 8 x 4096 per step
         python bench.py layer --smoke               # CPU, tiny shapes: exercises every code path
+        python bench.py layer --fp8                 # bf16 vs FP8 experts (an H100: ~3 minutes)
     """
     import torch
     import train
@@ -437,8 +441,11 @@ def bench_layer(low=2, high=4, seq=4096, batch=8, accum=1, steps=4, warmup=2, tr
                     info: _hf_trainer(c, cfg, device, microbatch, accum, bool(compile),
                                                              chunked=True, info=info),
                     torchtitan=lambda c,
-                    info: _titan_trainer(c, cfg, device, microbatch, accum, info=info))
-    wanted = dict(ours=True, transformers=bool(transformers), torchtitan=bool(torchtitan) and cuda)
+                    info: _titan_trainer(c, cfg, device, microbatch, accum, info=info),
+                    fp8=lambda c, info: _ours_trainer(c, dict(cfg, fp8_experts=True), 1, 1, device,
+                                                      microbatch, accum, bool(compile)))
+    wanted = dict(ours=True, transformers=bool(transformers) and not fp8,
+                  torchtitan=bool(torchtitan) and cuda and not fp8, fp8=bool(fp8))
     result = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu",
                   torch=torch.__version__, layers=[low, high], seq=seq, batch=batch,
                   microbatches_per_step=accum, tokens_per_step=tokens, layer_active_params=n_layer,
@@ -457,7 +464,7 @@ def bench_layer(low=2, high=4, seq=4096, batch=8, accum=1, steps=4, warmup=2, tr
                 _free_memory()
         except Exception as e:  # a baseline that cannot run here (not
                                 # installed, out of memory) is reported
-            if name == "ours":
+            if name in ("ours", "fp8"):
                 raise
             step = None
             _free_memory()
@@ -488,6 +495,8 @@ def bench_layer(low=2, high=4, seq=4096, batch=8, accum=1, steps=4, warmup=2, tr
         if name in result:
             key = "ratio" if name == "transformers" else "ratio_torchtitan"
             result[key] = round(result[name]["layer_ms"] / result["ours"]["layer_ms"], 3)
+    if fp8:
+        result["ratio"] = round(result["ours"]["layer_ms"] / result["fp8"]["layer_ms"], 3)
     result.setdefault("ratio", None)
     torch.distributed.destroy_process_group()
     return result
@@ -647,6 +656,93 @@ def bench_lora(experts=16, dim=2048, hidden=768, rows=32768, rank=8, iters=20, s
           f"frozen base without adapters {floor} ms (fwd + bwd)")
     return result
 
+
+
+# -----------------------------------------------------------------------------
+# fp8: rollouts from vLLM's FP8 engine vs its bf16 engine, and the mismatch each leaves
+
+
+def bench_fp8(layers=4, prompts=256, tokens=256, scored=64, inv_temperature=4, seed=0):
+    """FP8 rollouts on one GPU: vLLM's engine in bf16 and in FP8 (rollout_dtype="fp8": vLLM's
+    online block-wise fp8_per_block) on a Qwen3-30B-A3B-shaped MoE cut to `layers` layers (random
+    weights, tiny.py's tokenizer; built once under .cache), one after the other on the same
+    `prompts` prompts of 64 random tokens, `tokens` sampled each (ignore_eos; temperature 1 /
+    inv_temperature, peaked like a trained model's: random weights give near-uniform logits).
+    Generated tokens/s of each. The mismatch: model.py in bf16 (the trainer's compute dtype), with
+    routing replay of each engine's experts, scores the sampled tokens of `scored` prompts;
+    log rho = trainer - engine logprob per token: mismatch KL (k3, as loss.py logs it), and what
+    TIS (truncate at is_high, loss.py's default) leaves of the correction: the weight it cuts,
+    mean max(rho - C, 0), the bias it keeps, and the share of tokens it truncates.
+    ratio = FP8 tokens/s / bf16 tokens/s (the issue's bar: >= 1.4).
+
+        python bench.py fp8                # one H100: 3-4 minutes (the model is built once)
+    """
+    opt = dict(locals())
+    import asyncio
+    import os
+    import time
+    import torch
+    import torch.nn.functional as F
+    import loss
+    import tiny
+    from engine import Engine
+    from model import ModelConfig, Transformer
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        sys.exit("bench.py fp8 needs a GPU with FP8 matrix multiplies (Ada, Hopper or newer)")
+    path = tiny.ensure_tiny_model(os.path.join(os.path.dirname(tiny.TINY_MODEL_PATH),
+                                               f"bench-qwen3-30b-a3b-{layers}l"),
+                                  ModelConfig(**QWEN3_30B_A3B, num_hidden_layers=layers))
+    g = torch.Generator().manual_seed(seed)
+    heads = [torch.randint(1000, 30000, (64,), generator=g).tolist() for _ in range(prompts)]
+    sampling = dict(max_tokens=tokens, temperature=1 / inv_temperature, ignore_eos=True)
+
+    async def serve(rollout_dtype):
+        engine = Engine(path, max_model_len=1024, memory_fraction=0.5, seed=seed,
+                        enable_prefix_caching=False, enable_return_routed_experts=True,
+                        rollout_dtype=rollout_dtype)
+        await engine.start()
+        await asyncio.gather(*(engine.generate(p, sampling, f"w{i}")
+                               for i, p in enumerate(heads[:8])))
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(engine.generate(p, dict(sampling, seed=seed + i), f"b{i}")
+                                      for i, p in enumerate(heads)))
+        seconds = time.perf_counter() - t0
+        await engine.shutdown()
+        return outs, seconds
+
+    runs = {d: asyncio.run(serve(d)) for d in ("bfloat16", "fp8")}
+    result = dict(opt, device=torch.cuda.get_device_name(), vllm=_version("vllm"))
+    for d, (outs, seconds) in runs.items():
+        result[f"{d}_tokens_per_s"] = round(sum(len(o["token_ids"]) for o in outs) / seconds, 1)
+    _free_memory()
+    model = Transformer.from_pretrained(path, torch.bfloat16, "cuda").eval()
+    C = loss.LossConfig().is_high
+    for d, (outs, _) in runs.items():
+        log_rho = []
+        for head, out in zip(heads, outs[:scored]):
+            ids = torch.tensor([head + out["token_ids"]], device="cuda")  # (1, T)
+            routes = torch.tensor(out["routed_experts"], device="cuda")  # (R, L, K)
+            pad = routes[-1:].expand(max(0, ids.shape[1] - len(routes)), -1, -1)
+            with torch.no_grad():  # the last token's route (it never ran) may be missing: padding
+                hidden = model.hidden_states(
+                    ids, routed_experts=torch.cat([routes, pad])[None, :ids.shape[1]])
+                logp = F.log_softmax(model.lm_head(hidden[0, len(head) - 1:-1]).float()
+                                     * inv_temperature, -1)
+            mine = logp.gather(-1, ids[0, len(head):, None])[:, 0]  # (tokens,)
+            log_rho.append(mine - torch.tensor(out["logprobs"], device="cuda"))
+        log_rho = torch.cat(log_rho).double()
+        rho = log_rho.exp()
+        result[d] = dict(mismatch_kl=(rho - 1 - log_rho).mean().item(),
+                         mean_abs_log_rho=log_rho.abs().mean().item(),
+                         tis_cut_weight=(rho - C).clamp(min=0).mean().item(),
+                         tis_truncated_share=(rho > C).double().mean().item(),
+                         sampled_nll=-torch.cat([torch.tensor(o["logprobs"]) for o in
+                                                 outs[:scored]]).mean().item())
+        print(f"{d}: {result[f'{d}_tokens_per_s']} generated tokens/s, {result[d]}", flush=True)
+    result["ratio"] = round(result["fp8_tokens_per_s"] / result["bfloat16_tokens_per_s"], 3)
+    result["mismatch_kl_ratio"] = round(result["fp8"]["mismatch_kl"]
+                                        / max(result["bfloat16"]["mismatch_kl"], 1e-12), 2)
+    return result
 
 
 # -----------------------------------------------------------------------------

@@ -42,7 +42,8 @@ class Engine:
                  tensor_parallel_size=1, enable_prefix_caching=True, speculative_config=None,
                  seed=0, enable_return_routed_experts=False,
                  worker_extension_cls=WORKER_EXTENSION, recompute_kv_on_sync=True,
-                 max_images_per_prompt=8, lora_path=None, **engine_kwargs):
+                 max_images_per_prompt=8, lora_path=None, rollout_dtype="bfloat16",
+                 **engine_kwargs):
         import torch
         # GiB of KV cache of a CPU engine (else half the RAM)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -58,6 +59,10 @@ class Engine:
             # the behavior logprob is the sampling distribution's
             # (after temperature), not the raw model's
             logprobs_mode="processed_logprobs")
+        if rollout_dtype == "fp8":  # vLLM's online block-wise FP8: it quantizes every Linear and
+            # expert weight as it loads them (at start and at each weight sync), e4m3 per 128x128
+            # block (weights_sync.quantize_fp8_blocks); activations per token group of 128
+            self.engine_args["quantization"] = "fp8_per_block"
         self.spec_counts = None  # the engine's draft counters at the last take_drafts, where
         if vllm_takes("per_request_spec_decode_metrics"):  # each request reports its acceptance
             self.engine_args["per_request_spec_decode_metrics"] = (

@@ -1,11 +1,12 @@
 """
 The MoE experts and their kernels: E stacked SwiGLU experts (`Experts`) computed with a plain loop
 over experts (the readable reference, used on CPU) or with grouped GEMM on CUDA (`GroupedSwiGLU` on
-`torch._grouped_mm`), LoRA adapters on them (`LoRAGroupedMM`), the router's top-k, the permutation
-of rows to and from expert order (`GatherRows`, `SumRows`), expert parallelism's `dispatch` and
-`combine` around `all_to_all`, the cast of experts kept outside FSDP (`CastForCompute`), and the few
-Triton kernels on CUDA beside their eager references (`topk_ids`, `sum_slots`, `swiglu_backward`,
-`grouped_grad`, `lowrank_add`, and the AdamW step of large tensors, `AdamW`). `cuda_compiled` is the
+`torch._grouped_mm`, or in FP8 on `torch._scaled_grouped_mm`: `fp8_grouped_mm`), LoRA adapters on
+them (`LoRAGroupedMM`), the router's top-k, the permutation of rows to and from expert order
+(`GatherRows`, `SumRows`), expert parallelism's `dispatch` and `combine` around `all_to_all`, the
+cast of experts kept outside FSDP (`CastForCompute`), and the few Triton kernels on CUDA beside
+their eager references (`topk_ids`, `sum_slots`, `swiglu_backward`, `grouped_grad`, `lowrank_add`,
+and the AdamW step of large tensors, `AdamW`). `cuda_compiled` is the
 one torch.compile wrapper of the project (model.py and loss.py use it too). `python bench.py layer`
 measures them in the decoder layer on a GPU.
 
@@ -33,6 +34,7 @@ except ImportError:
     triton = None
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+FP8 = torch.float8_e4m3fn
 
 COMPILE_ON_CUDA = True  # fuse the elementwise chains below with torch.compile when they run on CUDA
 
@@ -151,6 +153,39 @@ if triton is not None:
         tl.store(dscale + rows, tl.sum(d * silu * up, 1).to(dscale.dtype.element_ty), mask=rows < N)
 
 
+def grouped_mm(a, w, offs, fast_accum=False):
+    """a (N, K) rows sorted by expert (offs: cumulative row counts), w (E, out, K) -> (N, out):
+    each expert's rows times its w_e^T, in a's dtype (bf16 on CUDA)."""
+    return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+
+
+@cuda_compiled
+def fp8_rows(t):
+    """t (..., K) -> (e4m3 (..., K) contiguous, float32 scales (...,)): each row's absolute max
+    maps to e4m3's largest value, t = q * scale per row. On CUDA one fused pass (no fp32 copy)."""
+    scale = t.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / torch.finfo(FP8).max
+    return (t.float() / scale).to(FP8).contiguous(), scale.squeeze(-1)
+
+
+def fp8_grouped_mm(a, w, offs, fast_accum=False):
+    """grouped_mm in FP8 (Hopper's tensor cores run it at twice bf16's rate): a per row (token)
+    and w per expert and output row scaled to e4m3 (fp8_rows), the scales applied in the GEMM's
+    epilogue (`torch._scaled_grouped_mm`), out in bf16. fast_accum: the tensor cores' faster,
+    less precise fp32 accumulation (the forward's; gradients keep the exact one). Quantizing w
+    reads it whole each call: a cost of the order of one bf16 copy of the experts. Off CUDA, the
+    reference: the same e4m3 operands and scales, multiplied in fp32 one expert at a time."""
+    (aq, sa), (wq, sw) = fp8_rows(a), fp8_rows(w)
+    if a.is_cuda:
+        return torch._scaled_grouped_mm(aq, wq.transpose(-2, -1), sa, sw, offs=offs,
+                                        out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+    a32, w32 = aq.float() * sa.unsqueeze(-1), wq.float() * sw.unsqueeze(-1)
+    out, start = a.new_empty(a.shape[0], w.shape[1], dtype=torch.float32), 0
+    for e, end in enumerate(offs.tolist()):  # NOTE: .tolist() is a device-to-host sync
+        out[start:end] = a32[start:end] @ w32[e].T
+        start = end
+    return out.to(torch.bfloat16)
+
+
 class GroupedSwiGLU(torch.autograd.Function):
     """The experts' SwiGLU in three grouped GEMMs: x (N, D) rows sorted by expert (offs:
     cumulative row counts), gate_up (E, 2H, D) the gate and up weights stacked (one GEMM for
@@ -160,33 +195,38 @@ class GroupedSwiGLU(torch.autograd.Function):
     (h^T dy)^T, the same GEMM). With `into` ((gate, up), (down,): fp32 parameters whose
     casts gate_up and down are, train.keep_experts_local's), it adds them into those
     parameters' .grad itself (grouped_grad, fp32 in the GEMM's epilogue) and returns none
-    for the casts. Saves what autograd would: x, gate_up's output and the hidden rows h."""
+    for the casts. Saves what autograd would: x, gate_up's output and the hidden rows h.
+    fp8: the two forward GEMMs and the two input-gradient GEMMs in FP8 (fp8_grouped_mm); the
+    weight gradients stay bf16 GEMMs (torchao's "rowwise with high-precision weight gradient"
+    recipe), the weights themselves bf16 (or fp32 masters) as ever."""
 
     @staticmethod
-    def forward(ctx, x, offs, scale, gate_up, down, into=None):
-        gu = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offs)  # (N, 2H)
+    def forward(ctx, x, offs, scale, gate_up, down, into=None, fp8=False):
+        mm = fp8_grouped_mm if fp8 else grouped_mm
+        gu = mm(x, gate_up, offs, True)  # (N, 2H)
         h = silu_mul(*gu.chunk(2, -1), scale)
         ctx.save_for_backward(x, offs, scale, gate_up, down, gu, h)
-        ctx.into = into
-        return torch._grouped_mm(h, down.transpose(-2, -1), offs=offs)
+        ctx.into, ctx.fp8 = into, fp8
+        return mm(h, down, offs, True)
 
     @staticmethod
     def backward(ctx, dy):
         x, offs, scale, gate_up, down, gu, h = ctx.saved_tensors
-        dy = dy.contiguous()
-        dgu, dscale = swiglu_backward(gu, scale, torch._grouped_mm(dy, down, offs=offs))
-        dx = torch._grouped_mm(dgu, gate_up, offs=offs)
+        dy, mm = dy.contiguous(), fp8_grouped_mm if ctx.fp8 else grouped_mm
+        # FP8: the weights quantized again along their other dimension (a transposed copy each)
+        dgu, dscale = swiglu_backward(gu, scale, mm(dy, down.transpose(-2, -1), offs))
+        dx = mm(dgu, gate_up.transpose(-2, -1), offs)
         if ctx.into is None:  # the weight gradients to autograd: (E, 2H, D) and (E, D, H)
             d_gate_up, d_down = torch._grouped_mm(dgu.t(), x, offs=offs), torch._grouped_mm(
                 dy.t(), h, offs=offs)
-            return dx, None, dscale, d_gate_up, d_down, None
+            return dx, None, dscale, d_gate_up, d_down, None, None
         for params, a, b in zip(ctx.into, (dgu, dy), (x, h)):
             grads = grouped_grad(a, b, offs,
                                  [None if p.grad is None else local(p.grad) for p in params])
             for p, g in zip(params, grads):
                 if p.grad is None:
                     p.grad = placed_like(p, g)
-        return dx, None, dscale, None, None, None
+        return dx, None, dscale, None, None, None, None
 
 
 class CastForCompute(torch.autograd.Function):
@@ -677,6 +717,7 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(E_local, H, D))    # (E_local, H, D)
         self.down_proj = nn.Parameter(torch.empty(E_local, D, H))  # (E_local, D, H)
         self.use_grouped_mm = None  # None: grouped GEMM for bf16 on CUDA, loop elsewhere
+        self.fp8 = False  # grouped GEMMs in FP8 (train.py's fp8_experts; GroupedSwiGLU)
         self.cast_weights = None  # train.keep_experts_local sets it
                                   # when these weights stay outside FSDP
         self.lora_scaling = None  # lora.add_adapters sets it, with the
@@ -722,7 +763,7 @@ class Experts(nn.Module):
             own_grads = self.cast_weights is not None and self.gate_proj.requires_grad
             return GroupedSwiGLU.apply(x, torch.cumsum(counts, 0, dtype=torch.int32), scale, *ws,
                                        ((self.gate_proj, self.up_proj), (self.down_proj,))
-                                       if own_grads else None)
+                                       if own_grads else None, self.fp8)
         return (experts_grouped_mm if grouped else experts_loop)(x, counts, scale, *ws, lora)
 
     def forward(self, x, topk_ids, topk_weights):

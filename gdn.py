@@ -103,24 +103,38 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, chunk=64, incomin
     return out[seg, pos][None].to(dtype)
 
 
-def fla_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens):
-    """fla's Triton kernel (CUDA only): the same function,
-    fused, in the inputs' dtype with an fp32 state."""
+def fla_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, incoming=None):
+    """fla's Triton kernel (CUDA only): the same function, fused, in the inputs' dtype with an
+    fp32 state. Under context parallelism (`incoming`, as chunk_gated_delta_rule_torch's) fla
+    makes each segment's maps itself: the final state from a zero start, and the transition as
+    the final state from the identity with zero values (state_end = transition @ state_start +
+    final, so a zero final and start I leave the transition); then it runs again from the start
+    states `incoming` returns. Three passes of the fused kernel, gradients through all three."""
     # the GPU install's fla-core
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
-    return fla_rule(q, k, v, g=g, beta=beta, scale=q.shape[-1] ** -0.5,
-                    use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.long())[0]
+
+    def rule(v, **kw):
+        return fla_rule(q, k, v, g=g, beta=beta, scale=q.shape[-1] ** -0.5,
+                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.long(), **kw)
+    if incoming is None:
+        return rule(v)[0]
+    S, H, dk = len(cu_seqlens) - 1, v.shape[2], k.shape[3]
+    final = rule(v, output_final_state=True)[1]  # (S, H, dk, dv) fp32
+    eye = torch.eye(dk, device=v.device).expand(S, H, dk, dk).contiguous()
+    transition = rule(v.new_zeros(*v.shape[:3], dk), initial_state=eye,
+                      output_final_state=True)[1]  # (S, H, dk, dk)
+    return rule(v, initial_state=incoming(final, transition))[0]
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens):
+def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, incoming=None):
     """fla's kernel for 16-bit CUDA tensors, the torch reference for the rest:
     in fp32, fla-core 0.6.0's backward gets the log decay's gradient wrong
     (its per-token error grows with the decay's strength, its bf16 path's does
     not; tests/test_hybrid.py measures both), so fp32 inputs stay on the
     reference."""
     if q.is_cuda and FLA_ON_CUDA and q.dtype in (torch.bfloat16, torch.float16):
-        return fla_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens)
-    return chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens)
+        return fla_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, incoming)
+    return chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, incoming=incoming)
 
 
 def incoming_states(final, transition, cp, B):
@@ -234,11 +248,8 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid()  # (1, N, Hv)
         # log decay, fp32
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        if cp is None:
-            y = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens)  # (1, N, Hv, dv)
-        else:  # the torch chunked form on every device: fla's kernel makes no state transition
-            y = chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens,
-                                             incoming=lambda u, m: incoming_states(u, m, cp, B))
+        y = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, incoming=None if cp is None else (
+            lambda u, m: incoming_states(u, m, cp, B)))  # (1, N, Hv, dv)
         z = self.in_proj_z(x).view(1, N, self.n_v, self.dv)
         y = fla_norm.rms_norm_gated(y, z, self.norm.weight, None,
                                     eps=self.norm.eps) if fla else self.norm(y, z)

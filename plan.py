@@ -27,7 +27,7 @@ import loss
 from experts import local as local_tensor
 from model import ModelConfig, is_stacked_experts, load_config, num_params, write_json
 from tiny import tiny_model_config
-from weights_sync import BUCKET_BYTES
+from weights_sync import BUCKET_BYTES, bucket_layout
 
 
 class ConfigError(ValueError):
@@ -63,7 +63,8 @@ RANGES = {
     (lambda v: 0 <= v < 1, "in [0, 1)"): ("beta1", "beta2"),
 }
 CHOICES = {"failed_group_rule": ("drop", "complete"), "param_dtype": ("float32", "bfloat16"),
-           "constrained_tokens": ("train", "mask"), "placement": ("separate", "colocated")}
+           "constrained_tokens": ("train", "mask"), "rollout_dtype": ("bfloat16", "fp8"),
+           "placement": ("separate", "colocated")}
 
 
 def resolve_config(argv, defaults):
@@ -162,6 +163,7 @@ def check_config(cfg, mcfg=None, world_size=None):
                           "expert-parallel groups "
                           "need whole sets of ep_size ranks")
     check_context_parallel(cfg, W)
+    check_fp8(cfg, mcfg)
     if ep > 1 and not mcfg.is_moe:
         raise ConfigError(f"ep_size={ep} needs a MoE model, but the model is dense "
                           "(num_experts=0): use ep_size=1")
@@ -238,6 +240,29 @@ def check_colocated(cfg):
                           "placement='separate' (on CPU the trainer and engine share the cores)")
 
 
+def check_fp8(cfg, mcfg):
+    """rollout_dtype="fp8" (vLLM's FP8 kernels: compute capability 8.9 or newer) and fp8_experts
+    (torch._scaled_grouped_mm: Hopper, 9.0) need FP8 matrix multiplies, which a CPU has none
+    of; a dry run plans them wherever it runs."""
+    have = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    for key, on, needs, default in (
+            ("rollout_dtype", cfg["rollout_dtype"] == "fp8", (8, 9), "bfloat16"),
+            ("fp8_experts", cfg["fp8_experts"], (9, 0), False)):
+        if on and not cfg["dry_run"] and (have is None or have < needs):
+            where = "no CUDA GPU" if have is None else "a GPU of compute capability %d.%d" % have
+            raise ConfigError(f"{key}={cfg[key]!r} needs FP8 matrix multiplies (an NVIDIA GPU of "
+                              f"compute capability {needs[0]}.{needs[1]} or newer) and this "
+                              f"machine has {where}: use {key}={default!r}")
+    if cfg["fp8_experts"] and (not mcfg.is_moe or cfg["param_dtype"] != "bfloat16"
+                               or cfg["lora_rank"]):
+        raise ConfigError("fp8_experts=True runs the grouped expert GEMMs of a MoE model in FP8 "
+                          "in place of their bf16 ones: it needs a MoE model, "
+                          "param_dtype='bfloat16' and lora_rank=0")
+    if cfg["rollout_dtype"] == "fp8" and cfg["lora_rank"]:
+        raise ConfigError("rollout_dtype='fp8' with lora_rank > 0: vLLM's LoRA on an FP8 engine "
+                          "is not supported here yet; use rollout_dtype='bfloat16'")
+
+
 def check_context_parallel(cfg, W):
     """cp_size: whole groups of consecutive ranks, and the loss terms that read one sequence's
     tokens together (a sequence-level importance weight, GSPO's ratio) kept off it: each rank sees
@@ -288,7 +313,8 @@ ENGINE_OPTIONS = {"max_model_len": "engine_max_model_len",
                   "enable_prefix_caching": "enable_prefix_caching",
                   "speculative_config": "speculative_config",
                   "recompute_kv_on_sync": "recompute_kv_on_sync",
-                  "max_images_per_prompt": "max_images_per_prompt"}
+                  "max_images_per_prompt": "max_images_per_prompt",
+                  "rollout_dtype": "rollout_dtype"}
 
 
 def engine_options(cfg):
@@ -455,7 +481,11 @@ def measure_shards(model):
         units[max((u for u in units if u == "" or n.startswith(u + ".")), key=len)] += p.numel()
     blocks = [f"model.layers.{i}" for i in range(len(model.model.layers))]
     experts = sum(v for n, v in local.items() if is_stacked_experts(n))
+    # what a sync to FP8 engines sends (rollout_dtype="fp8"): the projections in e4m3 with their
+    # block scales, the rest in bf16 (weights_sync.bucket_layout's, for the global shapes)
+    fp8 = bucket_layout(model, 1 << 40, fp8=True)[0]
     return dict(dense=sum(local.values()) - experts, expert=experts,
+                fp8_sync_bytes=sum(b["nbytes"] for b in fp8),
                 trainable=sum(local[n] for n, p in model.named_parameters() if p.requires_grad),
                 vision=sum(v for n, v in local.items() if n.startswith("visual.")),
                 root_numel=units[""],
@@ -575,8 +605,12 @@ def plan_memory(cfg, mcfg, shards):
                                                            + figures["grads_bytes"] +
                                                           figures["optimizer_bytes"]
                                                           + figures["reference_bytes"])
+    # fp8_experts: at most one MoE layer's experts (this rank's E / ep) quantized to e4m3 at once,
+    # a byte each (its forward's copies, or its backward's transposed ones)
+    figures["fp8_expert_bytes"] = cfg["fp8_experts"] * mcfg.num_experts // ep * 3 * (
+        mcfg.moe_intermediate_size * mcfg.hidden_size)
     transient = (figures["gather_bytes"] + figures["logits_bytes"] + figures["gdn_state_bytes"] +
-                 cp_transient)
+                 cp_transient + figures["fp8_expert_bytes"])
     ckpt, full = figures["act_bytes_ckpt"], figures["act_bytes_full"]
     # as configured, and the other
     act, other = (ckpt, full) if cfg["activation_checkpointing"] else (full, ckpt)
@@ -593,14 +627,16 @@ def plan_memory(cfg, mcfg, shards):
         dataclasses.replace(mcfg, mtp_num_hidden_layers=0))
     figures.update(drafter_weight_bytes=2 * drafter / tp if k else 0, drafter_sync_bytes=0
                    if cfg["lora_rank"] else 2 * drafter)
-    # bf16
-    figures["engine_weight_bytes"] = 2 * (figures["params_total"] - drafter) / tp + figures[
-        "drafter_weight_bytes"]
-    # sent to the engines every step: the bf16 HF state dict (mtp.* included, drafting or not),
-    # or a LoRA run's fp32 adapters (never on mtp.*, which LoRA freezes: lora.add_adapters)
+    # bf16, or with rollout_dtype fp8 what the sync sends (the projections e4m3 + block scales)
+    fp8 = cfg["rollout_dtype"] == "fp8"
+    served = shards["fp8_sync_bytes"] if fp8 else 2 * figures["params_total"]
+    figures["engine_weight_bytes"] = (served - 2 * drafter) / tp + figures["drafter_weight_bytes"]
+    # sent to the engines every step: the HF state dict (bf16, or the FP8 engines' projections in
+    # e4m3; mtp.* included, drafting or not), or a LoRA run's fp32 adapters (never on mtp.*,
+    # which LoRA freezes: lora.add_adapters)
     figures["sync_bytes"] = 4 * sum(math.prod(s)
                                     for s in lora.adapter_shapes(mcfg, cfg).values()) if cfg[
-        "lora_rank"] else 2 * figures["params_total"]
+        "lora_rank"] else served
     kv_heads = max(1, math.ceil(mcfg.num_key_value_heads / tp))
     # KV in the attention layers; a Gated DeltaNet layer holds a fixed state
     # per sequence instead (fp32 delta-rule state, bf16 conv state; heads
@@ -663,7 +699,8 @@ def plan_run(cfg, mcfg, shards):
     one_sequence = figures["kv_bytes_per_token"] * cfg["engine_max_model_len"]
     if figures["engine_weight_bytes"] + one_sequence > figures["engine_budget_bytes"]:
         raise ConfigError("a rollout engine cannot hold the model: "
-                          f"{gib(figures['engine_weight_bytes'])} of bf16 "
+                          f"{gib(figures['engine_weight_bytes'])} of "
+                          f"{cfg['rollout_dtype'].replace('bfloat', 'bf')} "
                           "weights per GPU plus the KV cache of one "
                           f"{cfg['engine_max_model_len']}-token sequence exceed "
                           f"engine_memory_fraction x GPU = {gib(figures['engine_budget_bytes'])}: "
@@ -741,12 +778,15 @@ def print_plan(cfg, p):
          if p["linear_layers"] and p["cp"] == 1 else []) + [
         f"  logprob chunk     {gib(p['logits_bytes'])}  fp32 logits, softmax, gradient of one "
         f"{cfg['logprob_chunk_size']}-token chunk",
+    ] + ([f"  fp8 experts       {gib(p['fp8_expert_bytes'])}  one MoE layer's experts in e4m3 "
+          "(fp8_experts: quantized for each forward and, transposed, for each backward)"]
+         if p["fp8_expert_bytes"] else []) + [
         f"  total             {gib(p['total_bytes'])}  of {cfg['gpu_memory_gib']:g} GiB "
         f"({100 * p['total_bytes'] / p['gpu_bytes']:.0f}%), activation checkpointing "
         f"{'on' if ckpt else 'off'}; {'off' if ckpt else 'on'}: "
         f"{gib(p['total_bytes_other_ckpt']).strip()}",
     ]
-    tp = cfg["tensor_parallel_size"]
+    tp, fp8 = cfg["tensor_parallel_size"], cfg["rollout_dtype"] == "fp8"
     lines += ([
         f"GPUs: 1, colocated (placement): training {gib(p['coloc_train_bytes']).strip()} (the "
         f"total above + {gib(ENGINE_ASLEEP_BYTES).strip()} the sleeping engine keeps), generating "
@@ -757,7 +797,8 @@ def print_plan(cfg, p):
     ] if cfg["placement"] == "colocated" else [
         f"GPUs: {W} training + {p['rollout_gpus']} rollout ({cfg['num_engines']} engines x "
         f"tensor_parallel_size {tp}) = {W + p['rollout_gpus']}"]) + [
-        f"rollout engine, per GPU: {gib(p['engine_weight_bytes']).strip()} bf16 weights of "
+        f"rollout engine, per GPU: {gib(p['engine_weight_bytes']).strip()} "
+        f"{'fp8 (projections; the rest bf16)' if fp8 else 'bf16'} weights of "
         f"{gib(p['engine_budget_bytes']).strip()} (engine_memory_fraction "
         f"{cfg['engine_memory_fraction']:g}); KV cache for {p['kv_tokens']:,} tokens = "
         f"{p['kv_tokens'] // cfg['engine_max_model_len']:,} full "
@@ -784,9 +825,11 @@ def print_plan(cfg, p):
                      f"backward{', forward again under activation checkpointing' if ckpt else ''}), about {seconds * 1e3:.1f} "
                      f"ms at {NCCL_GBPS:g} GB/s unoverlapped, x {p['moe_layers']} MoE layers per "
                      "microbatch")
+    sent = ("fp32 LoRA adapters; the engines merge the expert ones" if cfg["lora_rank"] else
+            "the projections in e4m3 with 128x128 block scales, the rest bf16" if fp8 else
+            "bf16 HF state dict")
     lines += [
-        f"weight sync per step: {p['sync_bytes'] / 1e9:.2f} GB ("
-        f"{'fp32 LoRA adapters; the engines merge the expert ones' if cfg['lora_rank'] else 'bf16 HF state dict'}), "
+        f"weight sync per step: {p['sync_bytes'] / 1e9:.2f} GB ({sent}), "
         "received by each engine"
         + (f"; {p['drafter_sync_bytes'] / 1e9:.2f} GB of it the MTP layers (mtp.*), which "
                                      "only a drafting engine loads" if p["drafter_sync_bytes"]

@@ -248,11 +248,19 @@ def call_grammar(format_name, request):
         return None
     from pydantic import BaseModel
     from xgrammar import Grammar, StructuralTag
-    from xgrammar.structural_tag import (ConstStringFormat, JSONSchemaFormat, OrFormat,
-                                         SequenceFormat, TagFormat, TagsWithSeparatorFormat,
-                                         TriggeredTagsFormat)
-    answer = structured and JSONSchemaFormat(json_schema=bounded(structured.get("json", {"type": "object"})),
-                                             max_whitespace_cnt=MAX_JSON_WHITESPACE)
+    from xgrammar.structural_tag import (ConstStringFormat, GrammarFormat, JSONSchemaFormat,
+                                         OrFormat, SequenceFormat, TagFormat,
+                                         TagsWithSeparatorFormat, TriggeredTagsFormat)
+
+    def json_format(schema):  # xgrammar's, less the raw control characters it lets into a string
+                              # with a length bound: no JSON (the tool parser drops such a call)
+        try:
+            ebnf = str(Grammar.from_json_schema(json.dumps(schema),
+                                                max_whitespace_cnt=MAX_JSON_WHITESPACE))
+        except RuntimeError as e:
+            raise RequestError(400, f"xgrammar cannot compile the JSON schema: {str(e)[:200]}")
+        return GrammarFormat(grammar=ebnf.replace(r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]'))
+    answer = structured and json_format(bounded(structured.get("json", {"type": "object"})))
     if not calls:
         return StructuralTag(format=answer).model_dump_json(), None
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
@@ -273,6 +281,8 @@ def call_grammar(format_name, request):
         for n in found:
             if isinstance(n, JSONSchemaFormat):
                 n.max_whitespace_cnt = MAX_JSON_WHITESPACE
+            if isinstance(n, TagFormat) and getattr(n.content, "style", None) == "json":
+                n.content = json_format(n.content.json_schema)
             if isinstance(n, (TriggeredTagsFormat, TagsWithSeparatorFormat)):
                 n.stop_after_first = not request.parallel
         return tag.format, found, next(
@@ -341,8 +351,7 @@ def sampling_of(server, body, max_tokens, stop, seed, max_temperature):
         raise invalid("top_p", f"must be in (0, 1], got {top_p}.")
     if top_p is not None and top_p < 1 and server.importance_correction:
         raise invalid("top_p", "< 1 is refused: importance correction is on and the trainer's "
-                               "logprobs cover the full "
-                               "vocabulary, not the nucleus.")
+                               "logprobs cover the full vocabulary, not the nucleus.")
     if max_tokens is not None and max_tokens < 1:
         raise invalid("max_tokens", f"must be at least 1, got {max_tokens}.")
     if seed is not None and not 0 <= seed < 2**63:
@@ -458,9 +467,8 @@ def openai_choice(choice, nested):
     if isinstance(choice, dict):
         fn = choice.get("function") if nested == "function" else choice
         if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise invalid("tool_choice",
-                          "must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", ...} "
-                                         f"naming a function, got {choice!r}.")
+            raise invalid("tool_choice", "must be \"auto\", \"none\", \"required\" or {\"type\": "
+                                         f"\"function\", ...}} naming a function, got {choice!r}.")
         return "function", fn["name"]
     if choice not in ("auto", "none", "required"):
         raise invalid("tool_choice", f"must be \"auto\", \"none\", \"required\" or a function, got {choice!r}.")
@@ -546,12 +554,10 @@ def parse_anthropic(body, server, counting=False):
                           not field(choice, "disable_parallel_tool_use", bool, False, where="tool_choice."))
 
 RESPONSES_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
-                    "max_output_tokens",
-                    "temperature", "top_p", "stream", "previous_response_id", "store", "text",
-                    "include", "top_logprobs", "truncation", "reasoning", "metadata", "user",
-                    "service_tier", "prompt_cache_key",
-                    # seed: as in chat completions (an extension)
-                    "safety_identifier", "stream_options", "seed"}
+                    "max_output_tokens", "temperature", "top_p", "stream", "previous_response_id",
+                    "store", "text", "include", "top_logprobs", "truncation", "reasoning",
+                    "metadata", "user", "service_tier", "prompt_cache_key", "safety_identifier",
+                    "stream_options", "seed"}  # seed: as in chat completions (an extension)
 RESPONSES_ITEMS = "message, reasoning, function_call, function_call_output"
 
 
@@ -594,9 +600,8 @@ def parse_responses(body, server):
             messages.append({"role": "tool", "tool_call_id": field(item, "call_id", str, required=True, where=w),
                              "content": text_of(output, w + "output", images=True)})
         else:
-            raise invalid(w + "type",
-                          f"{kind!r} is not supported (items: {RESPONSES_ITEMS}; message roles system, "
-                                      "developer, user, assistant).")
+            raise invalid(w + "type", f"{kind!r} is not supported (items: {RESPONSES_ITEMS}; "
+                                      "message roles system, developer, user, assistant).")
         if reasoning and messages[-1]["role"] == "assistant":
             messages[-1]["reasoning_content"], reasoning = reasoning, ""
     tools, strict = tools_of(body, ("function",), "must be \"function\" (function tools only).")
@@ -669,9 +674,8 @@ class ImageTokens:
             with Image.open(io.BytesIO(image)) as img:
                 w, h = img.size
                 if w * h > self.max_pixels:
-                    raise RequestError(
-                        400, f"`{where}`: the image is {w}x{h} pixels, more than {self.max_pixels}.",
-                        where)
+                    raise RequestError(400, f"`{where}`: the image is {w}x{h} pixels, more than "
+                                            f"{self.max_pixels}.", where)
                 img.load()
                 # a photo turned on its side swaps them
                 w, h = convert_image_mode(normalize_image(img), "RGB").size
@@ -898,11 +902,10 @@ async def openai_events(items, request):
         if kind == "head":
             base = {"id": "chatcmpl-" + item[1], "object": "chat.completion.chunk",
                     "created": item[2], "model": item[3]}
-        delta = {"role": "assistant",
-                 "content": ""} if kind == "head" else {"content": item[1]} if kind == "text" else {
-            "reasoning_content": item[1]} if kind == "reasoning" else {
-            "tool_calls": [dict(tool_call(item[2], item[3], ""), index=item[1]) if kind == "call" else
-                           {"index": item[1], "function": {"arguments": item[2]}}]}
+        delta = {"role": "assistant", "content": ""} if kind == "head" else {"content": item[1]} \
+            if kind == "text" else {"reasoning_content": item[1]} if kind == "reasoning" else \
+            {"tool_calls": [{"index": item[1], "function": {"arguments": item[2]}} if kind == "args"
+                            else dict(tool_call(item[2], item[3], ""), index=item[1])]}
         yield sse(None, {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
     if kind == "error":  # as vLLM's OpenAI server does: an error
                          # chunk (the SDKs raise it), then the end
@@ -920,9 +923,8 @@ async def openai_events(items, request):
 def anthropic_message(result):
     m = result["message"]
     # no signature: nothing here signs reasoning; a thinking block sent back is read by its text
-    content = [{"type": "thinking", "thinking": m["reasoning_content"], "signature": ""}] if m.get(
-        "reasoning_content") \
-        else []
+    content = [{"type": "thinking", "thinking": m["reasoning_content"], "signature": ""}] \
+        if m.get("reasoning_content") else []
     content += [{"type": "text", "text": m["content"]}] if m["content"] else []
     content += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
                  "input": json.loads(c["function"]["arguments"])} for c in m.get("tool_calls", [])]
@@ -993,12 +995,11 @@ def responses_object(result):
     usage = result["prompt_tokens"], result["completion_tokens"]
     return {"id": "resp_" + result["id"], "object": "response", "created_at": result["created"],
             "model": result["model"], "status": "incomplete" if cut else "completed",
-            "incomplete_details": {"reason": "max_output_tokens"}
-            if cut else None, "error": None, "output": output, "parallel_tool_calls": True, "tool_choice": "auto",
-            "tools": [], "usage": {"input_tokens": usage[0], "input_tokens_details": {"cached_tokens": 0},
-                                   "output_tokens": usage[1], "output_tokens_details": {
-                                       "reasoning_tokens": result.get("reasoning_tokens", 0)},
-                                   "total_tokens": sum(usage)}}
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
+            "output": output, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+            "usage": dict(input_tokens=usage[0], input_tokens_details={"cached_tokens": 0},
+                          output_tokens=usage[1], total_tokens=sum(usage), output_tokens_details={
+                              "reasoning_tokens": result.get("reasoning_tokens", 0)})}
 
 
 async def responses_events(items, request=None):

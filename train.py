@@ -45,7 +45,7 @@ import runlog
 import vl
 from checkpoint import (copy_shard, export_hf, latest_checkpoint, load_checkpoint, load_hf_weights,
                         local_tensor, save_checkpoint)
-from experts import EXPERT_PROJS, AdamW, CastForCompute
+from experts import EXPERT_PROJS, AdamW, CastForCompute, Experts
 from model import Transformer, init_parameters, is_stacked_experts, load_config
 from context import ContextParallel, split_microbatch
 from tiny import ensure_tiny_model, tiny_model_config
@@ -108,6 +108,9 @@ enable_prefix_caching = engine.OPTIONS["enable_prefix_caching"]
 recompute_kv_on_sync = engine.OPTIONS["recompute_kv_on_sync"]
 # images one prompt may hold (vLLM's limit_mm_per_prompt); more get a 400 naming the image
 max_images_per_prompt = engine.OPTIONS["max_images_per_prompt"]
+# "fp8": the engines serve vLLM's block-wise FP8 weights (Hopper), and each weight sync sends the
+# projections quantized the same way (weights_sync.quantize_fp8_blocks), about half the bytes
+rollout_dtype = engine.OPTIONS["rollout_dtype"]
 speculative_config = {}    # passed to vLLM as is, e.g. {"method":
                            # "mtp", "num_speculative_tokens": 1}
 speculative_tokens = 0     # MTP speculative decoding: tokens drafted per
@@ -176,6 +179,8 @@ param_dtype = "float32"    # compute dtype (bfloat16 on GPU); master
                            # weights and reductions stay fp32
 activation_checkpointing = False
 cpu_offload_optimizer = False
+fp8_experts = False        # the MoE experts' GEMMs in FP8, forward and input gradients (Hopper;
+                           # weight gradients bf16, masters fp32 as ever: experts.GroupedSwiGLU)
 gpu_memory_gib = 140.0      # per-GPU memory the dry run plans against
                             # (H200: 141 GB as sold, 140.4 GiB)
 gpus_per_node = 8          # GPUs of one node, for the dry run: an engine's
@@ -287,9 +292,9 @@ def train(cfg, model, optimizer, rollout, step, rank, world, policy_version=None
     from tqdm import tqdm
     out_dir = cfg["out_dir"]
     loop = asyncio.new_event_loop()  # runs the weight-sync coroutines of this thread
-    # LoRA: the adapters alone travel
     colocated = cfg["placement"] == "colocated"  # the engine sleeps while the trainer steps
-    sender = weights_sync.WeightSender(adapter=lora.sync_config(cfg), in_place=colocated)
+    sender = weights_sync.WeightSender(adapter=lora.sync_config(cfg),  # LoRA: the adapters alone
+                                       fp8=cfg["rollout_dtype"] == "fp8", in_place=colocated)
     writer, evals = runlog.scalar_writer(cfg, rank), {}
     reference = build_reference(cfg, model, compute_device())  # kl_coef > 0: the initial weights
     lcfg = loss_config(cfg)  # the loss's options, once for the run
@@ -1166,6 +1171,8 @@ def build_model(cfg, meshes, device, weights_path=None, model_config=None, init_
     if mcfg.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
         raise RuntimeError("tied embeddings came untied while materializing the sharded model")
     model.activation_checkpointing = cfg["activation_checkpointing"]
+    for experts in (m for m in model.modules() if isinstance(m, Experts)):
+        experts.fp8 = cfg["fp8_experts"]  # the grouped GEMMs in FP8 (experts.GroupedSwiGLU)
     # the tower's collectives: model.idle_vision
     model.vision_in_every_forward = dist.get_world_size() > 1
     if weights_path is not None:

@@ -62,6 +62,9 @@ from model import checkpoint_reader, is_stacked_experts, ours_to_hf, weight_file
 
 ALIGN = 256  # byte alignment of each tensor in a bucket: keeps copies and NCCL on aligned addresses
 BUCKET_BYTES = 512 << 20  # WeightSender's default bucket size (the dry run plans with it)
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+FP8_BLOCK = 128  # vLLM's fp8 weight blocks (weight_block_size [128, 128]): one scale per block
 
 # -----------------------------------------------------------------------------
 # the process group between the sender and the engine workers
@@ -132,20 +135,24 @@ def free_port(host="127.0.0.1"):
 # the bucket layout: which tensor goes where, computed from global shapes alone (no communication)
 
 
-def bucket_layout(model, bucket_bytes, dtype=torch.bfloat16, adapters_only=False):
+def bucket_layout(model, bucket_bytes, dtype=torch.bfloat16, adapters_only=False, fp8=False):
     """Lay the model's weights, in HF names, into flat byte buckets of at most
     `bucket_bytes` (a tensor larger than that gets a bucket of its own). Stacked
     experts are split at expert boundaries. adapters_only: the LoRA adapters
     alone, in PEFT names (lora.peft_names), the frozen base stays where it is.
+    fp8: the weights that vLLM's fp8 engine quantizes (fp8_on_wire) travel as e4m3
+    with a float32 `*.weight_scale_inv` per 128x128 block (quantize_fp8_blocks), each
+    right after its weight in the list: about half the bytes.
 
     Returns (buckets, pieces). `buckets` is what the engines get: [{"nbytes": int, "tensors":
     [[hf_name, dtype_name, shape, byte_offset], ...]}, ...] (plain lists: it travels as an
     rpc argument). `pieces` is what the sender packs: per bucket, [(param_name, expert_start,
-    expert_stop, byte_offset)], expert_* None for tensors that are not stacked experts.
+    expert_stop, byte_offset, scale_offset)], expert_* None for tensors that are not stacked
+    experts, scale_offset None for tensors that are not quantized (else where the pieces'
+    scales start: after their weights).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    dtype_name, elsize = str(dtype).removeprefix("torch."), dtype.itemsize
     buckets, pieces = [], []
 
     def room():  # bytes left in the last bucket after its next aligned offset
@@ -168,24 +175,63 @@ def bucket_layout(model, bucket_bytes, dtype=torch.bfloat16, adapters_only=False
               ours_to_hf({name: torch.empty(shape, device="meta")}, model.config))
         if not hf:  # a tied lm_head: the engine ties it to embed_tokens itself
             continue
-        if not is_stacked_experts(name):
-            offset = place(math.prod(shape) * elsize)
-            buckets[-1]["tensors"].append([next(iter(hf)), dtype_name, list(shape), offset])
-            pieces[-1].append((name, None, None, offset))
-            continue
-        names, expert_bytes = list(hf), math.prod(shape[1:]) * elsize
-        e = 0
-        while e < shape[0]:  # as many experts as fit in the last bucket,
-                             # or else in a new one (at least one)
-            fit = max(0, room()) // expert_bytes or max(1, bucket_bytes // expert_bytes)
-            n = min(shape[0] - e, fit)
-            offset = place(n * expert_bytes)
+        stacked = is_stacked_experts(name)
+        names, one = list(hf), list(shape[1:] if stacked else shape)  # one: each HF tensor's shape
+        quantized = fp8 and fp8_on_wire(names[0], one)
+        blocks = [-(-n // FP8_BLOCK) for n in one[-2:]]  # its scales' shape
+        w_bytes = math.prod(one) * (1 if quantized else dtype.itemsize)
+        s_bytes = 4 * math.prod(blocks) if quantized else 0
+        e, count = 0, shape[0] if stacked else 1
+        while e < count:  # as many experts as fit in the last bucket, or else in a new one
+            per, pad = w_bytes + s_bytes, ALIGN if quantized else 0  # (at least one)
+            n = min(count - e, max(0, room() - pad) // per or max(1, (bucket_bytes - pad) // per))
+            offset = place(align(n * w_bytes) + n * s_bytes if quantized else n * w_bytes)
+            scales = offset + align(n * w_bytes) if quantized else None
             for i in range(n):
-                buckets[-1]["tensors"].append(
-                    [names[e + i], dtype_name, list(shape[1:]), offset + i * expert_bytes])
-            pieces[-1].append((name, e, e + n, offset))
+                buckets[-1]["tensors"].append([names[e + i], "float8_e4m3fn" if quantized
+                                               else str(dtype).removeprefix("torch."), one,
+                                               offset + i * w_bytes])
+                if quantized:
+                    buckets[-1]["tensors"].append([scale_name(names[e + i]), "float32", blocks,
+                                                   scales + i * s_bytes])
+            pieces[-1].append((name, e, e + n, offset, scales) if stacked
+                              else (name, None, None, offset, scales))
             e += n
     return buckets, pieces
+
+
+def fp8_on_wire(hf_name, shape):
+    """Whether an fp8 sync sends this weight quantized: the projections of attention and of the
+    MLPs and experts, every one a Linear (or expert) that vLLM's fp8 engine quantizes block-wise
+    itself. Embeddings, lm_head, norms, the router, the vision tower and the MTP drafter's layers
+    travel in the engine dtype: a lossy copy of a weight the engine keeps in bf16 would be a
+    mismatch of our making."""
+    return (len(shape) == 2 and hf_name.endswith("_proj.weight")
+            and not hf_name.startswith(("visual.", "mtp.")))
+
+
+def scale_name(hf_name):
+    return hf_name.removesuffix("weight") + "weight_scale_inv"  # vLLM's checkpoint fp8 name
+
+
+def quantize_fp8_blocks(w, block=FP8_BLOCK):
+    """w (..., M, K) -> (e4m3 (..., M, K), float32 scales (..., ceil(M/block), ceil(K/block))):
+    vLLM's per_block_cast_to_fp8 (what its fp8 engine does to a bf16 weight): each block's
+    absolute max (at least 1e-4) maps to 448, w = q * scale per block. Costs an fp32 copy of w."""
+    M, K = w.shape[-2:]
+    x = torch.nn.functional.pad(w.float(), (0, -K % block, 0, -M % block))
+    x = x.unflatten(-1, (-1, block)).unflatten(-3, (-1, block))  # (..., M/b, b, K/b, b)
+    scale = x.abs().amax((-3, -1), keepdim=True).clamp(min=1e-4) / FP8_MAX
+    q = (x * (1.0 / scale)).to(FP8).flatten(-2).flatten(-3, -2)[..., :M, :K]
+    return q, scale.squeeze(-1).squeeze(-2)
+
+
+def dequantize_fp8_blocks(q, scale, dtype=torch.bfloat16, block=FP8_BLOCK):
+    """quantize_fp8_blocks' inverse, up to its rounding: q (..., M, K) e4m3 times each block's
+    scale, in dtype."""
+    M, K = q.shape[-2:]
+    s = scale.repeat_interleave(block, -2)[..., :M, :].repeat_interleave(block, -1)[..., :K]
+    return (q.float() * s).to(dtype)
 
 
 def align(nbytes):
@@ -279,9 +325,11 @@ class WeightSender:
     (`connect_engines`), the others only take part in the gathers of `send`."""
 
     def __init__(self, bucket_bytes=BUCKET_BYTES, dtype=torch.bfloat16, device=None, adapter=None,
-                 in_place=False):
+                 fp8=False, in_place=False):
         # adapter: a LoRA run's lora.peft_config: only the adapters travel, in fp32 (megabytes),
         # and the engines serve them through vLLM's LoRA support (WeightSyncWorker.receive_adapter)
+        # fp8: the projections travel block-quantized (bucket_layout), for engines serving fp8
+        self.fp8 = fp8 and adapter is None
         self.bucket_bytes, self.dtype, self.adapter = bucket_bytes, torch.float32 if adapter else dtype, adapter
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
@@ -307,7 +355,7 @@ class WeightSender:
 
     def layout(self, model):
         return bucket_layout(model, self.bucket_bytes, self.dtype,
-                             adapters_only=self.adapter is not None)
+                             adapters_only=self.adapter is not None, fp8=self.fp8)
 
     def buffers(self, layout):
         """The sender's two bucket buffers for `layout`, and (in_place) their handles for the
@@ -346,8 +394,8 @@ class WeightSender:
                 "WeightSender.send before connect: call connect_engines(engines, sender) first")
         by_param = {}
         for k, bucket_pieces in enumerate(pieces):
-            for name, e0, e1, offset in bucket_pieces:
-                by_param.setdefault(name, []).append((k, e0, e1, offset))
+            for name, *piece in bucket_pieces:
+                by_param.setdefault(name, []).append((k, *piece))
         left = [len(ps) for ps in pieces]  # pieces still to pack, per bucket
         if buffers is None:
             buffers = self.buffers(layout)[0]
@@ -363,7 +411,7 @@ class WeightSender:
                           self.device)
             if full is None:
                 continue
-            for k, e0, e1, offset in by_param.get(name, ()):
+            for k, e0, e1, offset, scales in by_param.get(name, ()):
                 if k != current:  # first piece of bucket k: its buffer
                                   # must be free (bucket k-2 sent)
                     current = k
@@ -372,8 +420,12 @@ class WeightSender:
                                                # the host; gloo: the host waits
                 src = full if e0 is None else full[e0:e1]
                 buf = buffers[k % 2]
-                buf[offset:offset
-                    + src.numel() * self.dtype.itemsize].view(self.dtype).view(src.shape).copy_(src)
+                dtype = self.dtype
+                if scales is not None:  # quantized from the bf16 weights, as vLLM's engine would
+                    src, scale = quantize_fp8_blocks(src.to(dtype))
+                    tensor_view(buf, "float32", scale.shape, scales).copy_(scale)
+                    dtype = FP8
+                tensor_view(buf, str(dtype).removeprefix("torch."), src.shape, offset).copy_(src)
                 left[k] -= 1
                 if left[k] == 0:
                     works.append(self.barrier() if self.in_place
@@ -505,6 +557,23 @@ def tensor_view(buf, dtype_name, shape, offset):
     return buf[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 
+def dequantized(tensors):
+    """(hf_name, tensor) pairs, each fp8 weight and its scales (bucket_layout lists them in turn)
+    made one bf16 weight. vLLM's fp8 engine quantizes it again as it loads (the layerwise reload
+    runs its online quantization) and gets the sender's e4m3 values back: the block's max is 448
+    times a scale within bf16 rounding of the sender's, far inside half an e4m3 step
+    (tests/test_weights_sync.py checks it). A copy per weight, on the receiving device."""
+    weight = None
+    for name, t in tensors:
+        if t.dtype == FP8:
+            weight = t
+        elif weight is not None:
+            yield name.removesuffix("_scale_inv"), dequantize_fp8_blocks(weight, t)
+            weight = None
+        else:
+            yield name, t
+
+
 class BucketReceiver:
     """Iterates (hf_name, tensor) over the buckets broadcast by the sender, receiving bucket k+1
     while the caller loads bucket k. Each bucket gets a fresh buffer: vLLM's layerwise reload keeps
@@ -623,7 +692,8 @@ class WeightSyncWorker:
         drafter, mtp = getattr(getattr(self.model_runner, "drafter", None), "model", None), []
         # the target's load_weights drops mtp.*: they are set
         # aside (views into their buckets) for the MTP drafter
-        target = (x for x in receiver if not (x[0].startswith("mtp.") and mtp.append(x) is None))
+        target = (x for x in dequantized(receiver)
+                  if not (x[0].startswith("mtp.") and mtp.append(x) is None))
         try:
             self.reload_weights(weights_iterator=target, is_checkpoint_format=True)
             if mtp and drafter is not None:  # the drafter's embed_tokens and lm_head

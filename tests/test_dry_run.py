@@ -188,6 +188,35 @@ def test_mtp_drafting_plans_the_drafters_weights_kv_and_sync_share():
 
 
 @pytest.mark.stack
+def test_fp8_rollouts_and_experts_plan_half_the_sync_and_engine_weights():
+    """qwen3_30b_a3b with rollout_dtype=fp8 and fp8_experts against a hand count: the sync and the
+    engine's weights hold every attention and expert projection in e4m3 plus a float32 scale per
+    128x128 block, the embeddings, lm_head, norms and router in bf16 (about 0.51x of bf16); the
+    trainer holds one MoE layer's experts of its rank (E / ep) in e4m3 beside the rest."""
+    off = dry_run_output("qwen3_30b_a3b")
+    r = run_train("--config", "configs/qwen3_30b_a3b.py", "--dry_run=True", "--rollout_dtype=fp8",
+                  "--fp8_experts=True")
+    assert r.returncode == 0, r.stderr[-3000:]
+    D, L, nh, nkv, hd, E, H, V, ep = 2048, 48, 32, 4, 128, 128, 768, 151936, 8
+    projections = 2 * D * nh * hd + 2 * D * nkv * hd + E * 3 * H * D  # per layer, a byte each
+    scales = 4 * (2 * nh * hd * D + 2 * nkv * hd * D + E * 3 * H * D) // 128 ** 2
+    rest = 2 * (2 * V * D + D + L * (2 * D + 2 * hd + E * D))  # bf16
+    fp8 = L * (projections + scales) + rest
+    def sync(out):
+        return float(re.search(r"weight sync per step: ([\d.]+) GB", out).group(1))
+    assert sync(r.stdout) == pytest.approx(fp8 / 1e9, abs=0.01)
+    assert 0.5 < sync(r.stdout) / sync(off) < 0.52
+    assert "(the projections in e4m3 with 128x128 block scales, the rest bf16)" in r.stdout
+    engine = float(re.search(r"per GPU: ([\d.]+) GiB fp8 \(projections; the rest bf16\) weights",
+                             r.stdout).group(1))
+    assert engine == pytest.approx(fp8 / GiB, abs=0.01)  # tensor_parallel_size 1
+    assert gib(r.stdout, "fp8 experts") == pytest.approx(E // ep * 3 * H * D, abs=0.01 * GiB)
+    assert gib(r.stdout, "total") == pytest.approx(gib(off, "total") + E // ep * 3 * H * D,
+                                                   abs=0.02 * GiB)
+    assert "fp8 experts" not in off
+
+
+@pytest.mark.stack
 def test_cpu_offload_takes_the_sharded_state_off_the_gpu():
     on_gpu = dry_run_output("qwen3_30b_a3b")
     r = run_train("--config", "configs/qwen3_30b_a3b.py", "--dry_run=True", "--cpu_offload_optimizer=True")
@@ -349,7 +378,7 @@ def test_hybrid_activation_estimate_matches_what_autograd_saves(monkeypatch):
         ids = torch.randint(0, 512, (2, 512))
         estimate = plan.activation_bytes(mcfg, ids.numel(), checkpointing=False, dtype_bytes=2)
         with monkeypatch.context() as m:
-            m.setattr(gdn, "chunk_gated_delta_rule", lambda *a: FlaSaves.apply(*a))
+            m.setattr(gdn, "chunk_gated_delta_rule", lambda *a, incoming: FlaSaves.apply(*a))
             assert saved_bytes(model, lambda: model.hidden_states(ids)) == pytest.approx(estimate, rel=0.05), kw
         assert saved_bytes(model, lambda: model.hidden_states(ids)) > 1.2 * estimate  # the torch reference rule
         assert plan.activation_bytes(mcfg, ids.numel(), checkpointing=True, dtype_bytes=2) < estimate
@@ -406,6 +435,32 @@ def test_check_config(overrides, msg):
     plan.check_config(tiny_cfg(), TINY_CONFIG)  # the defaults are consistent
     with pytest.raises(ConfigError, match=r"torchrun started 2 ranks"):
         plan.check_config(tiny_cfg(), TINY_CONFIG, world_size=2)
+
+
+def test_fp8_keys_need_fp8_matmuls_and_fit_the_run():
+    """rollout_dtype='fp8' and fp8_experts stop a run on a machine without FP8 matrix multiplies
+    (a CPU) with one sentence naming the key; a dry run plans them anywhere; fp8_experts needs bf16
+    compute on a MoE model without LoRA, FP8 engines a run without LoRA."""
+    from tiny import TINY_CONFIG
+    fp8_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+    for key, value in (("rollout_dtype", "fp8"), ("fp8_experts", True)):
+        cfg = tiny_cfg(**{key: value, "param_dtype": "bfloat16"})
+        if fp8_gpu:
+            plan.check_config(cfg, TINY_CONFIG)
+        else:
+            with pytest.raises(ConfigError, match=rf"^{key}={value!r} needs FP8 matrix multiplies "
+                                                  rf".* use {key}="):
+                plan.check_config(cfg, TINY_CONFIG)
+        plan.check_config(dict(cfg, dry_run=True), TINY_CONFIG)
+    with pytest.raises(ConfigError, match=r"fp8_experts=True .* param_dtype='bfloat16'"):
+        plan.check_config(tiny_cfg(fp8_experts=True, dry_run=True), TINY_CONFIG)
+    with pytest.raises(ConfigError, match=r"fp8_experts=True .* needs a MoE model"):
+        plan.check_config(tiny_cfg(fp8_experts=True, dry_run=True, param_dtype="bfloat16"),
+                          dataclasses.replace(TINY_CONFIG, num_experts=0))
+    with pytest.raises(ConfigError, match=r"rollout_dtype='fp8' with lora_rank > 0"):
+        plan.check_config(tiny_cfg(rollout_dtype="fp8", dry_run=True, lora_rank=8), TINY_CONFIG)
+    with pytest.raises(ConfigError, match=r"rollout_dtype='fp16' is not one of bfloat16, fp8"):
+        plan.check_config(tiny_cfg(rollout_dtype="fp16"), TINY_CONFIG)
 
 
 def test_speculative_tokens_turns_mtp_drafting_on_and_prefix_caching_off_on_cpu(capsys):

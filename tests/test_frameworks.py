@@ -520,6 +520,47 @@ def test_forced_calls_with_free_text_sample_a_valid_prefix(stack, rollout_engine
     assert not valid_prefix(server.tokenizer.decode(free["token_ids"]), SHORT["parameters"])
 
 
+def test_length_bounded_strings_hold_no_raw_control_characters(tiny_model_path):
+    """JSON strings hold control characters (U+0000 to U+001F) only escaped, and xgrammar's grammar
+    of a string with a length bound lets them in raw: the tiny model sampled this forced call to
+    SHORT (about 1 in 8 did), which the tool parser reads as no call. The grammars of forced calls
+    and of response formats refuse them."""
+    import xgrammar
+    from test_capture_segmenter import FakeBackend
+    server = capture.CaptureServer(None, tiny_model_path)
+    server.backend, tok = FakeBackend(server.tokenizer), server.tokenizer
+    info = xgrammar.TokenizerInfo.from_huggingface(tok, stop_token_ids=server.end_ids)
+    compiler = xgrammar.GrammarCompiler(info)
+    sampled = [272, 349, 90, 86, 259, 305, 193, 4, 95, 95,  # '{"text":"}\x02"}}'
+               201, 30, 17, 86, 81, 81, 78, 65, 283, 78, 32, 0]
+    assert tok.decode(sampled) == '{"text":"}\x02"}}\n</tool_call><|endoftext|>'
+    opening = '<tool_call>\n{"name": "note", "arguments": '
+    for char, called in (("\x02", False), ("a", True)):
+        text = opening + tok.decode(sampled[:-1]).replace("\x02", char)
+        assert server.tool_parser([]).extract_tool_calls(text, None).tools_called == called
+    ask = [{"role": "user", "content": "Read the meter."}]
+    body = dict(model="tiny", max_tokens=48, messages=ask,
+                tool_choice={"type": "tool", "name": "note"},
+                tools=[{"name": "note", "input_schema": SHORT["parameters"]}])
+    asyncio.run(server.respond(server.new_session(), protocols.parse_anthropic(body, server)))
+    assert tok.decode(server.backend.calls[-1]["prompt"]).endswith(opening)
+
+    def accepted(prefix_ids):  # how many of the ids the turn's grammar takes, in order
+        m = xgrammar.GrammarMatcher(compiler.compile_structural_tag(
+            server.backend.calls[-1]["sampling"]["structured"]["structural_tag"]))
+        return next((i for i, t in enumerate(prefix_ids) if not m.accept_token(t)), len(prefix_ids))
+    assert accepted(sampled) == sampled.index(193)  # the raw U+0002
+    valid = sampled[:6] + tok("a", add_special_tokens=False)["input_ids"] + sampled[7:]
+    assert accepted(valid) == len(valid)
+    controls = [i for i in range(len(tok)) if len(c := tok.decode([i])) == 1 and c < " "
+                and c not in "\r\n"]
+    assert len(controls) == 30 and not any(accepted(sampled[:6] + [i]) == 7 for i in controls)
+    answer = {"type": "json_schema", "json_schema": {"name": "r", "schema": SHORT["parameters"]}}
+    body = dict(model="tiny", messages=ask, response_format=answer)
+    asyncio.run(server.respond(server.new_session(), protocols.parse_openai(body, server)))
+    assert accepted(sampled[:9]) == 6 and accepted(valid[:9]) == 9  # '{"text":"}a"}': the answer
+
+
 # --- the Responses API
 
 

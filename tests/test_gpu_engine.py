@@ -166,3 +166,50 @@ def test_weight_sync_into_the_gpu_engine(gpu_engine, moe64_path, trainer):
     assert stale["mismatch_kl"] > 100 * before["mismatch_kl"]  # the change is visible to the check
     assert after["mismatch_kl"] < stale["mismatch_kl"] / 20
     assert stats[0]["bytes"] > 150e6
+
+
+@pytest.mark.stack
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="vLLM's FP8 engine needs CUDA with FP8 matrix multiplies")
+def test_fp8_engine_loads_the_fp8_sync_bit_exactly(moe64_path):
+    """rollout_dtype="fp8": vLLM's online block-wise FP8 engine, synced with the projections sent
+    pre-quantized (weights_sync's fp8 layout, dequantized in the worker, quantized again by vLLM's
+    layerwise reload) or in bf16 (quantized by the reload alone), holds bit for bit the e4m3
+    weights and scales it made from the checkpoint at start; the fp8 sync sends ~0.5x the bytes.
+    Control: a changed model's sync changes every quantized weight."""
+    from engine import Engine
+    from model import Transformer
+    from weights_sync import WeightSender, connect_engines, sync_weights
+    on = EngineThread(Engine(moe64_path, max_model_len=1024, memory_fraction=0.2, seed=0,
+                             rollout_dtype="fp8", enforce_eager=True))
+    loop, engine = on.run, on.engine
+    model = Transformer.from_pretrained(moe64_path)
+    changed = Transformer.from_pretrained(moe64_path)
+    with torch.no_grad():
+        for p in changed.parameters():
+            p.mul_(1.37).add_(0.003)
+    senders = {fp8: WeightSender(bucket_bytes=64 << 20, device="cpu", fp8=fp8)
+               for fp8 in (True, False)}
+    try:
+        loop(engine.start())
+        digest = lambda: loop(engine.collective_rpc("weights_digest"))[0]  # noqa: E731
+        start = digest()
+        quantized = [n for n in start if "scale" in n]
+        assert any("w13" in n for n in quantized) and any("qkv" in n for n in quantized)
+        stats = {}
+        for v, fp8 in ((1, True), (2, False)):
+            loop(connect_engines([engine], senders[fp8]))
+            stats[fp8] = loop(sync_weights([engine], senders[fp8], model, v))
+            after = digest()
+            assert [n for n in start if after[n] != start[n]] == [], fp8
+        loop(sync_weights([engine], senders[False], changed, 3))
+        moved = digest()
+        assert all(moved[n] != start[n] for n in quantized)
+    finally:
+        for s in senders.values():
+            s.close()
+        on.close()
+    ratio = stats[True]["bytes"] / stats[False]["bytes"]
+    print(f"\nfp8 sync {stats[True]['bytes'] / 1e6:.1f} MB, bf16 sync "
+          f"{stats[False]['bytes'] / 1e6:.1f} MB ({ratio:.3f}x); {len(quantized)} scale tensors")
+    assert ratio < 0.6

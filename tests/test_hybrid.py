@@ -390,6 +390,42 @@ def test_fla_matches_the_torch_reference(dtype, strong):
 
 @CUDA
 @FLA
+def test_fla_under_context_parallelism_matches_the_reference():
+    """Context parallelism's delta rule on fla (gdn.fla_chunk_gated_delta_rule with `incoming`:
+    each segment's final state and transition made by fla, then a pass from the start states)
+    against the fp64 reference with the same `incoming`, bf16, forward and backward. `incoming`
+    here chains the segments as pieces of one sequence from a random start state, as
+    gdn.incoming_states chains the ranks' pieces. Negative control: fla from zero start states."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cu = torch.tensor([0, *torch.tensor(SEGMENTS).cumsum(0).tolist()], device="cuda")
+    inputs = rule_inputs(torch.bfloat16, g, False)
+    exact = [t.detach().double().requires_grad_() for t in inputs]
+    start = torch.randn(32, 128, 128, device="cuda", generator=g) * 0.1
+    probe = torch.randn(*inputs[2].shape, device="cuda", generator=g)
+
+    def chained(final, transition):  # (S, H, dk, dv), (S, H, dk, dk) -> each segment's start
+        state, starts = start.to(final.dtype), []
+        for p in range(final.shape[0]):
+            starts.append(state)
+            state = transition[p] @ state + final[p]
+        return torch.stack(starts)
+    outs, grads = [], []
+    for fn, args in ((fla_chunk_gated_delta_rule, inputs),
+                     (chunk_gated_delta_rule_torch, exact)):
+        out = fn(*args, cu, incoming=chained)
+        grads.append(torch.autograd.grad((out.double() * probe).sum(), args))
+        outs.append(out.double())
+    errs = {"out": rel_err(outs[0], outs[1])} | {"d" + n: rel_err(a, b) for n, a, b in
+                                                  zip(["q", "k", "v", "g", "beta"], *grads)}
+    zero = fla_chunk_gated_delta_rule(*inputs, cu).double()
+    print("fla under CP vs fp64:", {k: f"{e:.1e}" for k, e in errs.items()},
+          f"control (zero start) {rel_err(zero, outs[1]):.1e}")
+    assert max(errs.values()) <= FLA_RULE_REL[torch.bfloat16], errs
+    assert rel_err(zero, outs[1]) > 10 * FLA_RULE_REL[torch.bfloat16]
+
+
+@CUDA
+@FLA
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fla_layer_matches_the_reference_path(dtype, monkeypatch):
     """The whole GatedDeltaNet layer on CUDA through fla (fused varlen conv + SiLU, delta rule in bf16, gated RMSNorm)
