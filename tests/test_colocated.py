@@ -7,7 +7,6 @@ run on CPU too.
     .venv/bin/python -m pytest tests/test_colocated.py -q            # CPU: the bench smoke run
     make test-gpu                                                     # one GPU: the tests below too
 """
-import asyncio
 import json
 import os
 import subprocess
@@ -53,15 +52,17 @@ def test_engine_sleeps_frees_its_memory_and_wakes_with_the_synced_weights(sleepy
 
     async def held_across_a_sleep():
         # a request in flight when the engine sleeps is frozen, then finishes on the new weights
-        task = asyncio.ensure_future(engine.generate(fixed_sequence(8), {
-            "max_tokens": 1500, "ignore_eos": True, "temperature": 1.0, "seed": 0}, "held"))
-        await asyncio.sleep(0.2)
+        held = engine.stream(fixed_sequence(8), {"max_tokens": 1500, "ignore_eos": True,
+                                                  "temperature": 1.0, "seed": 0}, "held")
+        await held.__anext__()  # its first tokens, sampled by version 0
         free = torch.cuda.mem_get_info()[0]
         await sleep_engines([engine])
         freed = torch.cuda.mem_get_info()[0] - free
         asleep = await engine.is_sleeping()
         stats = await sync_weights([engine], sender, model.cuda(), 1, asleep=True)
-        return await task, freed, asleep, stats
+        async for out in held:
+            pass
+        return out, freed, asleep, stats
 
     out, freed, asleep, stats = run(held_across_a_sleep())
     sender.close()
