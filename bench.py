@@ -14,6 +14,7 @@ sync, object store, logprobs); bench_model.py the model and trainer speed benchm
     python bench.py objectstore  # image trajectories to trainer ranks by ref vs gathered in the driver: driver memory
     python bench.py spec         # MTP drafting vs none on the tiny hybrid: tokens/s, acceptance (CPU)
     python bench.py vl           # our Qwen3-VL-MoE forward/backward vs transformers' (1 GPU): parity, tokens/s
+    python bench.py loop         # the whole RL loop on one GPU (colocated) vs its ceiling
 
 Each benchmark is a function bench_NAME whose keyword arguments are its options (all
 integers): `--key=value` sets one, a bare `--key` means 1, an unknown key is an error.
@@ -22,6 +23,7 @@ import inspect
 import json
 import sys
 
+import bench_loop
 import bench_model
 
 # -----------------------------------------------------------------------------
@@ -1011,7 +1013,7 @@ def options(fn, argv):
 
 
 def main():
-    benches = {k[len("bench_"):]: f for module in (sys.modules[__name__], bench_model)
+    benches = {k[len("bench_"):]: f for module in (sys.modules[__name__], bench_model, bench_loop)
                for k, f in vars(module).items() if k.startswith("bench_") and callable(f)}
     if len(sys.argv) < 2 or sys.argv[1] not in benches:
         sys.exit("usage: python bench.py NAME [--key=value ...], NAME one of: "

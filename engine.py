@@ -238,6 +238,22 @@ class Engine:
     async def resume(self):
         await self.llm.resume_generation()
 
+    async def sleep(self, level=2):
+        """Give the GPU to the trainer (placement="colocated"; the engine was started with
+        enable_sleep_mode, vLLM's sleep mode, CUDA only). Level 1 keeps the weights in host memory,
+        level 2 drops them (the next weight sync rewrites every one); the KV cache is dropped
+        either way. In-flight requests are kept: frozen, and preempted, so that after wake() they
+        recompute their KV; new requests wait."""
+        await self.llm.sleep(level, mode="keep")
+
+    async def wake(self, tags=None):
+        """Map the memory back: tags ["weights"] (then a weight sync, while requests still wait),
+        ["kv_cache"] (requests run again), or None for both."""
+        await self.llm.wake_up(tags)
+
+    async def is_sleeping(self):
+        return await self.llm.is_sleeping()
+
     async def take_drafts(self):  # the draft tokens accepted and drafted since the last call
         if self.spec_counts is not None:
             now = spec_counters()

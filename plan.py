@@ -12,6 +12,7 @@ the sharded model, whose rank 0 shards measure_shards counts; the arithmetic her
 bytes per GPU, GPU counts and the weight-sync volume. This file never imports the trainer.
 """
 
+import ast
 import dataclasses
 import importlib.util
 import math
@@ -26,7 +27,7 @@ import loss
 from experts import local as local_tensor
 from model import ModelConfig, is_stacked_experts, load_config, num_params, write_json
 from tiny import tiny_model_config
-from weights_sync import bucket_layout
+from weights_sync import BUCKET_BYTES, bucket_layout
 
 
 class ConfigError(ValueError):
@@ -62,7 +63,51 @@ RANGES = {
     (lambda v: 0 <= v < 1, "in [0, 1)"): ("beta1", "beta2"),
 }
 CHOICES = {"failed_group_rule": ("drop", "complete"), "param_dtype": ("float32", "bfloat16"),
-           "constrained_tokens": ("train", "mask"), "rollout_dtype": ("bfloat16", "fp8")}
+           "constrained_tokens": ("train", "mask"), "rollout_dtype": ("bfloat16", "fp8"),
+           "placement": ("separate", "colocated")}
+
+
+def resolve_config(argv, defaults):
+    """The config: `defaults` (train.py's), then `--config FILE` (plain assignments), then
+    `--key=value` overrides, each type-checked against the default; an unknown key is an error."""
+    cfg = dict(defaults)
+    def put(key, value, where):
+        if key not in cfg:
+            raise ConfigError(
+                f"unknown config key {key!r} ({where}); known keys: {', '.join(sorted(cfg))}")
+        old = cfg[key]
+        if type(old) is float and type(value) is int:
+            value = float(value)
+        if type(value) is not type(old):
+            raise ConfigError(f"config key {key!r} ({where}) must be {type(old).__name__}, "
+                              f"got {type(value).__name__} {value!r}")
+        cfg[key] = value
+    args = list(argv)
+    for i, arg in enumerate(args):
+        if arg == "--config" and i + 1 < len(args):
+            args[i:i + 2] = ["--config=" + args[i + 1]]
+            break
+    for arg in args:
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+            if not os.path.isfile(path):
+                raise ConfigError(f"config file {path!r} does not exist")
+            scope = {}
+            with open(path) as f:
+                exec(compile(f.read(), path, "exec"), {}, scope)
+            for k, v in scope.items():
+                if not k.startswith("_") and not callable(v) and not isinstance(v, type(sys)):
+                    put(k, v, path)
+        elif arg.startswith("--") and "=" in arg:
+            key, val = arg[2:].split("=", 1)
+            try:  # a string key takes the text as it is
+                value = val if isinstance(cfg.get(key), str) else ast.literal_eval(val)
+            except (SyntaxError, ValueError):
+                value = val  # a bare string
+            put(key, value, f"--{key}")
+        else:
+            raise ConfigError(f"cannot parse argument {arg!r}: use --config FILE or --key=value")
+    return cfg
 
 
 def loss_config(cfg):
@@ -166,12 +211,33 @@ def check_config(cfg, mcfg=None, world_size=None):
               "prefix cache runs a "
               "Triton kernel when drafting, and the engine dies)", file=sys.stderr)
         cfg["enable_prefix_caching"] = False
+    check_colocated(cfg)
     peak = lora.learning_rate_key(cfg)
     if cfg["min_lr"] > cfg[peak]:
         raise ConfigError(f"min_lr ({cfg['min_lr']}) is above {peak} ({cfg[peak]}): the schedule "
                           f"decays from {peak} "
                           "to min_lr")
     return mcfg
+
+
+def check_colocated(cfg):
+    """placement="colocated": the trainer and one engine take turns on one GPU. Checked here:
+    what the placement cannot do; whether the two fit is the dry run's (plan_run)."""
+    if cfg["placement"] != "colocated":
+        return
+    one_gpu = (cfg["train_world_size"], cfg["num_engines"], cfg["tensor_parallel_size"])
+    if one_gpu != (1, 1, 1):
+        raise ConfigError("placement='colocated' runs the trainer and one engine on one GPU: set "
+                          "train_world_size=1, num_engines=1 and tensor_parallel_size=1 (several "
+                          "GPUs: placement='separate')")
+    if cfg["lora_rank"]:
+        raise ConfigError("placement='colocated' hands the engine full weights in place (CUDA "
+                          "IPC), and LoRA adapters travel by broadcast: use lora_rank=0, or "
+                          "placement='separate'")
+    if not cfg["dry_run"] and not torch.cuda.is_available():
+        raise ConfigError("placement='colocated' needs a GPU: the engine frees its memory for the "
+                          "trainer with vLLM's sleep mode, which the CPU engine lacks; use "
+                          "placement='separate' (on CPU the trainer and engine share the cores)")
 
 
 def check_fp8(cfg, mcfg):
@@ -266,6 +332,8 @@ def engine_options(cfg):
     # experts for the trainer's router to reuse; vLLM returns them on GPU only
     # (Model Runner V2), so a CPU run trains on the trainer's own routing
     options["enable_return_routed_experts"] = torch.cuda.is_available() and mcfg.is_moe
+    if cfg["placement"] == "colocated" and torch.cuda.is_available():
+        options["enable_sleep_mode"] = True  # vLLM's, for Engine.sleep (none on CPU: a dry run)
     return {**options, **(lora.engine_options(cfg, mcfg) if cfg["lora_rank"] else {})}
 
 
@@ -582,10 +650,32 @@ def plan_memory(cfg, mcfg, shards):
     figures["kv_tokens"] = int((figures["engine_budget_bytes"] - figures["engine_weight_bytes"]) //
                                figures["kv_bytes_per_token"])
     figures["rollout_gpus"] = cfg["num_engines"] * tp
+    if cfg["placement"] == "colocated":
+        figures.update(plan_colocated(figures, on_gpu_state, transient + act))
     figures["moe_layers"] = len(mcfg.moe_layers)
     if mcfg.is_moe:
         figures["all_to_all"] = ep_all_to_all(mcfg, local, ep, cfg["activation_checkpointing"])
     return figures
+
+
+# what a sleeping engine keeps on the GPU: its CUDA context and CUDA graphs (outside vLLM's
+# sleep pool); an estimate, which `bench.py loop` measures
+ENGINE_ASLEEP_BYTES = 1 * GiB
+
+
+def plan_colocated(figures, on_gpu_state, training):
+    """The two phases of placement="colocated" on one GPU, in bytes. Training: the trainer's state
+    and its step's transient memory and activations (`training`) beside the sleeping engine.
+    Generating: the engine's budget (engine_memory_fraction x GPU) beside what the trainer keeps
+    (its state less the gradients, which the step frees). Syncing: the engine's weights awake (its
+    KV cache still asleep), the trainer's resident state, the sender's two buckets and the
+    receiver's copies of at most two. The peak is the largest of the three."""
+    resident = on_gpu_state and on_gpu_state - figures["grads_bytes"]
+    phases = dict(coloc_train_bytes=on_gpu_state + training + ENGINE_ASLEEP_BYTES,
+                  coloc_generate_bytes=figures["engine_budget_bytes"] + resident,
+                  coloc_sync_bytes=figures["engine_weight_bytes"] + resident
+                  + 4 * min(BUCKET_BYTES, figures["sync_bytes"]))
+    return dict(phases, coloc_resident_bytes=resident, coloc_peak_bytes=max(phases.values()))
 
 
 def plan_run(cfg, mcfg, shards):
@@ -600,6 +690,12 @@ def plan_run(cfg, mcfg, shards):
                           f"the {cfg['gpu_memory_gib']:g} GiB of one GPU: raise train_world_size, "
                           "lower microbatch_tokens, "
                           "turn on activation_checkpointing or cpu_offload_optimizer")
+    if cfg["placement"] == "colocated" and figures["coloc_peak_bytes"] > figures["gpu_bytes"]:
+        raise ConfigError(f"placement='colocated' needs about {gib(figures['coloc_peak_bytes'])} "
+                          f"at its peak, more than the {cfg['gpu_memory_gib']:g} GiB of the GPU "
+                          f"(training {gib(figures['coloc_train_bytes'])}, generating "
+                          f"{gib(figures['coloc_generate_bytes'])}): lower engine_memory_fraction "
+                          "or microbatch_tokens, or turn on cpu_offload_optimizer")
     one_sequence = figures["kv_bytes_per_token"] * cfg["engine_max_model_len"]
     if figures["engine_weight_bytes"] + one_sequence > figures["engine_budget_bytes"]:
         raise ConfigError("a rollout engine cannot hold the model: "
@@ -691,9 +787,16 @@ def print_plan(cfg, p):
         f"{gib(p['total_bytes_other_ckpt']).strip()}",
     ]
     tp, fp8 = cfg["tensor_parallel_size"], cfg["rollout_dtype"] == "fp8"
-    lines += [
+    lines += ([
+        f"GPUs: 1, colocated (placement): training {gib(p['coloc_train_bytes']).strip()} (the "
+        f"total above + {gib(ENGINE_ASLEEP_BYTES).strip()} the sleeping engine keeps), generating "
+        f"{gib(p['coloc_generate_bytes']).strip()} (engine_memory_fraction x GPU + the trainer's "
+        f"resident {gib(p['coloc_resident_bytes']).strip()}: its state less the gradients), "
+        f"syncing {gib(p['coloc_sync_bytes']).strip()} (engine weights + resident + 4 buckets); "
+        f"peak {gib(p['coloc_peak_bytes']).strip()} of {cfg['gpu_memory_gib']:g} GiB"
+    ] if cfg["placement"] == "colocated" else [
         f"GPUs: {W} training + {p['rollout_gpus']} rollout ({cfg['num_engines']} engines x "
-        f"tensor_parallel_size {tp}) = {W + p['rollout_gpus']}",
+        f"tensor_parallel_size {tp}) = {W + p['rollout_gpus']}"]) + [
         f"rollout engine, per GPU: {gib(p['engine_weight_bytes']).strip()} "
         f"{'fp8 (projections; the rest bf16)' if fp8 else 'bf16'} weights of "
         f"{gib(p['engine_budget_bytes']).strip()} (engine_memory_fraction "

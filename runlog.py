@@ -62,10 +62,15 @@ PANELS = {"reward_mean": "train reward", "eval/success": "held-out success (eval
           "mismatch_kl": "engine/trainer KL",
           "response_tokens": "generated tokens per attempt", "tokens_per_s": "generated tokens/s",
           "loss": "loss", "entropy": "entropy (entropy_coef > 0)",
-          "kl_ref": "KL to the reference (kl_coef > 0)"}
+          "kl_ref": "KL to the reference (kl_coef > 0)",
+          "step_time_s": "seconds per step: where they go"}
 
 
-OVERLAYS = {"eval/success": "eval/success_blank"}  # drawn in the same panel when the log has it
+# drawn in the same panel when the log has them: the image ablation beside eval/success; the
+# step's phases (placement="colocated" adds the engine's sleep and wake, which sync_s includes)
+OVERLAYS = {"eval/success": ("eval/success_blank",),
+            "step_time_s": ("batch_wait_s", "train_step_s", "sync_s", "sleep_s", "wake_s",
+                            "idle_s")}
 
 
 def plot_metrics(out_dir):
@@ -81,11 +86,10 @@ def plot_metrics(out_dir):
     n = max(2, -(-len(panels) // 3))  # rows of three panels
     fig, axes = plt.subplots(n, 3, figsize=(12, 2.8 * n))
     for ax, (key, title) in zip(axes.flat, panels):
-        for line in (key, OVERLAYS.get(key)):  # eval/success_blank beside
-                                               # eval/success: the image ablation
-            if points := [(r["step"], r[line]) for r in rows if line and r.get(line) is not None]:
+        for line in (key, *OVERLAYS.get(key, ())):
+            if points := [(r["step"], r[line]) for r in rows if r.get(line) is not None]:
                 ax.plot(*zip(*points), marker=".", label=line)
-        if any(r.get(OVERLAYS.get(key, "")) is not None for r in rows):
+        if any(r.get(line) is not None for r in rows for line in OVERLAYS.get(key, ())):
             ax.legend(fontsize=7)
         ax.set(title=title, xlabel="step")
         ax.grid(alpha=0.3)

@@ -17,7 +17,6 @@ run); model build. Expert-parallel dispatch and combine and the kernels are expe
 checkpoints, the HF export and weight loading checkpoint.py's; the dry run's arithmetic plan.py's.
 """
 
-import ast
 import asyncio
 import dataclasses
 import datetime
@@ -96,6 +95,9 @@ view_max_attempts = 256    # the newest this many recorded attempts
 # rollout: engine.Engine's options, one key each
 # (plan.ENGINE_OPTIONS); engine.py declares each default
 num_engines = 1
+placement = "separate"     # "separate": engines on GPUs of their own, rollouts stream while the
+                           # trainer steps; "colocated": trainer and engine share one GPU and
+                           # take turns, the engine asleep while the trainer steps (docs/gpu.md)
 tensor_parallel_size = engine.OPTIONS["tensor_parallel_size"]
 engine_max_model_len = engine.OPTIONS["max_model_len"]
 # vLLM gpu_memory_utilization (host memory on CPU)
@@ -199,46 +201,9 @@ DEFAULTS = {k: v for k, v in globals().items() if k not in _BEFORE_CONFIG and no
 
 
 def configure(argv, defaults=None):
-    """Resolve the config: defaults, then `--config FILE`
-    (plain assignments), then `--key=value` overrides."""
-    cfg = dict(defaults if defaults is not None else DEFAULTS)
-    def put(key, value, where):
-        if key not in cfg:
-            raise ConfigError(
-                f"unknown config key {key!r} ({where}); known keys: {', '.join(sorted(cfg))}")
-        old = cfg[key]
-        if type(old) is float and type(value) is int:
-            value = float(value)
-        if type(value) is not type(old):
-            raise ConfigError(f"config key {key!r} ({where}) must be {type(old).__name__}, "
-                              f"got {type(value).__name__} {value!r}")
-        cfg[key] = value
-    args = list(argv)
-    for i, arg in enumerate(args):
-        if arg == "--config" and i + 1 < len(args):
-            args[i:i + 2] = ["--config=" + args[i + 1]]
-            break
-    for arg in args:
-        if arg.startswith("--config="):
-            path = arg.split("=", 1)[1]
-            if not os.path.isfile(path):
-                raise ConfigError(f"config file {path!r} does not exist")
-            scope = {}
-            with open(path) as f:
-                exec(compile(f.read(), path, "exec"), {}, scope)
-            for k, v in scope.items():
-                if not k.startswith("_") and not callable(v) and not isinstance(v, type(sys)):
-                    put(k, v, path)
-        elif arg.startswith("--") and "=" in arg:
-            key, val = arg[2:].split("=", 1)
-            try:  # a string key takes the text as it is
-                value = val if isinstance(cfg.get(key), str) else ast.literal_eval(val)
-            except (SyntaxError, ValueError):
-                value = val  # a bare string
-            put(key, value, f"--{key}")
-        else:
-            raise ConfigError(f"cannot parse argument {arg!r}: use --config FILE or --key=value")
-    return cfg
+    """Resolve the config: defaults (DEFAULTS), then `--config FILE` (plain assignments), then
+    `--key=value` overrides, type-checked (plan.resolve_config)."""
+    return plan.resolve_config(argv, DEFAULTS if defaults is None else defaults)
 
 
 # -----------------------------------------------------------------------------
@@ -289,7 +254,8 @@ def main(argv):
                                                           # per-sync notes, unless asked
     ray = connect_ray(cfg, rank, world)
     from rollout import trainer_gpus  # after connect_ray: ranks import ray once its auth is set
-    gpus = trainer_gpus(ray, world)
+    # colocated: the engine takes the trainer's GPU, which is then not reserved against it
+    gpus = {} if cfg["placement"] == "colocated" else trainer_gpus(ray, world)
     # a resumed run's pool continues the prompt stream after the prompts its earlier life drew
     start = extra.get("data_position", 0)
     rollout = start_rollout(cfg, trainer_gpus=gpus, data_position=start) if rank == 0 else None
@@ -313,13 +279,22 @@ def train(cfg, model, optimizer, rollout, step, rank, world, policy_version=None
     """The loop, from `step` to max_steps: batch -> advantages -> each rank's refs
     -> train step -> weight sync -> held-out evaluation (every eval_every steps) ->
     log -> checkpoint. Rank 0 drives (rollout: start_rollout's); the others follow
-    through collectives. Returns rank 0's evaluations, {policy_version: metrics}."""
+    through collectives. Returns rank 0's evaluations, {policy_version: metrics}.
+    placement="colocated" (one GPU): generation and training take turns, with no overlap on the
+    GPU: the engine sleeps from the batch to the sync (rl_step). The pool still keeps its groups
+    going: agents' own work (tools, their code) runs on while the trainer steps, and their requests
+    wait in the sleeping engine, to be sampled by the new weights. Staleness is what each token's
+    policy version says, as in the separate placement. The pool starts no group between the batch
+    and the sync, so with groups_in_flight = groups_per_batch every batch is on-policy (staleness
+    0); above it, the groups still open carry tokens of earlier versions (their requests preempted
+    at the sleep and resumed on the new weights, KV recomputed), which max_staleness bounds."""
     import weights_sync
     from tqdm import tqdm
     out_dir = cfg["out_dir"]
     loop = asyncio.new_event_loop()  # runs the weight-sync coroutines of this thread
+    colocated = cfg["placement"] == "colocated"  # the engine sleeps while the trainer steps
     sender = weights_sync.WeightSender(adapter=lora.sync_config(cfg),  # LoRA: the adapters alone
-                                       fp8=cfg["rollout_dtype"] == "fp8")
+                                       fp8=cfg["rollout_dtype"] == "fp8", in_place=colocated)
     writer, evals = runlog.scalar_writer(cfg, rank), {}
     reference = build_reference(cfg, model, compute_device())  # kl_coef > 0: the initial weights
     lcfg = loss_config(cfg)  # the loss's options, once for the run
@@ -337,10 +312,14 @@ def train(cfg, model, optimizer, rollout, step, rank, world, policy_version=None
     bar = tqdm(total=cfg["max_steps"], initial=step, disable=rank != 0, dynamic_ncols=True)
     for step in range(step, cfg["max_steps"]):
         t0 = time.perf_counter()
-        records = rollout.pool.next_batch() if rank == 0 else None
+        # colocated: no new group starts before the sync (pool.resume), so none samples from
+        # the weights the step replaces
+        records = rollout.pool.next_batch(hold=colocated) if rank == 0 else None
         t_batch = time.perf_counter()
         m = rl_step(rollout, loop, sender, model, optimizer, records, cfg, lcfg, policy_version,
                     step, rank, world, reference)
+        if colocated and rank == 0:
+            rollout.pool.resume()
         # the version this step trained on, the new one
         trained, policy_version = policy_version, m["policy_version"]
         if rank == 0:
@@ -360,6 +339,10 @@ def train(cfg, model, optimizer, rollout, step, rank, world, policy_version=None
                        step_time_s=step_time, response_tokens=sum(r["action_tokens"]
                                            for r in records) / max(len(rewards), 1),
                        batch_wait_s=t_batch - t0, sync_s=m["sync_s"],
+                       # colocated: the engine's sleep and wake; the rest of the step is idle_s
+                       **(dict(sleep_s=m["sleep_s"], wake_s=m["wake_s"], idle_s=step_time - (
+                           t_batch - t0) - m["sleep_s"] - m["train_step_s"] - (m["sync_s"] or 0))
+                          if colocated else {}),
                        engine_idle=rollout.router.idle_fraction(),
                        # versions between the policy that sampled a
                        # segment's oldest token and the one training on it
@@ -396,7 +379,14 @@ def rl_step(rollout, loop, sender, model, optimizer, records, cfg, lcfg, policy_
     """One RL step of every rank on rank 0's batch `records`: advantages and this rank's segments
     (share_batch), the train step, the viewer's sample, and unless the step was skipped
     (non-finite gradients: no weight changed) a new policy version synced to the engines. Returns
-    train_step's metrics with the new policy_version and sync_s (seconds; None: no sync)."""
+    train_step's metrics with the new policy_version and sync_s (seconds; None: no sync).
+    placement="colocated": the engine sleeps through the train step and the sync wakes it (after a
+    skipped step too: asleep it dropped its weights); the metrics then hold sleep_s and wake_s."""
+    import weights_sync
+    sleep_s = 0.0
+    if rank == 0 and cfg["placement"] == "colocated":  # the GPU to the trainer
+        sleep_s = loop.run_until_complete(weights_sync.sleep_engines(rollout.engines))
+        rollout.asleep, rollout.wake_s = True, 0.0
     segments, advantages = share_batch(records, cfg, rank, world)
     m = train_step(model, optimizer,
                    pack_microbatches(segments, advantages, cfg["microbatch_tokens"]), cfg, lcfg,
@@ -404,10 +394,13 @@ def rl_step(rollout, loop, sender, model, optimizer, records, cfg, lcfg, policy_
     if rank == 0 and rollout.recorder:
         rollout.recorder.add(step, records, segments, advantages, m["logprobs"])
     m["policy_version"] = policy_version + (not m["skipped"])
-    if not m["skipped"]:
+    # colocated, the sync wakes the engine, whose weights were dropped asleep: it runs each step
+    if not m["skipped"] or cfg["placement"] == "colocated":
         m["sync_s"] = push_weights(rollout, loop, sender, model, m["policy_version"], rank, world)
     else:
         m["sync_s"] = None
+    if rank == 0 and cfg["placement"] == "colocated":
+        m["sleep_s"], m["wake_s"] = sleep_s, rollout.wake_s
     if cfg["speculative_tokens"] and rank == 0 and rollout.drafts:  # the rollouts behind this step
         (accepted, drafted), rollout.drafts = rollout.drafts, None
         m["draft_acceptance"] = accepted / max(drafted, 1)
@@ -523,7 +516,9 @@ def connect_ray(cfg, rank, world):
             gpus = torch.cuda.device_count()
             ray.init(num_cpus=max(os.cpu_count() or 1, cfg["num_engines"] + 1) if gpus
                      else cfg["num_engines"] + 1,
-                     num_gpus=gpus, include_dashboard=False,
+                     # colocated: the one GPU the trainer has (in CUDA_VISIBLE_DEVICES' order)
+                     num_gpus=1 if cfg["placement"] == "colocated" else gpus,
+                     include_dashboard=False,
                      # experiences of the tiny run are a few MB
                      object_store_memory=None if gpus else 1 << 30)
         # a local cluster wants a token (in ~/.ray/auth_token) and
@@ -554,6 +549,8 @@ class Rollout:
     view: object = None  # the live viewer page's server (None: view_port 0)
     cleanup: object = None  # stops what the agent's setup started, and the viewer
     drafts: tuple = None  # (accepted, drafted): the engines' MTP drafts since the last sync
+    asleep: bool = False  # placement="colocated": the engines sleep while the trainer steps
+    wake_s: float = 0.0  # seconds the last sync spent waking them
 
 
 def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
@@ -712,9 +709,11 @@ def push_weights(rollout, loop, sender, model, policy_version, rank, world):
         return None
     t0 = time.perf_counter()
     try:
-        out = loop.run_until_complete(weights_sync.sync_weights(live, sender, model, policy_version))
+        asleep = rank == 0 and rollout.asleep
+        out = loop.run_until_complete(weights_sync.sync_weights(live, sender, model, policy_version,
+                                                                asleep=asleep))
         if rank == 0:
-            rollout.drafts = out.get("drafts")
+            rollout.drafts, rollout.wake_s, rollout.asleep = out.get("drafts"), out["wake_s"], False
     except ray.exceptions.RayActorError as e:  # an engine died during the sync:
                                                # it rejoins after its restart
         print0(f"weight sync at version {policy_version} lost an engine ({type(e).__name__}); the "

@@ -61,6 +61,7 @@ import lora
 from model import checkpoint_reader, is_stacked_experts, ours_to_hf, weight_files
 
 ALIGN = 256  # byte alignment of each tensor in a bucket: keeps copies and NCCL on aligned addresses
+BUCKET_BYTES = 512 << 20  # WeightSender's default bucket size (the dry run plans with it)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 FP8_BLOCK = 128  # vLLM's fp8 weight blocks (weight_block_size [128, 128]): one scale per block
@@ -323,8 +324,8 @@ class WeightSender:
     trainer rank; rank 0 is the sender and joins the engine group
     (`connect_engines`), the others only take part in the gathers of `send`."""
 
-    def __init__(self, bucket_bytes=512 << 20, dtype=torch.bfloat16, device=None, adapter=None,
-                 fp8=False):
+    def __init__(self, bucket_bytes=BUCKET_BYTES, dtype=torch.bfloat16, device=None, adapter=None,
+                 fp8=False, in_place=False):
         # adapter: a LoRA run's lora.peft_config: only the adapters travel, in fp32 (megabytes),
         # and the engines serve them through vLLM's LoRA support (WeightSyncWorker.receive_adapter)
         # fp8: the projections travel block-quantized (bucket_layout), for engines serving fp8
@@ -334,6 +335,9 @@ class WeightSender:
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
             else torch.device("cpu"))
         self.group = None  # the engine process group, on the sender only
+        # in_place: an engine on the sender's GPU reads each bucket from the sender's own buffer
+        # (CUDA IPC: no NCCL between two processes on one GPU); the gloo group only says when
+        self.in_place = in_place
 
     @property
     def is_sender(self):
@@ -353,11 +357,34 @@ class WeightSender:
         return bucket_layout(model, self.bucket_bytes, self.dtype,
                              adapters_only=self.adapter is not None, fp8=self.fp8)
 
+    def buffers(self, layout):
+        """The sender's two bucket buffers for `layout`, and (in_place) their handles for the
+        engine workers: bytes each, which pickle.loads opens in another process (a CUDA IPC
+        handle on GPU; a shared-memory file descriptor on CPU, between processes of one family)."""
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing  # noqa: F401 (registers torch's reducers with ForkingPickler)
+        buckets = layout[0]
+        if not (self.is_sender and buckets):
+            return [], []
+        size = max(b["nbytes"] for b in buckets)
+        buffers = [torch.empty(size, dtype=torch.uint8, device=self.device)
+                   for _ in range(min(2, len(buckets)))]
+        if not self.in_place:
+            return buffers, []
+        if self.device.type == "cpu":
+            buffers = [b.share_memory_() for b in buffers]
+        return buffers, [bytes(ForkingPickler.dumps(b)) for b in buffers]
+
     @torch.no_grad()
-    def send(self, model, layout):
+    def send(self, model, layout, buffers=None):
         """Gather, cast, pack and broadcast every bucket of `layout`
         (from `layout(model)`). Every trainer rank calls it (in the same
-        parameter order); returns the bytes sent (0 off the sender)."""
+        parameter order); returns the bytes sent (0 off the sender).
+        in_place: bucket k is packed into buffers[k % 2] (from buffers(layout), whose handles the
+        workers hold), then one gloo barrier says so; the workers pass barrier k once they copied
+        bucket k - 1 out, so after it the sender packs k + 1 into that bucket's buffer. A last
+        barrier: every bucket copied."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # we may run in a helper thread,
                                                 # which starts on device 0
@@ -370,11 +397,11 @@ class WeightSender:
             for name, *piece in bucket_pieces:
                 by_param.setdefault(name, []).append((k, *piece))
         left = [len(ps) for ps in pieces]  # pieces still to pack, per bucket
-        if self.is_sender and buckets:
-            size = max(b["nbytes"] for b in buckets)
-            buffers = [torch.empty(size, dtype=torch.uint8, device=self.device)
-                       for _ in range(min(2, len(buckets)))]
+        if buffers is None:
+            buffers = self.buffers(layout)[0]
         works, current = [], -1
+        # in place, bucket k's buffer is free once barrier k - 1 passed; a broadcast's once sent
+        lag = 1 if self.in_place else 2
         for name, p in model.named_parameters():
             if name not in by_param:  # every rank knows the layout: a frozen base is not gathered
                 continue
@@ -389,8 +416,8 @@ class WeightSender:
                                   # must be free (bucket k-2 sent)
                     current = k
                     if k >= 2:
-                        works[k - 2].wait()  # NCCL: the stream waits, not
-                                             # the host; gloo: the host waits
+                        works[k - lag].wait()  # NCCL: the stream waits, not
+                                               # the host; gloo: the host waits
                 src = full if e0 is None else full[e0:e1]
                 buf = buffers[k % 2]
                 dtype = self.dtype
@@ -401,15 +428,25 @@ class WeightSender:
                 tensor_view(buf, str(dtype).removeprefix("torch."), src.shape, offset).copy_(src)
                 left[k] -= 1
                 if left[k] == 0:
-                    works.append(self.group.broadcast(buf[:buckets[k]["nbytes"]], 0))
+                    works.append(self.barrier() if self.in_place
+                                 else self.group.broadcast(buf[:buckets[k]["nbytes"]], 0))
+        if self.in_place and self.is_sender:
+            works.append(self.barrier())  # the workers copied the last bucket
         for work in works:
             work.wait()
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
-        if self.is_sender and len(works) != len(buckets):
+        if self.is_sender and len(works) != len(buckets) + self.in_place:
             raise RuntimeError(
                 f"sent {len(works)} of {len(buckets)} buckets: the model changed since layout()")
         return sum(b["nbytes"] for b in buckets) if self.is_sender else 0
+
+    def barrier(self):
+        """In place: the packed bucket is written (a host wait for the GPU's copies), then a gloo
+        barrier with the workers (a one-element all-reduce on the host). Returns its work."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        return self.group.allreduce(torch.zeros(1))
 
 # -----------------------------------------------------------------------------
 # the flow around a sync, against the engine interface
@@ -428,7 +465,8 @@ async def connect_engines(engines, sender, host="127.0.0.1", port=0, backend=Non
     engine. `host` must be an address of the sender that the engines can reach.
     Call it again (all engines) after an engine restarts: a group's members are
     fixed, so the group is re-formed. Returns the group's world size."""
-    backend = backend or ("nccl" if sender.device.type == "cuda" else "gloo")
+    backend = backend or ("nccl" if sender.device.type == "cuda" and not sender.in_place
+                          else "gloo")
     port = port or free_port(host)
     workers = [len(await _call(e, "collective_rpc", "weight_worker_rank")) for e in engines]
     world_size = 1 + sum(workers)
@@ -448,7 +486,7 @@ async def connect_engines(engines, sender, host="127.0.0.1", port=0, backend=Non
     return world_size
 
 
-async def sync_weights(engines, sender, model, policy_version):
+async def sync_weights(engines, sender, model, policy_version, asleep=False):
     """After an optimizer step, on every trainer rank: pause the engines (in-flight
     requests kept), send the weights, load them, set the engines' weight version to
     `policy_version`, resume. Off rank 0 `engines` is ignored (pass None) and the rank
@@ -458,21 +496,28 @@ async def sync_weights(engines, sender, model, policy_version):
     a broadcast get an error instead of waiting for the timeout), the engines resume on
     the weights they hold (layers that had not arrived keep their old values; the version
     is not bumped), and the error is raised, an engine's own first (e.g. Ray's
-    RayActorError for a dead engine). Call connect_engines again before the next sync."""
+    RayActorError for a dead engine). Call connect_engines again before the next sync.
+    asleep: the engines sleep (placement="colocated", sleep_engines): instead of pause and
+    resume, their weights wake for the transfer and their KV cache after it (the trainer's cached
+    GPU blocks go back to the driver first); "wake_s" is then the time the waking took."""
     layout = sender.layout(model)
     if not sender.is_sender:
         await asyncio.to_thread(sender.send, model, layout)
         return {"bytes": 0, "pause_s": 0.0, "transfer_s": 0.0}
     t0 = time.perf_counter()
-    await asyncio.gather(*(_call(e, "pause") for e in engines))
+    if asleep and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # what the trainer's step cached, for the engine
+    await asyncio.gather(*(_call(e, *(("wake", ["weights"]) if asleep else ("pause",)))
+                           for e in engines))
     t1 = time.perf_counter()
     try:
-        # the workers block in the broadcasts of receive_weights
+        # the workers block in the broadcasts (in place: the barriers) of receive_weights
         # while the sender (in a thread) feeds them
-        rpc = ("receive_adapter",
-               (layout[0], sender.adapter)) if sender.adapter else ("receive_weights", (layout[0],))
+        buffers, handles = sender.buffers(layout)
+        rpc = ("receive_adapter", (layout[0], sender.adapter)) if sender.adapter else (
+            "receive_weights", (layout[0], handles or None))
         loads = [asyncio.ensure_future(_call(e, "collective_rpc", *rpc)) for e in engines]
-        send = asyncio.ensure_future(asyncio.to_thread(sender.send, model, layout))
+        send = asyncio.ensure_future(asyncio.to_thread(sender.send, model, layout, buffers))
         done, _ = await asyncio.wait([*loads, send], return_when=asyncio.FIRST_EXCEPTION)
         if any(f in done and f.exception() is not None for f in [*loads, send]):
             sender.close()
@@ -485,10 +530,23 @@ async def sync_weights(engines, sender, model, policy_version):
         drafts = [sum(d) for d in zip(
             *await asyncio.gather(*(_call(e, "take_drafts") for e in engines)))]
     finally:
-        await asyncio.gather(*(_call(e, "resume") for e in engines), return_exceptions=True)
+        t2 = time.perf_counter()
+        if asleep and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the sender's buckets
+        await asyncio.gather(*(_call(e, *(("wake", ["kv_cache"]) if asleep else ("resume",)))
+                               for e in engines), return_exceptions=True)
     return {"bytes": send.result(), "pause_s": time.perf_counter() - t0,
-            "transfer_s": time.perf_counter() - t1,
+            "transfer_s": t2 - t1, "wake_s": (t1 - t0 + time.perf_counter() - t2) * asleep,
             "drafts": drafts}  # the engines' draft tokens (accepted, drafted) since the last sync
+
+
+async def sleep_engines(engines, level=2):
+    """placement="colocated", before the trainer steps: every engine sleeps (engine.Engine.sleep;
+    level 2 drops the weights, which the next sync_weights(asleep=True) rewrites). Returns
+    seconds."""
+    t0 = time.perf_counter()
+    await asyncio.gather(*(_call(e, "sleep", level) for e in engines))
+    return time.perf_counter() - t0
 
 # -----------------------------------------------------------------------------
 # engine side
@@ -562,6 +620,45 @@ class BucketReceiver:
         return unconsumed
 
 
+class HandedBuckets:
+    """The receiving end of an in-place sync (WeightSender(in_place=True), on the same GPU): the
+    sender's two bucket buffers, opened from their handles; bucket k is in buffer k % 2 once
+    barrier k passed. Each bucket is copied out (a device-to-device copy) before the next barrier,
+    which frees its buffer for bucket k + 2; the loader holds the copies as long as it needs (a
+    layer may span two buckets). Iterates (hf_name, tensor) as BucketReceiver does."""
+
+    def __init__(self, group, buckets, handles, device):
+        import pickle
+        if group is None:
+            raise RuntimeError(
+                "weights were sent before init_weight_group: call connect_engines first")
+        self.group, self.buckets, self.device = group, buckets, device
+        self.buffers = [pickle.loads(h) for h in handles]  # CUDA: opens the IPC handle
+        self.passed = self.consumed = 0  # barriers passed, buckets handed to the loader
+
+    def barrier(self):
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # our copy of the last bucket is done
+        self.group.allreduce(torch.zeros(1)).wait()
+        self.passed += 1
+
+    def __iter__(self):
+        for k, bucket in enumerate(self.buckets):
+            self.barrier()
+            buf = self.buffers[k % 2][:bucket["nbytes"]].to(self.device, copy=True)
+            self.consumed += 1
+            yield from [(name, tensor_view(buf, dtype_name, shape, offset))
+                        for name, dtype_name, shape, offset in bucket["tensors"]]
+
+    def drain(self):
+        """Pass the barriers the loader did not get to (the sender waits in them), then drop the
+        sender's buffers. Returns how many buckets were not consumed."""
+        while self.passed < len(self.buckets) + 1:
+            self.barrier()
+        self.buffers = []
+        return len(self.buckets) - self.consumed
+
+
 class WeightSyncWorker:
     """vLLM worker extension (engine arg
     `worker_extension_cls="weights_sync.WeightSyncWorker"`); its methods run in every
@@ -583,13 +680,15 @@ class WeightSyncWorker:
             self.weight_group.shutdown()
         self.weight_group, self.weight_device = None, self.device
 
-    def receive_weights(self, buckets):
+    def receive_weights(self, buckets, handles=None):
         """Receive the buckets and load them. `reload_weights` runs vLLM's layerwise reload (the
         checkpoint-format loader, then each layer's weight processing, then a copy into the kernel
-        tensors), so every layer updates on CPU and GPU alike. Returns the bytes received."""
+        tensors), so every layer updates on CPU and GPU alike. handles: an in-place sync's (the
+        sender's buffers, HandedBuckets). Returns the bytes received."""
         from vllm.config import set_current_vllm_config
-        device = getattr(self, "weight_device", self.device)
-        receiver = BucketReceiver(getattr(self, "weight_group", None), buckets, device)
+        group = getattr(self, "weight_group", None)
+        receiver = (HandedBuckets(group, buckets, handles, self.device) if handles else
+                    BucketReceiver(group, buckets, getattr(self, "weight_device", self.device)))
         drafter, mtp = getattr(getattr(self.model_runner, "drafter", None), "model", None), []
         # the target's load_weights drops mtp.*: they are set
         # aside (views into their buckets) for the MTP drafter
@@ -619,6 +718,8 @@ class WeightSyncWorker:
             for model in (self.model_runner.get_model(),
                           *([drafter] if mtp and drafter is not None else [])):
                 repack_cpu_moe_experts(model)
+        elif handles:  # an in-place sync: the bucket copies go back to the driver before the
+            torch.cuda.empty_cache()  # KV cache wakes (outside vLLM's sleep pool, they stay)
         return sum(b["nbytes"] for b in buckets)
 
     def receive_adapter(self, buckets, config):

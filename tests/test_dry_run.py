@@ -227,6 +227,32 @@ def test_cpu_offload_takes_the_sharded_state_off_the_gpu():
 
 
 @pytest.mark.stack
+def test_colocated_plan_is_the_larger_phase_with_what_stays_resident():
+    # one GPU: the trainer's state stays while the engine generates; the engine sleeps while the
+    # trainer steps
+    args = ("--config", "configs/qwen3_4b.py", "--dry_run=True", "--train_world_size=1",
+            "--num_engines=1", "--gpu_memory_gib=79.0", "--engine_memory_fraction=0.3")
+    r = run_train(*args, "--placement=colocated")
+    assert r.returncode == 0, r.stderr[-3000:]
+    def figure(name):
+        return float(re.search(rf"{name} ([\d.]+) GiB", r.stdout).group(1)) * GiB
+    state = sum(gib(r.stdout, row) for row in ("parameters", "gradients", "optimizer"))
+    resident = state - gib(r.stdout, "gradients")
+    assert figure("resident") == pytest.approx(resident, abs=0.02 * GiB)
+    assert figure("training") == pytest.approx(gib(r.stdout, "total") + plan.ENGINE_ASLEEP_BYTES,
+                                               abs=0.02 * GiB)
+    assert figure("generating") == pytest.approx(0.3 * 79 * GiB + resident, abs=0.02 * GiB)
+    assert figure("peak") == max(figure(p) for p in ("training", "generating", "syncing"))
+    separate = run_train(*args)
+    assert "colocated" not in separate.stdout and "GPUs: 1 training + 1 rollout" in separate.stdout
+    # the engine's share no longer fits beside the trainer's resident state (negative control)
+    r = run_train(*args, "--placement=colocated", "--engine_memory_fraction=0.5")
+    assert r.returncode == 1
+    assert re.search(r"placement='colocated' needs about .* GiB at its peak, more than the 79 GiB",
+                     r.stderr), r.stderr[-2000:]
+
+
+@pytest.mark.stack
 def test_kl_penalty_plans_a_reference_copy_except_under_lora():
     """kl_coef > 0 plans the reference policy: a copy of the parameter shards in param_dtype (bf16: half the fp32
     parameters row), in the total; a LoRA run's reference is its frozen base, no row (test_train checks the figure
@@ -394,7 +420,13 @@ def tiny_cfg(**overrides):
     (dict(speculative_tokens=2), r"speculative_tokens=2 drafts with the model's MTP layers, but .* has none"),
     (dict(speculative_tokens=-1), r"speculative_tokens=-1 is not accepted: it must be >= 0"),
     (dict(mtp_loss_coef=0.1), r"mtp_loss_coef=0.1 trains the model's MTP layers, but it has none"),
-])
+    (dict(placement="shared"), r"placement='shared' is not one of separate, colocated"),
+    (dict(placement="colocated", num_engines=2), r"placement='colocated' runs the trainer and one "
+     "engine on one GPU: set train_world_size=1, num_engines=1"),
+    (dict(placement="colocated", lora_rank=8), r"placement='colocated' .* use lora_rank=0"),
+] + ([] if torch.cuda.is_available() else [
+    (dict(placement="colocated"), r"placement='colocated' needs a GPU: .* sleep mode"),
+]))
 def test_check_config(overrides, msg):
     from tiny import TINY_CONFIG
     mcfg = dataclasses.replace(TINY_CONFIG, num_experts=overrides.pop("num_experts", TINY_CONFIG.num_experts))

@@ -290,6 +290,31 @@ def tree_run(tmp_path_factory, tiny_model_path):
 
 
 @needs_chromium
+def test_a_colocated_runs_page_shows_where_each_steps_seconds_go(tmp_path, browser):
+    # placement="colocated" logs sleep_s: the page then adds a curve per phase of the step; a run
+    # without it (the control: the same rows less sleep_s and wake_s) keeps the usual curves
+    phases = dict(step_time_s=4.0, batch_wait_s=2.0, train_step_s=1.2, sync_s=0.5, sleep_s=0.1,
+                  wake_s=0.2, idle_s=0.2)
+    shown = {}
+    for name, extra in (("colocated", {}), ("separate", dict(sleep_s=None, wake_s=None))):
+        out = tmp_path / name
+        os.makedirs(out)
+        with open(out / "metrics.jsonl", "w") as f:
+            for step in (1, 2):
+                row = {k: v for k, v in {"step": step, "reward_mean": 0.5, **phases,
+                                         **extra}.items() if v is not None}
+                f.write(json.dumps(row) + "\n")
+        server, url = viewer.serve_in_thread(str(out))
+        browser.open(url)
+        browser.wait("document.querySelectorAll('#curves .panel').length")
+        shown[name] = browser.js(
+            "[...document.querySelectorAll('#curves .panel')].map(p => p.dataset.key)")
+        server.should_exit = True
+    assert shown["colocated"] == ["reward_mean", *phases]
+    assert shown["separate"] == ["reward_mean"]
+
+
+@needs_chromium
 def test_page_shows_the_segment_tree_eval_thumbnails_and_axes(tree_run, browser):
     browser.open(tree_run)
     # the curves have axes: round ticks with labels on both, and the axes' names

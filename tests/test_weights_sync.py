@@ -375,6 +375,34 @@ def test_failed_load_resumes_engines_and_reconnect_recovers(loop, engine, sender
     diff = (torch.tensor(loop.run_until_complete(engine.prompt_logprobs(ids))[1:]) - trainer_logprobs_bf16(model, ids))
     assert diff.abs().max() <= MAX_DIFF and diff.abs().mean() <= MEAN_DIFF
 
+
+@pytest.mark.gpu
+def test_in_place_sync_hands_the_senders_buffers_to_the_engine(loop, engine, sender, version,
+                                                                tiny_model_path):
+    # an engine on the trainer's GPU (placement="colocated") reads each bucket from the sender's own
+    # buffer: CUDA IPC handles on a GPU, shared memory here; a gloo barrier per bucket says when
+    in_place = WeightSender(bucket_bytes=BUCKET_BYTES, in_place=True,
+                            device=None if torch.cuda.is_available() else "cpu")  # None: this GPU
+    ids = fixed_sequence(seed=3)
+    model = trained_model(tiny_model_path, ids, steps=6)
+    want = trainer_logprobs_bf16(model, ids)
+    model.to(in_place.device)
+    before = torch.tensor(loop.run_until_complete(engine.prompt_logprobs(ids))[1:])
+    assert (before - want).abs().mean() > 1.0  # the trained weights are far from the engine's
+    try:
+        assert loop.run_until_complete(connect_engines([engine], in_place)) == 2
+        version["now"] += 1
+        stats = loop.run_until_complete(sync_weights([engine], in_place, model, version["now"]))
+        after = torch.tensor(loop.run_until_complete(engine.prompt_logprobs(ids))[1:])
+        diff = (after - want).abs()
+        assert diff.max() <= MAX_DIFF and diff.mean() <= MEAN_DIFF, (diff.max().item(),
+                                                                     diff.mean().item())
+        buckets = in_place.layout(model)[0]
+        assert stats["bytes"] == sum(b["nbytes"] for b in buckets) and len(buckets) > 2
+    finally:
+        in_place.close()
+        loop.run_until_complete(connect_engines([engine], sender))  # the module's sender again
+
 # -----------------------------------------------------------------------------
 # a sharded trainer sends: FSDP2 over gloo ranks, with and without expert parallelism (train.py's model code)
 

@@ -1,0 +1,199 @@
+"""
+The whole RL loop on one GPU (placement="colocated"), run through bench.py:
+
+    python bench.py loop                  # 1 GPU: Qwen3-30B-A3B dims, 4 layers, random weights
+    python bench.py loop --dense=1        # 1 GPU: a dense Qwen3 of 1.7B (28 layers of hidden 2048)
+    python bench.py loop --smoke          # CPU, the tiny model: the same code, the engine awake
+                                          # (the CPU engine has no sleep mode; placement "separate")
+
+The model has real shapes and random weights, the tiny tokenizer (its vocabulary: 2,048 tokens)
+and the calculator task (agents/calculator.py: a verifiable reward). A random model rarely samples
+its end token, so generations run to max_tokens. The loop is train.py's: the rollout pool, the
+capture server, the engine as a Ray actor, rl_step (the engine asleep through the train step, the
+in-place weight sync waking it). The figure: trained tokens (every token of the batch the trainer
+steps on) per second of wall time, and where the wall time went. The ceiling, in the same run on
+the same GPU: the engine's own generation throughput (the last batch's prompts, all at once, each
+to the length the loop generated for it; no agents, no capture server) and the train step's
+throughput on the batch's tokens (the engine asleep); `ratio` = the time those two would take
+back to back on the timed steps' tokens / the steps' wall time. Memory: the GPU's used bytes
+(every process), sampled every 20 ms, against the dry run's colocated peak (plan.plan_colocated).
+"""
+import asyncio
+import os
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+GiB = 2**30
+
+
+class UsedMemory:
+    """The most GPU memory in use (total - free: every process on the device) while it runs,
+    sampled every `period_s` in a thread (NOTE: each sample is a cudaMemGetInfo)."""
+
+    def __init__(self, period_s=0.02):
+        import torch
+        self.peak, self.period_s, self.running = 0, period_s, True
+        self.sample = lambda: (lambda free, total: total - free)(*torch.cuda.mem_get_info())
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while self.running:
+            self.peak = max(self.peak, self.sample())
+            time.sleep(self.period_s)
+
+    def stop(self):
+        self.running = False
+        self.thread.join()
+        return self.peak
+
+
+def loop_model(layers, dense, smoke):
+    """(model config, model directory): random weights in bf16 with the tiny tokenizer."""
+    from bench_model import QWEN3_30B_A3B
+    from model import ModelConfig
+    from tiny import TINY_CONFIG, ensure_tiny_model
+    if smoke:
+        return TINY_CONFIG, ensure_tiny_model()
+    vocab = dict(vocab_size=TINY_CONFIG.vocab_size)
+    mcfg = ModelConfig(**vocab, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       tie_word_embeddings=True) if dense else ModelConfig(
+        **dict(QWEN3_30B_A3B, **vocab), num_hidden_layers=layers)
+    path = os.path.join(ROOT, ".cache", f"bench-loop-{'dense-1.7b' if dense else f'moe-{layers}l'}")
+    # built once, aside then renamed (a directory with config.json is whole); its weights may be
+    # sharded, where ensure_tiny_model looks for model.safetensors alone
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        ensure_tiny_model(path, cfg=mcfg)
+    return mcfg, path
+
+
+def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batch=8, steps=4,
+               warmup=1, memory_pct=30, smoke=0):
+    """The whole loop on one GPU against its ceiling (module docstring). Options: --layers (the
+    MoE's), --dense=1 (the dense 1.7B instead), --max_tokens per turn, --group_size,
+    --groups_per_batch (groups_in_flight the same: every batch on-policy), --steps timed after
+    --warmup, --memory_pct (engine_memory_fraction in percent), --smoke (CPU, the tiny model)."""
+    opt = dict(locals())
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    import ray
+    import torch
+    import train
+    import weights_sync
+    from model import num_params
+    cuda = torch.cuda.is_available()
+    if not cuda and not smoke:
+        sys.exit("bench.py loop needs a GPU; on CPU use --smoke")
+    if smoke:
+        max_tokens, group_size, groups_per_batch, steps, warmup = 16, 2, 2, 2, 1
+        opt.update(max_tokens=max_tokens, group_size=group_size,
+                   groups_per_batch=groups_per_batch, steps=steps, warmup=warmup)
+    mcfg, path = loop_model(layers, dense, smoke)
+    args = [f"--model_path={path}", "--agent=agents/calculator.py", f"--max_tokens={max_tokens}",
+            f"--engine_max_model_len={2 * max_tokens + 512}", f"--group_size={group_size}",
+            f"--groups_per_batch={groups_per_batch}", f"--groups_in_flight={groups_per_batch}",
+            f"--max_steps={warmup + steps}", "--eval_every=0", "--view_groups_per_step=0",
+            f"--microbatch_tokens={2 * max_tokens + 512}", "--attempt_timeout_s=1800.0",
+            f"--engine_memory_fraction={memory_pct / 100}", "--learning_rate=1e-6",
+            "--min_lr=1e-7", f"--out_dir={os.path.join(ROOT, '.cache', 'bench-loop-out')}"]
+    if cuda:
+        total = torch.cuda.mem_get_info()[1]
+        args += ["--placement=colocated", "--param_dtype=bfloat16",
+                 f"--gpu_memory_gib={total / GiB}"]
+    cfg = train.configure(args)
+    planned = train.dry_run_main(dict(cfg, dry_run=True)) if cuda else {}
+    _, world, device = train.init_distributed()
+    model, optimizer, _, _ = train.build_trainer(cfg, world, device)
+    train.connect_ray(cfg, 0, world)
+    rollout = train.start_rollout(cfg, trainer_gpus={})
+    colocated = cfg["placement"] == "colocated"
+    loop, sender = asyncio.new_event_loop(), weights_sync.WeightSender(in_place=colocated)
+    lcfg, version = train.loss_config(cfg), 0
+    train.push_weights(rollout, loop, sender, model, 0, 0, world)
+    rollout.pool.start()
+    rows, used = [], None
+    try:
+        for step in range(warmup + steps):
+            if step == warmup and cuda:
+                used = UsedMemory()
+            t0 = time.perf_counter()
+            records = rollout.pool.next_batch(hold=colocated)
+            t1 = time.perf_counter()
+            m = train.rl_step(rollout, loop, sender, model, optimizer, records, cfg, lcfg,
+                              version, step, 0, world)
+            if colocated and step + 1 < warmup + steps:
+                rollout.pool.resume()
+            version = m["policy_version"]
+            wall = time.perf_counter() - t0
+            sleep, wake = m.get("sleep_s", 0.0), m.get("wake_s", 0.0)  # colocated only
+            sync = (m["sync_s"] or 0.0) - wake
+            rows.append(dict(
+                wall_s=wall, generate_s=t1 - t0, train_s=m["train_step_s"], sync_s=sync,
+                sleep_s=sleep, wake_s=wake,
+                idle_s=wall - (t1 - t0) - m["train_step_s"] - sync - sleep - wake,
+                trained_tokens=m["tokens"],
+                generated_tokens=sum(r["action_tokens"] for r in records)))
+        peak = used.stop() if used else 0
+        rollout.pool.stop()  # no attempt competes with the ceiling's requests
+        ceiling = measure_ceiling(rollout, loop, model, optimizer, records, cfg, lcfg, version)
+    finally:
+        train.stop_rollout(rollout)
+        sender.close()
+        ray.shutdown()
+        torch.distributed.destroy_process_group()
+    timed = rows[warmup:]
+    wall = sum(r["wall_s"] for r in timed)
+    trained, generated = (sum(r[k] for r in timed) for k in ("trained_tokens", "generated_tokens"))
+    back_to_back = (generated / ceiling["generate_tokens_per_s"]
+                    + trained / ceiling["train_tokens_per_s"])
+    split = {k.removesuffix("_s"): round(sum(r[k] for r in timed) / wall, 3)
+             for k in ("generate_s", "train_s", "sync_s", "sleep_s", "wake_s", "idle_s")}
+    result = dict(
+        device=torch.cuda.get_device_name() if cuda else "cpu", options=opt,
+        params=num_params(mcfg), params_active=num_params(mcfg, active=True),
+        placement=cfg["placement"], steps=len(timed),
+        trained_tokens_per_s_per_gpu=round(trained / wall, 1),
+        generated_tokens_per_s=round(generated / wall, 1),
+        generated_tokens_per_attempt=round(generated / (len(timed) * groups_per_batch
+                                                        * group_size), 1),
+        step_s=round(wall / len(timed), 3), split=split,
+        ceiling={k: round(v, 1) for k, v in ceiling.items()},
+        ratio=round(back_to_back / wall, 3))
+    if cuda:
+        result["memory"] = dict(peak_used_gib=round(peak / GiB, 2),
+                                planned_peak_gib=round(planned["coloc_peak_bytes"] / GiB, 2),
+                                planned_over_used=round(planned["coloc_peak_bytes"] / peak, 3))
+    print(f"loop on one {'GPU' if cuda else 'CPU'}: {result['trained_tokens_per_s_per_gpu']:,} "
+          f"trained tokens/s, split {split}; ceiling {result['ceiling']}; ratio {result['ratio']}")
+    return result
+
+
+def measure_ceiling(rollout, loop, model, optimizer, records, cfg, lcfg, version):
+    """The two phases alone on the last batch: the engine generating, for each of its segments'
+    first prompts at once, as many tokens as the segment holds (ignore_eos), then (the engine
+    asleep when colocated) the train step on the batch's segments, twice, the second timed.
+    Tokens per second of each. The engine is left asleep (the run ends)."""
+    import ray
+    import train
+    import weights_sync
+    segments, advantages = train.share_batch(records, cfg, 0, 1)
+    # each segment's first prompt: its tokens before the first generated one (argmax: the first 1)
+    prompts = [s["token_ids"][:s["action_mask"].argmax()].tolist() for s in segments]
+    # as many tokens as the loop generated for it (its turns together): the same lengths
+    lengths = [max(1, int(s["action_mask"].sum())) for s in segments]
+    engine = rollout.engines[0]
+    t0 = time.perf_counter()
+    outs = ray.get([engine.generate.remote(p, dict(temperature=1.0, max_tokens=n, ignore_eos=True),
+                                           f"ceiling-{i}")
+                    for i, (p, n) in enumerate(zip(prompts, lengths))])
+    generate = sum(len(o["token_ids"]) for o in outs) / (time.perf_counter() - t0)
+    colocated = cfg["placement"] == "colocated"
+    if colocated:
+        loop.run_until_complete(weights_sync.sleep_engines(rollout.engines))
+    for _ in range(2):  # the first warms the allocator, as the loop's warm-up steps did
+        m = train.train_step(model, optimizer, train.pack_microbatches(
+            segments, advantages, cfg["microbatch_tokens"]), cfg, lcfg, version)
+    return dict(generate_tokens_per_s=generate, train_tokens_per_s=m["tokens"] / m["train_step_s"])
