@@ -127,7 +127,7 @@ def bench_sync(layers=4, bucket_mb=0, iters=0, tiny=-1, lora_rank=8):
     """Rank 0 holds a Qwen3-30B-A3B-shaped model with a few layers (fp32 master weights,
     several GB in bf16) and sends it with weights_sync.WeightSender (cast to bf16, pack
     per-expert HF tensors into buckets, broadcast with double buffering) to rank 1, which
-    receives like an engine worker (weights_sync.BucketReceiver) and copies every tensor
+    receives like an engine worker (worker.BucketReceiver) and copies every tensor
     into its own per-parameter tensor (as load_weights does; here one multi-tensor copy per
     bucket). Baseline, same run, same process group: one broadcast of a flat buffer of the
     same bytes. Prints GB/s of both and ours / raw (target >= 0.85), and checks that rank 1
@@ -185,7 +185,8 @@ def _sync_rank(rank, opt, results):
     import torch.distributed as dist
     from model import ModelConfig, Transformer, ours_to_hf
     from tiny import TINY_CONFIG
-    from weights_sync import BucketReceiver, WeightSender, free_port, stateless_process_group
+    from weights_sync import WeightSender, free_port, stateless_process_group
+    from worker import BucketReceiver
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK",
                                                      rank))) if cuda else torch.device("cpu")
@@ -295,7 +296,8 @@ def _lora_sync(rank, opt, cfg, model, group, device, timed):
     import torch
     import torch.distributed as dist
     import lora
-    from weights_sync import BucketReceiver, WeightSender
+    from weights_sync import WeightSender
+    from worker import BucketReceiver
     adapter = lora.peft_config(opt["lora_rank"], 2.0 * opt["lora_rank"], lora.TARGETS)
     sender = WeightSender(bucket_bytes=opt["bucket_mb"] << 20, device=device, adapter=adapter)
     shared = [None]

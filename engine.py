@@ -2,13 +2,8 @@
 Our side of vLLM: the engine wrapper (`Engine`: one AsyncLLM; token ids in, token
 ids, sampling logprobs, policy versions and routes out; rollout.EngineActor runs it
 as a Ray actor, the capture server and agents/frozen.py run it in their own process)
-and the classes that vLLM's own processes load by name, as engine arguments:
-
-    worker_extension_cls  weights_sync.WeightSyncWorker (receives the weights), engine.LoRAWeightSyncWorker (the
-                          same, after serve_lora_beside_cpu_moe) for a LoRA run, engine.DraftingCPUWorker (the same,
-                          after verify_drafts_on_cpu) for a drafting engine on CPU
-    worker_cls            engine.AMXCPUWorker on a CPU with AMX
-    scheduler_cls         engine.ImageScheduler for a vision model (KeepImages)
+which names, as engine arguments, the classes that vLLM's own processes load by name (worker.py:
+the worker extension that receives the weights, the CPU workers, the image scheduler).
 
 Engine's keyword defaults are the one home of each engine option's default (OPTIONS): train.py's
 config block and the standalone users (capture.py's command line, agents/frozen.py) read them
@@ -26,7 +21,8 @@ import json
 import os
 import uuid
 
-WORKER_EXTENSION = "weights_sync.WeightSyncWorker"
+WORKER_EXTENSION = "worker.WeightSyncWorker"
+LORA_ID = 1  # the one LoRA adapter an engine serves; Engine's requests name it
 
 
 class EngineNotStarted(RuntimeError):
@@ -70,13 +66,13 @@ class Engine:
         elif speculative_config:  # requests don't: vLLM's counters (kept when stats are logged)
             self.spec_counts = [0, 0]
         if speculative_config and not torch.cuda.is_available() and worker_extension_cls == WORKER_EXTENSION:
-            worker_extension_cls = "engine.DraftingCPUWorker"  # see verify_drafts_on_cpu
+            worker_extension_cls = "worker.DraftingCPUWorker"  # see worker.verify_drafts_on_cpu
         if worker_extension_cls:
             self.engine_args["worker_extension_cls"] = worker_extension_cls
         config = os.path.join(model_path, "config.json")
         hf = json.load(open(config)) if os.path.isfile(config) else {}
         if "vision_config" in hf:
-            self.engine_args["scheduler_cls"] = "engine.ImageScheduler"  # see KeepImages
+            self.engine_args["scheduler_cls"] = "worker.ImageScheduler"  # see worker.KeepImages
         # a hybrid (Qwen3.5 / 3.6: Gated DeltaNet layers) keeps its recurrent state
         # in fp32 (a bf16 state drifts the rollout logprobs); its prefix caching is
         # vLLM's "align" mode, which caches the state at block boundaries
@@ -91,7 +87,7 @@ class Engine:
             # prefill (it splits prompts at block boundaries): there seeds are refused.
             self.engine_args["enable_chunked_prefill"] = hybrid and enable_prefix_caching
             if torch.cpu._is_amx_tile_supported():
-                self.engine_args["worker_cls"] = "engine.AMXCPUWorker"
+                self.engine_args["worker_cls"] = "worker.AMXCPUWorker"
         self.engine_args.update(engine_kwargs)
         self.seeds_refused = not torch.cuda.is_available() and bool(
             self.engine_args.get("enable_chunked_prefill"))
@@ -103,11 +99,10 @@ class Engine:
         self.version_starts = None
         # lora_path: a PEFT adapter directory; every request runs with that
         # adapter (vLLM's LoRA id 1), which each weight sync then replaces
-        # in place (weights_sync.WeightSyncWorker.receive_adapter)
+        # in place (worker.WeightSyncWorker.receive_adapter)
         self.lora_request = None
         if lora_path:
             from vllm.lora.request import LoRARequest
-            from weights_sync import LORA_ID
             self.lora_request = LoRARequest("policy", LORA_ID, lora_path)
 
     async def start(self):  # answers None: under Ray the result travels
@@ -292,29 +287,6 @@ def vllm_takes(engine_arg):
     from vllm import AsyncEngineArgs
     return engine_arg in {f.name for f in dataclasses.fields(AsyncEngineArgs)}
 
-# -----------------------------------------------------------------------------
-# the classes vLLM's processes load by name
-
-
-def serve_lora_beside_cpu_moe():
-    """Works around vLLM 0.32 on CPU: with enable_lora every FusedMoE layer is marked LoRA-enabled
-    (fused_moe/layer.py: `is_lora_enabled=vllm_config.lora_config is not None`), whatever
-    lora_target_modules says, and the MoE kernel oracle then picks TritonExperts
-    (oracle/unquantized.py), which CPU lacks: the first forward fails with "module
-    'triton.language' has no attribute 'bfloat16'". Our engines never give the experts to vLLM's
-    LoRA (receive_adapter merges them), so on CPU the MoE layers keep their CPU kernel. Runs in the
-    worker process before the model is built (lora.engine_options names LoRAWeightSyncWorker)."""
-    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
-    from vllm.platforms import current_platform
-    if not current_platform.is_cpu() or getattr(FusedMoEConfig, "lora_experts_off", False):
-        return
-    post_init = FusedMoEConfig.__post_init__
-
-    def without_expert_lora(self):
-        post_init(self)
-        self.is_lora_enabled = False
-    FusedMoEConfig.__post_init__, FusedMoEConfig.lora_experts_off = without_expert_lora, True
-
 
 def spec_counters():
     """(accepted, drafted) draft tokens of every engine in this process since it started: vLLM's
@@ -323,70 +295,3 @@ def spec_counters():
     names = ("vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_draft_tokens")
     got = [m for m in get_metrics_snapshot() if isinstance(m, Counter)]
     return [sum(m.value for m in got if m.name == n) for n in names]
-
-
-def verify_drafts_on_cpu():
-    """Works around vLLM 0.32 on CPU: the rejection sampler spreads each request's
-    temperature, top_k and top_p over its draft tokens with the C++ stand-in of a Triton
-    kernel (`expand_kernel_impl`), which writes into int64 copies of its tensors: the float32
-    output stays uninitialized memory, by which the target's logits are then divided. Drafts
-    were verified against that garbage distribution and the processed logprobs came out 0.0
-    or nan (greedy is untouched). Runs in the worker process; the same expansion in torch."""
-    import torch
-    from vllm.v1.sample import rejection_sampler
-
-    def expand(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
-        counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
-        return x.masked_fill(x == replace_from,
-                             replace_to).repeat_interleave(counts, output_size=num_tokens)
-    rejection_sampler.expand_batch_to_tokens = expand
-
-
-class KeepImages:
-    """Mixed into vLLM's scheduler (async or not, as the engine decided) for a vision model's
-    engine: a request's images always reach the worker. vLLM drops the pixels of an image that a
-    prefix-cache hit covers when it hands a request to the worker; the worker keeps the request's
-    state across a preemption, so a request preempted when a weight sync empties the prefix cache
-    (recompute_kv_on_sync), or by memory pressure after its cached prefix was evicted, must encode
-    the image again and finds no pixels: the engine dies. Costs a copy per covered image."""
-
-    def schedule(self, *args, **kwargs):
-        out = super().schedule(*args, **kwargs)
-        for new in out.scheduled_new_reqs:  # the scheduler's own request holds every image's pixels
-            new.mm_features = self.requests[new.req_id].mm_features
-        return out
-
-
-def __getattr__(name):
-    # vLLM resolves these names in its own processes (worker_extension_cls
-    # and worker_cls in the worker, scheduler_cls in the engine core);
-    # each is built there on first use, as it imports vLLM
-    # before the worker builds the model: the moment to patch
-    if name in ("LoRAWeightSyncWorker", "DraftingCPUWorker"):
-        (serve_lora_beside_cpu_moe if name.startswith("LoRA") else verify_drafts_on_cpu)()
-        from weights_sync import WeightSyncWorker
-        return WeightSyncWorker
-    if name == "AMXCPUWorker":
-        # Linux grants AMX tile state only to processes that ask (arch_prctl);
-        # vLLM's CPU kernels use AMX whenever the CPU has it without asking, and
-        # die with SIGILL unless something (oneDNN, on some paths) asked first
-        import torch
-        from vllm.v1.worker.cpu_worker import CPUWorker
-
-        class AMXCPUWorker(CPUWorker):
-            def __init__(self, *args, **kwargs):
-                torch.cpu._init_amx()
-                super().__init__(*args, **kwargs)
-        globals()[name] = AMXCPUWorker
-        return AMXCPUWorker
-    if name == "ImageScheduler":
-        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-        from vllm.v1.core.sched.scheduler import Scheduler
-        pick = {a: type("ImageScheduler", (KeepImages, base), {}) for a,
-                base in ((False, Scheduler),
-                                                                                  (True, AsyncScheduler))}
-        globals()[name] = lambda vllm_config, **kw: pick[
-            bool(vllm_config.scheduler_config.async_scheduling)](
-            vllm_config=vllm_config, **kw)
-        return globals()[name]
-    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -284,10 +284,10 @@ def adapter_shapes(mcfg, cfg, served_only=False):
 def engine_options(cfg, mcfg):
     """engine.Engine keyword arguments of a LoRA run
     (plan.engine_options adds them when lora_rank > 0)."""
-    options = dict(worker_extension_cls="engine.LoRAWeightSyncWorker")
+    options = dict(worker_extension_cls="worker.LoRAWeightSyncWorker")
     # the modules vLLM serves LoRA on, in vLLM's names (it packs q/k/v
     # and gate/up); the routed experts are merged into the engines'
-    # weights instead (weights_sync.WeightSyncWorker.receive_adapter)
+    # weights instead (worker.WeightSyncWorker.receive_adapter)
     if targets := sorted({VLLM_MODULES[n.rsplit(".", 2)[-2]]
                           for n in adapter_shapes(mcfg, cfg, served_only=True)}):
         options.update(enable_lora=True, max_loras=1, lora_target_modules=targets,

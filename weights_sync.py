@@ -27,8 +27,8 @@ A LoRA run (`WeightSender(adapter=lora.sync_config(cfg))`) sends its adapters al
 names, through the same gathers and buckets; the workers' `receive_adapter` serves them with vLLM's
 LoRA support (attention and dense MLPs) and merges the routed-expert ones into the expert weights.
 
-The worker extension (`WeightSyncWorker`, the engine end of the transfer) is named
-by engine.Engine; the other classes vLLM's processes load by name live in engine.py.
+The engine end of the transfer (the worker extension `WeightSyncWorker`, which engine.Engine names)
+lives in worker.py with the other classes vLLM's processes load by name.
 
 Why not vLLM's weight-transfer engine API (`weight_transfer_config`,
 `WeightTransferEngineFactory`, `init_weight_transfer_engine` -> `start_weight_update` ->
@@ -46,7 +46,6 @@ stacked experts, which is the part that matters at scale. The version bump is th
 factory's `finish_weight_update(weight_version=...)` makes (`update_weight_version`).
 """
 import asyncio
-import contextlib
 import math
 import random
 import socket
@@ -58,7 +57,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import lora
-from model import checkpoint_reader, is_stacked_experts, ours_to_hf, weight_files
+from model import is_stacked_experts, ours_to_hf
 
 ALIGN = 256  # byte alignment of each tensor in a bucket: keeps copies and NCCL on aligned addresses
 BUCKET_BYTES = 512 << 20  # WeightSender's default bucket size (the dry run plans with it)
@@ -226,16 +225,13 @@ def quantize_fp8_blocks(w, block=FP8_BLOCK):
     return q, scale.squeeze(-1).squeeze(-2)
 
 
-def dequantize_fp8_blocks(q, scale, dtype=torch.bfloat16, block=FP8_BLOCK):
-    """quantize_fp8_blocks' inverse, up to its rounding: q (..., M, K) e4m3 times each block's
-    scale, in dtype."""
-    M, K = q.shape[-2:]
-    s = scale.repeat_interleave(block, -2)[..., :M, :].repeat_interleave(block, -1)[..., :K]
-    return (q.float() * s).to(dtype)
-
-
 def align(nbytes):
     return -(-nbytes // ALIGN) * ALIGN
+
+
+def tensor_view(buf, dtype_name, shape, offset):
+    dtype = getattr(torch, dtype_name)
+    return buf[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 
 def global_shape(model, name, p):
@@ -547,282 +543,3 @@ async def sleep_engines(engines, level=2):
     t0 = time.perf_counter()
     await asyncio.gather(*(_call(e, "sleep", level) for e in engines))
     return time.perf_counter() - t0
-
-# -----------------------------------------------------------------------------
-# engine side
-
-
-def tensor_view(buf, dtype_name, shape, offset):
-    dtype = getattr(torch, dtype_name)
-    return buf[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-
-
-def dequantized(tensors):
-    """(hf_name, tensor) pairs, each fp8 weight and its scales (bucket_layout lists them in turn)
-    made one bf16 weight. vLLM's fp8 engine quantizes it again as it loads (the layerwise reload
-    runs its online quantization) and gets the sender's e4m3 values back: the block's max is 448
-    times a scale within bf16 rounding of the sender's, far inside half an e4m3 step
-    (tests/test_weights_sync.py checks it). A copy per weight, on the receiving device."""
-    weight = None
-    for name, t in tensors:
-        if t.dtype == FP8:
-            weight = t
-        elif weight is not None:
-            yield name.removesuffix("_scale_inv"), dequantize_fp8_blocks(weight, t)
-            weight = None
-        else:
-            yield name, t
-
-
-class BucketReceiver:
-    """Iterates (hf_name, tensor) over the buckets broadcast by the sender, receiving bucket k+1
-    while the caller loads bucket k. Each bucket gets a fresh buffer: vLLM's layerwise reload keeps
-    the tensors of a layer until the whole layer has arrived, and a layer may span two buckets."""
-
-    def __init__(self, group, buckets, device):
-        if group is None:  # an engine worker's, before init_weight_group
-            raise RuntimeError(
-                "weights were sent before init_weight_group: call connect_engines first")
-        self.group, self.buckets, self.device = group, buckets, device
-        self.posted = []  # (buffer, work) per bucket whose broadcast has been posted
-
-    def _post(self):
-        buf = torch.empty(self.buckets[len(self.posted)]["nbytes"], dtype=torch.uint8,
-                          device=self.device)
-        self.posted.append((buf, self.group.broadcast(buf, 0)))
-
-    def __iter__(self):
-        for tensors in self.iter_buckets():
-            yield from tensors
-
-    def iter_buckets(self):
-        """The same, one list of (hf_name, tensor) per bucket
-        (for a caller that copies a bucket at once)."""
-        for k, bucket in enumerate(self.buckets):
-            while len(self.posted) < min(k + 2, len(self.buckets)):
-                self._post()
-            buf, work = self.posted[k]
-            work.wait()  # NCCL: the stream waits, not the host
-            yield [(name, tensor_view(buf, dtype_name, shape, offset))
-                   for name, dtype_name, shape, offset in bucket["tensors"]]
-            self.posted[k] = None  # drop our reference; the loader holds what it still needs
-
-    def drain(self):
-        """Receive every bucket the loader did not get to, so that the sender
-        is never left waiting. Returns how many buckets were not consumed."""
-        unconsumed = len(self.buckets) - sum(1 for x in self.posted if x is None)
-        for posted in self.posted:
-            if posted is not None:
-                posted[1].wait()
-        while len(self.posted) < len(self.buckets):
-            self._post()
-            self.posted[-1][1].wait()
-        return unconsumed
-
-
-class HandedBuckets:
-    """The receiving end of an in-place sync (WeightSender(in_place=True), on the same GPU): the
-    sender's two bucket buffers, opened from their handles; bucket k is in buffer k % 2 once
-    barrier k passed. Each bucket is copied out (a device-to-device copy) before the next barrier,
-    which frees its buffer for bucket k + 2; the loader holds the copies as long as it needs (a
-    layer may span two buckets). Iterates (hf_name, tensor) as BucketReceiver does."""
-
-    def __init__(self, group, buckets, handles, device):
-        import pickle
-        if group is None:
-            raise RuntimeError(
-                "weights were sent before init_weight_group: call connect_engines first")
-        self.group, self.buckets, self.device = group, buckets, device
-        self.buffers = [pickle.loads(h) for h in handles]  # CUDA: opens the IPC handle
-        self.passed = self.consumed = 0  # barriers passed, buckets handed to the loader
-
-    def barrier(self):
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # our copy of the last bucket is done
-        self.group.allreduce(torch.zeros(1)).wait()
-        self.passed += 1
-
-    def __iter__(self):
-        for k, bucket in enumerate(self.buckets):
-            self.barrier()
-            buf = self.buffers[k % 2][:bucket["nbytes"]].to(self.device, copy=True)
-            self.consumed += 1
-            yield from [(name, tensor_view(buf, dtype_name, shape, offset))
-                        for name, dtype_name, shape, offset in bucket["tensors"]]
-
-    def drain(self):
-        """Pass the barriers the loader did not get to (the sender waits in them), then drop the
-        sender's buffers. Returns how many buckets were not consumed."""
-        while self.passed < len(self.buckets) + 1:
-            self.barrier()
-        self.buffers = []
-        return len(self.buckets) - self.consumed
-
-
-class WeightSyncWorker:
-    """vLLM worker extension (engine arg
-    `worker_extension_cls="weights_sync.WeightSyncWorker"`); its methods run in every
-    worker through `collective_rpc`. vLLM forbids names that the worker already has."""
-
-    def weight_worker_rank(self):
-        return self.rank  # this worker's rank inside its engine (tensor/pipeline parallel)
-
-    def init_weight_group(self, host, port, rank_offset, world_size, backend, timeout_s=600.0):
-        self.close_weight_group()
-        self.weight_group = stateless_process_group(host, port, rank_offset + self.rank, world_size,
-                                                    backend, timeout_s)
-        # gloo moves host tensors: a GPU worker reached over gloo (a sender on the same GPU, where
-        # NCCL cannot join two processes) receives into host buffers; the reload copies them over
-        self.weight_device = self.device if backend == "nccl" else torch.device("cpu")
-
-    def close_weight_group(self):
-        if getattr(self, "weight_group", None) is not None:
-            self.weight_group.shutdown()
-        self.weight_group, self.weight_device = None, self.device
-
-    def receive_weights(self, buckets, handles=None):
-        """Receive the buckets and load them. `reload_weights` runs vLLM's layerwise reload (the
-        checkpoint-format loader, then each layer's weight processing, then a copy into the kernel
-        tensors), so every layer updates on CPU and GPU alike. handles: an in-place sync's (the
-        sender's buffers, HandedBuckets). Returns the bytes received."""
-        from vllm.config import set_current_vllm_config
-        group = getattr(self, "weight_group", None)
-        receiver = (HandedBuckets(group, buckets, handles, self.device) if handles else
-                    BucketReceiver(group, buckets, getattr(self, "weight_device", self.device)))
-        drafter, mtp = getattr(getattr(self.model_runner, "drafter", None), "model", None), []
-        # the target's load_weights drops mtp.*: they are set
-        # aside (views into their buckets) for the MTP drafter
-        target = (x for x in dequantized(receiver)
-                  if not (x[0].startswith("mtp.") and mtp.append(x) is None))
-        try:
-            self.reload_weights(weights_iterator=target, is_checkpoint_format=True)
-            if mtp and drafter is not None:  # the drafter's embed_tokens and lm_head
-                                             # are the target's: its own layers
-                with set_current_vllm_config(self.vllm_config):
-                    reload_drafter(self, drafter, mtp)
-        except BaseException:
-            # an interrupted layerwise reload leaves the layers that had not
-            # arrived on the meta device: put their old tensors back so the engine
-            # can still serve, then free the sender if the group still works
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-            with set_current_vllm_config(self.vllm_config):
-                finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
-            with contextlib.suppress(Exception):
-                receiver.drain()
-            raise
-        if unconsumed := receiver.drain():
-            raise RuntimeError(
-                f"the model loader stopped with {unconsumed} of {len(buckets)} weight buckets "
-                "unread")
-        if self.device.type == "cpu":
-            for model in (self.model_runner.get_model(),
-                          *([drafter] if mtp and drafter is not None else [])):
-                repack_cpu_moe_experts(model)
-        elif handles:  # an in-place sync: the bucket copies go back to the driver before the
-            torch.cuda.empty_cache()  # KV cache wakes (outside vLLM's sleep pool, they stay)
-        return sum(b["nbytes"] for b in buckets)
-
-    def receive_adapter(self, buckets, config):
-        """Receive a LoRA adapter (PEFT names, lora.peft_config `config`) and serve it.
-        Attention and dense-MLP adapters replace vLLM's LoRA adapter 1 in place (requests
-        name it, engine.Engine's lora_request), so held requests go on with the new adapter
-        after resume. Routed-expert adapters are merged into the expert weights here, base +
-        scaling * B @ A per expert (vLLM's MoE LoRA needs a LoRA-aware fused-experts kernel:
-        Triton on GPU, none on CPU), from a host copy of the base experts read once from the
-        model directory; only adapters travel either way. Returns the bytes received."""
-        device = getattr(self, "weight_device", self.device)
-        receiver = BucketReceiver(getattr(self, "weight_group", None), buckets, device)
-        try:
-            tensors = dict(receiver)
-        finally:
-            receiver.drain()
-        scaling = config["lora_alpha"] / config["r"]  # expert adapters (PEFT's per-expert
-                                                      # names hold .mlp.experts.)
-        # the reload empties vLLM's LoRA slots: the adapter is set again below
-        if merged := merged_experts(
-                self, {k: v for k, v in tensors.items() if is_stacked_experts(k)}, scaling):
-            self.reload_weights(weights_iterator=iter(merged), is_checkpoint_format=True)
-            if self.device.type == "cpu":
-                repack_cpu_moe_experts(self.model_runner.get_model())
-        if served := {k: v for k, v in tensors.items() if not is_stacked_experts(k)}:
-            from vllm.lora.lora_model import LoRAModel
-            from vllm.lora.peft_helper import PEFTHelper
-            manager = self.model_runner.lora_manager
-            adapter = LoRAModel.from_lora_tensors(LORA_ID, served, PEFTHelper.from_dict(config),
-                                                  device="cpu",
-                                                  dtype=manager.lora_config.lora_dtype,
-                                                  model_vocab_size=manager.vocab_size)
-            models = manager._adapter_manager  # vLLM's own in-place reload
-                                               # (LoRARequest.load_inplace) does the same
-            models.remove_adapter(LORA_ID)
-            models.add_adapter(adapter)
-            models.activate_adapter(LORA_ID)
-        return sum(b["nbytes"] for b in buckets)
-
-    def weights_digest(self):
-        """{parameter name: sha256 of its bytes} of the engine's weights. A Linear whose
-        weight vLLM's CPU GEMM moved into its kernel (the parameter left empty) is read back
-        through that kernel: its output on the identity, the weight it computes with."""
-        import hashlib
-        out, drafter = {}, getattr(getattr(self.model_runner, "drafter", None), "model", None)
-        for prefix, m in [*self.model_runner.get_model().named_modules(),
-                          *(drafter.named_modules(prefix="drafter") if drafter is not None
-                            else [])]:
-            for name, p in m.named_parameters(prefix, recurse=False):
-                if p.numel() == 0 and hasattr(m, "cpu_linear"):
-                    p = m.cpu_linear(torch.eye(getattr(m, "input_size_per_partition", m.input_size),
-                                               dtype=p.dtype),
-                                     p, None)
-                data = p.detach().contiguous().reshape(-1).view(torch.uint8).cpu()  # GPU: a sync
-                out[name] = hashlib.sha256(data.numpy()).hexdigest()
-        return out
-
-
-LORA_ID = 1  # the one LoRA adapter an engine serves; engine.Engine's requests name it
-
-
-def reload_drafter(worker, drafter, weights):
-    """vLLM's layerwise reload of the MTP drafter's own layers from (hf_name, tensor) pairs: vLLM's
-    function for a model other than the target where it has one, else (older vLLM) its steps."""
-    from vllm.model_executor.model_loader import reload
-    try:
-        from vllm.model_executor.model_loader.reload.inplace import reload_weights
-    except ImportError:
-        reload.initialize_layerwise_reload(drafter)
-        drafter.load_weights(iter(weights))
-        reload.finalize_layerwise_reload(drafter, worker.model_config)
-        return
-    reload_weights(worker.vllm_config, drafter, iter(weights), None, True)
-
-
-def merged_experts(worker, adapters, scaling):
-    """[(HF expert weight name, base + scaling * B @ A in
-    the engine dtype)] for expert adapters in PEFT names."""
-    if not adapters:
-        return []
-    if not hasattr(worker, "base_experts"):  # read once: the engine's weights
-                                             # will hold merged values
-        path = worker.model_config.model
-        read = checkpoint_reader(path)
-        worker.base_experts = {name: read(name) for name in weight_files(path)
-                               if is_stacked_experts(name)}
-    out = []
-    for a_name in (k for k in adapters if ".lora_A." in k):
-        weight = a_name.removeprefix(lora.PEFT_PREFIX).replace(".lora_A.", ".")
-        base = worker.base_experts[weight]
-        delta = adapters[a_name.replace(".lora_A.", ".lora_B.")].float() @ adapters[a_name].float()
-        out.append((weight, (base.float() + scaling * delta).to(base.dtype)))
-    return out
-
-
-def repack_cpu_moe_experts(model):
-    """Works around vLLM 0.32 on CPU: on a weight update the MoE method skips its experts'
-    prepack (`UnquantizedFusedMoEMethod._setup_kernel` runs
-    `fused_experts.process_weights_after_loading` on the first load only), so the reload leaves
-    plain-layout expert weights in the prepacked tensors and the experts compute garbage.
-    Packing them again here makes the engine match the trainer (tests/test_weights_sync.py
-    checks it). GPU backends need no repack: their layout conversion runs on every load."""
-    for layer in model.modules():
-        if (kernel := getattr(getattr(layer, "quant_method", None), "moe_kernel",
-                              None)) is not None:
-            kernel.fused_experts.process_weights_after_loading(layer)

@@ -388,7 +388,7 @@ def test_the_model_is_never_let_write_an_image_placeholder(stack, monkeypatch):
 def test_a_request_whose_image_a_cached_prefix_covers_survives_a_sync_pause(stack):
     """A second attempt at the same prompt finds its image in the prefix cache (vLLM then hands the worker no pixels
     for it); a weight-sync pause empties the cache and preempts it, so it must encode the image again after resume.
-    Without engine.KeepImages the engine died here (every in-flight session got EngineDeadError)."""
+    Without worker.KeepImages the engine died here (every in-flight session got EngineDeadError)."""
     server, recorder, _ = stack
     engine, tok = recorder.engine, server.tokenizer
     image = [tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")]

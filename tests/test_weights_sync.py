@@ -24,9 +24,9 @@ from safetensors.torch import load_file, save_file
 
 from conftest import end_rank
 from model import Transformer, load_config, ours_to_hf
-from weights_sync import (FP8_BLOCK, BucketReceiver, WeightSender, bucket_layout, connect_engines,
-                          dequantize_fp8_blocks, dequantized, fp8_on_wire, free_port,
-                          quantize_fp8_blocks, stateless_process_group, sync_weights)
+from weights_sync import (FP8_BLOCK, WeightSender, bucket_layout, connect_engines, fp8_on_wire,
+                          free_port, quantize_fp8_blocks, stateless_process_group, sync_weights)
+from worker import BucketReceiver, dequantize_fp8_blocks, dequantized
 
 BUCKET_BYTES = 256 << 10  # the tiny model (3 MB in bf16) spans a dozen buckets; layers and experts get split
 MAX_DIFF, MEAN_DIFF = 0.05, 0.01
