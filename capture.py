@@ -415,7 +415,8 @@ class CaptureServer:
     router): sessions, rendering, the segmenter.
 
     Limits (docs/capture.md, "Limits"): request bodies up to max_body_bytes, arriving
-    within body_timeout_s; headers within header_timeout_s and under 64 KiB; at most max_connections
+    within body_timeout_s; headers within header_timeout_s and under 64 KiB; an idle keep-alive
+    connection closed after keep_alive_s; at most max_connections
     connections (more get 503); sessions made over HTTP expire after http_session_idle_s without a
     request, at most max_http_sessions live at once (finished ones make room first, else POST
     /sessions gets 429); a session keeps at most max_open_segments segments open (Segmenter)."""
@@ -425,7 +426,7 @@ class CaptureServer:
                  header_timeout_s=10.0, body_timeout_s=60.0, max_connections=4096, http_session_idle_s=1800.0,
                  max_http_sessions=1024, constrained_tokens="train",
                  max_images_per_prompt=OPTIONS["max_images_per_prompt"], tool_parser=None,
-                 max_open_segments=16, **image_limits):
+                 max_open_segments=16, keep_alive_s=20.0, **image_limits):
         from transformers import AutoTokenizer
         from vllm.tool_parsers import ToolParserManager
         self.backend = backend
@@ -474,6 +475,7 @@ class CaptureServer:
         # large requests, off the loop
         self.render_pool = ThreadPoolExecutor(1, thread_name_prefix="capture-render")
         self.header_timeout_s, self.body_timeout_s, self.max_connections = header_timeout_s, body_timeout_s, max_connections
+        self.keep_alive_s = keep_alive_s
         self.http_session_idle_s, self.max_http_sessions = http_session_idle_s, max_http_sessions
         self.http_sessions = OrderedDict()  # id -> Session made over HTTP,
                                             # least recently used first
@@ -1065,8 +1067,8 @@ class CaptureServer:
         limits = dict(http=partial(GuardedHttp, header_timeout_s=self.header_timeout_s),
                       # connections + requests in flight; more get 503
                       limit_concurrency=self.max_connections,
-                      timeout_keep_alive=20)  # idle keep-alive connections: longer
-                                              # than clients keep theirs (5-15 s)
+                      # idle keep-alive connections: 20 s is longer than clients keep theirs (5-15 s)
+                      timeout_keep_alive=self.keep_alive_s)
         self.uvicorn, self.serving = await serve_app(self.app, self.socket, **limits)
         return self.url
 

@@ -700,10 +700,14 @@ def test_connection_cap(real):
     assert httpx.post(real.url + "/sessions", timeout=30).status_code == 200
 
 
-def test_an_idle_keep_alive_connection_is_closed(served):
+def test_an_idle_keep_alive_connection_is_closed(tiny_model_path):
     """A client that keeps its connection after a reply and goes quiet has it closed by the server
-    after the keep-alive time (20 s, longer than clients keep theirs), so idle connections cannot
-    fill the connection cap; a connection used again within it stays open (the control)."""
+    after the keep-alive time (keep_alive_s: 20 s by default, longer than clients keep theirs; 3 s
+    here), so idle connections cannot fill the connection cap; a connection used again within it
+    stays open (the control)."""
+    served = capture.CaptureServer(None, tiny_model_path, max_model_len=512, keep_alive_s=3.0)
+    served.backend = FakeBackend(served.tokenizer)
+    served.start_in_thread()
     host, port = served.url.removeprefix("http://").split(":")
     request = b"POST /sessions HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n"
     with socket.create_connection((host, int(port)), timeout=60) as sock:
@@ -719,13 +723,14 @@ def test_an_idle_keep_alive_connection_is_closed(served):
             return head
         sock.sendall(request)
         assert reply().startswith(b"HTTP/1.1 200")
-        time.sleep(10)
+        time.sleep(1.5)
         sock.sendall(request)  # within the keep-alive time: the same connection serves it
         assert reply().startswith(b"HTTP/1.1 200")
         t0 = time.monotonic()
         assert sock.recv(1) == b""  # closed by the server
         idle = time.monotonic() - t0
-    assert 19 < idle < 30, idle
+    served.stop_thread()
+    assert 2.5 < idle < 6, idle
 
 
 def test_sessions_made_over_http_have_a_lifetime(tiny_model_path, monkeypatch):
