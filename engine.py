@@ -59,7 +59,9 @@ class Engine:
             # expert weight as it loads them (at start and at each weight sync), e4m3 per 128x128
             # block (weights_sync.quantize_fp8_blocks); activations per token group of 128
             self.engine_args["quantization"] = "fp8_per_block"
-        self.spec_counts = None  # the engine's draft counters at the last take_drafts, where
+        # spec_counts: vLLM's (accepted, drafted) draft counters at the last take_drafts, kept
+        # where requests report no acceptance of their own
+        self.spec_counts = None
         if vllm_takes("per_request_spec_decode_metrics"):  # each request reports its acceptance
             self.engine_args["per_request_spec_decode_metrics"] = (
                 "summary" if speculative_config else "none")

@@ -383,10 +383,10 @@ def rl_step(rollout, loop, sender, model, optimizer, records, cfg, lcfg, policy_
     placement="colocated": the engine sleeps through the train step and the sync wakes it (after a
     skipped step too: asleep it dropped its weights); the metrics then hold sleep_s and wake_s."""
     import weights_sync
-    sleep_s = 0.0
-    if rank == 0 and cfg["placement"] == "colocated":  # the GPU to the trainer
+    sleep_s, colocated = 0.0, cfg["placement"] == "colocated"
+    if rank == 0 and colocated:  # the GPU to the trainer
         sleep_s = loop.run_until_complete(weights_sync.sleep_engines(rollout.engines))
-        rollout.asleep, rollout.wake_s = True, 0.0
+        rollout.wake_s = 0.0
     segments, advantages = share_batch(records, cfg, rank, world)
     m = train_step(model, optimizer,
                    pack_microbatches(segments, advantages, cfg["microbatch_tokens"]), cfg, lcfg,
@@ -395,11 +395,12 @@ def rl_step(rollout, loop, sender, model, optimizer, records, cfg, lcfg, policy_
         rollout.recorder.add(step, records, segments, advantages, m["logprobs"])
     m["policy_version"] = policy_version + (not m["skipped"])
     # colocated, the sync wakes the engine, whose weights were dropped asleep: it runs each step
-    if not m["skipped"] or cfg["placement"] == "colocated":
-        m["sync_s"] = push_weights(rollout, loop, sender, model, m["policy_version"], rank, world)
+    if not m["skipped"] or colocated:
+        m["sync_s"] = push_weights(rollout, loop, sender, model, m["policy_version"], rank, world,
+                                   asleep=colocated)
     else:
         m["sync_s"] = None
-    if rank == 0 and cfg["placement"] == "colocated":
+    if rank == 0 and colocated:
         m["sleep_s"], m["wake_s"] = sleep_s, rollout.wake_s
     if cfg["speculative_tokens"] and rank == 0 and rollout.drafts:  # the rollouts behind this step
         (accepted, drafted), rollout.drafts = rollout.drafts, None
@@ -549,8 +550,7 @@ class Rollout:
     view: object = None  # the live viewer page's server (None: view_port 0)
     cleanup: object = None  # stops what the agent's setup started, and the viewer
     drafts: tuple = None  # (accepted, drafted): the engines' MTP drafts since the last sync
-    asleep: bool = False  # placement="colocated": the engines sleep while the trainer steps
-    wake_s: float = 0.0  # seconds the last sync spent waking them
+    wake_s: float = 0.0  # placement="colocated": seconds the last sync spent waking the engines
 
 
 def start_rollout(cfg, engines=None, trainer_gpus=None, data_position=0):
@@ -689,10 +689,11 @@ def pack_microbatches(segments, advantages, microbatch_tokens):
             for g in groups]
 
 
-def push_weights(rollout, loop, sender, model, policy_version, rank, world):
+def push_weights(rollout, loop, sender, model, policy_version, rank, world, asleep=False):
     """Weight sync to the engines that are up; an engine restarted since the
     last sync first rejoins the weight group. Every rank takes part (rank 0
-    sends, the others join the gathers). Returns seconds, or None (skipped)."""
+    sends, the others join the gathers). asleep: the engines sleep (rl_step, colocated) and the
+    sync wakes them. Returns seconds, or None (skipped)."""
     import ray
     import weights_sync
     live = None
@@ -709,11 +710,10 @@ def push_weights(rollout, loop, sender, model, policy_version, rank, world):
         return None
     t0 = time.perf_counter()
     try:
-        asleep = rank == 0 and rollout.asleep
         out = loop.run_until_complete(weights_sync.sync_weights(live, sender, model, policy_version,
-                                                                asleep=asleep))
+                                                                asleep=asleep and rank == 0))
         if rank == 0:
-            rollout.drafts, rollout.wake_s, rollout.asleep = out.get("drafts"), out["wake_s"], False
+            rollout.drafts, rollout.wake_s = out.get("drafts"), out["wake_s"]
     except ray.exceptions.RayActorError as e:  # an engine died during the sync:
                                                # it rejoins after its restart
         print0(f"weight sync at version {policy_version} lost an engine ({type(e).__name__}); the "
