@@ -23,7 +23,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="vLLM's sleep mode and CUDA IPC: needs CUDA")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # closed after its test: the colocated runs below measure the GPU alone
 @starts_stack
 def sleepy_engine(tiny_model_path):
     """The tiny model in a GPU engine started with vLLM's sleep mode (placement="colocated")."""
