@@ -136,6 +136,8 @@ def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batc
                 idle_s=wall - (t1 - t0) - m["train_step_s"] - sync - sleep - wake,
                 trained_tokens=m["tokens"],
                 generated_tokens=sum(r["action_tokens"] for r in records)))
+            print(f"loop step {step}{' (warm-up)' if step < warmup else ''}: "
+                  + ", ".join(f"{k} {v:.3g}" for k, v in rows[-1].items()), file=sys.stderr, flush=True)
         peak = used.stop() if used else 0
         rollout.pool.stop()  # no attempt competes with the ceiling's requests
         ceiling = measure_ceiling(rollout, loop, model, optimizer, records, cfg, lcfg, version)
