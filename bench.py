@@ -474,7 +474,10 @@ def bench_spec(prompts=8, tokens=64, k=2, train_prompts=16, steps=40, language=6
     continuations of train_prompts other prompts; the drafting engine serves those weights.
     Prints the head's loss before and after, the acceptance (draft tokens accepted / drafted),
     the mean accepted length (tokens per target step: 1 + accepted / steps), how many outputs
-    equal drafting-off's, ratio = tokens/s on / off. Where a greedy output differs from
+    equal drafting-off's, ratio = tokens/s on / off. Whether drafting keeps the logprobs exact:
+    each engine also samples `tokens` tokens per prompt at temperature 1, and the fp32 trainer
+    (model.py on the served weights) scores them: the mismatch KL (k3 of log rho = trainer -
+    engine logprob, as loss.py logs it) with drafting on and off, and their ratio. Where a greedy output differs from
     drafting-off's, at its first differing position t (off chose a, on chose b): the drafting
     engine's own prompt logprobs of a and b there (their gap is the logit gap), the fp32
     trainer's logit gap, and one bf16 step (ulp) at the larger of the two fp32 logits.
@@ -515,6 +518,8 @@ def bench_spec(prompts=8, tokens=64, k=2, train_prompts=16, steps=40, language=6
             *(engine.generate(p, greedy, f"b{i}") for i, p in enumerate(bench_prompts)))
         seconds = time.perf_counter() - t0
         drafts = await engine.take_drafts()  # (accepted, drafted) over the timed outputs
+        sampled = await asyncio.gather(*(engine.generate(
+            p, dict(greedy, temperature=1.0, seed=i), f"s{i}") for i, p in enumerate(bench_prompts)))
         more = await asyncio.gather(
             *(engine.generate(p, greedy, f"t{i}") for i, p in enumerate(extra)))
         # each divergence: (prompt, t, a, b, engine's gap of a - b)
@@ -527,7 +532,7 @@ def bench_spec(prompts=8, tokens=64, k=2, train_prompts=16, steps=40, language=6
                        for x in (a["token_ids"][t], b["token_ids"][t])]
                 more.append((i, t, a["token_ids"][t], b["token_ids"][t], gap[0] - gap[1]))
         await engine.shutdown()
-        return outs, seconds, more, drafts
+        return outs, seconds, more, drafts, sampled
 
     def head_loss(model, x):  # x: (B, T) token ids -> the MTP loss and the
                               # trunk's states (the positions mtp_hidden uses)
@@ -560,7 +565,7 @@ def bench_spec(prompts=8, tokens=64, k=2, train_prompts=16, steps=40, language=6
                 shutil.copy(os.path.join(path, f), trained)
         model.save_pretrained(trained, dtype=torch.bfloat16)
         model = Transformer.from_pretrained(trained)  # the served (bf16) trunk, in fp32
-        off, off_s, continued, _ = asyncio.run(serve(trained, None, train_set))
+        off, off_s, continued, _, off_sampled = asyncio.run(serve(trained, None, train_set))
         x = torch.tensor([p + o["token_ids"] for p, o in zip(train_set, continued)])
         with torch.no_grad():  # the trunk's states, once: it is frozen
             _, hidden, mb = head_loss(model, x)
@@ -573,7 +578,7 @@ def bench_spec(prompts=8, tokens=64, k=2, train_prompts=16, steps=40, language=6
             opt.step()
             losses.append(loss.item())
         model.save_pretrained(trained, dtype=torch.bfloat16)  # the trunk's bits unchanged
-        on, on_s, divergences, (accepted, drafted) = asyncio.run(
+        on, on_s, divergences, (accepted, drafted), on_sampled = asyncio.run(
             serve(trained, {"method": "mtp", "num_speculative_tokens": k}, off=off))
     finally:
         shutil.rmtree(trained, ignore_errors=True)
@@ -588,6 +593,15 @@ def bench_spec(prompts=8, tokens=64, k=2, train_prompts=16, steps=40, language=6
         ties.append(dict(prompt=i, t=t, engine_gap=round(engine_gap, 5),
                          fp32_gap=round((logits[a] - logits[b]).item(), 5), bf16_ulp=ulp,
                          fp32_logit=round(logits[a].item(), 4)))
+    def mismatch_kl(sampled):  # the trainer's logprobs of the engine's sampled tokens
+        log_rho = []
+        for p, o in zip(bench_prompts, sampled):
+            with torch.no_grad():
+                logits = model(torch.tensor([p + o["token_ids"]]))[0, len(p) - 1:-1].float()
+            mine = F.log_softmax(logits, -1).gather(-1, torch.tensor(o["token_ids"])[:, None])[:, 0]
+            log_rho.append(mine.double() - torch.tensor(o["logprobs"], dtype=torch.float64))
+        log_rho = torch.cat(log_rho)
+        return (log_rho.exp() - 1 - log_rho).mean().item()
     n_tokens = sum(len(o["token_ids"]) for o in off)
     result = dict(prompts=prompts, tokens=tokens, k=k, language=language, mtp_loss_before=losses[0],
                   mtp_loss_after=losses[-1], off_tokens_per_s=n_tokens / off_s,
@@ -595,8 +609,10 @@ def bench_spec(prompts=8, tokens=64, k=2, train_prompts=16, steps=40, language=6
                   mean_accepted_length=1
                   + accepted / max(drafted / k, 1),
                   same_outputs=sum(a["token_ids"] == b["token_ids"] for a, b in zip(off, on)),
+                  mismatch_kl_off=mismatch_kl(off_sampled), mismatch_kl_on=mismatch_kl(on_sampled),
                   divergences=ties)
     result["ratio"] = result["on_tokens_per_s"] / result["off_tokens_per_s"]
+    result["mismatch_kl_ratio"] = result["mismatch_kl_on"] / max(result["mismatch_kl_off"], 1e-12)
     print(", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k,
                     v in result.items()))
     return result
