@@ -29,19 +29,22 @@ GiB = 2**30
 
 
 class UsedMemory:
-    """The most GPU memory in use (total - free: every process on the device) while it runs,
-    sampled every `period_s` in a thread (NOTE: each sample is a cudaMemGetInfo)."""
+    """The most GPU memory in use (total - free: every process on the device) while it runs, in
+    all and in each phase (`phase`, set by the caller), sampled every `period_s` in a thread
+    (NOTE: each sample is a cudaMemGetInfo)."""
 
     def __init__(self, period_s=0.02):
         import torch
-        self.peak, self.period_s, self.running = 0, period_s, True
+        self.peak, self.peaks, self.phase, self.period_s, self.running = 0, {}, None, period_s, True
         self.sample = lambda: (lambda free, total: total - free)(*torch.cuda.mem_get_info())
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self):
         while self.running:
-            self.peak = max(self.peak, self.sample())
+            used, phase = self.sample(), self.phase
+            self.peak = max(self.peak, used)
+            self.peaks[phase] = max(self.peaks.get(phase, 0), used)
             time.sleep(self.period_s)
 
     def stop(self):
@@ -119,9 +122,14 @@ def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batc
         for step in range(warmup + steps):
             if step == warmup and cuda:
                 used = UsedMemory()
+                torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
+            if used:
+                used.phase = "generating"
             records = rollout.pool.next_batch(hold=colocated)
             t1 = time.perf_counter()
+            if used:
+                used.phase = "training and syncing"
             m = train.rl_step(rollout, loop, sender, model, optimizer, records, cfg, lcfg,
                               version, step, 0, world)
             if colocated and step + 1 < warmup + steps:
@@ -165,9 +173,14 @@ def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batc
         ceiling={k: round(v, 1) for k, v in ceiling.items()},
         ratio=round(back_to_back / wall, 3))
     if cuda:
-        result["memory"] = dict(peak_used_gib=round(peak / GiB, 2),
-                                planned_peak_gib=round(planned["coloc_peak_bytes"] / GiB, 2),
-                                planned_over_used=round(planned["coloc_peak_bytes"] / peak, 3))
+        result["memory"] = dict(
+            peak_used_gib=round(peak / GiB, 2),
+            planned_peak_gib=round(planned["coloc_peak_bytes"] / GiB, 2),
+            planned_over_used=round(planned["coloc_peak_bytes"] / peak, 3),
+            peak_used_by_phase_gib={k: round(v / GiB, 2) for k, v in used.peaks.items()},
+            # the trainer's own share: what its tensors held at most, and its caching allocator
+            trainer_peak_allocated_gib=round(torch.cuda.max_memory_allocated() / GiB, 2),
+            trainer_peak_reserved_gib=round(torch.cuda.max_memory_reserved() / GiB, 2))
     print(f"loop on one {'GPU' if cuda else 'CPU'}: {result['trained_tokens_per_s_per_gpu']:,} "
           f"trained tokens/s, split {split}; ceiling {result['ceiling']}; ratio {result['ratio']}")
     return result

@@ -7,7 +7,8 @@ them (`LoRAGroupedMM`), the router's top-k, the permutation of rows to and from 
 cast of experts kept outside FSDP (`CastForCompute`), and the few Triton kernels on CUDA beside
 their eager references (`topk_ids`, `sum_slots`, `swiglu_backward`, `grouped_grad`, `lowrank_add`,
 and the AdamW step of large tensors, `AdamW`). `cuda_compiled` is the
-one torch.compile wrapper of the project (model.py and loss.py use it too). `python bench.py layer`
+one torch.compile wrapper of the project (model.py and loss.py use it too; `compiled_for_tokens` marks
+the dims that vary from microbatch to microbatch). `python bench.py layer`
 measures them in the decoder layer on a GPU.
 
 This file imports nothing of ours; model.py builds its MoE layers from `Experts`.
@@ -39,12 +40,33 @@ FP8 = torch.float8_e4m3fn
 COMPILE_ON_CUDA = True  # fuse the elementwise chains below with torch.compile when they run on CUDA
 
 
+def compiled_for_tokens(fn, mode="max-autotune-no-cudagraphs"):
+    """fn through torch.compile, each call's token dims marked dynamic before it runs: every dim
+    but the last (the features: hidden, vocabulary, head) of each tensor of two or more dims, and
+    the one dim of a vector (a weight's is fixed by its guards). Microbatches vary in rows and
+    length every step; left to itself, Dynamo compiles a first shape static and makes a dim
+    dynamic only when it changes, so a dim steady for a while (the rows of a microbatch) recompiles
+    the lot steps later, each recompile minutes under max-autotune. Marked (maybe_mark_dynamic:
+    a dim a guard fixes stays static without an error), a function compiles at most twice: once,
+    and once more where a dim is 1 (Dynamo specializes sizes 0 and 1)."""
+    compiled = torch.compile(fn, mode=mode)
+
+    @functools.wraps(fn)
+    def run(*args):
+        for t in args:
+            if isinstance(t, torch.Tensor):
+                for d in range(max(t.dim() - 1, 1) if t.dim() else 0):
+                    torch._dynamo.maybe_mark_dynamic(t, d)
+        return compiled(*args)
+    return run
+
+
 def cuda_compiled(fn):
-    """fn through torch.compile when its first argument is a CUDA tensor: a chain of elementwise
-    ops becomes one kernel forward and one backward instead of one fp32 pass per op. Eager
-    elsewhere (CPU runs need no compiler). A new shape recompiles once with dynamic shapes, after
-    which microbatch shapes do not recompile. Inductor tunes each kernel's launch configuration as
-    it compiles (max-autotune; no CUDA graphs): faster norms than the default configuration."""
+    """fn through torch.compile (compiled_for_tokens) when its first argument is a CUDA tensor:
+    a chain of elementwise ops becomes one kernel forward and one backward instead of one fp32
+    pass per op. Eager elsewhere (CPU runs need no compiler). Inductor tunes each kernel's launch
+    configuration as it compiles (max-autotune; no CUDA graphs): faster norms than the default
+    configuration."""
     compiled = None
 
     @functools.wraps(fn)
@@ -53,7 +75,7 @@ def cuda_compiled(fn):
         if not (x.is_cuda and COMPILE_ON_CUDA):
             return fn(x, *args)
         if compiled is None:
-            compiled = torch.compile(fn, mode="max-autotune-no-cudagraphs")
+            compiled = compiled_for_tokens(fn)
         return compiled(x, *args)
     return run
 

@@ -335,6 +335,46 @@ def test_triton_kernels_match_their_references():
                    check=True, timeout=300)
 
 
+def test_compiled_functions_compile_at_most_twice_over_varying_microbatches():
+    """compiled_for_tokens (cuda_compiled's compile) on CPU Inductor: the norms, the loss's chunk
+    statistics and the experts' silu_mul over microbatches whose rows and lengths vary as the
+    loop's do (2 x 1200, 3 x 800, 1 x 2000, ...) compile at most twice each (once, once more for
+    a single row) and give eager's values. Negative control: torch.compile left to itself (a dim
+    made dynamic only once it changes) compiles rms_norm four times over the same shapes."""
+    import loss
+    import model
+    from torch._dynamo.utils import counters
+    shapes, D, H, V = [(2, 120), (2, 100), (3, 80), (1, 200), (1, 150), (4, 60), (2, 70)], 64, 96, 512
+    w, wh = torch.rand(D) + 0.5, torch.rand(16) + 0.5
+    freqs = lambda T: torch.outer(torch.arange(T).float(), model.rope_inv_freq(16, 1e6, "cpu"))  # noqa: E731
+    cases = {
+        "rms_norm": lambda B, T: (model.rms_norm, (torch.randn(B, T, D), w, 1e-6)),
+        "norm_rope": lambda B, T: (model.norm_rope, (torch.randn(B, T, 4, 16), wh, 1e-6, False,
+                                                     *model.rope_cos_sin(freqs(T), torch.float32))),
+        "chunk_stats": lambda B, T: (loss._fused_chunk_stats, (torch.randn(B * T, V),
+                                                               torch.randint(0, V, (B * T,)), 1.0, True)),
+        "silu_mul": lambda B, T: (experts.silu_mul, (torch.randn(B * T, H), torch.randn(B * T, H),
+                                                     torch.rand(B * T))),
+    }
+
+    def graphs(name, compile_fn):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = None
+        for B, T in shapes:
+            fn, args = cases[name](B, T)
+            compiled = compiled or compile_fn(fn.__wrapped__)
+            for a, b in zip(*(o if isinstance(o, tuple) else (o,) for o in (compiled(*args), fn(*args)))):
+                if a is not None:
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        return counters["stats"]["unique_graphs"]
+
+    counts = {name: graphs(name, lambda f: experts.compiled_for_tokens(f, mode=None)) for name in cases}
+    control = graphs("rms_norm", torch.compile)
+    print(counts, "control", control)
+    assert all(n <= 2 for n in counts.values()) and control >= 4, (counts, control)
+
+
 COMPILED_REL = 1.6e-2  # compiled against eager, bf16: measured 4.8e-3 to 8.7e-3 on an H200, the control 2.8e-2 and up
 
 
