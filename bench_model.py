@@ -704,7 +704,9 @@ def bench_fp8(layers=4, prompts=256, tokens=256, scored=64, inv_temperature=4, s
         await asyncio.gather(*(engine.generate(p, sampling, f"w{i}")
                                for i, p in enumerate(heads[:8])))
         t0 = time.perf_counter()
-        outs = await asyncio.gather(*(engine.generate(p, dict(sampling, seed=seed + i), f"b{i}")
+        # no per-request seed (the engine's own, as rollouts sample): vLLM draws a seeded
+        # request's noise with its own generator, one kernel per request and step
+        outs = await asyncio.gather(*(engine.generate(p, sampling, f"b{i}")
                                       for i, p in enumerate(heads)))
         seconds = time.perf_counter() - t0
         await engine.shutdown()
