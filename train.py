@@ -944,6 +944,12 @@ def train_step(model, optimizer, microbatches, cfg, lcfg, policy_version, step=N
             group["lr"] = lr
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    # the experts' casts of the old weights (keep_experts_local's reuse): the next step casts anew;
+    # kept, they would hold a compute-dtype copy of every expert until then (colocated: through
+    # the engine's whole turn on the GPU)
+    for m in model.modules():
+        if hasattr(m, "release_casts"):
+            m.release_casts()
     out = loss.reduce_metrics(metrics)
     tokens = torch.tensor(sum(mb["targets"].numel() for mb in microbatches), device=device)
     dist.all_reduce(tokens)
@@ -1097,7 +1103,8 @@ def keep_experts_local(experts, mesh, dtype, reuse_casts=False):
     activation checkpointing the casts stay alive until their layer's backward (plan_memory
     counts them), and with reuse_casts the later microbatches of a window reuse them (one
     cast per weight per step, not per microbatch: the weights change only at the optimizer
-    step, and the end of forward, the peak, holds every layer's casts anyway)."""
+    step, and the end of forward, the peak, holds every layer's casts anyway); train_step
+    releases them after the optimizer step (`experts.release_casts`)."""
     for name, p in list(experts.named_parameters()):  # the three projections, and their adapters
         setattr(experts, name,
                 nn.Parameter(DTensor.from_local(p.data, mesh, [Shard(0)], run_check=False),
@@ -1120,6 +1127,7 @@ def keep_experts_local(experts, mesh, dtype, reuse_casts=False):
             casts[key] = (versions, out)
         return out
     experts.cast_weights = cast
+    experts.release_casts = casts.clear  # train_step, after the optimizer step: stale by then
     experts.register_forward_pre_hook(
         lambda module, args: tuple(a.to(dtype) if torch.is_floating_point(a) else a for a in args))
 
