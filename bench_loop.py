@@ -35,7 +35,7 @@ class UsedMemory:
 
     def __init__(self, period_s=0.02):
         import torch
-        self.peak, self.peaks, self.phase, self.period_s, self.running = 0, {}, None, period_s, True
+        self.peaks, self.phase, self.period_s, self.running = {}, None, period_s, True
         self.sample = lambda: (lambda free, total: total - free)(*torch.cuda.mem_get_info())
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -43,14 +43,13 @@ class UsedMemory:
     def _run(self):
         while self.running:
             used, phase = self.sample(), self.phase
-            self.peak = max(self.peak, used)
             self.peaks[phase] = max(self.peaks.get(phase, 0), used)
             time.sleep(self.period_s)
 
     def stop(self):
         self.running = False
         self.thread.join()
-        return self.peak
+        return max(self.peaks.values(), default=0)  # the peak over every phase
 
 
 def loop_model(layers, dense, smoke):
