@@ -662,7 +662,7 @@ def bench_lora(experts=16, dim=2048, hidden=768, rows=32768, rank=8, iters=20, s
 # fp8: rollouts from vLLM's FP8 engine vs its bf16 engine, and the mismatch each leaves
 
 
-def bench_fp8(layers=4, prompts=256, tokens=256, scored=64, inv_temperature=4, seed=0):
+def bench_fp8(layers=4, prompts=256, tokens=256, scored=64, inv_temperature=4, seed=0, profile=0):
     """FP8 rollouts on one GPU: vLLM's engine in bf16 and in FP8 (rollout_dtype="fp8": vLLM's
     online block-wise fp8_per_block) on a Qwen3-30B-A3B-shaped MoE cut to `layers` layers (random
     weights, tiny.py's tokenizer; built once under .cache), one after the other on the same
@@ -673,13 +673,17 @@ def bench_fp8(layers=4, prompts=256, tokens=256, scored=64, inv_temperature=4, s
     log rho = trainer - engine logprob per token: mismatch KL (k3, as loss.py logs it), and what
     TIS (truncate at is_high, loss.py's default) leaves of the correction: the weight it cuts,
     mean max(rho - C, 0), the bias it keeps, and the share of tokens it truncates.
-    ratio = FP8 tokens/s / bf16 tokens/s (the issue's bar: >= 1.4).
+    ratio = FP8 tokens/s / bf16 tokens/s (the issue's bar: >= 1.4). --profile=N: after the timed
+    batch, the same batch again with vLLM's torch profiler in the engine's worker over N steps from
+    the 20th: the share of the span the GPU was busy (kernels), ms per step, the costliest kernels.
 
         python bench.py fp8                # one H100: 3-4 minutes (the model is built once)
+        python bench.py fp8 --profile=20   # where a decode step's time goes
     """
     opt = dict(locals())
     import asyncio
     import os
+    import tempfile
     import time
     import torch
     import torch.nn.functional as F
@@ -697,9 +701,14 @@ def bench_fp8(layers=4, prompts=256, tokens=256, scored=64, inv_temperature=4, s
     sampling = dict(max_tokens=tokens, temperature=1 / inv_temperature, ignore_eos=True)
 
     async def serve(rollout_dtype):
+        trace_dir = tempfile.mkdtemp(prefix=f"fp8-profile-{rollout_dtype}-")
+        profiler = dict(profiler_config=dict(
+            profiler="torch", torch_profiler_dir=trace_dir, torch_profiler_with_stack=False,
+            torch_profiler_use_gzip=False, ignore_frontend=True, delay_iterations=20,
+            max_iterations=profile)) if profile else {}
         engine = Engine(path, max_model_len=1024, memory_fraction=0.5, seed=seed,
                         enable_prefix_caching=False, enable_return_routed_experts=True,
-                        rollout_dtype=rollout_dtype)
+                        rollout_dtype=rollout_dtype, **profiler)
         await engine.start()
         await asyncio.gather(*(engine.generate(p, sampling, f"w{i}")
                                for i, p in enumerate(heads[:8])))
@@ -709,11 +718,19 @@ def bench_fp8(layers=4, prompts=256, tokens=256, scored=64, inv_temperature=4, s
         outs = await asyncio.gather(*(engine.generate(p, sampling, f"b{i}")
                                       for i, p in enumerate(heads)))
         seconds = time.perf_counter() - t0
+        if profile:  # the same batch again, profiled (not timed)
+            await engine.llm.start_profile()
+            await asyncio.gather(*(engine.generate(p, sampling, f"p{i}")
+                                   for i, p in enumerate(heads)))
+            await engine.llm.stop_profile()
         await engine.shutdown()
+        if profile:
+            result[f"{rollout_dtype}_profile"] = _engine_trace_summary(trace_dir, profile)
+            print(rollout_dtype, result[f"{rollout_dtype}_profile"], flush=True)
         return outs, seconds
 
-    runs = {d: asyncio.run(serve(d)) for d in ("bfloat16", "fp8")}
     result = dict(opt, device=torch.cuda.get_device_name(), vllm=_version("vllm"))
+    runs = {d: asyncio.run(serve(d)) for d in ("bfloat16", "fp8")}
     for d, (outs, seconds) in runs.items():
         result[f"{d}_tokens_per_s"] = round(sum(len(o["token_ids"]) for o in outs) / seconds, 1)
     _free_memory()
@@ -745,6 +762,35 @@ def bench_fp8(layers=4, prompts=256, tokens=256, scored=64, inv_temperature=4, s
     result["mismatch_kl_ratio"] = round(result["fp8"]["mismatch_kl"]
                                         / max(result["bfloat16"]["mismatch_kl"], 1e-12), 2)
     return result
+
+
+def _engine_trace_summary(trace_dir, steps, top=10):
+    """From the worker's torch profiler trace (chrome JSON) of `steps` engine steps: the span
+    from the first kernel's start to the last one's end, the share of it some kernel ran (the
+    union of the kernels' intervals), ms per step of each, and the `top` costliest kernels."""
+    import glob
+    import json
+    import os
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.json"), recursive=True),
+                   key=os.path.getsize)
+    if not files:
+        return dict(error=f"no trace under {trace_dir}")
+    events = json.load(open(files[-1]))["traceEvents"]
+    kernels = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+                     if e.get("cat") == "kernel")
+    if not kernels:
+        return dict(error="the trace has no kernels")
+    busy, end, per_name = 0.0, kernels[0][0], {}
+    for a, b, name in kernels:  # the union of the intervals, in order of start
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+        per_name[name] = per_name.get(name, 0.0) + (b - a)
+    span = end - kernels[0][0]
+    costliest = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
+    return dict(steps=steps, span_ms_per_step=round(span / 1e3 / steps, 3),
+                gpu_busy_share=round(busy / span, 3),
+                kernel_ms_per_step=round(sum(per_name.values()) / 1e3 / steps, 3),
+                top_kernels_ms_per_step={n[:90]: round(t / 1e3 / steps, 3) for n, t in costliest})
 
 
 # -----------------------------------------------------------------------------
