@@ -72,12 +72,15 @@ def loop_model(layers, dense, smoke):
     return mcfg, path
 
 
-def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batch=8, steps=4,
-               warmup=1, memory_pct=30, smoke=0):
+def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batch=8,
+               groups_in_flight=0, steps=4, warmup=1, memory_pct=30, smoke=0):
     """The whole loop on one GPU against its ceiling (module docstring). Options: --layers (the
     MoE's), --dense=1 (the dense 1.7B instead), --max_tokens per turn, --group_size,
-    --groups_per_batch (groups_in_flight the same: every batch on-policy), --steps timed after
-    --warmup, --memory_pct (engine_memory_fraction in percent), --smoke (CPU, the tiny model)."""
+    --groups_per_batch, --groups_in_flight (0: as many as groups_per_batch, every batch
+    on-policy; more: the groups still open when a batch is taken go on after the sync, their
+    tokens up to max_staleness versions old, and keep the engine's batch full while a batch's
+    last attempts finish), --steps timed after --warmup, --memory_pct (engine_memory_fraction
+    in percent), --smoke (CPU, the tiny model)."""
     opt = dict(locals())
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -91,12 +94,18 @@ def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batc
         sys.exit("bench.py loop needs a GPU; on CPU use --smoke")
     if smoke:
         max_tokens, group_size, groups_per_batch, steps, warmup = 16, 2, 2, 2, 1
+        groups_in_flight = min(groups_in_flight, 3)
         opt.update(max_tokens=max_tokens, group_size=group_size,
-                   groups_per_batch=groups_per_batch, steps=steps, warmup=warmup)
+                   groups_per_batch=groups_per_batch, groups_in_flight=groups_in_flight,
+                   steps=steps, warmup=warmup)
+    groups_in_flight = groups_in_flight or groups_per_batch
+    if groups_in_flight < groups_per_batch:
+        sys.exit(f"--groups_in_flight={groups_in_flight} is below --groups_per_batch="
+                 f"{groups_per_batch}: a batch could never form")
     mcfg, path = loop_model(layers, dense, smoke)
     args = [f"--model_path={path}", "--agent=agents/calculator.py", f"--max_tokens={max_tokens}",
             f"--engine_max_model_len={2 * max_tokens + 512}", f"--group_size={group_size}",
-            f"--groups_per_batch={groups_per_batch}", f"--groups_in_flight={groups_per_batch}",
+            f"--groups_per_batch={groups_per_batch}", f"--groups_in_flight={groups_in_flight}",
             f"--max_steps={warmup + steps}", "--eval_every=0", "--view_groups_per_step=0",
             f"--microbatch_tokens={2 * max_tokens + 512}", "--attempt_timeout_s=1800.0",
             f"--engine_memory_fraction={memory_pct / 100}", "--learning_rate=1e-6",
@@ -133,7 +142,7 @@ def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batc
                               version, step, 0, world)
             if colocated and step + 1 < warmup + steps:
                 rollout.pool.resume()
-            version = m["policy_version"]
+            trained, version = version, m["policy_version"]  # the version the step trained on
             wall = time.perf_counter() - t0
             sleep, wake = m.get("sleep_s", 0.0), m.get("wake_s", 0.0)  # colocated only
             sync = (m["sync_s"] or 0.0) - wake
@@ -142,12 +151,17 @@ def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batc
                 sleep_s=sleep, wake_s=wake,
                 idle_s=wall - (t1 - t0) - m["train_step_s"] - sync - sleep - wake,
                 trained_tokens=m["tokens"],
-                generated_tokens=sum(r["action_tokens"] for r in records)))
+                generated_tokens=sum(r["action_tokens"] for r in records),
+                # versions between the policy that sampled a segment's oldest token and this one
+                staleness=sum(trained - r["min_version"] for r in records
+                              if r["action_tokens"]) / max(1, sum(bool(r["action_tokens"])
+                                                                  for r in records))))
             print(f"loop step {step}{' (warm-up)' if step < warmup else ''}: "
                   + ", ".join(f"{k} {v:.3g}" for k, v in rows[-1].items()), file=sys.stderr, flush=True)
         peak = used.stop() if used else 0
         rollout.pool.stop()  # no attempt competes with the ceiling's requests
-        ceiling = measure_ceiling(rollout, loop, model, optimizer, records, cfg, lcfg, version)
+        ceiling = measure_ceiling(rollout, loop, model, optimizer, records, cfg, lcfg, version,
+                                  concurrency=groups_in_flight * group_size)
     finally:
         train.stop_rollout(rollout)
         sender.close()
@@ -169,6 +183,7 @@ def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batc
         generated_tokens_per_attempt=round(generated / (len(timed) * groups_per_batch
                                                         * group_size), 1),
         step_s=round(wall / len(timed), 3), split=split,
+        staleness=round(sum(r["staleness"] for r in timed) / len(timed), 3),
         ceiling={k: round(v, 1) for k, v in ceiling.items()},
         ratio=round(back_to_back / wall, 3))
     if cuda:
@@ -185,11 +200,12 @@ def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batc
     return result
 
 
-def measure_ceiling(rollout, loop, model, optimizer, records, cfg, lcfg, version):
-    """The two phases alone on the last batch: the engine generating, for each of its segments'
-    first prompts at once, as many tokens as the segment holds (ignore_eos), then (the engine
-    asleep when colocated) the train step on the batch's segments, twice, the second timed.
-    Tokens per second of each. The engine is left asleep (the run ends)."""
+def measure_ceiling(rollout, loop, model, optimizer, records, cfg, lcfg, version, concurrency):
+    """The two phases alone on the last batch: the engine generating `concurrency` requests at
+    once (the loop's: groups_in_flight x group_size), its segments' first prompts in turn, each
+    for as many tokens as the segment holds (ignore_eos), then (the engine asleep when
+    colocated) the train step on the batch's segments, twice, the second timed. Tokens per
+    second of each. The engine is left asleep (the run ends)."""
     import ray
     import train
     import weights_sync
@@ -198,6 +214,8 @@ def measure_ceiling(rollout, loop, model, optimizer, records, cfg, lcfg, version
     prompts = [s["token_ids"][:s["action_mask"].argmax()].tolist() for s in segments]
     # as many tokens as the loop generated for it (its turns together): the same lengths
     lengths = [max(1, int(s["action_mask"].sum())) for s in segments]
+    prompts, lengths = ([x[i % len(x)] for i in range(max(concurrency, len(x)))]
+                        for x in (prompts, lengths))
     engine = rollout.engines[0]
     t0 = time.perf_counter()
     outs = ray.get([engine.generate.remote(p, dict(temperature=1.0, max_tokens=n, ignore_eos=True),
