@@ -98,7 +98,7 @@ def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batc
         opt.update(max_tokens=max_tokens, group_size=group_size,
                    groups_per_batch=groups_per_batch, groups_in_flight=groups_in_flight,
                    steps=steps, warmup=warmup)
-    groups_in_flight = groups_in_flight or groups_per_batch
+    groups_in_flight = opt["groups_in_flight"] = groups_in_flight or groups_per_batch
     if groups_in_flight < groups_per_batch:
         sys.exit(f"--groups_in_flight={groups_in_flight} is below --groups_per_batch="
                  f"{groups_per_batch}: a batch could never form")
