@@ -96,8 +96,7 @@ def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batc
         max_tokens, group_size, groups_per_batch, steps, warmup = 16, 2, 2, 2, 1
         groups_in_flight = min(groups_in_flight, 3)
         opt.update(max_tokens=max_tokens, group_size=group_size,
-                   groups_per_batch=groups_per_batch, groups_in_flight=groups_in_flight,
-                   steps=steps, warmup=warmup)
+                   groups_per_batch=groups_per_batch, steps=steps, warmup=warmup)
     groups_in_flight = opt["groups_in_flight"] = groups_in_flight or groups_per_batch
     if groups_in_flight < groups_per_batch:
         sys.exit(f"--groups_in_flight={groups_in_flight} is below --groups_per_batch="
@@ -152,10 +151,7 @@ def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batc
                 idle_s=wall - (t1 - t0) - m["train_step_s"] - sync - sleep - wake,
                 trained_tokens=m["tokens"],
                 generated_tokens=sum(r["action_tokens"] for r in records),
-                # versions between the policy that sampled a segment's oldest token and this one
-                staleness=sum(trained - r["min_version"] for r in records
-                              if r["action_tokens"]) / max(1, sum(bool(r["action_tokens"])
-                                                                  for r in records))))
+                staleness=train.mean_staleness(records, trained)))
             print(f"loop step {step}{' (warm-up)' if step < warmup else ''}: "
                   + ", ".join(f"{k} {v:.3g}" for k, v in rows[-1].items()), file=sys.stderr, flush=True)
         peak = used.stop() if used else 0

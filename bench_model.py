@@ -701,7 +701,7 @@ def bench_fp8(layers=4, prompts=256, tokens=256, scored=64, inv_temperature=4, s
     sampling = dict(max_tokens=tokens, temperature=1 / inv_temperature, ignore_eos=True)
 
     async def serve(rollout_dtype):
-        trace_dir = tempfile.mkdtemp(prefix=f"fp8-profile-{rollout_dtype}-")
+        trace_dir = profile and tempfile.mkdtemp(prefix=f"fp8-profile-{rollout_dtype}-")
         profiler = dict(profiler_config=dict(
             profiler="torch", torch_profiler_dir=trace_dir, torch_profiler_with_stack=False,
             torch_profiler_use_gzip=False, ignore_frontend=True, delay_iterations=20,

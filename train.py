@@ -325,7 +325,6 @@ def train(cfg, model, optimizer, rollout, step, rank, world, policy_version=None
         if rank == 0:
             pool = rollout.pool.stats()
             rewards = {r["attempt_id"]: r["reward"] for r in records}  # an attempt counts once
-            generated = [r for r in records if r["action_tokens"]]
             step_time = time.perf_counter() - t0
             row = dict(step=step + 1, reward_mean=sum(rewards.values()) / max(len(rewards), 1),
                        policy_version=policy_version, mismatch_kl=m["mismatch_kl"],
@@ -344,10 +343,7 @@ def train(cfg, model, optimizer, rollout, step, rank, world, policy_version=None
                            t_batch - t0) - m["sleep_s"] - m["train_step_s"] - (m["sync_s"] or 0))
                           if colocated else {}),
                        engine_idle=rollout.router.idle_fraction(),
-                       # versions between the policy that sampled a
-                       # segment's oldest token and the one training on it
-                       staleness=sum(trained - r["min_version"]
-                                     for r in generated) / max(len(generated), 1),
+                       staleness=mean_staleness(records, trained),
                        attempts=len(rewards), segments=len(records))
             # every number the loss and the step report: loss, entropy, kl_ref, clip, dual-clip
             # and importance-mask fractions, advantage statistics, grad_norm, lr, skipped
@@ -372,6 +368,13 @@ def train(cfg, model, optimizer, rollout, step, rank, world, policy_version=None
         runlog.plot_metrics(out_dir)
         writer and writer.close()
     return evals
+
+
+def mean_staleness(records, trained):
+    """Over the segments that generated tokens: the versions between the policy that sampled a
+    segment's oldest token and `trained`, the one training on it."""
+    generated = [r for r in records if r["action_tokens"]]
+    return sum(trained - r["min_version"] for r in generated) / max(len(generated), 1)
 
 
 def rl_step(rollout, loop, sender, model, optimizer, records, cfg, lcfg, policy_version, step, rank,
