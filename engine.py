@@ -16,6 +16,7 @@ same guarantee itself: per-token policy versions without vLLM's weight-version s
 take_drafts reads the engine's own counters (vLLM's Prometheus metrics, in this process).
 """
 import dataclasses
+import importlib.util
 import io
 import json
 import os
@@ -81,6 +82,11 @@ class Engine:
         hybrid = "linear_attention" in (hf.get("text_config", hf).get("layer_types") or [])
         if hybrid:
             self.engine_args["mamba_ssm_cache_dtype"] = "float32"
+            # on Hopper vLLM's "auto" picks FlashInfer's Gated DeltaNet prefill, and the engine
+            # dies at its first prefill where FlashInfer is not installed: its Triton kernel then
+            if (torch.cuda.is_available() and vllm_takes("gdn_prefill_backend")
+                    and importlib.util.find_spec("flashinfer") is None):
+                self.engine_args["gdn_prefill_backend"] = "triton"
         if not torch.cuda.is_available():
             self.engine_args["enforce_eager"] = True
             # vLLM's CPU runner rewinds a seeded request's generator when it discards the

@@ -41,14 +41,15 @@ COMPILE_ON_CUDA = True  # fuse the elementwise chains below with torch.compile w
 
 
 def compiled_for_tokens(fn, mode="max-autotune-no-cudagraphs"):
-    """fn through torch.compile, each call's token dims marked dynamic before it runs: every dim
+    """fn through torch.compile, each call's token dims marked unbacked before it runs: every dim
     but the last (the features: hidden, vocabulary, head) of each tensor of two or more dims, and
-    the one dim of a vector (a weight's is fixed by its guards). Microbatches vary in rows and
-    length every step; left to itself, Dynamo compiles a first shape static and makes a dim
-    dynamic only when it changes, so a dim steady for a while (the rows of a microbatch) recompiles
-    the lot steps later, each recompile minutes under max-autotune. Marked (maybe_mark_dynamic:
-    a dim a guard fixes stays static without an error), a function compiles at most twice: once,
-    and once more where a dim is 1 (Dynamo specializes sizes 0 and 1)."""
+    the one dim of a vector. Microbatches vary in rows and length every step; left to itself,
+    Dynamo compiles a first shape static and makes a dim dynamic only when it changes, so a dim
+    steady for a while (the rows of a microbatch) recompiles the lot steps later, each recompile
+    many seconds under max-autotune. A dim marked dynamic (backed) still specializes sizes 0 and 1,
+    so the first microbatch of a single row, or loss chunk of a single token, compiles afresh
+    mid-run. Unbacked, a dim is never assumed to be 0, 1 or equal to another: one compile per
+    function (and grad mode) for every shape and storage offset."""
     compiled = torch.compile(fn, mode=mode)
 
     @functools.wraps(fn)
@@ -56,7 +57,7 @@ def compiled_for_tokens(fn, mode="max-autotune-no-cudagraphs"):
         for t in args:
             if isinstance(t, torch.Tensor):
                 for d in range(max(t.dim() - 1, 1) if t.dim() else 0):
-                    torch._dynamo.maybe_mark_dynamic(t, d)
+                    torch._dynamo.decorators.mark_unbacked(t, d)
         return compiled(*args)
     return run
 

@@ -55,7 +55,10 @@ def _fused_chunk_stats(logits, targets, temperature, with_entropy):
     on CUDA: one kernel reads the (C, V) logits in the weight dtype and
     writes (C,) results (eager would write three fp32 (C, V) buffers)."""
     logits = logits.to(_compute_dtype(logits)) / temperature  # (C, V)
-    lse = torch.logsumexp(logits, dim=-1)  # (C,)
+    # logsumexp written out: torch.logsumexp asks whether the chunk is empty, which a
+    # chunk's rows (unbacked: see compiled_for_tokens) cannot answer at compile time
+    top = logits.amax(-1, keepdim=True)
+    lse = (logits - top).exp().sum(-1).log() + top.squeeze(1)  # (C,)
     logprobs = logits.gather(1, targets[:, None]).squeeze(1) - lse
     entropy = None
     if with_entropy:
