@@ -674,8 +674,9 @@ def bench_fp8(layers=4, prompts=256, tokens=256, scored=64, inv_temperature=4, s
     TIS (truncate at is_high, loss.py's default) leaves of the correction: the weight it cuts,
     mean max(rho - C, 0), the bias it keeps, and the share of tokens it truncates.
     ratio = FP8 tokens/s / bf16 tokens/s (the issue's bar: >= 1.4). --profile=N: after the timed
-    batch, the same batch again with vLLM's torch profiler in the engine's worker over N steps from
-    the 20th: the share of the span the GPU was busy (kernels), ms per step, the costliest kernels.
+    runs, the same batch again on a fresh engine of each dtype with vLLM's torch profiler in its
+    worker over N steps from the 20th: the share of the span the GPU was busy (kernels), ms per
+    step, the costliest kernels. The timed engines are not configured to profile.
 
         python bench.py fp8                # one H100: 3-4 minutes (the model is built once)
         python bench.py fp8 --profile=20   # where a decode step's time goes
@@ -700,37 +701,42 @@ def bench_fp8(layers=4, prompts=256, tokens=256, scored=64, inv_temperature=4, s
     heads = [torch.randint(1000, 30000, (64,), generator=g).tolist() for _ in range(prompts)]
     sampling = dict(max_tokens=tokens, temperature=1 / inv_temperature, ignore_eos=True)
 
-    async def serve(rollout_dtype):
-        trace_dir = profile and tempfile.mkdtemp(prefix=f"fp8-profile-{rollout_dtype}-")
-        profiler = dict(profiler_config=dict(
-            profiler="torch", torch_profiler_dir=trace_dir, torch_profiler_with_stack=False,
-            torch_profiler_use_gzip=False, ignore_frontend=True, delay_iterations=20,
-            max_iterations=profile)) if profile else {}
+    async def serve(rollout_dtype, profiler=None):
         engine = Engine(path, max_model_len=1024, memory_fraction=0.5, seed=seed,
                         enable_prefix_caching=False, enable_return_routed_experts=True,
-                        rollout_dtype=rollout_dtype, **profiler)
+                        rollout_dtype=rollout_dtype, **(profiler or {}))
         await engine.start()
         await asyncio.gather(*(engine.generate(p, sampling, f"w{i}")
                                for i, p in enumerate(heads[:8])))
+        if profiler:
+            await engine.llm.start_profile()
         t0 = time.perf_counter()
         # no per-request seed (the engine's own, as rollouts sample): vLLM draws a seeded
         # request's noise with its own generator, one kernel per request and step
         outs = await asyncio.gather(*(engine.generate(p, sampling, f"b{i}")
                                       for i, p in enumerate(heads)))
         seconds = time.perf_counter() - t0
-        if profile:  # the same batch again, profiled (not timed)
-            await engine.llm.start_profile()
-            await asyncio.gather(*(engine.generate(p, sampling, f"p{i}")
-                                   for i, p in enumerate(heads)))
+        if profiler:
             await engine.llm.stop_profile()
         await engine.shutdown()
-        if profile:
-            result[f"{rollout_dtype}_profile"] = _engine_trace_summary(trace_dir, profile)
-            print(rollout_dtype, result[f"{rollout_dtype}_profile"], flush=True)
         return outs, seconds
+
+    def profiled(rollout_dtype):
+        """The same batch on an engine of its own with vLLM's torch profiler in the worker (an
+        engine configured to profile is not the one timed): N steps from the 20th."""
+        trace_dir = tempfile.mkdtemp(prefix=f"fp8-profile-{rollout_dtype}-")
+        asyncio.run(serve(rollout_dtype, dict(profiler_config=dict(
+            profiler="torch", torch_profiler_dir=trace_dir, torch_profiler_with_stack=False,
+            torch_profiler_use_gzip=False, ignore_frontend=True, delay_iterations=20,
+            max_iterations=profile))))
+        summary = _engine_trace_summary(trace_dir, profile)
+        print(rollout_dtype, summary, flush=True)
+        return summary
 
     result = dict(opt, device=torch.cuda.get_device_name(), vllm=_version("vllm"))
     runs = {d: asyncio.run(serve(d)) for d in ("bfloat16", "fp8")}
+    for d in ("bfloat16", "fp8") if profile else ():
+        result[f"{d}_profile"] = profiled(d)
     for d, (outs, seconds) in runs.items():
         result[f"{d}_tokens_per_s"] = round(sum(len(o["token_ids"]) for o in outs) / seconds, 1)
     _free_memory()
