@@ -340,9 +340,9 @@ def test_compiled_functions_compile_once_over_varying_microbatches():
     norms, the loss's chunk statistics and gradient, the experts' silu_mul and FP8 row scaling) over
     microbatches whose rows and lengths vary as the loop's do (2 x 120, 3 x 80, 1 x 200, a single
     token, ...), some of them views at a storage offset, compiles once each without a graph break
-    and gives eager's values and gradients. Negative controls over the same shapes: token dims
-    marked dynamic (backed: sizes 0 and 1 specialized) compile rms_norm 5 times, torch.compile
-    left to itself (a dim made dynamic only once it changes) 7 times."""
+    and gives eager's values and gradients. Negative control over the same shapes: token dims
+    marked dynamic (backed: sizes 0, 1 and storage offsets specialized) compile rms_norm 5 times
+    (torch.compile left to itself, a dim made dynamic only once it changes: 7)."""
     import loss
     import model
     from torch._dynamo.utils import counters
@@ -406,9 +406,9 @@ def test_compiled_functions_compile_once_over_varying_microbatches():
         return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
     counts = {name: graphs(name, lambda f: experts.compiled_for_tokens(f, mode=None)) for name in cases}
-    controls = graphs("rms_norm", backed)[0], graphs("rms_norm", torch.compile)[0]
-    print(counts, "controls (backed, left to itself)", controls)
-    assert all(c == (1, 0) for c in counts.values()) and controls[0] >= 2 and controls[1] >= 4, (counts, controls)
+    control = graphs("rms_norm", backed)[0]
+    print(counts, "control (backed)", control)
+    assert all(c == (1, 0) for c in counts.values()) and control >= 2, (counts, control)
 
 
 COMPILED_REL = 1.6e-2  # compiled against eager, bf16: measured 4.8e-3 to 8.7e-3 on an H200, the control 2.8e-2 and up
