@@ -89,7 +89,6 @@ def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batc
     import train
     import weights_sync
     from model import num_params
-    from torch._dynamo.utils import counters
     cuda = torch.cuda.is_available()
     if not cuda and not smoke:
         sys.exit("bench.py loop needs a GPU; on CPU use --smoke")
@@ -131,7 +130,7 @@ def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batc
             if step == warmup and cuda:
                 used = UsedMemory()
                 torch.cuda.reset_peak_memory_stats()
-            t0, graphs = time.perf_counter(), counters["stats"]["unique_graphs"]
+            t0 = time.perf_counter()
             if used:
                 used.phase = "generating"
             records = rollout.pool.next_batch(hold=colocated)
@@ -153,9 +152,7 @@ def bench_loop(layers=4, dense=0, max_tokens=1024, group_size=8, groups_per_batc
                 trained_tokens=m["tokens"],
                 generated_tokens=sum(r["action_tokens"] for r in records),
                 staleness=train.mean_staleness(records, trained),
-                # graphs torch.compile made during the step: after the warm-up, a recompile
-                # (seconds to minutes of train_s) where a shape or guard was new
-                compiles=counters["stats"]["unique_graphs"] - graphs))
+                compiles=m["compiles"]))  # after the warm-up, a recompile (seconds of train_s)
             print(f"loop step {step}{' (warm-up)' if step < warmup else ''}: "
                   + ", ".join(f"{k} {v:.3g}" for k, v in rows[-1].items()), file=sys.stderr, flush=True)
         peak = used.stop() if used else 0

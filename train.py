@@ -32,6 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._dynamo.utils import counters as dynamo_counters
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
                                     OffloadPolicy, fully_shard, register_fsdp_forward_method)
@@ -879,7 +880,7 @@ def train_step(model, optimizer, microbatches, cfg, lcfg, policy_version, step=N
     and ranks. "logprobs": (segment_rows, the trainer's logprobs (B, T), detached) of each
     microbatch from pack_microbatches, for the viewer's sample (viewer.Recorder.add).
     """
-    t0 = time.perf_counter()
+    t0, graphs = time.perf_counter(), dynamo_counters["stats"]["unique_graphs"]
     step = policy_version if step is None else step
     device = compute_device()
     if not microbatches:
@@ -958,7 +959,9 @@ def train_step(model, optimizer, microbatches, cfg, lcfg, policy_version, step=N
     dist.all_reduce(tokens)
     out.update(grad_norm=grad_norm, lr=lr, skipped=skipped, window_tokens=int(window_tokens.item()),
                tokens=int(tokens.item()), train_step_s=time.perf_counter() - t0,
-               logprobs=kept_logprobs)
+               # graphs torch.compile made in this step (CUDA): after the first steps, a
+               # recompile, which is where a slow train_step_s went
+               compiles=dynamo_counters["stats"]["unique_graphs"] - graphs, logprobs=kept_logprobs)
     return out
 
 
