@@ -51,10 +51,11 @@ test: setup extras
 	$(PY) -m pytest tests -q $(ARGS)
 
 # every CUDA test on one GPU (marker `gpu`: the kernels' CUDA tests and the GPU engine's), with
-# the Python that has the GPU install (docs/gpu.md): make test-gpu GPU_PY=python3
+# the Python that has the GPU install (docs/gpu.md): make test-gpu GPU_PY=python3. Each test is
+# named as it ends (-v) and the slowest listed: the first run compiles kernels for minutes
 GPU_PY ?= $(PY)
 test-gpu:
-	$(GPU_PY) -m pytest tests -q -m gpu -rs $(ARGS)
+	$(GPU_PY) -m pytest tests -v -m gpu -rfEs --durations=20 $(ARGS)
 
 clean:
 	rm -rf .venv .cache out
