@@ -959,8 +959,8 @@ def train_step(model, optimizer, microbatches, cfg, lcfg, policy_version, step=N
     dist.all_reduce(tokens)
     out.update(grad_norm=grad_norm, lr=lr, skipped=skipped, window_tokens=int(window_tokens.item()),
                tokens=int(tokens.item()), train_step_s=time.perf_counter() - t0,
-               # graphs torch.compile made in this step (CUDA): after the first steps, a
-               # recompile, which is where a slow train_step_s went
+               # graphs torch.compile made in this step on this rank (CUDA): after the first
+               # steps, a recompile, which is where a slow train_step_s went
                compiles=dynamo_counters["stats"]["unique_graphs"] - graphs, logprobs=kept_logprobs)
     return out
 
