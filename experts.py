@@ -40,7 +40,8 @@ FP8 = torch.float8_e4m3fn
 COMPILE_ON_CUDA = True  # fuse the elementwise chains below with torch.compile when they run on CUDA
 
 
-def compiled_for_tokens(fn, mode="max-autotune-no-cudagraphs"):
+def compiled_for_tokens(fn, mode="max-autotune-no-cudagraphs",
+                        mark=torch._dynamo.decorators.mark_unbacked):
     """fn through torch.compile, each call's token dims marked unbacked before it runs: every dim
     but the last (the features: hidden, vocabulary, head) of each tensor of two or more dims, and
     the one dim of a vector. Microbatches vary in rows and length every step; left to itself,
@@ -49,7 +50,8 @@ def compiled_for_tokens(fn, mode="max-autotune-no-cudagraphs"):
     many seconds under max-autotune. A dim marked dynamic (backed) still specializes sizes 0 and 1,
     so the first microbatch of a single row, or loss chunk of a single token, compiles afresh
     mid-run. Unbacked, a dim is never assumed to be 0, 1 or equal to another: one compile per
-    function (and grad mode) for every shape and storage offset."""
+    function (and grad mode) for every shape and storage offset. `mark`: how a dim is marked
+    (tests pass torch._dynamo.maybe_mark_dynamic, the backed marking, as their control)."""
     compiled = torch.compile(fn, mode=mode)
 
     @functools.wraps(fn)
@@ -57,7 +59,7 @@ def compiled_for_tokens(fn, mode="max-autotune-no-cudagraphs"):
         for t in args:
             if isinstance(t, torch.Tensor):
                 for d in range(max(t.dim() - 1, 1) if t.dim() else 0):
-                    torch._dynamo.decorators.mark_unbacked(t, d)
+                    mark(t, d)
         return compiled(*args)
     return run
 

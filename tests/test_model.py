@@ -374,17 +374,6 @@ def test_compiled_functions_compile_once_over_varying_microbatches():
     with_grad = ("rms_norm", "add_rms_norm", "norm_rope", "silu_mul")  # called under autograd (the others
                                                                         # inside autograd Functions)
 
-    def backed(fn):  # the control: token dims marked dynamic, not unbacked
-        compiled = torch.compile(fn)
-
-        def run(*args):
-            for t in args:
-                if isinstance(t, torch.Tensor):
-                    for d in range(max(t.dim() - 1, 1) if t.dim() else 0):
-                        torch._dynamo.maybe_mark_dynamic(t, d)
-            return compiled(*args)
-        return run
-
     def outputs(fn, args, name):
         if name not in with_grad:
             return [o for o in (fn(*args) if name != "fp8_rows" else [o.float() for o in fn(*args)])
@@ -406,7 +395,8 @@ def test_compiled_functions_compile_once_over_varying_microbatches():
         return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
     counts = {name: graphs(name, lambda f: experts.compiled_for_tokens(f, mode=None)) for name in cases}
-    control = graphs("rms_norm", backed)[0]
+    control = graphs("rms_norm", lambda f: experts.compiled_for_tokens(  # token dims marked dynamic
+        f, mode=None, mark=torch._dynamo.maybe_mark_dynamic))[0]
     print(counts, "control (backed)", control)
     assert all(c == (1, 0) for c in counts.values()) and control >= 2, (counts, control)
 
