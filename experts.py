@@ -192,23 +192,47 @@ def fp8_rows(t):
     return (t.float() / scale).to(FP8).contiguous(), scale.squeeze(-1)
 
 
+def fp8_weight(w, transposed=False, cache=None):
+    """fp8_rows of the experts' weight w (E, out, in), or of its transpose (E, in, out): the e4m3
+    operand of a forward GEMM, or of an input-gradient one. `cache`: a dict that a cast reused
+    for a whole window carries (train.keep_experts_local's `fp8_cache`): each operand is
+    quantized at the window's first microbatch and kept for the others (the weights change only
+    at the optimizer step), not read whole again for every forward and backward."""
+    if cache is not None and transposed in cache:
+        return cache[transposed]
+    q = fp8_rows(w.transpose(-2, -1) if transposed else w)
+    if cache is not None:
+        cache[transposed] = q
+    return q
+
+
 def fp8_grouped_mm(a, w, offs, fast_accum=False):
     """grouped_mm in FP8 (Hopper's tensor cores run it at twice bf16's rate): a per row (token)
     and w per expert and output row scaled to e4m3 (fp8_rows), the scales applied in the GEMM's
-    epilogue (`torch._scaled_grouped_mm`), out in bf16. fast_accum: the tensor cores' faster,
-    less precise fp32 accumulation (the forward's; gradients keep the exact one). Quantizing w
-    reads it whole each call: a cost of the order of one bf16 copy of the experts. Off CUDA, the
-    reference: the same e4m3 operands and scales, multiplied in fp32 one expert at a time."""
-    (aq, sa), (wq, sw) = fp8_rows(a), fp8_rows(w)
+    epilogue (`torch._scaled_grouped_mm`), out in bf16. w: the weight (quantized here, a read of
+    it whole: a cost of the order of one bf16 copy of the experts), or fp8_weight's (e4m3,
+    scales). fast_accum: the tensor cores' faster, less precise fp32 accumulation (the
+    forward's; gradients keep the exact one). Off CUDA, the reference: the same e4m3 operands
+    and scales, multiplied in fp32 one expert at a time."""
+    (aq, sa), (wq, sw) = fp8_rows(a), w if isinstance(w, tuple) else fp8_rows(w)
     if a.is_cuda:
         return torch._scaled_grouped_mm(aq, wq.transpose(-2, -1), sa, sw, offs=offs,
                                         out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
     a32, w32 = aq.float() * sa.unsqueeze(-1), wq.float() * sw.unsqueeze(-1)
-    out, start = a.new_empty(a.shape[0], w.shape[1], dtype=torch.float32), 0
+    out, start = a.new_empty(a.shape[0], wq.shape[1], dtype=torch.float32), 0
     for e, end in enumerate(offs.tolist()):  # NOTE: .tolist() is a device-to-host sync
         out[start:end] = a32[start:end] @ w32[e].T
         start = end
     return out.to(torch.bfloat16)
+
+
+def expert_mm(a, w, offs, fp8=False, transposed=False, cache=None):
+    """a (N, K) times each expert's w^T (w (E, out, in)), or times w itself (transposed: the
+    input gradient's GEMM): grouped_mm, or fp8_grouped_mm on fp8_weight's operand (cached in
+    `cache` when given); the forward's FP8 GEMMs accumulate fast."""
+    if not fp8:
+        return grouped_mm(a, w.transpose(-2, -1) if transposed else w, offs)
+    return fp8_grouped_mm(a, fp8_weight(w, transposed, cache), offs, fast_accum=not transposed)
 
 
 class GroupedSwiGLU(torch.autograd.Function):
@@ -223,24 +247,26 @@ class GroupedSwiGLU(torch.autograd.Function):
     for the casts. Saves what autograd would: x, gate_up's output and the hidden rows h.
     fp8: the two forward GEMMs and the two input-gradient GEMMs in FP8 (fp8_grouped_mm); the
     weight gradients stay bf16 GEMMs (torchao's "rowwise with high-precision weight gradient"
-    recipe), the weights themselves bf16 (or fp32 masters) as ever."""
+    recipe), the weights themselves bf16 (or fp32 masters) as ever. A cast that carries
+    `fp8_cache` (a window's reused one) keeps its e4m3 operands there for later microbatches."""
 
     @staticmethod
     def forward(ctx, x, offs, scale, gate_up, down, into=None, fp8=False):
-        mm = fp8_grouped_mm if fp8 else grouped_mm
-        gu = mm(x, gate_up, offs, True)  # (N, 2H)
+        # FP8: the e4m3 copies of a window's reused casts (keep_experts_local's fp8_cache)
+        caches = [getattr(w, "fp8_cache", None) if fp8 else None for w in (gate_up, down)]
+        gu = expert_mm(x, gate_up, offs, fp8, cache=caches[0])  # (N, 2H)
         h = silu_mul(*gu.chunk(2, -1), scale)
         ctx.save_for_backward(x, offs, scale, gate_up, down, gu, h)
-        ctx.into, ctx.fp8 = into, fp8
-        return mm(h, down, offs, True)
+        ctx.into, ctx.fp8, ctx.caches = into, fp8, caches
+        return expert_mm(h, down, offs, fp8, cache=caches[1])
 
     @staticmethod
     def backward(ctx, dy):
         x, offs, scale, gate_up, down, gu, h = ctx.saved_tensors
-        dy, mm = dy.contiguous(), fp8_grouped_mm if ctx.fp8 else grouped_mm
-        # FP8: the weights quantized again along their other dimension (a transposed copy each)
-        dgu, dscale = swiglu_backward(gu, scale, mm(dy, down.transpose(-2, -1), offs))
-        dx = mm(dgu, gate_up.transpose(-2, -1), offs)
+        dy, fp8, (c_gate_up, c_down) = dy.contiguous(), ctx.fp8, ctx.caches
+        # FP8: the weights quantized along their other dimension (a transposed copy each)
+        dgu, dscale = swiglu_backward(gu, scale, expert_mm(dy, down, offs, fp8, True, c_down))
+        dx = expert_mm(dgu, gate_up, offs, fp8, True, c_gate_up)
         if ctx.into is None:  # the weight gradients to autograd: (E, 2H, D) and (E, D, H)
             d_gate_up, d_down = torch._grouped_mm(dgu.t(), x, offs=offs), torch._grouped_mm(
                 dy.t(), h, offs=offs)

@@ -585,9 +585,13 @@ def plan_memory(cfg, mcfg, shards):
         root_numel=root_numel, block_numel=block_numel, tokens=tokens,
         act_bytes_ckpt=activation_bytes(mcfg, local, True, b, ep > 1) + images * per_image[True],
         # + experts kept outside FSDP (train.experts_skip_fsdp): autograd keeps each
-        # layer's cast of them to the compute dtype (none when that is fp32 itself)
+        # layer's cast of them to the compute dtype (none when that is fp32 itself), and with
+        # fp8_experts the cast's two e4m3 copies, a byte each (kept for the window: the casts
+        # are reused without checkpointing, experts.fp8_weight)
         act_bytes_full=activation_bytes(mcfg, local, False, b, ep > 1) + cp_saved +
-        (b * p_expert if shards["experts_skip_fsdp"] and b < 4 else 0) + images * per_image[False],
+        (b * p_expert if shards["experts_skip_fsdp"] and b < 4 else 0) +
+        (2 * p_expert if shards["experts_skip_fsdp"] and cfg["fp8_experts"] else 0) +
+        images * per_image[False],
         # chunked logprobs: fp32 logits of one chunk, their
         # softmax and its gradient (loss.token_logprobs)
         logits_bytes=3 * 4 * min(cfg["logprob_chunk_size"], local) * mcfg.vocab_size,
@@ -779,7 +783,9 @@ def print_plan(cfg, p):
         f"  logprob chunk     {gib(p['logits_bytes'])}  fp32 logits, softmax, gradient of one "
         f"{cfg['logprob_chunk_size']}-token chunk",
     ] + ([f"  fp8 experts       {gib(p['fp8_expert_bytes'])}  one MoE layer's experts in e4m3 "
-          "(fp8_experts: quantized for each forward and, transposed, for each backward)"]
+          "(fp8_experts: quantized for each forward and, transposed, for each backward; without "
+          "checkpointing, experts kept outside FSDP keep both copies for the window, counted "
+          "with the activations)"]
          if p["fp8_expert_bytes"] else []) + [
         f"  total             {gib(p['total_bytes'])}  of {cfg['gpu_memory_gib']:g} GiB "
         f"({100 * p['total_bytes'] / p['gpu_bytes']:.0f}%), activation checkpointing "

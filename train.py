@@ -1110,7 +1110,9 @@ def keep_experts_local(experts, mesh, dtype, reuse_casts=False):
     counts them), and with reuse_casts the later microbatches of a window reuse them (one
     cast per weight per step, not per microbatch: the weights change only at the optimizer
     step, and the end of forward, the peak, holds every layer's casts anyway); train_step
-    releases them after the optimizer step (`experts.release_casts`)."""
+    releases them after the optimizer step (`experts.release_casts`). With fp8_experts each
+    reused cast also keeps its e4m3 copies (forward's and transposed) for the window, so
+    the weights are quantized once a step, not twice a microbatch; they go with the cast."""
     for name, p in list(experts.named_parameters()):  # the three projections, and their adapters
         setattr(experts, name,
                 nn.Parameter(DTensor.from_local(p.data, mesh, [Shard(0)], run_check=False),
@@ -1131,6 +1133,7 @@ def keep_experts_local(experts, mesh, dtype, reuse_casts=False):
         out = CastForCompute.apply(dtype, *ws)
         if reuse_casts and torch.is_grad_enabled():
             casts[key] = (versions, out)
+            out.fp8_cache = {}  # fp8_experts: its e4m3 copies, made once (experts.fp8_weight)
         return out
     experts.cast_weights = cast
     experts.release_casts = casts.clear  # train_step, after the optimizer step: stale by then

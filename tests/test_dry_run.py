@@ -192,7 +192,8 @@ def test_fp8_rollouts_and_experts_plan_half_the_sync_and_engine_weights():
     """qwen3_30b_a3b with rollout_dtype=fp8 and fp8_experts against a hand count: the sync and the
     engine's weights hold every attention and expert projection in e4m3 plus a float32 scale per
     128x128 block, the embeddings, lm_head, norms and router in bf16 (about 0.51x of bf16); the
-    trainer holds one MoE layer's experts of its rank (E / ep) in e4m3 beside the rest."""
+    trainer holds one MoE layer's experts of its rank (E / ep) in e4m3 beside the rest, and without
+    checkpointing every layer's two e4m3 copies for the window."""
     off = dry_run_output("qwen3_30b_a3b")
     r = run_train("--config", "configs/qwen3_30b_a3b.py", "--dry_run=True", "--rollout_dtype=fp8",
                   "--fp8_experts=True")
@@ -213,6 +214,11 @@ def test_fp8_rollouts_and_experts_plan_half_the_sync_and_engine_weights():
     assert gib(r.stdout, "fp8 experts") == pytest.approx(E // ep * 3 * H * D, abs=0.01 * GiB)
     assert gib(r.stdout, "total") == pytest.approx(gib(off, "total") + E // ep * 3 * H * D,
                                                    abs=0.02 * GiB)
+    # without checkpointing the casts of the experts (kept outside FSDP: one expert FSDP rank) are reused
+    # over the window, and each keeps its two e4m3 copies (a byte each) with it
+    def unckpt(out):
+        return float(re.search(r"activation checkpointing on; off: ([\d.]+) GiB", out).group(1)) * GiB
+    assert unckpt(r.stdout) == pytest.approx(unckpt(off) + (2 * L + 1) * E // ep * 3 * H * D, abs=0.02 * GiB)
     assert "fp8 experts" not in off
 
 

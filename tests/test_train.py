@@ -559,6 +559,71 @@ def test_grouped_gemm_experts_match_the_loop_under_expert_parallelism_in_bf16(tm
           f"(worst loop error {max(e[0] for e in errs.values()):.4f})")
 
 
+def fp8_windows(rank, world, cfg, weights, out):
+    """Three steps of 6 microbatches with FP8 grouped experts (the CPU reference arithmetic) three ways: the e4m3
+    weights kept with each window's reused cast (as trained), quantized on every call, and (the negative control)
+    kept past their cast: one cache per expert weight for the whole run, as if it outlived the optimizer step. Per
+    way: the step metrics, the final parameters, and how many times fp8_rows quantized a weight."""
+    real_weight, real_rows, results = experts.fp8_weight, experts.fp8_rows, {}
+
+    def outliving(cast, kept):  # the control: each cast of the same weights gets the first one's fp8_cache
+        def wrapped(*ws):
+            out = cast(*ws)
+            if hasattr(out, "fp8_cache"):
+                out.fp8_cache = kept.setdefault(tuple(map(id, ws)), out.fp8_cache)
+            return out
+        return wrapped
+    for way in ("cached", "every_call", "stale"):
+        quantized = [0]
+        def counting_rows(t):
+            quantized[0] += t.dim() == 3  # a weight (E, out, in); activations are (N, K)
+            return real_rows(t)
+        experts.fp8_rows = counting_rows
+        if way == "every_call":
+            experts.fp8_weight = lambda w, transposed=False, cache=None: real_weight(w, transposed, None)
+        try:
+            model, _ = build(cfg, weights, world)
+            for m in model.modules():
+                if isinstance(m, experts.Experts):
+                    m.use_grouped_mm, m.fp8 = True, True
+                    if way == "stale":
+                        m.cast_weights = outliving(m.cast_weights, {})
+            opt = train.build_optimizer(model, cfg)
+            lcfg, metrics = train.loss_config(cfg), []
+            for step, window in enumerate(windows()):
+                m = train.train_step(model, opt, window, cfg, lcfg, policy_version=step)
+                metrics.append({k: m[k] for k in ("loss", "grad_norm")})
+        finally:
+            experts.fp8_weight, experts.fp8_rows = real_weight, real_rows
+        results[way] = dict(metrics=metrics, quantized=quantized[0],
+                            params={n: t for n, t in checkpoint.full_parameters(model)})
+    torch.save(results, out)
+
+
+@pytest.mark.stack
+def test_fp8_experts_quantize_the_weights_once_a_window(tmp_path):
+    """fp8_experts with the experts kept outside FSDP (one rank): each window's reused cast keeps its two e4m3
+    copies, so the weights are quantized 4 times per MoE layer and step (gate_up and down, each also transposed for
+    the backward) instead of 4 times per microbatch, and training is bit for bit what quantizing on every call
+    gives. The negative control keeps the copies past the optimizer step: the later steps compute with stale
+    weights and the parameters differ."""
+    weights = make_weights(str(tmp_path / "weights"))
+    spawn(1, "fp8_windows", trainer_config(param_dtype="bfloat16"), weights, str(tmp_path / "out.pt"))
+    runs = torch.load(tmp_path / "out.pt", weights_only=False)
+    moe_layers, n_mb = len(CFG.moe_layers), len(windows()[0])
+    assert runs["cached"]["quantized"] == STEPS * moe_layers * 4
+    assert runs["every_call"]["quantized"] == STEPS * moe_layers * 4 * n_mb
+    assert runs["cached"]["metrics"] == runs["every_call"]["metrics"]
+    for name, t in runs["every_call"]["params"].items():
+        assert torch.equal(runs["cached"]["params"][name], t), name
+    assert runs["stale"]["metrics"][0] == runs["every_call"]["metrics"][0]  # the first window is the same
+    stale = max((runs["stale"]["params"][n] - t).abs().max().item() for n, t in runs["every_call"]["params"].items())
+    print(f"\nweights quantized: {runs['cached']['quantized']} once a window, {runs['every_call']['quantized']} on "
+          f"every call; losses {[m['loss'] for m in runs['cached']['metrics']]}; stale copies: largest parameter "
+          f"difference {stale:.2e}, losses {[m['loss'] for m in runs['stale']['metrics']]}")
+    assert stale > 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA")
 def test_grouped_grad_adds_fp32_weight_gradients_on_cuda():
     """experts.grouped_grad's kernel (bf16 operands, TMA loads, fp32 out): each expert's a_e^T b_e written, then
