@@ -15,6 +15,7 @@ sync, object store, logprobs); bench_model.py the model and trainer speed benchm
     python bench.py spec         # MTP drafting vs none on the tiny hybrid: tokens/s, acceptance (CPU)
     python bench.py vl           # our Qwen3-VL-MoE forward/backward vs transformers' (1 GPU): parity, tokens/s
     python bench.py loop         # the whole RL loop on one GPU (colocated) vs its ceiling
+    python bench.py fp8learn     # the default run on one GPU with FP8 rollouts vs bf16: held-out success
 
 Each benchmark is a function bench_NAME whose keyword arguments are its options (all
 integers): `--key=value` sets one, a bare `--key` means 1, an unknown key is an error.

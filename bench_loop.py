@@ -227,3 +227,55 @@ def measure_ceiling(rollout, loop, model, optimizer, records, cfg, lcfg, version
         m = train.train_step(model, optimizer, train.pack_microbatches(
             segments, advantages, cfg["microbatch_tokens"]), cfg, lcfg, version)
     return dict(generate_tokens_per_s=generate, train_tokens_per_s=m["tokens"] / m["train_step_s"])
+
+
+def bench_fp8learn(steps=40, seed=4, which=0, smoke=0):
+    """The default run (`python train.py`: the tiny model, the calculator agent) on one GPU,
+    colocated, twice with the same seed and prompts: rollouts from a bf16 engine, then from an FP8
+    one (rollout_dtype="fp8": the engine's weights, and each sync, in e4m3 with block scales; the
+    trainer bf16). For each: the held-out success (eval/success, greedy, the agent's held-out
+    prompts) at version 0 and at the end, the train reward over the first and the last 5 steps,
+    the mean mismatch KL (trainer vs the engine's sampling logprobs: FP8's is the larger, and the
+    importance correction sees it) and the wall time. ratio = FP8's final held-out success /
+    bf16's. --which=1 runs bf16 only, 2 FP8 only (the two in separate calls). --smoke: CPU, 2
+    steps, both runs on the bf16 engine (the CPU has no FP8 matrix multiplies): the code path.
+
+        python bench.py fp8learn              # one H100: two runs of 40 steps
+    """
+    import json
+    import subprocess
+    import tempfile
+    import torch
+    cuda = torch.cuda.is_available()
+    if not cuda and not smoke:
+        sys.exit("bench.py fp8learn needs a GPU with FP8 matrix multiplies; on CPU use --smoke")
+    if smoke:
+        steps = 2
+    result = dict(device=torch.cuda.get_device_name() if cuda else "cpu", steps=steps, seed=seed,
+                  engine_dtype={"bfloat16": "bfloat16", "fp8": "fp8" if cuda else "bfloat16"})
+    for dtype in [d for i, d in enumerate(("bfloat16", "fp8"), 1) if which in (0, i)]:
+        out = tempfile.mkdtemp(prefix=f"fp8learn-{dtype}-")
+        args = [sys.executable, "train.py", f"--seed={seed}", f"--max_steps={steps}",
+                f"--out_dir={out}", "--view_groups_per_step=0"]
+        if cuda:
+            args += ["--placement=colocated", f"--rollout_dtype={dtype}"]
+        t0 = time.perf_counter()
+        r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+        if r.returncode:
+            sys.exit(f"the {dtype} run failed ({r.returncode}):\n{r.stderr[-4000:]}")
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+        evals = {row["policy_version"]: row["eval/success"] for row in rows if "eval/success" in row}
+        rewards = [row["reward_mean"] for row in rows if "reward_mean" in row]
+        kl = [row["mismatch_kl"] for row in rows if row.get("mismatch_kl") is not None]
+        result[dtype] = dict(
+            eval_success={v: round(s, 3) for v, s in sorted(evals.items())},
+            reward_first5=round(sum(rewards[:5]) / len(rewards[:5]), 3),
+            reward_last5=round(sum(rewards[-5:]) / len(rewards[-5:]), 3),
+            mismatch_kl_mean=sum(kl) / len(kl) if kl else None, wall_s=round(time.perf_counter() - t0, 1))
+        print(f"{dtype}: {result[dtype]}", file=sys.stderr, flush=True)
+    if "bfloat16" in result and "fp8" in result:
+        last = {d: result[d]["eval_success"][max(result[d]["eval_success"])] for d in ("bfloat16", "fp8")}
+        result["ratio"] = round(last["fp8"] / last["bfloat16"], 3) if last["bfloat16"] else None
+    result.setdefault("ratio", None)
+    return result
