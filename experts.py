@@ -178,7 +178,7 @@ if triton is not None:
         tl.store(dscale + rows, tl.sum(d * silu * up, 1).to(dscale.dtype.element_ty), mask=rows < N)
 
 
-def grouped_mm(a, w, offs, fast_accum=False):
+def grouped_mm(a, w, offs):
     """a (N, K) rows sorted by expert (offs: cumulative row counts), w (E, out, K) -> (N, out):
     each expert's rows times its w_e^T, in a's dtype (bf16 on CUDA)."""
     return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
