@@ -206,15 +206,14 @@ def fp8_weight(w, transposed=False, cache=None):
     return q
 
 
-def fp8_grouped_mm(a, w, offs, fast_accum=False):
+def fp8_grouped_mm(a, w8, offs, fast_accum=False):
     """grouped_mm in FP8 (Hopper's tensor cores run it at twice bf16's rate): a per row (token)
-    and w per expert and output row scaled to e4m3 (fp8_rows), the scales applied in the GEMM's
-    epilogue (`torch._scaled_grouped_mm`), out in bf16. w: the weight (quantized here, a read of
-    it whole: a cost of the order of one bf16 copy of the experts), or fp8_weight's (e4m3,
-    scales). fast_accum: the tensor cores' faster, less precise fp32 accumulation (the
-    forward's; gradients keep the exact one). Off CUDA, the reference: the same e4m3 operands
-    and scales, multiplied in fp32 one expert at a time."""
-    (aq, sa), (wq, sw) = fp8_rows(a), w if isinstance(w, tuple) else fp8_rows(w)
+    and the weight per expert and output row scaled to e4m3 (fp8_rows; w8 = fp8_weight(w): the
+    e4m3 weight (E, out, K) and its scales), the scales applied in the GEMM's epilogue
+    (`torch._scaled_grouped_mm`), out in bf16. fast_accum: the tensor cores' faster, less
+    precise fp32 accumulation (the forward's; gradients keep the exact one). Off CUDA, the
+    reference: the same e4m3 operands and scales, multiplied in fp32 one expert at a time."""
+    (aq, sa), (wq, sw) = fp8_rows(a), w8
     if a.is_cuda:
         return torch._scaled_grouped_mm(aq, wq.transpose(-2, -1), sa, sw, offs=offs,
                                         out_dtype=torch.bfloat16, use_fast_accum=fast_accum)

@@ -179,8 +179,8 @@ def test_fp8_experts_stay_within_the_measured_error_of_fp64(device):
         assert errors[0] <= BF16_EXPERTS_ERROR < 0.02 <= errors[1] <= FP8_EXPERTS_ERROR, name
     if device == "cuda":  # the kernel against the reference's arithmetic on the same operands
         a, wt = x.to(device, torch.bfloat16), g.to(device, torch.bfloat16)
-        kernel = experts.fp8_grouped_mm(a, wt, offs.to(device)).double().cpu()
-        ref = experts.fp8_grouped_mm(a.cpu(), wt.cpu(), offs).double()
+        kernel = experts.fp8_grouped_mm(a, experts.fp8_weight(wt), offs.to(device)).double().cpu()
+        ref = experts.fp8_grouped_mm(a.cpu(), experts.fp8_weight(wt.cpu()), offs).double()
         diff = ((kernel - ref).norm() / ref.norm()).item()
         print(f"fp8_grouped_mm kernel vs reference: {diff:.5f}")
         assert diff <= 0.01  # bf16 outputs of one fp32 accumulation each
