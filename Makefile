@@ -45,10 +45,13 @@ train: setup
 	$(PY) train.py --view_port=$(VIEW_PORT) $(ARGS)
 
 # the viewer's browser tests need Chromium (Debian: apt-get install chromium) and fail without it;
-# `make test NO_BROWSER=1` skips them on a machine that has none
+# `make test NO_BROWSER=1` skips them on a machine that has none. The suite runs on TEST_WORKERS
+# pytest-xdist workers, a test file whole on one worker and the files sharing a session engine
+# together (tests/conftest.py); TEST_WORKERS=0 runs it in this one process
+TEST_WORKERS ?= 2
 test: export NO_BROWSER ?=
 test: setup extras
-	$(PY) -m pytest tests -q $(ARGS)
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS) $(ARGS)
 
 # every CUDA test on one GPU (marker `gpu`: the kernels' CUDA tests and the GPU engine's), with
 # the Python that has the GPU install (docs/gpu.md): make test-gpu GPU_PY=python3. Each test is

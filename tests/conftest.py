@@ -4,6 +4,7 @@ the unit tests alone (in-process: no vLLM engine, no Ray, no rank processes) wit
 import asyncio
 import contextlib
 import os
+import re
 import sys
 import threading
 import time
@@ -136,6 +137,36 @@ def pytest_configure(config):
 def needs_cuda(item):
     reasons = [str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")]
     return any("cuda" in r.lower() for r in reasons)
+
+
+# make test runs the suite on two pytest-xdist workers (`-n 2`): each test file runs whole on one worker (its module
+# fixtures start once), and the files that use the session's tiny engines (in-process or the Ray actor) share one
+# worker, as do those of the hybrid engine, so no engine starts twice
+SHARED_ENGINES = {"tiny_engine": "tiny-engines", "ray_cluster": "tiny-engines", "rollout_engine": "tiny-engines",
+                  "hybrid_engine": "hybrid-engine"}
+_groups = {}
+
+
+def test_group(path):
+    """The xdist worker group of a test file: the shared engine its source names (directly, or through a module
+    fixture of its own), else the file itself."""
+    if path not in _groups:
+        with open(os.path.join(ROOT, path)) as f:
+            words = set(re.findall(r"\w+", f.read()))
+        _groups[path] = min((g for name, g in SHARED_ENGINES.items() if name in words), default=path)
+    return _groups[path]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling with test_group as the scope (its own loadgroup marks change node ids, which
+    pytest 9 no longer allows): a scope's tests run on one worker, in order."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return test_group(nodeid.split("::", 1)[0])
+    return ByGroup(config, log)
 
 
 def pytest_collection_modifyitems(items):
