@@ -519,13 +519,21 @@ def connect_ray(cfg, rank, world):
             ray.init(address="auto", include_dashboard=False)
         else:
             gpus = torch.cuda.device_count()
-            ray.init(num_cpus=max(os.cpu_count() or 1, cfg["num_engines"] + 1) if gpus
-                     else cfg["num_engines"] + 1,
-                     # colocated: the one GPU the trainer has (in CUDA_VISIBLE_DEVICES' order)
-                     num_gpus=1 if cfg["placement"] == "colocated" else gpus,
-                     include_dashboard=False,
-                     # experiences of the tiny run are a few MB
-                     object_store_memory=None if gpus else 1 << 30)
+            local = dict(num_cpus=max(os.cpu_count() or 1, cfg["num_engines"] + 1) if gpus
+                         else cfg["num_engines"] + 1,
+                         # colocated: the one GPU the trainer has (in CUDA_VISIBLE_DEVICES' order)
+                         num_gpus=1 if cfg["placement"] == "colocated" else gpus,
+                         include_dashboard=False,
+                         # experiences of the tiny run are a few MB
+                         object_store_memory=None if gpus else 1 << 30)
+            try:
+                ray.init(**local)
+            except Exception as e:  # Ray waits 30 s for its raylet, which a loaded machine can miss
+                if "timed out during startup" not in str(e):
+                    raise
+                print(f"Ray's local cluster did not start ({e}); starting it again", file=sys.stderr)
+                ray.shutdown()
+                ray.init(**local)
         # a local cluster wants a token (in ~/.ray/auth_token) and
         # ray.init switched on token mode in this process's environment
         # only: the other ranks need that switch before they import ray

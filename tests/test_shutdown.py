@@ -26,7 +26,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.stack  # engines, in processes of their own
 
 
-def run_until(args, log_path, ready, preexec_fn=None, timeout_s=600):
+def sigint_as_from_a_shell():
+    """A child's SIGINT as a shell starts it: default, not blocked. The pytest worker that forks it may, by then, have
+    SIGINT ignored or blocked (left so by something earlier in that process; a child inherits both), and a child that
+    never sees the signal fails these tests for a reason of the test's own."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def run_until(args, log_path, ready, preexec_fn=sigint_as_from_a_shell, timeout_s=600):
     """Start `args` in its own session; poll until ready(log text, names of its descendants). Returns (process,
     its descendants at that moment)."""
     proc = subprocess.Popen(args, cwd=ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
@@ -108,7 +116,8 @@ print("went on after SIGINT")
 @pytest.mark.parametrize("entry", ["train.py", "plain python"])
 def test_sigint_lost_in_a_weakref_callback_still_stops_train_py(entry):
     out = subprocess.run([sys.executable, "-c", SIGINT_IN_A_CALLBACK, entry, "120" if entry == "train.py" else "1"],
-                         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+                         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300,
+                         preexec_fn=sigint_as_from_a_shell)
     assert "KeyboardInterrupt" in out.stderr, out.stderr[-3000:]
     if entry == "train.py":  # delivered again: the sleep ends in a KeyboardInterrupt
         assert out.returncode == -signal.SIGINT and "went on" not in out.stdout, (out.returncode, out.stdout, out.stderr[-3000:])
