@@ -383,8 +383,8 @@ def bench_async(steps=8, group_size=4, groups_per_batch=4, groups_in_flight=8, m
                            f"--groups_per_batch={opt['groups_per_batch']}"])
     _, world, device = train.init_distributed()
     model, optimizer, _, _ = train.build_trainer(cfg, world, device)
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
-             log_to_driver=False)
+    train.start_local_ray(num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
+                          log_to_driver=False)
     engines, _ = rollout.start_engines(path, 1, max_model_len=1024, memory_fraction=0.3)
     router = rollout.Router(engines)
     router.mark_connected([])

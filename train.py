@@ -508,6 +508,20 @@ def build_reference(cfg, model, device):
 # pool on rank 0; every rank trains on its share of each batch
 
 
+def start_local_ray(**options):
+    """ray.init(**options) for a new local cluster, started a second time when the first misses Ray's fixed 30 s
+    wait for its raylet (a loaded machine can: a 2-core one running make test's two workers did)."""
+    import ray
+    try:
+        ray.init(**options)
+    except Exception as e:
+        if "timed out during startup" not in str(e):
+            raise
+        print(f"Ray's local cluster did not start ({e}); starting it again", file=sys.stderr)
+        ray.shutdown()
+        ray.init(**options)
+
+
 def connect_ray(cfg, rank, world):
     """Rank 0 joins the cluster named by RAY_ADDRESS (torchrun.sh sets it on
     clusters) or starts a local one; the other ranks join rank 0's. On a CPU
@@ -519,21 +533,13 @@ def connect_ray(cfg, rank, world):
             ray.init(address="auto", include_dashboard=False)
         else:
             gpus = torch.cuda.device_count()
-            local = dict(num_cpus=max(os.cpu_count() or 1, cfg["num_engines"] + 1) if gpus
-                         else cfg["num_engines"] + 1,
-                         # colocated: the one GPU the trainer has (in CUDA_VISIBLE_DEVICES' order)
-                         num_gpus=1 if cfg["placement"] == "colocated" else gpus,
-                         include_dashboard=False,
-                         # experiences of the tiny run are a few MB
-                         object_store_memory=None if gpus else 1 << 30)
-            try:
-                ray.init(**local)
-            except Exception as e:  # Ray waits 30 s for its raylet, which a loaded machine can miss
-                if "timed out during startup" not in str(e):
-                    raise
-                print(f"Ray's local cluster did not start ({e}); starting it again", file=sys.stderr)
-                ray.shutdown()
-                ray.init(**local)
+            start_local_ray(num_cpus=max(os.cpu_count() or 1, cfg["num_engines"] + 1) if gpus
+                            else cfg["num_engines"] + 1,
+                            # colocated: the one GPU the trainer has (in CUDA_VISIBLE_DEVICES' order)
+                            num_gpus=1 if cfg["placement"] == "colocated" else gpus,
+                            include_dashboard=False,
+                            # experiences of the tiny run are a few MB
+                            object_store_memory=None if gpus else 1 << 30)
         # a local cluster wants a token (in ~/.ray/auth_token) and
         # ray.init switched on token mode in this process's environment
         # only: the other ranks need that switch before they import ray

@@ -3,6 +3,7 @@ the unit tests alone (in-process: no vLLM engine, no Ray, no rank processes) wit
 `.venv/bin/python -m pytest tests -q -m "not stack"`."""
 import asyncio
 import contextlib
+import functools
 import os
 import re
 import sys
@@ -144,28 +145,26 @@ def needs_cuda(item):
 # worker, as do those of the hybrid engine, so no engine starts twice
 SHARED_ENGINES = {"tiny_engine": "tiny-engines", "ray_cluster": "tiny-engines", "rollout_engine": "tiny-engines",
                   "hybrid_engine": "hybrid-engine"}
-_groups = {}
 
 
-def test_group(path):
+@functools.cache
+def worker_group(path):
     """The xdist worker group of a test file: the shared engine its source names (directly, or through a module
     fixture of its own), else the file itself."""
-    if path not in _groups:
-        with open(os.path.join(ROOT, path)) as f:
-            words = set(re.findall(r"\w+", f.read()))
-        _groups[path] = min((g for name, g in SHARED_ENGINES.items() if name in words), default=path)
-    return _groups[path]
+    with open(os.path.join(ROOT, path)) as f:
+        words = set(re.findall(r"\w+", f.read()))
+    return min((g for name, g in SHARED_ENGINES.items() if name in words), default=path)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scope scheduling with test_group as the scope (its own loadgroup marks change node ids, which
+    """xdist's scope scheduling with worker_group as the scope (its own loadgroup marks change node ids, which
     pytest 9 no longer allows): a scope's tests run on one worker, in order."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ByGroup(LoadScopeScheduling):
         def _split_scope(self, nodeid):
-            return test_group(nodeid.split("::", 1)[0])
+            return worker_group(nodeid.split("::", 1)[0])
     return ByGroup(config, log)
 
 
@@ -296,9 +295,10 @@ def tiny_engine(tiny_model_path):
 def ray_cluster():
     """A local Ray cluster (2 logical CPUs, a small object store), shared by every test that needs Ray."""
     import ray
+    import train
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 << 20)
+        train.start_local_ray(num_cpus=2, include_dashboard=False, object_store_memory=256 << 20)
     yield ray
     if started:
         ray.shutdown()
