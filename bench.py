@@ -24,6 +24,7 @@ import inspect
 import json
 import sys
 
+import bench_fp8
 import bench_loop
 import bench_model
 
@@ -1032,7 +1033,7 @@ def options(fn, argv):
 
 
 def main():
-    benches = {k[len("bench_"):]: f for module in (sys.modules[__name__], bench_model, bench_loop)
+    benches = {k[len("bench_"):]: f for module in (sys.modules[__name__], bench_model, bench_loop, bench_fp8)
                for k, f in vars(module).items() if k.startswith("bench_") and callable(f)}
     if len(sys.argv) < 2 or sys.argv[1] not in benches:
         sys.exit("usage: python bench.py NAME [--key=value ...], NAME one of: "

@@ -108,9 +108,19 @@ def experts_loop(x, counts, scale, gate_proj, up_proj, down_proj, lora=None):
     return out
 
 
-@cuda_compiled
-def silu_mul(gate, up, scale):
+def _silu_mul(gate, up, scale):
     return F.silu(gate) * up * scale.unsqueeze(-1)
+
+
+silu_mul = cuda_compiled(_silu_mul)
+
+
+@cuda_compiled
+def silu_mul_fp8(gate, up, scale):
+    """silu_mul's rows h, and h in e4m3 with its row scales (fp8_rows(h)) from the same pass: the
+    FP8 experts' down GEMM reads them (on CUDA one compiled kernel writes both)."""
+    h = _silu_mul(gate, up, scale)
+    return h, *_rows_to_fp8(h)
 
 
 def experts_grouped_mm(x, counts, scale, gate_proj, up_proj, down_proj, lora=None):
@@ -131,37 +141,45 @@ def experts_grouped_mm(x, counts, scale, gate_proj, up_proj, down_proj, lora=Non
     return LoRAGroupedMM.apply(silu_mul(gate, up, scale), rows, A_d, 1, down_proj, B_d * s)[0]
 
 
-def swiglu_backward(gate_up, scale, dh):
+def swiglu_backward(gate_up, scale, dh, fp8=False):
     """silu_mul's backward from its input (N, 2H) = [gate | up]: d[gate | up] (N, 2H)
-    in one tensor, and dscale (N,). On CUDA one Triton kernel: each row read once and
+    in one tensor, dscale (N,), and with fp8 d[gate | up] in e4m3 with its row scales (what
+    fp8_rows would make of it; else None). On CUDA one Triton kernel: each row read once and
     written once (torch.compile's kernel for the eager code below read every row twice,
     once for each half of the concatenation, and a second kernel again for dscale)."""
     if gate_up.is_cuda and triton is not None:
-        return swiglu_backward_triton(gate_up, scale, dh)
+        return swiglu_backward_triton(gate_up, scale, dh, fp8)
     gate, up = gate_up.float().chunk(2, -1)
     sig, s, dh = torch.sigmoid(gate), scale.float().unsqueeze(-1), dh.float()
     silu = gate * sig
     dgate = dh * up * s * sig * (1 + gate * (1 - sig))
     dscale = (dh * silu * up).sum(-1)
-    return torch.cat([dgate, dh * silu * s], -1).to(gate_up.dtype), dscale.to(scale.dtype)
+    dgu = torch.cat([dgate, dh * silu * s], -1).to(gate_up.dtype)
+    return dgu, dscale.to(scale.dtype), fp8_rows(dgu) if fp8 else None
 
 
-def swiglu_backward_triton(gate_up, scale, dh):
+def swiglu_backward_triton(gate_up, scale, dh, fp8=False):
     gate_up, dh = gate_up.contiguous(), dh.contiguous()
     N, H = dh.shape
     dgu, dscale = torch.empty_like(gate_up), torch.empty_like(scale)
-    rows = 4
+    # fp8: as fp8_rows_triton, fp32 rows that torch casts under Triton's interpreter
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    q = torch.empty(N, 2 * H, dtype=torch.float32 if interpret else FP8,
+                    device=dh.device) if fp8 else dgu
+    q_scale = torch.empty(N, dtype=torch.float32, device=dh.device) if fp8 else dscale
+    rows, warps = 4, 8
     if N:
-        _swiglu_backward_kernel[(triton.cdiv(N, rows),)](gate_up, scale, dh, dgu, dscale, N, H,
+        _swiglu_backward_kernel[(triton.cdiv(N, rows),)](gate_up, scale, dh, dgu, dscale, q, q_scale,
+                                                         N, H, torch.finfo(FP8).max, FP8=fp8,
                                                          BR=rows, BH=triton.next_power_of_2(H),
-                                                         num_warps=8)
-    return dgu, dscale
+                                                         num_warps=warps)
+    return dgu, dscale, ((q.to(FP8) if interpret else q), q_scale) if fp8 else None
 
 
 if triton is not None:
     @triton.jit
-    def _swiglu_backward_kernel(gu, scale, dh, dgu, dscale, N, H, BR: tl.constexpr,
-                                BH: tl.constexpr):
+    def _swiglu_backward_kernel(gu, scale, dh, dgu, dscale, q, q_scale, N, H, fp8_max,
+                                FP8: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr):
         rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)  # BR whole rows
         cols = tl.arange(0, BH)
         mask = (rows[:, None] < N) & (cols[None, :] < H)
@@ -172,9 +190,19 @@ if triton is not None:
         s = tl.load(scale + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
         sig = tl.sigmoid(gate)
         silu = gate * sig
-        tl.store(dgu + at, (d * up * s * sig * (1 + gate * (1 - sig))).to(dgu.dtype.element_ty),
-                 mask=mask)
-        tl.store(dgu + at + H, (d * silu * s).to(dgu.dtype.element_ty), mask=mask)
+        dgate = (d * up * s * sig * (1 + gate * (1 - sig))).to(dgu.dtype.element_ty)
+        dup = (d * silu * s).to(dgu.dtype.element_ty)
+        tl.store(dgu + at, dgate, mask=mask)
+        tl.store(dgu + at + H, dup, mask=mask)
+        if FP8:  # the rows just stored, scaled to e4m3 by their absolute max (fp8_rows)
+            dgate, dup = dgate.to(tl.float32), dup.to(tl.float32)
+            row_scale = tl.maximum(tl.maximum(tl.max(tl.abs(dgate), 1), tl.max(tl.abs(dup), 1)),
+                                   1e-12) / fp8_max
+            tl.store(q + at, tl.math.div_rn(dgate, row_scale[:, None]).to(q.dtype.element_ty),
+                     mask=mask)
+            tl.store(q + at + H, tl.math.div_rn(dup, row_scale[:, None]).to(q.dtype.element_ty),
+                     mask=mask)
+            tl.store(q_scale + rows, row_scale, mask=rows < N)
         tl.store(dscale + rows, tl.sum(d * silu * up, 1).to(dscale.dtype.element_ty), mask=rows < N)
 
 
@@ -184,12 +212,37 @@ def grouped_mm(a, w, offs):
     return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
 
 
-@cuda_compiled
 def fp8_rows(t):
     """t (..., K) -> (e4m3 (..., K) contiguous, float32 scales (...,)): each row's absolute max
-    maps to e4m3's largest value, t = q * scale per row. On CUDA one fused pass (no fp32 copy)."""
+    maps to e4m3's largest value, t = q * scale per row. On CUDA, rows contiguous: one Triton
+    kernel, each row read once (fp8_rows_triton); a strided view (a weight's transpose): one
+    compiled pass; elsewhere eager."""
+    if t.is_cuda and triton is not None and t.is_contiguous():
+        q, scale = fp8_rows_triton(t.reshape(-1, t.shape[-1]))
+        return q.view(t.shape), scale.view(t.shape[:-1])
+    return fp8_rows_compiled(t)
+
+
+def _rows_to_fp8(t):
     scale = t.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / torch.finfo(FP8).max
     return (t.float() / scale).to(FP8).contiguous(), scale.squeeze(-1)
+
+
+fp8_rows_compiled = cuda_compiled(_rows_to_fp8)
+
+
+def fp8_rows_triton(t):
+    (N, K), interpret = t.shape, os.environ.get("TRITON_INTERPRET") == "1"
+    # Triton's interpreter rounds to e4m3 wrongly where the mantissa carries into the exponent
+    # (125.7 -> 64): there (the CPU test) the kernel writes the scaled fp32 rows, torch casts
+    q = torch.empty(N, K, dtype=torch.float32 if interpret else FP8, device=t.device)
+    scale = torch.empty(N, dtype=torch.float32, device=t.device)
+    block = triton.next_power_of_2(K)
+    rows = max(1, min(16, 4096 // block))
+    if N:
+        _fp8_rows_kernel[(triton.cdiv(N, rows),)](t, q, scale, N, K, torch.finfo(FP8).max,
+                                                  BR=rows, BK=block, num_warps=4)
+    return q.to(FP8) if interpret else q, scale
 
 
 def fp8_weight(w, transposed=False, cache=None):
@@ -206,17 +259,22 @@ def fp8_weight(w, transposed=False, cache=None):
     return q
 
 
-def fp8_grouped_mm(a, w8, offs, fast_accum=False):
+def fp8_grouped_mm(a, w8, offs, fast_accum=False, kernel="triton", rows=None):
     """grouped_mm in FP8 (Hopper's tensor cores run it at twice bf16's rate): a per row (token)
     and the weight per expert and output row scaled to e4m3 (fp8_rows; w8 = fp8_weight(w): the
-    e4m3 weight (E, out, K) and its scales), the scales applied in the GEMM's epilogue
-    (`torch._scaled_grouped_mm`), out in bf16. fast_accum: the tensor cores' faster, less
-    precise fp32 accumulation (the forward's; gradients keep the exact one). Off CUDA, the
-    reference: the same e4m3 operands and scales, multiplied in fp32 one expert at a time."""
-    (aq, sa), (wq, sw) = fp8_rows(a), w8
-    if a.is_cuda:
+    e4m3 weight (E, out, K) and its scales), the scales applied in the GEMM's epilogue, out in
+    bf16. On CUDA our Triton kernel (fp8_grouped_mm_triton), or kernel="torch":
+    `torch._scaled_grouped_mm` (bench.py fp8gemm compares them). fast_accum: the tensor cores'
+    own accumulation throughout (the forward's); without, each K block of FP8_GEMM's BK is
+    summed apart and added into fp32 (the gradients'; the tensor cores keep fewer bits). Off CUDA, the reference: the same e4m3
+    operands and scales, multiplied in fp32 one expert at a time. rows: fp8_rows(a), when made
+    already."""
+    (aq, sa), (wq, sw) = rows if rows is not None else fp8_rows(a), w8
+    if a.is_cuda and kernel == "torch":
         return torch._scaled_grouped_mm(aq, wq.transpose(-2, -1), sa, sw, offs=offs,
                                         out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+    if a.is_cuda and triton is not None:
+        return fp8_grouped_mm_triton(aq, sa, wq, sw, offs, fast_accum)
     a32, w32 = aq.float() * sa.unsqueeze(-1), wq.float() * sw.unsqueeze(-1)
     out, start = a.new_empty(a.shape[0], wq.shape[1], dtype=torch.float32), 0
     for e, end in enumerate(offs.tolist()):  # NOTE: .tolist() is a device-to-host sync
@@ -225,13 +283,96 @@ def fp8_grouped_mm(a, w8, offs, fast_accum=False):
     return out.to(torch.bfloat16)
 
 
-def expert_mm(a, w, offs, fp8=False, transposed=False, cache=None):
+# fp8_grouped_mm_triton's tile and launch (BM rows of one expert x BN output columns, BK deep) for
+# fast accumulation and for the exact one (PROMOTE: 1, each K block's product added into fp32;
+# 2, Triton's own promotion, max_num_imprecise_acc=BK): the fastest of `bench.py fp8gemm --sweep`
+# on an H100 at Qwen3-30B-A3B's expert shapes
+FP8_GEMM = {True: dict(BM=128, BN=256, BK=128, num_warps=8, num_stages=3, PROMOTE=0),
+            False: dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=4, PROMOTE=1)}
+
+
+def fp8_grouped_mm_triton(aq, sa, wq, sw, offs, fast_accum=False, config=None):
+    """aq (N, K) e4m3 rows sorted by expert (offs: cumulative row counts) with their scales sa
+    (N,), wq (E, out, K) e4m3 with scales sw (E, out) -> (N, out) bf16: one Triton program per
+    tile of BM rows of one expert and BN output columns, both operands K-contiguous (what
+    Hopper's FP8 tensor cores take), the two scales applied to the fp32 tile before its store.
+    Programs next to each other share a row tile (read once from memory, the expert's weight
+    tile from L2). config: FP8_GEMM's keys (bench.py fp8gemm --sweep tries others)."""
+    (N, K), (E, n_out, _) = aq.shape, wq.shape
+    cfg = {**FP8_GEMM[bool(fast_accum)], **(config or {})}
+    BM = cfg["BM"]
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    tiles = torch.cumsum((counts + BM - 1) // BM, 0, dtype=torch.int32)
+    out = torch.empty(N, n_out, dtype=torch.bfloat16, device=aq.device)
+    if N:
+        _fp8_grouped_mm_kernel[(triton.cdiv(n_out, cfg["BN"]), triton.cdiv(N, BM) + E)](
+            aq, sa, wq.contiguous(), sw, offs, tiles, out, n_out, K, E, BE=triton.next_power_of_2(E),
+            UPCAST=os.environ.get("TRITON_INTERPRET") == "1", **cfg)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _fp8_rows_kernel(x, q, scale, N, K, fp8_max, BR: tl.constexpr, BK: tl.constexpr):
+        rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+        cols = tl.arange(0, BK)
+        mask = (rows[:, None] < N) & (cols[None, :] < K)
+        v = tl.load(x + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = tl.maximum(tl.max(tl.abs(v), 1), 1e-12) / fp8_max
+        tl.store(q + rows[:, None] * K + cols[None, :],
+                 tl.math.div_rn(v, s[:, None]).to(q.dtype.element_ty), mask=mask)
+        tl.store(scale + rows, s, mask=rows < N)
+
+    @triton.jit
+    def _fp8_grouped_mm_kernel(a, sa, w, sw, offs, tiles, out, n_out, K, E, BE: tl.constexpr,
+                               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                               PROMOTE: tl.constexpr, UPCAST: tl.constexpr):
+        # program (j, t): output columns j * BN to (j + 1) * BN of row tile t counted over the
+        # experts (tiles: cumulative tiles up to each expert; the grid has E spare tiles, as
+        # each expert's last tile may be partial)
+        t = tl.program_id(1)
+        experts = tl.arange(0, BE)
+        e = tl.sum((tl.load(tiles + experts, mask=experts < E, other=2 ** 30) <= t).to(tl.int32))
+        if e < E:
+            first_tile = tl.load(tiles + e - 1, mask=e > 0, other=0)
+            row_end = tl.load(offs + e)
+            rows = (tl.load(offs + e - 1, mask=e > 0, other=0) + (t - first_tile) * BM
+                    + tl.arange(0, BM)).to(tl.int64)
+            cols = tl.program_id(0) * BN + tl.arange(0, BN)
+            ks = tl.arange(0, BK)
+            a_at = a + rows[:, None] * K + ks[None, :]
+            w_at = w + e.to(tl.int64) * n_out * K + cols[:, None].to(tl.int64) * K + ks[None, :]
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k in range(0, K, BK):
+                at = tl.load(a_at, mask=(rows[:, None] < row_end) & (ks[None, :] < K - k),
+                             other=0.0)
+                wt = tl.load(w_at, mask=(cols[:, None] < n_out) & (ks[None, :] < K - k),
+                             other=0.0)
+                if UPCAST:  # Triton's interpreter (the CPU test) multiplies in fp32
+                    at, wt = at.to(tl.float32), wt.to(tl.float32)
+                if PROMOTE == 1:  # each K block's sum apart, added into fp32
+                    acc += tl.dot(at, tl.trans(wt))
+                elif PROMOTE == 2 and not UPCAST:
+                    acc = tl.dot(at, tl.trans(wt), acc, max_num_imprecise_acc=BK)
+                else:
+                    acc = tl.dot(at, tl.trans(wt), acc)
+                a_at += BK
+                w_at += BK
+            acc *= tl.load(sa + rows, mask=rows < row_end, other=0.0)[:, None]
+            acc *= tl.load(sw + e * n_out + cols, mask=cols < n_out, other=0.0)[None, :]
+            tl.store(out + rows[:, None] * n_out + cols[None, :], acc.to(out.dtype.element_ty),
+                     mask=(rows[:, None] < row_end) & (cols[None, :] < n_out))
+
+
+def expert_mm(a, w, offs, fp8=False, transposed=False, cache=None, rows=None):
     """a (N, K) times each expert's w^T (w (E, out, in)), or times w itself (transposed: the
     input gradient's GEMM): grouped_mm, or fp8_grouped_mm on fp8_weight's operand (cached in
-    `cache` when given); the forward's FP8 GEMMs accumulate fast."""
+    `cache` when given) and on `rows`, a's e4m3 rows and scales where its producer made them
+    (else fp8_rows(a)); the forward's FP8 GEMMs accumulate fast."""
     if not fp8:
         return grouped_mm(a, w.transpose(-2, -1) if transposed else w, offs)
-    return fp8_grouped_mm(a, fp8_weight(w, transposed, cache), offs, fast_accum=not transposed)
+    return fp8_grouped_mm(a, fp8_weight(w, transposed, cache), offs, fast_accum=not transposed,
+                          rows=rows)
 
 
 class GroupedSwiGLU(torch.autograd.Function):
@@ -247,25 +388,39 @@ class GroupedSwiGLU(torch.autograd.Function):
     fp8: the two forward GEMMs and the two input-gradient GEMMs in FP8 (fp8_grouped_mm); the
     weight gradients stay bf16 GEMMs (torchao's "rowwise with high-precision weight gradient"
     recipe), the weights themselves bf16 (or fp32 masters) as ever. A cast that carries
-    `fp8_cache` (a window's reused one) keeps its e4m3 operands there for later microbatches."""
+    `fp8_cache` (a window's reused one) keeps its e4m3 operands there for later microbatches.
+    Each activation is quantized where it is made: h and d[gate | up] by the kernels that
+    write them (silu_mul_fp8, swiglu_backward), x and dy (rows gathered from tokens) by
+    GatherRows and SumRows's backward, which quantize each token once and gather its e4m3 row
+    for every slot, handed over as the gathered tensor's `fp8_rows` attribute (absent: this
+    function quantizes the rows itself)."""
 
     @staticmethod
     def forward(ctx, x, offs, scale, gate_up, down, into=None, fp8=False):
         # FP8: the e4m3 copies of a window's reused casts (keep_experts_local's fp8_cache)
         caches = [getattr(w, "fp8_cache", None) if fp8 else None for w in (gate_up, down)]
-        gu = expert_mm(x, gate_up, offs, fp8, cache=caches[0])  # (N, 2H)
-        h = silu_mul(*gu.chunk(2, -1), scale)
+        # (x's e4m3 copy off x, which backward keeps: not held through the layers after)
+        x8 = x.__dict__.pop("fp8_rows", None)
+        gu = expert_mm(x, gate_up, offs, fp8, cache=caches[0], rows=x8)  # (N, 2H)
+        h8 = None
+        if fp8:
+            h, *h8 = silu_mul_fp8(*gu.chunk(2, -1), scale)
+        else:
+            h = silu_mul(*gu.chunk(2, -1), scale)
         ctx.save_for_backward(x, offs, scale, gate_up, down, gu, h)
         ctx.into, ctx.fp8, ctx.caches = into, fp8, caches
-        return expert_mm(h, down, offs, fp8, cache=caches[1])
+        return expert_mm(h, down, offs, fp8, cache=caches[1], rows=h8)
 
     @staticmethod
     def backward(ctx, dy):
         x, offs, scale, gate_up, down, gu, h = ctx.saved_tensors
-        dy, fp8, (c_gate_up, c_down) = dy.contiguous(), ctx.fp8, ctx.caches
+        fp8, (c_gate_up, c_down) = ctx.fp8, ctx.caches
+        dy8 = dy.__dict__.pop("fp8_rows", None)
+        dy = dy.contiguous()
         # FP8: the weights quantized along their other dimension (a transposed copy each)
-        dgu, dscale = swiglu_backward(gu, scale, expert_mm(dy, down, offs, fp8, True, c_down))
-        dx = expert_mm(dgu, gate_up, offs, fp8, True, c_gate_up)
+        dgu, dscale, dgu8 = swiglu_backward(
+            gu, scale, expert_mm(dy, down, offs, fp8, True, c_down, rows=dy8), fp8)
+        dx = expert_mm(dgu, gate_up, offs, fp8, True, c_gate_up, rows=dgu8)
         if ctx.into is None:  # the weight gradients to autograd: (E, 2H, D) and (E, D, H)
             d_gate_up, d_down = torch._grouped_mm(dgu.t(), x, offs=offs), torch._grouped_mm(
                 dy.t(), h, offs=offs)
@@ -644,37 +799,54 @@ if triton is not None:
             c.store([row, col], acc)
 
 
+def gather_fp8_rows(x, index):
+    """fp8_rows(x[index]), each row of x quantized once however often `index` repeats it: its
+    e4m3 row and scale gathered for each repeat (the FP8 experts' operand, the tokens' rows once
+    for each of their top-k slots)."""
+    q, scale = fp8_rows(x.detach())
+    return q.view(torch.uint8).index_select(0, index).view(FP8), scale.index_select(0, index)
+
+
 class GatherRows(torch.autograd.Function):
     """x (N, D) -> x[slots // K] (S, D): a row once for each of its slots
     in use. Backward sums each row's slot gradients with `sum_slots`
-    (autograd's own backward of x[index] would scatter with atomics)."""
+    (autograd's own backward of x[index] would scatter with atomics).
+    fp8: the gathered rows carry their e4m3 copy as `fp8_rows` (gather_fp8_rows),
+    for GroupedSwiGLU's FP8 GEMM."""
 
     @staticmethod
-    def forward(ctx, x, slots, position, K):
+    def forward(ctx, x, slots, position, K, fp8=False):
         ctx.save_for_backward(position)
         ctx.K = K
-        return x.index_select(0, slots // K)
+        out = x.index_select(0, slots // K)
+        if fp8:
+            out.fp8_rows = gather_fp8_rows(x, slots // K)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         position, = ctx.saved_tensors
-        return sum_slots(grad, position, ctx.K), None, None, None
+        return sum_slots(grad, position, ctx.K), None, None, None, None
 
 
 class SumRows(torch.autograd.Function):
     """The adjoint of GatherRows: y (S, D), one row per slot
-    in use -> (N, D), each row the sum of its slots."""
+    in use -> (N, D), each row the sum of its slots. fp8: the gradient it
+    hands back carries its e4m3 copy as `fp8_rows`, as GatherRows's output."""
 
     @staticmethod
-    def forward(ctx, y, slots, position, K):
+    def forward(ctx, y, slots, position, K, fp8=False):
         ctx.save_for_backward(slots)
-        ctx.K = K
+        ctx.K, ctx.fp8 = K, fp8
         return sum_slots(y, position, K)
 
     @staticmethod
     def backward(ctx, grad):
         slots, = ctx.saved_tensors
-        return grad.index_select(0, slots // ctx.K), None, None, None
+        out = grad.index_select(0, slots // ctx.K)
+        if ctx.fp8:
+            out.fp8_rows = gather_fp8_rows(grad, slots // ctx.K)
+        return out, None, None, None, None
 
 
 # -----------------------------------------------------------------------------
@@ -840,9 +1012,11 @@ class Experts(nn.Module):
                         else flat.dtype).argsort(stable=True)[:pairs]
         counts = count_ids(flat, E_local + 1)[:E_local]  # (E_local,) choices per local expert
         position = slot_positions(slots, N * K)
-        x_sorted = GatherRows.apply(x, slots, position, K)  # (pairs, D) rows grouped by expert
+        # FP8 experts (grouped, no LoRA): the rows and their gradients' e4m3 copies gathered too
+        fp8 = self.fp8 and self.lora_scaling is None
+        x_sorted = GatherRows.apply(x, slots, position, K, fp8)  # (pairs, D) rows by expert
         # weighted outputs
         y_sorted = self.compute(x_sorted, counts, weights.flatten().index_select(0, slots))
-        return SumRows.apply(y_sorted, slots, position, K)  # (N, D)
+        return SumRows.apply(y_sorted, slots, position, K, fp8)  # (N, D)
 
 

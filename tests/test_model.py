@@ -186,6 +186,39 @@ def test_fp8_experts_stay_within_the_measured_error_of_fp64(device):
         assert diff <= 0.01  # bf16 outputs of one fp32 accumulation each
 
 
+def test_fp8_experts_get_each_activation_quantized_where_it_is_made(monkeypatch):
+    """The FP8 experts' four GEMMs take their activations' e4m3 rows from where the rows are made (x and dy
+    quantized per token and gathered, h and d[gate | up] by their kernels), the same bits as quantizing the
+    gathered rows, and x does not keep its e4m3 copy past the forward. Control: with the handover cut, the GEMMs
+    quantize for themselves (same bits) and the spy sees no rows handed over."""
+    torch.manual_seed(0)
+    E, D, H, T, K = 4, 32, 16, 24, 2
+    handed = []
+    mm = experts.expert_mm
+    monkeypatch.setattr(experts, "expert_mm", lambda *a, rows=None, **kw: handed.append(rows is not None) or mm(
+        *a, rows=rows, **kw))
+
+    def run(hand_over):
+        torch.manual_seed(1)
+        ex = experts.Experts(E, D, H).to(torch.bfloat16)
+        for p in ex.parameters():
+            torch.nn.init.normal_(p, std=0.1)
+        ex.use_grouped_mm, ex.fp8 = True, True
+        x = torch.randn(T, D, dtype=torch.bfloat16, requires_grad=True)
+        ids, w = torch.randint(0, E, (T, K)), torch.rand(T, K, dtype=torch.bfloat16)
+        with monkeypatch.context() as m:
+            if not hand_over:
+                m.setattr(experts, "gather_fp8_rows", lambda *a: None)
+            handed.clear()
+            y = ex(x, ids, w)
+            y.backward(torch.randn_like(y))
+        return [y, x.grad] + [p.grad for p in ex.parameters()], list(handed)
+    (ours, spied), (control, spied_control) = run(True), run(False)
+    assert spied == [True] * 4 and spied_control == [False, True, False, True], (spied, spied_control)
+    for a, b in zip(ours, control, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA")
 def test_topk_ids_on_cuda_equal_torch_topk():
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -302,8 +335,28 @@ for wd, scale in ((0.1, torch.tensor(2.5)), (0.0, None)):
 # swiglu_backward: the Triton kernel against the eager reference (fp32 here: bf16 rounding aside, the same arithmetic)
 for N, H in ((37, 48), (5, 768), (0, 16)):
     gu, scale, dh = torch.randn(N, 2 * H), torch.rand(N), torch.randn(N, H)
-    for got, want in zip(experts.swiglu_backward_triton(gu, scale, dh), experts.swiglu_backward(gu, scale, dh)):
+    for got, want in zip(experts.swiglu_backward_triton(gu, scale, dh)[:2], experts.swiglu_backward(gu, scale, dh)[:2]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # fp8 (bf16 rows, as the FP8 experts run it): the e4m3 rows are exactly fp8_rows of the rows it returns
+    dgu, dscale, (q, q_scale) = experts.swiglu_backward_triton(gu.bfloat16(), scale, dh.bfloat16(), True)
+    want_q, want_scale = experts.fp8_rows_compiled(dgu)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(q_scale, want_scale), (N, H)
+# fp8_rows_triton: bit for bit torch's row scaling (a row of zeros too); fp8_grouped_mm_triton against the reference
+# (each expert's fp32 product of the same e4m3 operands): experts without rows, partial tiles, K and the output not
+# multiples of the tile, the three accumulations (fp32 products here: the interpreter multiplies in fp32)
+x = torch.randn(37, 200).bfloat16() * torch.rand(37, 1).bfloat16()
+x[5] = 0
+(q, scale), (want_q, want_scale) = experts.fp8_rows_triton(x), experts.fp8_rows_compiled(x)
+assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
+for E, K, O, sizes, BM, BN, BK in ((5, 64, 96, (70, 0, 64, 1, 33), 32, 32, 32), (3, 96, 64, (16, 65, 3), 16, 64, 64),
+                                   (4, 32, 32, (0, 0, 10, 0), 16, 32, 32)):
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    a, w8 = torch.randn(sum(sizes), K).bfloat16(), experts.fp8_weight(torch.randn(E, O, K).bfloat16())
+    want = experts.fp8_grouped_mm(a, w8, offs).float()
+    for promote in (0, 1, 2):
+        got = experts.fp8_grouped_mm_triton(*experts.fp8_rows(a), *w8, offs, promote == 0,
+                                            dict(BM=BM, BN=BN, BK=BK, PROMOTE=promote))
+        torch.testing.assert_close(got.float(), want, atol=0, rtol=0.01)  # bf16 outputs: 2^-8 apart
 # grouped_grad: each expert's a_e^T b_e in fp32, written (into NaNs: every element must be written, an empty expert's
 # as zeros) or added into one or two tensors splitting M; experts with no rows, rows not multiples of the 64-row
 # blocks, outputs not multiples of the tiles (fp32 operands here: the interpreter's bf16 dot is not the GPU's). The
@@ -369,15 +422,16 @@ def test_compiled_functions_compile_once_over_varying_microbatches():
             row(B * T).abs(), row(B * T), 0.7)),
         "silu_mul": lambda B, T, k: (experts.silu_mul, (offset(torch.randn(B * T, H), k), torch.randn(B * T, H),
                                                         torch.rand(B * T))),
-        "fp8_rows": lambda B, T, k: (experts.fp8_rows, (offset(torch.randn(B * T, H), k),)),
+        "fp8_rows": lambda B, T, k: (experts.fp8_rows_compiled, (offset(torch.randn(B * T, H), k),)),
+        "silu_mul_fp8": lambda B, T, k: (experts.silu_mul_fp8, (offset(torch.randn(B * T, H), k),
+                                                                torch.randn(B * T, H), torch.rand(B * T))),
     }
     with_grad = ("rms_norm", "add_rms_norm", "norm_rope", "silu_mul")  # called under autograd (the others
                                                                         # inside autograd Functions)
 
     def outputs(fn, args, name):
         if name not in with_grad:
-            return [o for o in (fn(*args) if name != "fp8_rows" else [o.float() for o in fn(*args)])
-                    if o is not None]
+            return [o.float() if o.dtype == experts.FP8 else o for o in fn(*args) if o is not None]
         x = args[0].detach().requires_grad_()  # a leaf at the same storage offset
         outs = fn(x, *args[1:])
         outs = list(outs) if isinstance(outs, tuple) else [outs]
