@@ -1,15 +1,16 @@
 """
 The MoE experts and their kernels: E stacked SwiGLU experts (`Experts`) computed with a plain loop
 over experts (the readable reference, used on CPU) or with grouped GEMM on CUDA (`GroupedSwiGLU` on
-`torch._grouped_mm`, or in FP8 on `torch._scaled_grouped_mm`: `fp8_grouped_mm`), LoRA adapters on
+`torch._grouped_mm`, or in FP8 on our Triton kernel: `fp8_grouped_mm`), LoRA adapters on
 them (`LoRAGroupedMM`), the router's top-k, the permutation of rows to and from expert order
 (`GatherRows`, `SumRows`), expert parallelism's `dispatch` and `combine` around `all_to_all`, the
 cast of experts kept outside FSDP (`CastForCompute`), and the few Triton kernels on CUDA beside
 their eager references (`topk_ids`, `sum_slots`, `swiglu_backward`, `grouped_grad`, `lowrank_add`,
-and the AdamW step of large tensors, `AdamW`). `cuda_compiled` is the
+the FP8 casts and GEMM `fp8_rows` and `fp8_grouped_mm`, and the AdamW step of large tensors,
+`AdamW`). `cuda_compiled` is the
 one torch.compile wrapper of the project (model.py and loss.py use it too; `compiled_for_tokens` marks
 the dims that vary from microbatch to microbatch). `python bench.py layer`
-measures them in the decoder layer on a GPU.
+measures them in the decoder layer on a GPU (`python bench.py fp8gemm`: the FP8 GEMMs alone).
 
 This file imports nothing of ours; model.py builds its MoE layers from `Experts`.
 

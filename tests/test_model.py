@@ -151,7 +151,7 @@ FP8_EXPERTS_ERROR, BF16_EXPERTS_ERROR = 0.09, 0.01
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-    reason="torch._scaled_grouped_mm needs CUDA on Hopper"))])
+    reason="the FP8 grouped GEMM needs CUDA on Hopper"))])
 def test_fp8_experts_stay_within_the_measured_error_of_fp64(device):
     torch.manual_seed(0)
     E, D, H, N = 8, 256, 512, 1000
