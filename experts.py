@@ -267,9 +267,9 @@ def fp8_grouped_mm(a, w8, offs, fast_accum=False, kernel="triton", rows=None):
     bf16. On CUDA our Triton kernel (fp8_grouped_mm_triton), or kernel="torch":
     `torch._scaled_grouped_mm` (bench.py fp8gemm compares them). fast_accum: the tensor cores'
     own accumulation throughout (the forward's); without, each K block of FP8_GEMM's BK is
-    summed apart and added into fp32 (the gradients'; the tensor cores keep fewer bits). Off CUDA, the reference: the same e4m3
-    operands and scales, multiplied in fp32 one expert at a time. rows: fp8_rows(a), when made
-    already."""
+    summed apart and added into fp32 (the gradients'; the tensor cores keep fewer bits). Off
+    CUDA, the reference: the same e4m3 operands and scales, multiplied in fp32 one expert at a
+    time. rows: fp8_rows(a), when made already."""
     (aq, sa), (wq, sw) = rows if rows is not None else fp8_rows(a), w8
     if a.is_cuda and kernel == "torch":
         return torch._scaled_grouped_mm(aq, wq.transpose(-2, -1), sa, sw, offs=offs,
@@ -286,8 +286,8 @@ def fp8_grouped_mm(a, w8, offs, fast_accum=False, kernel="triton", rows=None):
 
 # fp8_grouped_mm_triton's tile and launch (BM rows of one expert x BN output columns, BK deep) for
 # fast accumulation and for the exact one (PROMOTE: 1, each K block's product added into fp32;
-# 2, Triton's own promotion, max_num_imprecise_acc=BK): the fastest of `bench.py fp8gemm --sweep`
-# on an H100 at Qwen3-30B-A3B's expert shapes
+# 2, Triton's own promotion, max_num_imprecise_acc=BK, not yet timed on a GPU): the fastest tiles of
+# `bench.py fp8gemm --sweep` on an H100 at Qwen3-30B-A3B's expert shapes
 FP8_GEMM = {True: dict(BM=128, BN=256, BK=128, num_warps=8, num_stages=3, PROMOTE=0),
             False: dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=4, PROMOTE=1)}
 
