@@ -41,6 +41,11 @@ FP8 = torch.float8_e4m3fn
 COMPILE_ON_CUDA = True  # fuse the elementwise chains below with torch.compile when they run on CUDA
 
 
+def triton_interpreted():
+    """Whether Triton's kernels run on its CPU interpreter (the tests' checks of them)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def compiled_for_tokens(fn, mode="max-autotune-no-cudagraphs",
                         mark=torch._dynamo.decorators.mark_unbacked):
     """fn through torch.compile, each call's token dims marked unbacked before it runs: every dim
@@ -164,7 +169,7 @@ def swiglu_backward_triton(gate_up, scale, dh, fp8=False):
     N, H = dh.shape
     dgu, dscale = torch.empty_like(gate_up), torch.empty_like(scale)
     # fp8: as fp8_rows_triton, fp32 rows that torch casts under Triton's interpreter
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = triton_interpreted()
     q = torch.empty(N, 2 * H, dtype=torch.float32 if interpret else FP8,
                     device=dh.device) if fp8 else dgu
     q_scale = torch.empty(N, dtype=torch.float32, device=dh.device) if fp8 else dscale
@@ -233,7 +238,7 @@ fp8_rows_compiled = cuda_compiled(_rows_to_fp8)
 
 
 def fp8_rows_triton(t):
-    (N, K), interpret = t.shape, os.environ.get("TRITON_INTERPRET") == "1"
+    (N, K), interpret = t.shape, triton_interpreted()
     # Triton's interpreter rounds to e4m3 wrongly where the mantissa carries into the exponent
     # (125.7 -> 64): there (the CPU test) the kernel writes the scaled fp32 rows, torch casts
     q = torch.empty(N, K, dtype=torch.float32 if interpret else FP8, device=t.device)
@@ -260,20 +265,17 @@ def fp8_weight(w, transposed=False, cache=None):
     return q
 
 
-def fp8_grouped_mm(a, w8, offs, fast_accum=False, kernel="triton", rows=None):
+def fp8_grouped_mm(a, w8, offs, fast_accum=False, rows=None):
     """grouped_mm in FP8 (Hopper's tensor cores run it at twice bf16's rate): a per row (token)
     and the weight per expert and output row scaled to e4m3 (fp8_rows; w8 = fp8_weight(w): the
     e4m3 weight (E, out, K) and its scales), the scales applied in the GEMM's epilogue, out in
-    bf16. On CUDA our Triton kernel (fp8_grouped_mm_triton), or kernel="torch":
-    `torch._scaled_grouped_mm` (bench.py fp8gemm compares them). fast_accum: the tensor cores'
+    bf16. On CUDA our Triton kernel (fp8_grouped_mm_triton; bench.py fp8gemm times it against
+    `torch._scaled_grouped_mm`). fast_accum: the tensor cores'
     own accumulation throughout (the forward's); without, each K block of FP8_GEMM's BK is
     summed apart and added into fp32 (the gradients'; the tensor cores keep fewer bits). Off
     CUDA, the reference: the same e4m3 operands and scales, multiplied in fp32 one expert at a
     time. rows: fp8_rows(a), when made already."""
     (aq, sa), (wq, sw) = rows if rows is not None else fp8_rows(a), w8
-    if a.is_cuda and kernel == "torch":
-        return torch._scaled_grouped_mm(aq, wq.transpose(-2, -1), sa, sw, offs=offs,
-                                        out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
     if a.is_cuda and triton is not None:
         return fp8_grouped_mm_triton(aq, sa, wq, sw, offs, fast_accum)
     a32, w32 = aq.float() * sa.unsqueeze(-1), wq.float() * sw.unsqueeze(-1)
@@ -302,17 +304,29 @@ def fp8_grouped_mm_triton(aq, sa, wq, sw, offs, fast_accum=False, config=None):
     (N, K), (E, n_out, _) = aq.shape, wq.shape
     cfg = {**FP8_GEMM[bool(fast_accum)], **(config or {})}
     BM = cfg["BM"]
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    tiles = torch.cumsum((counts + BM - 1) // BM, 0, dtype=torch.int32)
+    tiles = expert_tiles(torch.diff(offs, prepend=offs.new_zeros(1)), BM)
     out = torch.empty(N, n_out, dtype=torch.bfloat16, device=aq.device)
     if N:
         _fp8_grouped_mm_kernel[(triton.cdiv(n_out, cfg["BN"]), triton.cdiv(N, BM) + E)](
             aq, sa, wq.contiguous(), sw, offs, tiles, out, n_out, K, E, BE=triton.next_power_of_2(E),
-            UPCAST=os.environ.get("TRITON_INTERPRET") == "1", **cfg)
+            UPCAST=triton_interpreted(), **cfg)
     return out
 
 
 if triton is not None:
+    @triton.jit
+    def _expert_row_tile(t, tiles, offs, E, BE: tl.constexpr, BM: tl.constexpr):
+        """Row tile t counted over the experts (tiles: expert_tiles; a grid of these has E spare
+        tiles, as each expert's last tile may be partial) -> (its expert e, E for a spare tile;
+        the tile's BM row indices (int64); the end of e's rows, which the last rows may pass)."""
+        experts = tl.arange(0, BE)
+        e = tl.sum((tl.load(tiles + experts, mask=experts < E, other=2 ** 30) <= t).to(tl.int32))
+        first_tile = tl.load(tiles + e - 1, mask=e > 0, other=0)
+        row_end = tl.load(offs + e, mask=e < E, other=0)
+        rows = (tl.load(offs + e - 1, mask=e > 0, other=0) + (t - first_tile) * BM
+                + tl.arange(0, BM)).to(tl.int64)
+        return e, rows, row_end
+
     @triton.jit
     def _fp8_rows_kernel(x, q, scale, N, K, fp8_max, BR: tl.constexpr, BK: tl.constexpr):
         rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
@@ -328,17 +342,9 @@ if triton is not None:
     def _fp8_grouped_mm_kernel(a, sa, w, sw, offs, tiles, out, n_out, K, E, BE: tl.constexpr,
                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                                PROMOTE: tl.constexpr, UPCAST: tl.constexpr):
-        # program (j, t): output columns j * BN to (j + 1) * BN of row tile t counted over the
-        # experts (tiles: cumulative tiles up to each expert; the grid has E spare tiles, as
-        # each expert's last tile may be partial)
-        t = tl.program_id(1)
-        experts = tl.arange(0, BE)
-        e = tl.sum((tl.load(tiles + experts, mask=experts < E, other=2 ** 30) <= t).to(tl.int32))
+        # program (j, t): output columns j * BN to (j + 1) * BN of row tile t (_expert_row_tile)
+        e, rows, row_end = _expert_row_tile(tl.program_id(1), tiles, offs, E, BE, BM)
         if e < E:
-            first_tile = tl.load(tiles + e - 1, mask=e > 0, other=0)
-            row_end = tl.load(offs + e)
-            rows = (tl.load(offs + e - 1, mask=e > 0, other=0) + (t - first_tile) * BM
-                    + tl.arange(0, BM)).to(tl.int64)
             cols = tl.program_id(0) * BN + tl.arange(0, BN)
             ks = tl.arange(0, BK)
             a_at = a + rows[:, None] * K + ks[None, :]
@@ -528,10 +534,15 @@ def lowrank_add(y, z, M, rows):
 LOWRANK_BM, LOWRANK_BN = 64, 128  # lowrank_add's tile: rows of one expert x output columns
 
 
+def expert_tiles(counts, BM):
+    """The cumulative count of tiles of BM rows up to each expert (int32 (E,)), from its row
+    counts: how a kernel over tiles of one expert's rows finds its expert (_expert_row_tile)."""
+    return torch.cumsum((counts + BM - 1) // BM, 0, dtype=torch.int32)
+
+
 def lowrank_tiles(counts):
-    """The cumulative count of lowrank_add's row tiles up
-    to each expert (int32 (E,)), from its row counts."""
-    return torch.cumsum((counts + LOWRANK_BM - 1) // LOWRANK_BM, 0, dtype=torch.int32)
+    """expert_tiles of lowrank_add's row tiles."""
+    return expert_tiles(counts, LOWRANK_BM)
 
 
 def lowrank_add_triton(y, z, M, offs, tiles):
@@ -539,7 +550,7 @@ def lowrank_add_triton(y, z, M, offs, tiles):
     _lowrank_add_kernel[(triton.cdiv(N, BM) + E, triton.cdiv(n_out, BN))](
         y, z, M, offs, tiles, n_out, R, E, *z.stride(), *M.stride(), BM=BM, BN=BN,
         BR=max(16, triton.next_power_of_2(R)), BE=triton.next_power_of_2(E),
-        UPCAST=os.environ.get("TRITON_INTERPRET") == "1")
+        UPCAST=triton_interpreted())
     return y
 
 
@@ -548,17 +559,9 @@ if triton is not None:
     def _lowrank_add_kernel(y, z, M, offs, tiles, n_out, R, E, sz0, sz1, sm0, sm1, sm2,
                             BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr,
                             UPCAST: tl.constexpr):
-        # program (t, j): row tile t counted over the experts (tiles: cumulative
-        # tiles up to each expert; the grid has E spare tiles, as each expert's
-        # last tile may be partial), columns j * BN to (j + 1) * BN
-        t = tl.program_id(0)
-        experts = tl.arange(0, BE)
-        e = tl.sum((tl.load(tiles + experts, mask=experts < E, other=2 ** 30) <= t).to(tl.int32))
+        # program (t, j): row tile t (_expert_row_tile), columns j * BN to (j + 1) * BN
+        e, rows, row_end = _expert_row_tile(tl.program_id(0), tiles, offs, E, BE, BM)
         if e < E:
-            first_tile = tl.load(tiles + e - 1, mask=e > 0, other=0)
-            row_end = tl.load(offs + e)
-            rows = (tl.load(offs + e - 1, mask=e > 0, other=0) + (t - first_tile) * BM
-                    + tl.arange(0, BM)).to(tl.int64)
             cols = tl.program_id(1) * BN + tl.arange(0, BN)
             ks = tl.arange(0, BR)
             zt = tl.load(z + rows[:, None] * sz0 + ks[None, :] * sz1,
@@ -819,9 +822,10 @@ class GatherRows(torch.autograd.Function):
     def forward(ctx, x, slots, position, K, fp8=False):
         ctx.save_for_backward(position)
         ctx.K = K
-        out = x.index_select(0, slots // K)
+        index = slots // K
+        out = x.index_select(0, index)
         if fp8:
-            out.fp8_rows = gather_fp8_rows(x, slots // K)
+            out.fp8_rows = gather_fp8_rows(x, index)
         return out
 
     @staticmethod
@@ -844,9 +848,10 @@ class SumRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         slots, = ctx.saved_tensors
-        out = grad.index_select(0, slots // ctx.K)
+        index = slots // ctx.K
+        out = grad.index_select(0, index)
         if ctx.fp8:
-            out.fp8_rows = gather_fp8_rows(grad, slots // ctx.K)
+            out.fp8_rows = gather_fp8_rows(grad, index)
         return out, None, None, None, None
 
 
