@@ -173,7 +173,8 @@ def swiglu_backward_triton(gate_up, scale, dh, fp8=False):
     q = torch.empty(N, 2 * H, dtype=torch.float32 if interpret else FP8,
                     device=dh.device) if fp8 else dgu
     q_scale = torch.empty(N, dtype=torch.float32, device=dh.device) if fp8 else dscale
-    rows, warps = 4, 8
+    # fp8: a row a program (its rows and their e4m3 copies live at once: fewer registers)
+    rows, warps = (1, 4) if fp8 else (4, 8)
     if N:
         _swiglu_backward_kernel[(triton.cdiv(N, rows),)](gate_up, scale, dh, dgu, dscale, q, q_scale,
                                                          N, H, torch.finfo(FP8).max, FP8=fp8,
@@ -202,13 +203,11 @@ if triton is not None:
         tl.store(dgu + at + H, dup, mask=mask)
         if FP8:  # the rows just stored, scaled to e4m3 by their absolute max (fp8_rows)
             dgate, dup = dgate.to(tl.float32), dup.to(tl.float32)
-            row_scale = tl.maximum(tl.maximum(tl.max(tl.abs(dgate), 1), tl.max(tl.abs(dup), 1)),
-                                   1e-12) / fp8_max
-            tl.store(q + at, tl.math.div_rn(dgate, row_scale[:, None]).to(q.dtype.element_ty),
-                     mask=mask)
-            tl.store(q + at + H, tl.math.div_rn(dup, row_scale[:, None]).to(q.dtype.element_ty),
-                     mask=mask)
-            tl.store(q_scale + rows, row_scale, mask=rows < N)
+            amax = tl.maximum(tl.maximum(tl.max(tl.abs(dgate), 1), tl.max(tl.abs(dup), 1)), 1e-12)
+            inv = tl.math.div_rn(tl.zeros_like(amax) + fp8_max, amax)[:, None]
+            tl.store(q + at, (dgate * inv).to(q.dtype.element_ty), mask=mask)
+            tl.store(q + at + H, (dup * inv).to(q.dtype.element_ty), mask=mask)
+            tl.store(q_scale + rows, tl.math.div_rn(amax, tl.zeros_like(amax) + fp8_max), mask=rows < N)
         tl.store(dscale + rows, tl.sum(d * silu * up, 1).to(dscale.dtype.element_ty), mask=rows < N)
 
 
@@ -230,8 +229,10 @@ def fp8_rows(t):
 
 
 def _rows_to_fp8(t):
-    scale = t.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / torch.finfo(FP8).max
-    return (t.float() / scale).to(FP8).contiguous(), scale.squeeze(-1)
+    # IEEE divisions by a tensor (torch's scalar / tensor multiplies by a reciprocal: other bits)
+    amax = t.abs().amax(-1, keepdim=True).float().clamp(min=1e-12)
+    fp8_max = amax.new_tensor(torch.finfo(FP8).max)
+    return (t.float() * (fp8_max / amax)).to(FP8).contiguous(), (amax / fp8_max).squeeze(-1)
 
 
 fp8_rows_compiled = cuda_compiled(_rows_to_fp8)
@@ -333,10 +334,10 @@ if triton is not None:
         cols = tl.arange(0, BK)
         mask = (rows[:, None] < N) & (cols[None, :] < K)
         v = tl.load(x + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        s = tl.maximum(tl.max(tl.abs(v), 1), 1e-12) / fp8_max
+        amax = tl.maximum(tl.max(tl.abs(v), 1), 1e-12)  # as _rows_to_fp8: IEEE divisions
         tl.store(q + rows[:, None] * K + cols[None, :],
-                 tl.math.div_rn(v, s[:, None]).to(q.dtype.element_ty), mask=mask)
-        tl.store(scale + rows, s, mask=rows < N)
+                 (v * tl.math.div_rn(tl.zeros_like(amax) + fp8_max, amax)[:, None]).to(q.dtype.element_ty), mask=mask)
+        tl.store(scale + rows, tl.math.div_rn(amax, tl.zeros_like(amax) + fp8_max), mask=rows < N)
 
     @triton.jit
     def _fp8_grouped_mm_kernel(a, sa, w, sw, offs, tiles, out, n_out, K, E, BE: tl.constexpr,
