@@ -275,12 +275,16 @@ def fp8_grouped_mm(a, w8, offs, fast_accum=False, rows=None):
     own accumulation throughout (the forward's); without, each K block of FP8_GEMM's BK is
     summed apart and added into fp32 (the gradients'; the tensor cores keep fewer bits). Off
     CUDA, the reference: the same e4m3 operands and scales, multiplied in fp32 one expert at a
-    time. rows: fp8_rows(a), when made already."""
-    (aq, sa), (wq, sw) = rows if rows is not None else fp8_rows(a), w8
-    if a.is_cuda and triton is not None:
-        return fp8_grouped_mm_triton(aq, sa, wq, sw, offs, fast_accum)
+    time. rows: fp8_rows(a), when made already, or (e4m3 rows, scales, index): a's row i is
+    row index[i] of those (gather_fp8_rows: the GEMM gathers them as it reads)."""
+    (aq, sa, *index), (wq, sw) = rows if rows is not None else fp8_rows(a), w8
+    index = index[0] if index else None
+    if aq.is_cuda and triton is not None:
+        return fp8_grouped_mm_triton(aq, sa, wq, sw, offs, fast_accum, index=index)
+    if index is not None:
+        aq, sa = aq.view(torch.uint8)[index].view(FP8), sa[index]
     a32, w32 = aq.float() * sa.unsqueeze(-1), wq.float() * sw.unsqueeze(-1)
-    out, start = a.new_empty(a.shape[0], wq.shape[1], dtype=torch.float32), 0
+    out, start = a32.new_empty(a32.shape[0], wq.shape[1]), 0
     for e, end in enumerate(offs.tolist()):  # NOTE: .tolist() is a device-to-host sync
         out[start:end] = a32[start:end] @ w32[e].T
         start = end
@@ -295,22 +299,25 @@ FP8_GEMM = {True: dict(BM=128, BN=256, BK=128, num_warps=8, num_stages=3, PROMOT
             False: dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=4, PROMOTE=1)}
 
 
-def fp8_grouped_mm_triton(aq, sa, wq, sw, offs, fast_accum=False, config=None):
+def fp8_grouped_mm_triton(aq, sa, wq, sw, offs, fast_accum=False, config=None, index=None):
     """aq (N, K) e4m3 rows sorted by expert (offs: cumulative row counts) with their scales sa
     (N,), wq (E, out, K) e4m3 with scales sw (E, out) -> (N, out) bf16: one Triton program per
     tile of BM rows of one expert and BN output columns, both operands K-contiguous (what
     Hopper's FP8 tensor cores take), the two scales applied to the fp32 tile before its store.
     Programs next to each other share a row tile (read once from memory, the expert's weight
-    tile from L2). config: FP8_GEMM's keys (bench.py fp8gemm --sweep tries others)."""
-    (N, K), (E, n_out, _) = aq.shape, wq.shape
+    tile from L2). index (N,): row i is aq's row index[i] (aq then has a row per token, not
+    per slot: no gathered e4m3 copy is written and read again). config: FP8_GEMM's keys
+    (bench.py fp8gemm --sweep tries others)."""
+    K, (E, n_out, _) = aq.shape[1], wq.shape
+    N = aq.shape[0] if index is None else index.shape[0]
     cfg = {**FP8_GEMM[bool(fast_accum)], **(config or {})}
     BM = cfg["BM"]
     tiles = expert_tiles(torch.diff(offs, prepend=offs.new_zeros(1)), BM)
     out = torch.empty(N, n_out, dtype=torch.bfloat16, device=aq.device)
     if N:
         _fp8_grouped_mm_kernel[(triton.cdiv(n_out, cfg["BN"]), triton.cdiv(N, BM) + E)](
-            aq, sa, wq.contiguous(), sw, offs, tiles, out, n_out, K, E, BE=triton.next_power_of_2(E),
-            UPCAST=triton_interpreted(), **cfg)
+            aq, sa, wq.contiguous(), sw, offs, tiles, out, aq if index is None else index, n_out, K,
+            E, BE=triton.next_power_of_2(E), GATHER=index is not None, UPCAST=triton_interpreted(), **cfg)
     return out
 
 
@@ -340,15 +347,18 @@ if triton is not None:
         tl.store(scale + rows, tl.math.div_rn(amax, tl.zeros_like(amax) + fp8_max), mask=rows < N)
 
     @triton.jit
-    def _fp8_grouped_mm_kernel(a, sa, w, sw, offs, tiles, out, n_out, K, E, BE: tl.constexpr,
+    def _fp8_grouped_mm_kernel(a, sa, w, sw, offs, tiles, out, index, n_out, K, E, BE: tl.constexpr,
                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                               PROMOTE: tl.constexpr, UPCAST: tl.constexpr):
+                               PROMOTE: tl.constexpr, GATHER: tl.constexpr, UPCAST: tl.constexpr):
         # program (j, t): output columns j * BN to (j + 1) * BN of row tile t (_expert_row_tile)
         e, rows, row_end = _expert_row_tile(tl.program_id(1), tiles, offs, E, BE, BM)
         if e < E:
             cols = tl.program_id(0) * BN + tl.arange(0, BN)
             ks = tl.arange(0, BK)
-            a_at = a + rows[:, None] * K + ks[None, :]
+            src = rows  # the rows of a (and sa) the tile reads
+            if GATHER:
+                src = tl.load(index + rows, mask=rows < row_end, other=0).to(tl.int64)
+            a_at = a + src[:, None] * K + ks[None, :]
             w_at = w + e.to(tl.int64) * n_out * K + cols[:, None].to(tl.int64) * K + ks[None, :]
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for k in range(0, K, BK):
@@ -366,7 +376,7 @@ if triton is not None:
                     acc = tl.dot(at, tl.trans(wt), acc)
                 a_at += BK
                 w_at += BK
-            acc *= tl.load(sa + rows, mask=rows < row_end, other=0.0)[:, None]
+            acc *= tl.load(sa + src, mask=rows < row_end, other=0.0)[:, None]
             acc *= tl.load(sw + e * n_out + cols, mask=cols < n_out, other=0.0)[None, :]
             tl.store(out + rows[:, None] * n_out + cols[None, :], acc.to(out.dtype.element_ty),
                      mask=(rows[:, None] < row_end) & (cols[None, :] < n_out))
@@ -399,9 +409,9 @@ class GroupedSwiGLU(torch.autograd.Function):
     `fp8_cache` (a window's reused one) keeps its e4m3 operands there for later microbatches.
     Each activation is quantized where it is made: h and d[gate | up] by the kernels that
     write them (silu_mul_fp8, swiglu_backward), x and dy (rows gathered from tokens) by
-    GatherRows and SumRows's backward, which quantize each token once and gather its e4m3 row
-    for every slot, handed over as the gathered tensor's `fp8_rows` attribute (absent: this
-    function quantizes the rows itself)."""
+    GatherRows and SumRows's backward, which quantize each token once, handed over with the
+    slots' token index as the gathered tensor's `fp8_rows` attribute (the GEMM reads each
+    slot's e4m3 row through the index; absent: this function quantizes the rows itself)."""
 
     @staticmethod
     def forward(ctx, x, offs, scale, gate_up, down, into=None, fp8=False):
@@ -805,18 +815,17 @@ if triton is not None:
 
 
 def gather_fp8_rows(x, index):
-    """fp8_rows(x[index]), each row of x quantized once however often `index` repeats it: its
-    e4m3 row and scale gathered for each repeat (the FP8 experts' operand, the tokens' rows once
-    for each of their top-k slots)."""
-    q, scale = fp8_rows(x.detach())
-    return q.view(torch.uint8).index_select(0, index).view(FP8), scale.index_select(0, index)
+    """fp8_rows(x[index]) as fp8_grouped_mm takes it, each row of x quantized once however often
+    `index` repeats it (the FP8 experts' operand: the tokens' rows once for each of their top-k
+    slots): (e4m3 rows of x, their scales, index), which the GEMM kernel gathers as it reads."""
+    return (*fp8_rows(x.detach()), index)
 
 
 class GatherRows(torch.autograd.Function):
     """x (N, D) -> x[slots // K] (S, D): a row once for each of its slots
     in use. Backward sums each row's slot gradients with `sum_slots`
     (autograd's own backward of x[index] would scatter with atomics).
-    fp8: the gathered rows carry their e4m3 copy as `fp8_rows` (gather_fp8_rows),
+    fp8: the gathered rows carry the tokens' e4m3 rows as `fp8_rows` (gather_fp8_rows),
     for GroupedSwiGLU's FP8 GEMM."""
 
     @staticmethod
@@ -838,7 +847,7 @@ class GatherRows(torch.autograd.Function):
 class SumRows(torch.autograd.Function):
     """The adjoint of GatherRows: y (S, D), one row per slot
     in use -> (N, D), each row the sum of its slots. fp8: the gradient it
-    hands back carries its e4m3 copy as `fp8_rows`, as GatherRows's output."""
+    hands back carries the tokens' e4m3 rows as `fp8_rows`, as GatherRows's output."""
 
     @staticmethod
     def forward(ctx, y, slots, position, K, fp8=False):
@@ -1019,7 +1028,7 @@ class Experts(nn.Module):
                         else flat.dtype).argsort(stable=True)[:pairs]
         counts = count_ids(flat, E_local + 1)[:E_local]  # (E_local,) choices per local expert
         position = slot_positions(slots, N * K)
-        # FP8 experts (grouped, no LoRA): the rows and their gradients' e4m3 copies gathered too
+        # FP8 experts (grouped, no LoRA): the rows and their gradients carry their tokens' e4m3 rows
         fp8 = self.fp8 and self.lora_scaling is None
         x_sorted = GatherRows.apply(x, slots, position, K, fp8)  # (pairs, D) rows by expert
         # weighted outputs

@@ -357,6 +357,15 @@ for E, K, O, sizes, BM, BN, BK in ((5, 64, 96, (70, 0, 64, 1, 33), 32, 32, 32), 
         got = experts.fp8_grouped_mm_triton(*experts.fp8_rows(a), *w8, offs, promote == 0,
                                             dict(BM=BM, BN=BN, BK=BK, PROMOTE=promote))
         torch.testing.assert_close(got.float(), want, atol=0, rtol=0.01)  # bf16 outputs: 2^-8 apart
+    # the rows read through an index (gather_fp8_rows: each of 9 tokens' rows once per slot), as the rows gathered
+    tokens = torch.randn(9, K).bfloat16()
+    index = torch.randint(0, 9, (sum(sizes),))
+    want = experts.fp8_grouped_mm(tokens[index], w8, offs).float()
+    assert torch.equal(experts.fp8_grouped_mm(None, w8, offs, rows=experts.gather_fp8_rows(tokens, index)).float(),
+                       want)
+    got = experts.fp8_grouped_mm_triton(*experts.fp8_rows(tokens), *w8, offs, False, dict(BM=BM, BN=BN, BK=BK),
+                                        index=index)
+    torch.testing.assert_close(got.float(), want, atol=0, rtol=0.01)
 # grouped_grad: each expert's a_e^T b_e in fp32, written (into NaNs: every element must be written, an empty expert's
 # as zeros) or added into one or two tensors splitting M; experts with no rows, rows not multiples of the 64-row
 # blocks, outputs not multiples of the tiles (fp32 operands here: the interpreter's bf16 dot is not the GPU's). The
