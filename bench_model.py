@@ -406,7 +406,8 @@ def bench_layer(low=2, high=4, seq=4096, batch=8, accum=1, steps=4, warmup=2, tr
     torch.profiler: each GPU kernel's time goes to a row (KERNEL_ROWS: expert GEMMs, dense GEMMs,
     attention, router and permutation, norms, SwiGLU, casts and copies, optimizer, ...) and each
     row's per-layer ms is again the difference over high - low; the costliest kernels' per-layer ms
-    too. ratio = transformers' layer ms / ours (ratio_torchtitan likewise). MFU per layer: 6 * N *
+    too, and gpu_busy: the profiled step's kernel time over the step time at each layer count (well
+    below 1: the host's launches, not the GPU, set the pace). ratio = transformers' layer ms / ours (ratio_torchtitan likewise). MFU per layer: 6 * N *
     tokens / layer time / 989e12, N = one layer's active matmul weights (attention projections,
     router, top-8 experts: 56.9M); mfu_with_attention adds 6 * seq * heads * head_dim per token.
     --fp8: ours with fp8_experts (the experts' GEMMs in FP8, experts.GroupedSwiGLU) beside ours in
@@ -487,6 +488,10 @@ def bench_layer(low=2, high=4, seq=4096, batch=8, accum=1, steps=4, warmup=2, tr
             out["profile_layer_ms"] = {r: round(ms, 2) for r,
                                        ms in sorted(rows.items(), key=lambda kv: -kv[1])}
             out["profile_total_layer_ms"] = round(sum(rows.values()), 2)
+            # the profiled step's kernel time over the timed steps' mean: well below 1, the GPU
+            # waits on the host (launches), and the layer time measures the host
+            out["gpu_busy"] = {L: round(sum(kernels[L].values()) / 1e3 / seconds[L], 3)
+                               for L in (low, high)}
             top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
             out["top_kernels_layer_ms"] = [[k[:120], _kernel_row(k), round(ms, 3)] for k, ms in top]
         result[name] = out

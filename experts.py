@@ -138,13 +138,11 @@ def experts_grouped_mm(x, counts, scale, gate_proj, up_proj, down_proj, lora=Non
     if lora is None:
         return GroupedSwiGLU.apply(x, offs, scale, torch.cat([gate_proj, up_proj], 1), down_proj)
     s, ((A_g, B_g), (A_u, B_u), (A_d, B_d)) = lora
-    # for every lowrank_add
-    rows = (offs, lowrank_tiles(counts) if x.is_cuda and triton is not None else None)
     # gate's and up's adapters as one of rank 2r (x read once
     # for both); the scaling goes into the (E, out, r) Bs
-    gate, up = LoRAGroupedMM.apply(x, rows, torch.cat([A_g, A_u], 1), 2, gate_proj, up_proj,
+    gate, up = LoRAGroupedMM.apply(x, offs, torch.cat([A_g, A_u], 1), 2, gate_proj, up_proj,
                                    B_g * s, B_u * s)
-    return LoRAGroupedMM.apply(silu_mul(gate, up, scale), rows, A_d, 1, down_proj, B_d * s)[0]
+    return LoRAGroupedMM.apply(silu_mul(gate, up, scale), offs, A_d, 1, down_proj, B_d * s)[0]
 
 
 def swiglu_backward(gate_up, scale, dh, fp8=False):
@@ -311,27 +309,30 @@ def fp8_grouped_mm_triton(aq, sa, wq, sw, offs, fast_accum=False, config=None, i
     K, (E, n_out, _) = aq.shape[1], wq.shape
     N = aq.shape[0] if index is None else index.shape[0]
     cfg = {**FP8_GEMM[bool(fast_accum)], **(config or {})}
-    BM = cfg["BM"]
-    tiles = expert_tiles(torch.diff(offs, prepend=offs.new_zeros(1)), BM)
     out = torch.empty(N, n_out, dtype=torch.bfloat16, device=aq.device)
     if N:
-        _fp8_grouped_mm_kernel[(triton.cdiv(n_out, cfg["BN"]), triton.cdiv(N, BM) + E)](
-            aq, sa, wq.contiguous(), sw, offs, tiles, out, aq if index is None else index, n_out, K,
+        _fp8_grouped_mm_kernel[(triton.cdiv(n_out, cfg["BN"]), triton.cdiv(N, cfg["BM"]) + E)](
+            aq, sa, wq.contiguous(), sw, offs, out, aq if index is None else index, n_out, K,
             E, BE=triton.next_power_of_2(E), GATHER=index is not None, UPCAST=triton_interpreted(), **cfg)
     return out
 
 
 if triton is not None:
     @triton.jit
-    def _expert_row_tile(t, tiles, offs, E, BE: tl.constexpr, BM: tl.constexpr):
-        """Row tile t counted over the experts (tiles: expert_tiles; a grid of these has E spare
-        tiles, as each expert's last tile may be partial) -> (its expert e, E for a spare tile;
-        the tile's BM row indices (int64); the end of e's rows, which the last rows may pass)."""
+    def _expert_row_tile(t, offs, E, BE: tl.constexpr, BM: tl.constexpr):
+        """Row tile t counted over the experts' tiles of BM rows (offs: the cumulative row counts;
+        a grid of these has E spare tiles, as each expert's last tile may be partial) -> (its
+        expert e, E or more for a spare tile; the tile's BM row indices (int64); the end of e's
+        rows, which the last rows may pass). Each program counts the tiles from offs itself (E
+        values, one cumulative sum), where a count on the host would launch kernels of its own."""
         experts = tl.arange(0, BE)
-        e = tl.sum((tl.load(tiles + experts, mask=experts < E, other=2 ** 30) <= t).to(tl.int32))
-        first_tile = tl.load(tiles + e - 1, mask=e > 0, other=0)
-        row_end = tl.load(offs + e, mask=e < E, other=0)
-        rows = (tl.load(offs + e - 1, mask=e > 0, other=0) + (t - first_tile) * BM
+        ends = tl.load(offs + experts, mask=experts < E, other=0)
+        starts = tl.load(offs + experts - 1, mask=(experts > 0) & (experts < E), other=0)
+        tiles = (ends - starts + BM - 1) // BM
+        e = tl.sum((tl.cumsum(tiles, 0) <= t).to(tl.int32))  # experts wholly before tile t
+        first_tile = tl.sum(tl.where(experts < e, tiles, 0))
+        row_end = tl.sum(tl.where(experts == e, ends, 0))
+        rows = (tl.sum(tl.where(experts == e, starts, 0)) + (t - first_tile) * BM
                 + tl.arange(0, BM)).to(tl.int64)
         return e, rows, row_end
 
@@ -347,11 +348,11 @@ if triton is not None:
         tl.store(scale + rows, tl.math.div_rn(amax, tl.zeros_like(amax) + fp8_max), mask=rows < N)
 
     @triton.jit
-    def _fp8_grouped_mm_kernel(a, sa, w, sw, offs, tiles, out, index, n_out, K, E, BE: tl.constexpr,
+    def _fp8_grouped_mm_kernel(a, sa, w, sw, offs, out, index, n_out, K, E, BE: tl.constexpr,
                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                                PROMOTE: tl.constexpr, GATHER: tl.constexpr, UPCAST: tl.constexpr):
         # program (j, t): output columns j * BN to (j + 1) * BN of row tile t (_expert_row_tile)
-        e, rows, row_end = _expert_row_tile(tl.program_id(1), tiles, offs, E, BE, BM)
+        e, rows, row_end = _expert_row_tile(tl.program_id(1), offs, E, BE, BM)
         if e < E:
             cols = tl.program_id(0) * BN + tl.arange(0, BN)
             ks = tl.arange(0, BK)
@@ -488,8 +489,8 @@ class CastForCompute(torch.autograd.Function):
 
 
 class LoRAGroupedMM(torch.autograd.Function):
-    """Grouped GEMMs of x (N, in), rows sorted by expert (rows: offs, the cumulative row
-    counts, and lowrank_tiles or None), with n frozen expert weights W_i (E, out_i, in), each
+    """Grouped GEMMs of x (N, in), rows sorted by expert (offs: the cumulative row
+    counts), with n frozen expert weights W_i (E, out_i, in), each
     plus a LoRA update: y_i = x W_i^T + (x A_i^T) B_i^T. The A_i come stacked along the rank,
     A (E, sum r_i, in), so one GEMM reads x for all of them; B_i (E, out_i, r_i), scaled.
     Gradients: x, A, the B_i; none for the base, so none of its weight-gradient GEMMs (a
@@ -497,31 +498,30 @@ class LoRAGroupedMM(torch.autograd.Function):
     B^T forward, dz A backward) add into the base GEMM's output with lowrank_add."""
 
     @staticmethod
-    def forward(ctx, x, rows, A, n, *weights_and_Bs):
-        (offs, _), Ws, Bs = rows, weights_and_Bs[:n], weights_and_Bs[n:]
+    def forward(ctx, x, offs, A, n, *weights_and_Bs):
+        Ws, Bs = weights_and_Bs[:n], weights_and_Bs[n:]
         if any(W.requires_grad for W in Ws):
             raise ValueError("LoRAGroupedMM trains adapters on a frozen base: the expert weights "
                              "must not need grad")
         z = torch._grouped_mm(x, A.transpose(-2, -1), offs=offs)  # (N, R)
         zs = z.split([B.shape[-1] for B in Bs], 1)
         ys = [lowrank_add(torch._grouped_mm(x, W.transpose(-2, -1), offs=offs), zi,
-                          B.transpose(-2, -1), rows)
+                          B.transpose(-2, -1), offs)
               for W, zi, B in zip(Ws, zs, Bs)]
-        ctx.save_for_backward(x, A, z, *weights_and_Bs)
-        ctx.rows = rows
+        ctx.save_for_backward(x, offs, A, z, *weights_and_Bs)
         ctx.n = n
         return tuple(ys)
 
     @staticmethod
     def backward(ctx, *dys):
-        x, A, z, *weights_and_Bs = ctx.saved_tensors
-        (offs, _), Ws, Bs = ctx.rows, weights_and_Bs[:ctx.n], weights_and_Bs[ctx.n:]
+        x, offs, A, z, *weights_and_Bs = ctx.saved_tensors
+        Ws, Bs = weights_and_Bs[:ctx.n], weights_and_Bs[ctx.n:]
         dys = [dy.contiguous() for dy in dys]
         dz = torch.cat([torch._grouped_mm(dy, B, offs=offs) for dy, B in zip(dys, Bs)], 1)  # (N, R)
         dx = torch._grouped_mm(dys[0], Ws[0], offs=offs)
         for dy, W in zip(dys[1:], Ws[1:]):
             dx = dx + torch._grouped_mm(dy, W, offs=offs)
-        dx = lowrank_add(dx, dz, A, ctx.rows)
+        dx = lowrank_add(dx, dz, A, offs)
         dA = torch._grouped_mm(dz.t(), x, offs=offs)  # (E, R, in): the rows' sum per expert
         # (E, out_i, r_i)
         dBs = [torch._grouped_mm(dy.t(), zi.contiguous(), offs=offs) for dy, zi in
@@ -529,37 +529,24 @@ class LoRAGroupedMM(torch.autograd.Function):
         return dx, None, dA, None, *[None] * ctx.n, *dBs
 
 
-def lowrank_add(y, z, M, rows):
+def lowrank_add(y, z, M, offs):
     """y (N, O) plus each row's z (N, R) @ M[e] (M (E, R, O), any strides) for the expert e of the
-    row (rows sorted by expert; rows: offs, the cumulative row counts, and lowrank_tiles, None off
-    CUDA). On CUDA one Triton kernel adds in place, memory-bound (y read and written once), where a
+    row (rows sorted by expert; offs: the cumulative row counts). On CUDA one Triton kernel adds in place, memory-bound (y read and written once), where a
     grouped GEMM of inner dimension R writes its full-width output at a fraction of the bandwidth
     (about as slow as a base GEMM at real expert shapes) and an add then reads it again."""
-    offs, tiles = rows
-    if tiles is None:
+    if not (y.is_cuda and triton is not None):
         return y + torch._grouped_mm(z, M, offs=offs)  # the reference; the kernel
                                                        # matches it to bf16 rounding
-    return lowrank_add_triton(y, z, M, offs, tiles)
+    return lowrank_add_triton(y, z, M, offs)
 
 
 LOWRANK_BM, LOWRANK_BN = 64, 128  # lowrank_add's tile: rows of one expert x output columns
 
 
-def expert_tiles(counts, BM):
-    """The cumulative count of tiles of BM rows up to each expert (int32 (E,)), from its row
-    counts: how a kernel over tiles of one expert's rows finds its expert (_expert_row_tile)."""
-    return torch.cumsum((counts + BM - 1) // BM, 0, dtype=torch.int32)
-
-
-def lowrank_tiles(counts):
-    """expert_tiles of lowrank_add's row tiles."""
-    return expert_tiles(counts, LOWRANK_BM)
-
-
-def lowrank_add_triton(y, z, M, offs, tiles):
+def lowrank_add_triton(y, z, M, offs):
     (N, n_out), (E, R), BM, BN = y.shape, M.shape[:2], LOWRANK_BM, LOWRANK_BN
     _lowrank_add_kernel[(triton.cdiv(N, BM) + E, triton.cdiv(n_out, BN))](
-        y, z, M, offs, tiles, n_out, R, E, *z.stride(), *M.stride(), BM=BM, BN=BN,
+        y, z, M, offs, n_out, R, E, *z.stride(), *M.stride(), BM=BM, BN=BN,
         BR=max(16, triton.next_power_of_2(R)), BE=triton.next_power_of_2(E),
         UPCAST=triton_interpreted())
     return y
@@ -567,11 +554,11 @@ def lowrank_add_triton(y, z, M, offs, tiles):
 
 if triton is not None:
     @triton.jit
-    def _lowrank_add_kernel(y, z, M, offs, tiles, n_out, R, E, sz0, sz1, sm0, sm1, sm2,
+    def _lowrank_add_kernel(y, z, M, offs, n_out, R, E, sz0, sz1, sm0, sm1, sm2,
                             BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr,
                             UPCAST: tl.constexpr):
         # program (t, j): row tile t (_expert_row_tile), columns j * BN to (j + 1) * BN
-        e, rows, row_end = _expert_row_tile(tl.program_id(0), tiles, offs, E, BE, BM)
+        e, rows, row_end = _expert_row_tile(tl.program_id(0), offs, E, BE, BM)
         if e < E:
             cols = tl.program_id(1) * BN + tl.arange(0, BN)
             ks = tl.arange(0, BR)
