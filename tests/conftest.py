@@ -59,6 +59,49 @@ def end_rank():
     os._exit(0)
 
 
+def spawn_ranks(fn, args, nprocs):
+    """torch.multiprocessing.spawn(fn, args, nprocs), each rank forked from one forkserver (per test process) that
+    imported torch and the trainer once (test_train and what it imports): a spawned rank imported them itself, ~5 s
+    of CPU, for some 80 ranks in the suite. The ranks run gloo on the CPU with CUDA hidden, also on a machine with
+    GPUs (fewer of them than ranks, or their NCCL and kernels, would change what the tests compare); each gets this
+    process's environment as it is now (the forkserver keeps the one of its start)."""
+    import unittest.mock
+    import torch.multiprocessing as mp
+    env, stdio = child_env(CUDA_VISIBLE_DEVICES=""), (ParentFd(1), ParentFd(2))
+    mp.set_forkserver_preload(["test_train"])
+    # the forkserver starts at the first call, with this environment; Python 3.11's ignores our sys.path
+    path = os.pathsep.join(p for p in (os.path.join(ROOT, "tests"), ROOT, os.environ.get("PYTHONPATH")) if p)
+    with unittest.mock.patch.dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=path):  # restored after
+        mp.start_processes(_rank_in, args=(env, stdio, fn, args), nprocs=nprocs, join=True,
+                           start_method="forkserver")
+
+
+class ParentFd:
+    """A file descriptor of this process that a starting rank gets a copy of (multiprocessing hands it to the
+    forkserver's child, as it hands over a pipe): the rank writes to this process's stdout and stderr as they are at
+    the spawn, which the tests' output capture (capfd) redirects; the forkserver's are those of its start."""
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def __reduce__(self):  # while the rank's process starts
+        from multiprocessing.reduction import DupFd
+        return _detach, (DupFd(self.fd),)
+
+
+def _detach(dup):
+    return dup.detach()
+
+
+def _rank_in(rank, env, stdio, fn, args):
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, parent in enumerate(stdio, 1):
+        os.dup2(parent, fd)
+        os.close(parent)
+    fn(rank, *args)
+
+
 class RecordingBackend:
     """The capture server's backend for tests: the real engine behind a thin wrapper that records every call
     (session, prompt ids, output, start and end times), and can force the text of a session's next turns (the
@@ -159,11 +202,13 @@ def worker_group(path):
 # seconds each worker group took under `make test` (two workers, the 2-core machine; the groups of a second or two
 # left out): the scheduler below hands out the longest first, so no long group starts when the other worker is
 # nearly done. Only the order depends on these: a stale figure costs time, never a test
-GROUP_SECONDS = {"tiny-engines": 873, "tests/test_shutdown.py": 328, "tests/test_cp.py": 198, "tests/test_train.py": 173,
-                 "tests/test_resume.py": 146, "hybrid-engine": 144, "tests/test_mtp.py": 115,
-                 "tests/test_capture_load.py": 114, "tests/test_lora.py": 112, "tests/test_dry_run.py": 107,
-                 "tests/test_loop_vl.py": 92, "tests/test_capture_vl.py": 57, "tests/test_model.py": 31,
-                 "tests/test_config.py": 15, "tests/test_loss_dist.py": 13}
+# (test_cp, test_train, test_lora, test_loss_dist: scaled by what their ranks forked from a forkserver saved when run
+# alone, until the next make test measures them)
+GROUP_SECONDS = {"tiny-engines": 873, "tests/test_shutdown.py": 328, "tests/test_resume.py": 146, "hybrid-engine": 144,
+                 "tests/test_mtp.py": 115, "tests/test_capture_load.py": 114, "tests/test_dry_run.py": 107,
+                 "tests/test_loop_vl.py": 92, "tests/test_train.py": 83, "tests/test_cp.py": 77,
+                 "tests/test_capture_vl.py": 57, "tests/test_lora.py": 55, "tests/test_model.py": 31,
+                 "tests/test_config.py": 15, "tests/test_loss_dist.py": 5}
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -8,9 +8,8 @@ a per-microbatch mean, or a per-rank denominator, does not.
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import end_rank
+from conftest import end_rank, spawn_ranks
 from weights_sync import free_port
 from loss import LossConfig, count_window_tokens, kept_token_mask, policy_loss, reduce_metrics, token_logprobs
 
@@ -99,7 +98,7 @@ def worker(rank, port, out_prefix):
 
 
 def test_window_split_over_ranks_and_microbatches_gives_same_loss_and_grads(tmp_path):
-    mp.spawn(worker, args=(free_port(), str(tmp_path / "result")), nprocs=4, join=True)
+    spawn_ranks(worker, (free_port(), str(tmp_path / "result")), 4)
     results = [torch.load(tmp_path / f"result.{rank}") for rank in range(4)]
     reference = results[0][1]  # 1 rank x 4 microbatches
     for world in (1, 2, 4):

@@ -11,18 +11,16 @@ import json
 import os
 import subprocess
 import sys
-from unittest import mock
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import loss
 import checkpoint
 import plan
 import train
 import weights_sync
-from conftest import child_env, end_rank
+from conftest import child_env, end_rank, spawn_ranks
 import experts
 import model
 from model import ModelConfig, Transformer, is_stacked_experts
@@ -152,11 +150,8 @@ def reference_run(weights, wins, cfg, steps=STEPS, prepare=None, reference_is_po
 
 
 def spawn(world, scenario, *args):
-    """`world` ranks on gloo and the CPU, also on a machine with GPUs (fewer of them than ranks, or their NCCL and
-    kernels, would change what these tests compare)."""
-    port = train.free_port()
-    with mock.patch.dict(os.environ, CUDA_VISIBLE_DEVICES=""):  # the ranks inherit it; this process's CUDA is as it was
-        mp.spawn(_rank_main, args=(world, port, scenario, args), nprocs=world, join=True)
+    """`world` ranks on gloo and the CPU (conftest.spawn_ranks) that run scenario(rank, world, *args)."""
+    spawn_ranks(_rank_main, (world, train.free_port(), scenario, args), world)
 
 
 def _rank_main(rank, world, port, scenario, args):
