@@ -347,6 +347,7 @@ class GuardedHttp(HttpToolsProtocol):
     else 408 / 431 and the connection closes (slow-header clients, a connection that
     never sends a byte); malformed HTTP gets a JSON 400 instead of plain text."""
     timer, max_header_bytes = None, 64 << 10
+    refused, linger_s = False, 2.0  # after a refusal: what the client still sends is read and dropped
 
     def __init__(self, *args, header_timeout_s=10.0, **kwargs):
         super().__init__(*args, **kwargs)
@@ -367,6 +368,8 @@ class GuardedHttp(HttpToolsProtocol):
         super().on_headers_complete()
 
     def data_received(self, data):
+        if self.refused:  # lingering (refuse): dropped
+            return
         counted = len(data) if self.timer else 0  # with the read that completes
                                                   # them: <= 256 KiB of body counted
         super().data_received(data)
@@ -378,15 +381,24 @@ class GuardedHttp(HttpToolsProtocol):
         self.refuse(400, "The request is not valid HTTP/1.1 (its framing or headers are malformed).")
 
     def refuse(self, status, message):
-        """Answer outside the app, in the error format of
-        the path's protocol, and close the connection."""
+        """Answer outside the app, in the error format of the path's protocol, and close the
+        connection: a lingering close. The write side ends after the answer (FIN), and what the
+        client still sends is read and dropped until it closes its side, or for linger_s. A socket
+        closed with the client's bytes unread resets the connection (RST), and the client's
+        kernel then drops the answer it had not read yet: under load, when the event loop reads
+        late, slow-header clients got resets where they should have got their 408."""
         self.timer = self.timer and self.timer.cancel()
-        if not self.transport.is_closing():
+        if not self.refused and not self.transport.is_closing():
+            self.refused = True
             body = json.dumps(error_body("anthropic" if b"/messages" in self.url else "openai", status, message))
             self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                                  b"connection: close\r\n\r\n%s" % (status, HTTPStatus(status).phrase.encode(),
                                                                    len(body), body.encode()))
-            self.transport.close()
+            self.transport.write_eof()  # the client's EOF then closes it (eof_received)
+            self.loop.call_later(self.linger_s, self.transport.close)
+            if self.cycle is not None:  # a request the app is still answering: its client is gone for it
+                self.cycle.disconnected = self.cycle.disconnected or not self.cycle.response_complete
+                self.cycle.message_event.set()
 
 
 # A private-use character and the one after it (its index) stand for an

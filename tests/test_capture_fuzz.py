@@ -687,6 +687,34 @@ def test_slow_oversized_and_malformed_http_get_json_errors(real):
         assert r.status_code == 200
 
 
+@pytest.mark.parametrize("linger", [True, False], ids=["lingering", "control"])
+def test_a_refused_client_that_still_sends_reads_its_answer(real, monkeypatch, linger):
+    """A client whose headers time out while it is still sending (a byte every 20 ms, reading nothing until 0.6 s
+    past the 1 s timeout) then reads its 408 and a clean end: the server's lingering close reads and drops what
+    follows the refusal. Control: the connection closed at once (linger_s 0, as before): the client's next bytes
+    meet a reset, and under load (the event loop reading late) so did a slow-header client's reply."""
+    if not linger:
+        monkeypatch.setattr(capture.GuardedHttp, "linger_s", 0.0)
+    host, port = real.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        try:
+            sock.sendall(b"POST /sessions HTTP/1.1\r\nhost: x\r\nx-slow: ")
+            deadline = time.monotonic() + real.header_timeout_s + 0.6
+            while time.monotonic() < deadline:
+                sock.sendall(b"a")
+                time.sleep(0.02)
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+        except ConnectionError as e:
+            reply = e
+    if not linger:
+        assert isinstance(reply, ConnectionError), reply
+        return
+    json_error(reply, 408)
+    until_idle(real)
+
+
 def test_connection_cap(real):
     host, port = real.url.removeprefix("http://").split(":")
     idle = [socket.create_connection((host, int(port))) for _ in range(real.max_connections)]
