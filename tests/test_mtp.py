@@ -1,4 +1,4 @@
-"""MTP speculative decoding on the real vLLM engine (CPU): the tiny hybrid (tiny.TINY_QWEN36_CONFIG, one mtp.* layer)
+"""MTP speculative decoding on the real vLLM engine (CPU; and the GPU engine under make test-gpu): the tiny hybrid (tiny.TINY_QWEN36_CONFIG, one mtp.* layer)
 served with `speculative_tokens=2` (vLLM's "mtp" method; prefix caching off, as plan.check_config forces on CPU), the
 drafter kept current by the weight sync, the engine's recorded logprobs the target's.
 
@@ -16,7 +16,7 @@ from model import Transformer
 from test_hybrid_engine import MAX_GAP, MAX_KL, MEAN_GAP, gaps, perturbed
 from weights_sync import WeightSender, connect_engines, sync_weights
 
-pytestmark = pytest.mark.stack
+pytestmark = [pytest.mark.stack, pytest.mark.gpu]  # gpu: on a GPU machine, the GPU engine drafts
 PATH = os.path.join(os.path.dirname(tiny.TINY_MODEL_PATH), "tiny-qwen36-moe")
 
 
@@ -25,8 +25,9 @@ PATH = os.path.join(os.path.dirname(tiny.TINY_MODEL_PATH), "tiny-qwen36-moe")
 def drafting():
     from engine import Engine
     tiny.ensure_tiny_model(PATH)
+    # enforce_eager: on a GPU no compile and no CUDA graphs (minutes of a fresh machine; the CPU engine is eager)
     on = EngineThread(Engine(PATH, max_model_len=1024, memory_fraction=0.3, enable_prefix_caching=False, seed=0,
-                             speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
+                             speculative_config={"method": "mtp", "num_speculative_tokens": 2}, enforce_eager=True))
     on.run(on.engine.start())
     yield on
     on.close()
