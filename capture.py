@@ -384,9 +384,9 @@ class GuardedHttp(HttpToolsProtocol):
         """Answer outside the app, in the error format of the path's protocol, and close the
         connection: a lingering close. The write side ends after the answer (FIN), and what the
         client still sends is read and dropped until it closes its side, or for linger_s. A socket
-        closed with the client's bytes unread resets the connection (RST), and the client's
-        kernel then drops the answer it had not read yet: under load, when the event loop reads
-        late, slow-header clients got resets where they should have got their 408."""
+        closed with the client's bytes unread resets the connection (RST): the client's next send
+        fails before it reads the answer, or its read after the answer fails instead of ending;
+        under load, when the event loop reads late, slow-header clients saw resets, no 408."""
         self.timer = self.timer and self.timer.cancel()
         if not self.refused and not self.transport.is_closing():
             self.refused = True
