@@ -407,9 +407,10 @@ def bench_layer(low=2, high=4, seq=4096, batch=8, accum=1, steps=4, warmup=2, tr
     attention, router and permutation, norms, SwiGLU, casts and copies, optimizer, ...) and each
     row's per-layer ms is again the difference over high - low; the costliest kernels' per-layer ms
     too, and gpu_busy: the profiled step's kernel time over the step time at each layer count (well
-    below 1: the host's launches, not the GPU, set the pace). ratio = transformers' layer ms / ours (ratio_torchtitan likewise). MFU per layer: 6 * N *
-    tokens / layer time / 989e12, N = one layer's active matmul weights (attention projections,
-    router, top-8 experts: 56.9M); mfu_with_attention adds 6 * seq * heads * head_dim per token.
+    below 1: the host's launches, not the GPU, set the pace). ratio = transformers' layer ms / ours
+    (ratio_torchtitan likewise). MFU per layer: 6 * N * tokens / layer time / 989e12, N = one
+    layer's active matmul weights (attention projections, router, top-8 experts: 56.9M);
+    mfu_with_attention adds 6 * seq * heads * head_dim per token.
     --fp8: ours with fp8_experts (the experts' GEMMs in FP8, experts.GroupedSwiGLU) beside ours in
     bf16 instead of the baselines; ratio = bf16 layer ms / FP8 layer ms.
 

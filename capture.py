@@ -347,7 +347,7 @@ class GuardedHttp(HttpToolsProtocol):
     else 408 / 431 and the connection closes (slow-header clients, a connection that
     never sends a byte); malformed HTTP gets a JSON 400 instead of plain text."""
     timer, max_header_bytes = None, 64 << 10
-    refused, linger_s = False, 2.0  # after a refusal: what the client still sends is read and dropped
+    lingering, linger_s = None, 2.0  # after a refusal (refuse): its close, linger_s away
 
     def __init__(self, *args, header_timeout_s=10.0, **kwargs):
         super().__init__(*args, **kwargs)
@@ -368,7 +368,7 @@ class GuardedHttp(HttpToolsProtocol):
         super().on_headers_complete()
 
     def data_received(self, data):
-        if self.refused:  # lingering (refuse): dropped
+        if self.lingering:  # refused: what the client still sends is dropped
             return
         counted = len(data) if self.timer else 0  # with the read that completes
                                                   # them: <= 256 KiB of body counted
@@ -388,16 +388,15 @@ class GuardedHttp(HttpToolsProtocol):
         fails before it reads the answer, or its read after the answer fails instead of ending;
         under load, when the event loop reads late, slow-header clients saw resets, no 408."""
         self.timer = self.timer and self.timer.cancel()
-        if not self.refused and not self.transport.is_closing():
-            self.refused = True
+        if self.lingering is None and not self.transport.is_closing():
             body = json.dumps(error_body("anthropic" if b"/messages" in self.url else "openai", status, message))
             self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                                  b"connection: close\r\n\r\n%s" % (status, HTTPStatus(status).phrase.encode(),
                                                                    len(body), body.encode()))
             self.transport.write_eof()  # the client's EOF then closes it (eof_received)
-            self.loop.call_later(self.linger_s, self.transport.close)
-            if self.cycle is not None:  # a request the app is still answering: its client is gone for it
-                self.cycle.disconnected = self.cycle.disconnected or not self.cycle.response_complete
+            self.lingering = self.loop.call_later(self.linger_s, self.transport.close)
+            if self.cycle is not None:  # a request the app still answers: its client is gone
+                self.cycle.disconnected = True
                 self.cycle.message_event.set()
 
 

@@ -183,6 +183,14 @@ def swiglu_backward_triton(gate_up, scale, dh, fp8=False):
 
 if triton is not None:
     @triton.jit
+    def _e4m3_scaling(amax, fp8_max):
+        """Rows' absolute maxima -> (the factor to e4m3, the row scales), as _rows_to_fp8 makes
+        them: IEEE divisions (div_rn), a row's values then multiplied by its factor."""
+        amax = tl.maximum(amax, 1e-12)
+        return tl.math.div_rn(tl.zeros_like(amax) + fp8_max, amax), tl.math.div_rn(
+            amax, tl.zeros_like(amax) + fp8_max)
+
+    @triton.jit
     def _swiglu_backward_kernel(gu, scale, dh, dgu, dscale, q, q_scale, N, H, fp8_max,
                                 FP8: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr):
         rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)  # BR whole rows
@@ -201,11 +209,11 @@ if triton is not None:
         tl.store(dgu + at + H, dup, mask=mask)
         if FP8:  # the rows just stored, scaled to e4m3 by their absolute max (fp8_rows)
             dgate, dup = dgate.to(tl.float32), dup.to(tl.float32)
-            amax = tl.maximum(tl.maximum(tl.max(tl.abs(dgate), 1), tl.max(tl.abs(dup), 1)), 1e-12)
-            inv = tl.math.div_rn(tl.zeros_like(amax) + fp8_max, amax)[:, None]
-            tl.store(q + at, (dgate * inv).to(q.dtype.element_ty), mask=mask)
-            tl.store(q + at + H, (dup * inv).to(q.dtype.element_ty), mask=mask)
-            tl.store(q_scale + rows, tl.math.div_rn(amax, tl.zeros_like(amax) + fp8_max), mask=rows < N)
+            amax = tl.maximum(tl.max(tl.abs(dgate), 1), tl.max(tl.abs(dup), 1))
+            inv, row_scale = _e4m3_scaling(amax, fp8_max)
+            tl.store(q + at, (dgate * inv[:, None]).to(q.dtype.element_ty), mask=mask)
+            tl.store(q + at + H, (dup * inv[:, None]).to(q.dtype.element_ty), mask=mask)
+            tl.store(q_scale + rows, row_scale, mask=rows < N)
         tl.store(dscale + rows, tl.sum(d * silu * up, 1).to(dscale.dtype.element_ty), mask=rows < N)
 
 
@@ -312,8 +320,9 @@ def fp8_grouped_mm_triton(aq, sa, wq, sw, offs, fast_accum=False, config=None, i
     out = torch.empty(N, n_out, dtype=torch.bfloat16, device=aq.device)
     if N:
         _fp8_grouped_mm_kernel[(triton.cdiv(n_out, cfg["BN"]), triton.cdiv(N, cfg["BM"]) + E)](
-            aq, sa, wq.contiguous(), sw, offs, out, aq if index is None else index, n_out, K,
-            E, BE=triton.next_power_of_2(E), GATHER=index is not None, UPCAST=triton_interpreted(), **cfg)
+            aq, sa, wq.contiguous(), sw, offs, out, aq if index is None else index, n_out, K, E,
+            BE=triton.next_power_of_2(E), GATHER=index is not None, UPCAST=triton_interpreted(),
+            **cfg)
     return out
 
 
@@ -342,10 +351,10 @@ if triton is not None:
         cols = tl.arange(0, BK)
         mask = (rows[:, None] < N) & (cols[None, :] < K)
         v = tl.load(x + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(v), 1), 1e-12)  # as _rows_to_fp8: IEEE divisions
-        tl.store(q + rows[:, None] * K + cols[None, :],
-                 (v * tl.math.div_rn(tl.zeros_like(amax) + fp8_max, amax)[:, None]).to(q.dtype.element_ty), mask=mask)
-        tl.store(scale + rows, tl.math.div_rn(amax, tl.zeros_like(amax) + fp8_max), mask=rows < N)
+        inv, s = _e4m3_scaling(tl.max(tl.abs(v), 1), fp8_max)
+        tl.store(q + rows[:, None] * K + cols[None, :], (v * inv[:, None]).to(q.dtype.element_ty),
+                 mask=mask)
+        tl.store(scale + rows, s, mask=rows < N)
 
     @triton.jit
     def _fp8_grouped_mm_kernel(a, sa, w, sw, offs, out, index, n_out, K, E, BE: tl.constexpr,
@@ -531,9 +540,10 @@ class LoRAGroupedMM(torch.autograd.Function):
 
 def lowrank_add(y, z, M, offs):
     """y (N, O) plus each row's z (N, R) @ M[e] (M (E, R, O), any strides) for the expert e of the
-    row (rows sorted by expert; offs: the cumulative row counts). On CUDA one Triton kernel adds in place, memory-bound (y read and written once), where a
-    grouped GEMM of inner dimension R writes its full-width output at a fraction of the bandwidth
-    (about as slow as a base GEMM at real expert shapes) and an add then reads it again."""
+    row (rows sorted by expert; offs: the cumulative row counts). On CUDA one Triton kernel adds in
+    place, memory-bound (y read and written once), where a grouped GEMM of inner dimension R
+    writes its full-width output at a fraction of the bandwidth (about as slow as a base GEMM at
+    real expert shapes) and an add then reads it again."""
     if not (y.is_cuda and triton is not None):
         return y + torch._grouped_mm(z, M, offs=offs)  # the reference; the kernel
                                                        # matches it to bf16 rounding

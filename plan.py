@@ -242,8 +242,8 @@ def check_colocated(cfg):
 
 def check_fp8(cfg, mcfg):
     """rollout_dtype="fp8" (vLLM's FP8 kernels: compute capability 8.9 or newer) and fp8_experts
-    (FP8 tensor cores of Hopper, 9.0: experts.fp8_grouped_mm) need FP8 matrix multiplies, which a CPU has none
-    of; a dry run plans them wherever it runs."""
+    (FP8 tensor cores of Hopper, 9.0: experts.fp8_grouped_mm) need FP8 matrix multiplies, which a
+    CPU has none of; a dry run plans them wherever it runs."""
     have = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     for key, on, needs, default in (
             ("rollout_dtype", cfg["rollout_dtype"] == "fp8", (8, 9), "bfloat16"),

@@ -170,11 +170,7 @@ def uses_stack_fixture(item):
     return False
 
 
-CONFIG = []  # the session's pytest config (pytest_configure), for the hooks that get none
-
-
 def pytest_configure(config):
-    CONFIG.append(config)
     config.addinivalue_line("markers", "stack: runs a vLLM engine, Ray, rank processes (gloo) or train.py / bench.py as a "
                                        "process (deselect with -m 'not stack')")
     config.addinivalue_line("markers", "gpu: runs on CUDA where there is one (`make test-gpu` "
@@ -297,13 +293,15 @@ def pytest_runtest_call(item):
         return (yield)
 
 
-def pytest_runtest_logreport(report):
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
     """A failed `gpu` test's traceback as it fails, not only in pytest's summary: a GPU run
     (make test-gpu: tens of minutes, engines compiling) may be stopped before the summary."""
-    if report.failed and "gpu" in report.keywords:
-        terminal = CONFIG[0].pluginmanager.get_plugin("terminalreporter") if CONFIG else None
-        if terminal is not None:
-            terminal.write_line(f"\n{report.nodeid} failed ({report.when}):\n{report.longreprtext}")
+    report = yield
+    terminal = item.config.pluginmanager.get_plugin("terminalreporter")
+    if report.failed and item.get_closest_marker("gpu") and terminal is not None:
+        terminal.write_line(f"\n{report.nodeid} failed ({report.when}):\n{report.longreprtext}")
+    return report
 
 
 @pytest.fixture(autouse=True)
