@@ -642,7 +642,7 @@ def bench_capture(agents=16, turns=4, tokens=48, rounds=6, spread=0, threads=0):
     server (SDK). Added latency per request = the agent's wait minus
     the engine's time on that same request (timed around the backend call), so engine noise cancels;
     p50 and p99 under the full load and with one agent alone (target <= 5 ms at p50). The loop is
-    the one the server runs on in training (capture.new_event_loop: uvloop). Every turn asks for
+    the one the server runs on in training (http_server.new_event_loop: uvloop). Every turn asks for
     `tokens` tokens, so all agents finish a turn at the same engine step and wait on each other's
     client work (the worst case); --spread=S draws each turn's max_tokens from tokens +- S instead
     (the same draws in every mode), as agents' turns differ in length. --threads=1 lays the process
@@ -663,6 +663,7 @@ def bench_capture(agents=16, turns=4, tokens=48, rounds=6, spread=0, threads=0):
     import openai
 
     import capture
+    import http_server
     from engine import Engine
     from tiny import ensure_tiny_model
     path = ensure_tiny_model()
@@ -712,8 +713,8 @@ def bench_capture(agents=16, turns=4, tokens=48, rounds=6, spread=0, threads=0):
             app = build_app(vargs, supported_tasks=("generate",),
                             model_config=engine.llm.model_config)
             await init_app_state(engine.llm, app.state, vargs, ("generate",))
-            sock = capture.bind_socket()
-            return *(await capture.serve_app(app, sock)), f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+            sock = http_server.bind_socket()
+            return *(await http_server.serve_app(app, sock)), f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
 
         async def stop_vllm_server():
             vserver.should_exit = True
@@ -840,7 +841,7 @@ def bench_capture(agents=16, turns=4, tokens=48, rounds=6, spread=0, threads=0):
     # one loop: the server's (uvloop); --threads=1: agents
     # on asyncio's loop, as the rollout pool runs them
     with asyncio.Runner(loop_factory=asyncio.new_event_loop if opt["threads"]
-                        else capture.new_event_loop) as runner:
+                        else http_server.new_event_loop) as runner:
         totals = runner.run(run())
     tput = {name: t[0] / t[1] for name, t in totals.items()}
     out = dict(agents=opt["agents"], turns=opt["turns"], tokens=opt["tokens"], rounds=opt["rounds"],

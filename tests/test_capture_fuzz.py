@@ -23,6 +23,7 @@ import pytest
 import ray
 
 import capture
+import http_server
 import protocols
 import rollout
 from conftest import RecordingBackend
@@ -694,7 +695,7 @@ def test_a_refused_client_that_still_sends_reads_its_answer(real, monkeypatch, l
     follows the refusal. Control: the connection closed at once (linger_s 0, as before): the client's next bytes
     meet a reset, and under load (the event loop reading late) so did a slow-header client's reply."""
     if not linger:
-        monkeypatch.setattr(capture.GuardedHttp, "linger_s", 0.0)
+        monkeypatch.setattr(http_server.GuardedHttp, "linger_s", 0.0)
     host, port = real.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         try:

@@ -1,17 +1,22 @@
 """README.md stays a user's page and the docs stay whole: the README within its byte budget, every
-relative link of README.md and docs/*.md to a file (and heading) of the repository, no path outside.
+relative link of README.md and docs/*.md to a file (and heading) of the repository, no path outside;
+every module named in the README's layout and readable in one sitting (at most 800 code lines).
 
     .venv/bin/python -m pytest tests/test_docs.py -q
 """
 
+import ast
 import glob
+import io
 import os
 import re
+import tokenize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README_BUDGET = 20_000  # bytes: nanoGPT's README is 13.9 KB, nanochat's 16.6 KB
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 OUTSIDE = re.compile(r"\.\./shared|/work/")
+MODULE_LINES = 800  # code lines: not blank, not a comment, not a docstring
 
 
 def pages():
@@ -64,3 +69,38 @@ def test_no_path_outside_the_repository():
         with open(path) as f:
             hits = [line for line in f if OUTSIDE.search(line)]
         assert hits == [], (path, hits)
+
+
+def code_lines(src):
+    """The lines of Python source `src` that hold code: blank lines, comments and docstrings (of the
+    module, its classes and functions) do not count."""
+    docstrings = set()
+    for node in ast.walk(ast.parse(src)):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body \
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                and isinstance(body[0].value.value, str):
+            docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
+    lines = set()
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+            tokenize.ENDMARKER}
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type not in skip:
+            lines.update(range(tok.start[0], tok.end[0] + 1))
+    return len(lines - docstrings)
+
+
+def test_every_module_in_the_layout_and_within_800_code_lines():
+    # the counter itself: a docstring, a comment and blank lines are not code; a string value is
+    src = 'def f():\n    """doc\n    more"""\n\n    # note\n    x = """a\nb"""\n    return x\n'
+    assert code_lines(src) == 4
+    with open(os.path.join(ROOT, "README.md")) as f:
+        layout = f.read().split("## Layout", 1)[1].split("```")[1]
+    listed = {name for line in layout.splitlines() for name in line.split("  ")[0].split()}
+    modules = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py")))
+    assert [m for m in modules if m not in listed] == [], "modules missing from the README's layout"
+    sizes = {}
+    for m in modules:
+        with open(os.path.join(ROOT, m)) as f:
+            sizes[m] = code_lines(f.read())
+    assert {m: n for m, n in sizes.items() if n > MODULE_LINES} == {}, sizes
