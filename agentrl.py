@@ -259,6 +259,7 @@ def read_prompts(path, seed=0, row_map=None):
 # -----------------------------------------------------------------------------
 # prompt files
 
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 

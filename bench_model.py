@@ -17,7 +17,6 @@ SMOKE_MOE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_atte
                  moe_intermediate_size=32, max_position_embeddings=512)
 
 
-
 def qwen36_text_config(layers, smoke=False):
     """Qwen3.6-35B-A3B's text model (configs/qwen3_6_35b_a3b.py: hidden 2048,
     Gated DeltaNet of 16 key + 32 value heads of 128, gated attention of 16
@@ -663,7 +662,6 @@ def bench_lora(experts=16, dim=2048, hidden=768, rows=32768, rank=8, iters=20, s
     return result
 
 
-
 # -----------------------------------------------------------------------------
 # fp8: rollouts from vLLM's FP8 engine vs its bf16 engine, and the mismatch each leaves
 
@@ -1078,4 +1076,3 @@ def _hf_fsdp_model(mcfg, cfg, device, compile_modules, checkpointing):
                 experts_implementation=getattr(hf.config, "_experts_implementation", None),
                 params=sum(p.numel() for p in hf.parameters()))
     return hf, optimizer, info
-

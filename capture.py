@@ -290,6 +290,7 @@ def end_token_ids(tokenizer):
         ids.update(eos if isinstance(eos, list) else [eos])
     return sorted(i for i in ids if i is not None)
 
+
 # -----------------------------------------------------------------------------
 # the server
 

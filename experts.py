@@ -1031,5 +1031,3 @@ class Experts(nn.Module):
         # weighted outputs
         y_sorted = self.compute(x_sorted, counts, weights.flatten().index_select(0, slots))
         return SumRows.apply(y_sorted, slots, position, K, fp8)  # (N, D)
-
-

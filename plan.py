@@ -847,5 +847,3 @@ def print_plan(cfg, p):
                      "(gpus_per_node) cannot hold one, and "
                      "engines spanning nodes are not supported yet")
     print("\n".join(lines), flush=True)
-
-

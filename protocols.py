@@ -553,6 +553,7 @@ def parse_anthropic(body, server, counting=False):
     return tool_choice_of(request, kind, choice.get("name"),
                           not field(choice, "disable_parallel_tool_use", bool, False, where="tool_choice."))
 
+
 RESPONSES_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
                     "max_output_tokens", "temperature", "top_p", "stream", "previous_response_id",
                     "store", "text", "include", "top_logprobs", "truncation", "reasoning",
@@ -1081,4 +1082,3 @@ async def responses_events(items, request=None):
 PARSERS = {"openai": parse_openai, "anthropic": parse_anthropic, "responses": parse_responses}
 ANSWERS = {"openai": openai_completion, "anthropic": anthropic_message, "responses": responses_object}
 EVENTS = {"openai": openai_events, "anthropic": anthropic_events, "responses": responses_events}
-

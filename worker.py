@@ -256,8 +256,6 @@ class WeightSyncWorker:
         return out
 
 
-
-
 def reload_drafter(worker, drafter, weights):
     """vLLM's layerwise reload of the MTP drafter's own layers from (hf_name, tensor) pairs: vLLM's
     function for a model other than the target where it has one, else (older vLLM) its steps."""

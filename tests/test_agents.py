@@ -270,7 +270,6 @@ def test_setup_agent_hook(tmp_path):
         setup_agent(load_agent(str(bad))[0], {})
 
 
-
 def test_an_agent_file_imports_its_neighbours_and_the_agents_sdk(tmp_path):
     """The agent file is loaded as a script: the files beside it import by name, and `import agents` is the OpenAI
     Agents SDK (an optional extra), not this project's folder of recipes."""
@@ -285,6 +284,7 @@ def test_an_agent_file_imports_its_neighbours_and_the_agents_sdk(tmp_path):
     assert asyncio.run(run(Context(base_url="", api_key="", model=""))).reward == (1.5 if uses_sdk else 0.5)
     import agents
     assert not uses_sdk or os.path.dirname(agents.__file__) != os.path.join(ROOT, "agents")
+
 
 def test_load_prompts_jsonl(tmp_path):
     path = tmp_path / "train.jsonl"
@@ -329,7 +329,6 @@ def test_load_prompts_parquet(tmp_path):
         list(load_prompts(path))
 
 
-
 def test_transcript_tokens_mask_exactly_the_assistant_turns(tiny_model_path, tmp_path):
     """A calculator transcript (tool call, tool result, answer): the pieces rendered turn by turn are the full
     render's tokens, and the mask covers the two assistant turns through their end-of-turn token, nothing else."""
@@ -349,6 +348,7 @@ def test_transcript_tokens_mask_exactly_the_assistant_turns(tiny_model_path, tmp
     path.write_text(json.dumps(row) + "\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(ValueError, match="transcript 2 has no assistant message"):
         load_transcripts(str(path))
+
 
 def test_calculator_warm_start_examples_and_answers():
     """The warm start's two routes in their fractions, each right; the answers the agent accepts, and nothing else."""

@@ -86,6 +86,7 @@ def test_layout_covers_every_hf_tensor_once_in_bounded_buckets(tiny_model_path):
 # -----------------------------------------------------------------------------
 # FP8 on the wire (no engine)
 
+
 FP8_ROUND_TRIP = 0.03  # relative Frobenius error of dequantize(quantize(w)), per 128x128 block:
                        # measured 0.0256-0.0263 on Gaussian weights (e4m3: 3 mantissa bits)
 
