@@ -293,14 +293,25 @@ def pytest_runtest_call(item):
         return (yield)
 
 
+PHASE_SECONDS = pytest.StashKey[dict]()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     """A failed `gpu` test's traceback as it fails, not only in pytest's summary: a GPU run
-    (make test-gpu: tens of minutes, engines compiling) may be stopped before the summary."""
+    (make test-gpu: tens of minutes, engines compiling) may be stopped before the summary. Under
+    `-m gpu` each test's seconds (set-up, which starts the module's engines, call, teardown) follow
+    its name too, so a stopped run still says where its time went."""
     report = yield
     terminal = item.config.pluginmanager.get_plugin("terminalreporter")
-    if report.failed and item.get_closest_marker("gpu") and terminal is not None:
+    if terminal is None or not item.get_closest_marker("gpu"):
+        return report
+    if report.failed:
         terminal.write_line(f"\n{report.nodeid} failed ({report.when}):\n{report.longreprtext}")
+    seconds = item.stash.setdefault(PHASE_SECONDS, {})
+    seconds[report.when] = report.duration
+    if report.when == "teardown" and "gpu" in (item.config.option.markexpr or ""):
+        terminal.write_line(f"  {item.nodeid}: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))
     return report
 
 
