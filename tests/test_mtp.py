@@ -6,6 +6,7 @@ drafter kept current by the weight sync, the engine's recorded logprobs the targ
 """
 import asyncio
 import os
+import time
 
 import pytest
 import torch
@@ -38,6 +39,24 @@ def drafter_own(digest):  # the drafter's own parameters (its embed_tokens and l
                                                                                                "lm_head.weight"))}
 
 
+def host_sender():
+    # on the host, over gloo: on a GPU machine the engine's worker shares this process's GPU, where NCCL cannot join
+    # two processes (the worker receives into host buffers, then loads)
+    return WeightSender(bucket_bytes=1 << 20, device="cpu")
+
+
+def counted_drafts(fn):
+    """fn()'s result and the engine's draft counters over it, (accepted, drafted): what a turn's `drafts` says where
+    vLLM reports none per request (0.26: None there). The counters of a step are recorded a moment after its outputs
+    went out."""
+    from engine import spec_counters
+    time.sleep(1.0)
+    before = spec_counters()
+    out = fn()
+    time.sleep(1.0)
+    return out, [a - b for a, b in zip(spec_counters(), before)]
+
+
 def test_a_sync_reaches_the_drafter(drafting, tmp_path):
     """The drafter's weights read back from the engine (weights_digest) after a sync of perturbed weights: each of
     its parameters moved; after a sync of the checkpoint's weights (our model loaded from it): each is bit for bit
@@ -51,7 +70,7 @@ def test_a_sync_reaches_the_drafter(drafting, tmp_path):
     assert len(own) >= 10 and any(".experts" in n or "w13" in n for n in own), sorted(own)
     ours = Transformer.from_pretrained(PATH)
     moved = perturbed(ours)
-    sender = WeightSender(bucket_bytes=1 << 20)
+    sender = host_sender()
     try:
         assert run(connect_engines([engine], sender)) == 2
         run(sync_weights([engine], sender, moved, 1))
@@ -81,11 +100,13 @@ def test_drafted_turns_record_the_targets_logprobs_and_honour_bans(drafting):
     not the temperature-1 ones."""
     run, engine = drafting.run, drafting.engine
     prompt = torch.randint(7, 2000, (16,), generator=torch.Generator().manual_seed(10)).tolist()
-    out = run(engine.generate(prompt, dict(max_tokens=48, temperature=1.0, ignore_eos=True), "drafted"))
+    out, counted = counted_drafts(
+        lambda: run(engine.generate(prompt, dict(max_tokens=48, temperature=1.0, ignore_eos=True), "drafted")))
+    drafts = out["drafts"] or counted
     target = torch.tensor(run(engine.prompt_logprobs(prompt + out["token_ids"]))[-48:])
     gap = (torch.tensor(out["logprobs"]) - target).abs()
-    print(f"\ndrafted turn vs the target's prompt logprobs: max {gap.max():.4f} mean {gap.mean():.4f}, drafts {out['drafts']}")
-    assert gap.max() < 0.15 and out["drafts"][1] > 0, (gap, out["drafts"])
+    print(f"\ndrafted turn vs the target's prompt logprobs: max {gap.max():.4f} mean {gap.mean():.4f}, drafts {drafts}")
+    assert gap.max() < 0.15 and drafts[1] > 0, (gap, drafts)
     cool = run(engine.generate(prompt, dict(max_tokens=48, temperature=0.7, ignore_eos=True), "cool"))
     target = torch.tensor(run(engine.prompt_logprobs(prompt + cool["token_ids"]))[-48:])
     assert (torch.tensor(cool["logprobs"]) - target).abs().max() > 0.15
@@ -101,17 +122,14 @@ def test_the_engines_draft_counters_agree_with_the_turns(drafting):
     """Where vLLM reports no per-request acceptance (0.26), take_drafts reads the engine's own
     Prometheus counters (engine.spec_counters): over the same turns they equal the sum of the
     turns' own (accepted, drafted), which 0.32 reports. Control: leaving one turn out differs."""
-    import time
-
-    from engine import spec_counters
     run, engine = drafting.run, drafting.engine
-    time.sleep(1.0)  # stats of earlier steps are recorded after their outputs went out
-    before = spec_counters()
-    outs = [run(engine.generate(list(range(20 + i, 40 + i)),
-                                dict(max_tokens=24, temperature=1.0, ignore_eos=True), f"count{i}"))
-            for i in range(3)]
-    time.sleep(1.0)
-    counted = [a - b for a, b in zip(spec_counters(), before)]
+    outs, counted = counted_drafts(lambda: [
+        run(engine.generate(list(range(20 + i, 40 + i)), dict(max_tokens=24, temperature=1.0, ignore_eos=True),
+                            f"count{i}")) for i in range(3)])
+    if outs[0]["drafts"] is None:  # vLLM 0.26: the counters are all there is
+        assert 0 <= counted[0] <= counted[1] and counted[1] > 0, counted
+        pytest.skip(f"vLLM reports no per-request drafts here: the counters moved ({counted}); their agreement with "
+                    "the turns' own is checked where vLLM reports those (0.32)")
     turns = [sum(o["drafts"][j] for o in outs) for j in (0, 1)]
     print(f"\nengine counters {counted}, turns {turns}")
     assert counted == turns and turns[1] > 0, (counted, turns)
@@ -154,12 +172,12 @@ def test_a_drafted_turn_paused_across_a_sync_resumes_on_the_new_policy(drafting)
         await sync_weights([RecordsPause()], sender, moved, old + 1)
         return await request
 
-    sender = WeightSender(bucket_bytes=1 << 20)
+    sender = host_sender()
     try:
         assert run(connect_engines([engine], sender)) == 2
-        out = run(scenario())
+        out, counted = counted_drafts(lambda: run(scenario()))
         ids, versions = out["token_ids"], out["token_versions"]
-        assert len(ids) == max_tokens and all(ids[:len(s)] == s for s in streamed) and out["drafts"][1] > 0
+        assert len(ids) == max_tokens and all(ids[:len(s)] == s for s in streamed) and (out["drafts"] or counted)[1] > 0
         boundary = versions.index(old + 1)
         assert versions == [old] * boundary + [old + 1] * (max_tokens - boundary)
         assert 4 <= pause_at[0] <= boundary < max_tokens, (pause_at, boundary)
