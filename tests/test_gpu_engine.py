@@ -201,7 +201,8 @@ def test_fp8_engine_loads_the_fp8_sync_bit_exactly(moe64_path):
             loop(connect_engines([engine], senders[fp8]))
             stats[fp8] = loop(sync_weights([engine], senders[fp8], model, v))
             after = digest()
-            assert [n for n in start if after[n] != start[n]] == [], fp8
+            differ = [n for n in start if after[n] != start[n]]
+            assert differ == [], f"fp8={fp8}: {len(differ)} of {len(start)} tensors differ: {differ}"
         loop(sync_weights([engine], senders[False], changed, 3))
         moved = digest()
         assert all(moved[n] != start[n] for n in quantized)
